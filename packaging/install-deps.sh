@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Installs everything Crab's build and tests need. Idempotent; run as root.
+#
+# Debian 12 (bookworm): base packages from bookworm; docker 26 and CRIU 4.x
+# from Debian 13 (trixie). bookworm's CRIU 3.17 fails on Linux >= 6.x
+# ("Unexpected rt vDSO area bounds"), and trixie's CRIU needs glibc 2.38, so
+# CRIU is unpacked into a private prefix with its own loader instead of being
+# installed system-wide.
+#
+# Debian 13 / Ubuntu 24.04+: every package, CRIU included, comes from the
+# host's own suite; no trixie source and no private prefix are needed.
+set -euo pipefail
+
+CRIU_PREFIX=${CRIU_PREFIX:-/opt/crab/criu}
+export DEBIAN_FRONTEND=noninteractive
+
+log() { printf '[install-deps] %s\n' "$*" >&2; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "install-deps.sh must run as root" >&2
+  exit 1
+fi
+
+. /etc/os-release
+codename=${VERSION_CODENAME:-unknown}
+
+base_pkgs=(
+  containerd runc iptables zfs-fuse btrfs-progs
+  clang llvm libbpf-dev bpftool protobuf-compiler libseccomp-dev pkg-config
+  busybox-static debootstrap iproute2 procps psmisc curl ca-certificates
+  python3 python3-pip python3-venv jq util-linux e2fsprogs
+)
+
+missing=()
+for p in "${base_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+
+if [ "$codename" = bookworm ]; then
+  # Trixie for docker 26 and CRIU 4.x only, pinned low so nothing else moves.
+  if [ ! -f /etc/apt/sources.list.d/crab-trixie.sources ]; then
+    log "adding the trixie source (pinned to priority 100)"
+    cat >/etc/apt/sources.list.d/crab-trixie.sources <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: trixie
+Components: main contrib
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+    cat >/etc/apt/preferences.d/crab-trixie <<'PIN'
+Package: *
+Pin: release n=trixie
+Pin-Priority: 100
+PIN
+    apt-get update -q
+  fi
+  if ! command -v dockerd >/dev/null || ! dockerd --version | grep -q 'version 2[6-9]'; then
+    missing+=(docker.io/trixie docker-cli/trixie)
+  fi
+else
+  missing_extra=(docker.io criu)
+  for p in "${missing_extra[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+fi
+
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing: ${missing[*]}"
+  apt-get update -q || true
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# docker.io's postinst may start services through init scripts; tests start
+# their own daemons, so nothing here needs to stay running.
+
+if [ "$codename" = bookworm ]; then
+  if ! [ -x /usr/local/sbin/criu ] || ! /usr/local/sbin/criu --version 2>/dev/null | grep -q 'Version: 4'; then
+    log "unpacking CRIU 4.x from trixie into $CRIU_PREFIX"
+    criu_pkgs=(criu libcompel1 libc6 libbsd0 libgnutls30t64 libnet1 libnftables1
+      libnl-3-200 libprotobuf-c1 libuuid1 libmd0 libp11-kit0 libidn2-0
+      libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libjansson4
+      libmnl0 libnftnl11 libxtables12 libffi8 libedit2 libtinfo6 libbpf1
+      libelf1t64 zlib1g libzstd1 libcap2)
+    tmp=$(mktemp -d); chmod 755 "$tmp"
+    (cd "$tmp" && apt-get download -q $(printf '%s/trixie ' "${criu_pkgs[@]}"))
+    rm -rf "$CRIU_PREFIX.new"
+    mkdir -p "$CRIU_PREFIX.new"
+    for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
+    rm -rf "$tmp" "$CRIU_PREFIX"
+    mv "$CRIU_PREFIX.new" "$CRIU_PREFIX"
+    cat >/usr/local/sbin/criu <<WRAP
+#!/bin/sh
+# CRIU 4.x from Debian 13, run through its own loader (installed by Crab's install-deps.sh).
+P=$CRIU_PREFIX
+exec "\$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "\$P/usr/lib/x86_64-linux-gnu" "\$P/usr/sbin/criu" "\$@"
+WRAP
+    chmod 755 /usr/local/sbin/criu
+  fi
+fi
+
+# Mounts that BPF and tests use.
+mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf || true
+mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing || true
+
+log "done: $(containerd --version | head -1); runc $(runc --version | head -1 | awk '{print $3}'); $(dockerd --version); criu $(criu --version | head -1)"

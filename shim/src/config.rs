@@ -1,0 +1,154 @@
+//! `crab.toml`: the configuration every Crab component reads.
+//!
+//! containerd and docker pass no runtime options to a runtime whose name is not
+//! `io.containerd.runc.*`, so everything the shim needs has a default here. The
+//! file is optional; a key that is absent takes the value of the embedded
+//! `packaging/crab.toml`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Where the configuration is read from when `$CRAB_CONFIG` is unset.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
+/// Environment variable that overrides [`DEFAULT_CONFIG_PATH`].
+pub const CONFIG_ENV: &str = "CRAB_CONFIG";
+
+const EMBEDDED: &str = include_str!("../../packaging/crab.toml");
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Settings of `containerd-shim-crab-v2`.
+    pub shim: ShimConfig,
+}
+
+/// The `[shim]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShimConfig {
+    /// libcontainer's state root: one directory per container id.
+    pub state_dir: PathBuf,
+    /// Level of the shim's log in containerd's log.
+    pub log_level: String,
+    /// Deadline of one forked runtime operation, in seconds.
+    pub runtime_timeout_secs: u64,
+}
+
+/// Why the configuration could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file exists but could not be read.
+    #[error("cannot read config {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or has unknown keys or wrong types.
+    #[error("invalid config {path}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Where and why parsing failed.
+        #[source]
+        source: toml::de::Error,
+    },
+}
+
+// === impl Config ===
+
+impl Config {
+    /// Reads the file named by `$CRAB_CONFIG`, or [`DEFAULT_CONFIG_PATH`];
+    /// a missing file gives the embedded defaults.
+    ///
+    /// # Errors
+    /// The file exists but cannot be read or parsed.
+    pub fn load() -> Result<Self, ConfigError> {
+        let path = std::env::var_os(CONFIG_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+        Self::load_from(&path)
+    }
+
+    /// Reads `path` over the embedded defaults; a missing file gives the defaults.
+    ///
+    /// # Errors
+    /// The file exists but cannot be read or parsed.
+    pub fn load_from(path: &Path) -> Result<Self, ConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
+        };
+        Self::parse(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Parses `text` as overrides of the embedded defaults.
+    fn parse(text: &str) -> Result<Self, toml::de::Error> {
+        let mut merged: toml::Table = toml::from_str(EMBEDDED)?;
+        let overrides: toml::Table = toml::from_str(text)?;
+        merge(&mut merged, overrides);
+        Config::deserialize(toml::Value::Table(merged))
+    }
+}
+
+impl ShimConfig {
+    /// Deadline of one forked runtime operation.
+    pub fn runtime_timeout(&self) -> Duration {
+        Duration::from_secs(self.runtime_timeout_secs)
+    }
+}
+
+/// Deep-merges `over` into `base`: tables merge key by key, values replace.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(text: &str, expected_state_dir: Option<&str>) {
+        match (Config::parse(text), expected_state_dir) {
+            (Ok(cfg), Some(dir)) => assert_eq!(cfg.shim.state_dir, PathBuf::from(dir)),
+            (Err(_), None) => {}
+            (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        check("", Some("/run/crab/runtime"));
+        check("[shim]\nstate_dir = \"/x\"\n", Some("/x"));
+        check("[shim]\nlog_level = \"debug\"\n", Some("/run/crab/runtime"));
+        check("[shim]\nbogus = 1\n", None);
+        check("[shim]\nstate_dir = 3\n", None);
+        check("not toml", None);
+    }
+
+    #[test]
+    fn missing_file_gives_defaults() {
+        let cfg = Config::load_from(Path::new("/nonexistent/crab.toml")).unwrap();
+        assert_eq!(cfg.shim.runtime_timeout(), Duration::from_secs(60));
+    }
+}

@@ -1,0 +1,361 @@
+//! A container: its init, its execs, its rootfs and cgroups, and the
+//! lifecycle calls that change them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use containerd_shim::api::{CreateTaskRequest, ExecProcessRequest};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use oci_spec::runtime::Spec;
+use tokio::sync::oneshot;
+
+use crate::cgroup;
+use crate::error::{validate_id, Error, Result};
+use crate::exits::Exit;
+use crate::io::{self, StdioPaths};
+use crate::process::{Process, ProcessState};
+use crate::runtime::{Launch, RuntimeClient};
+
+/// One container of the shim.
+pub struct Container {
+    /// containerd's id.
+    pub id: String,
+    /// The bundle directory.
+    pub bundle: PathBuf,
+    /// Its first process.
+    pub init: Process,
+    /// Additional processes by exec id.
+    pub execs: HashMap<String, Process>,
+    /// The spec's cgroups path (as libcontainer resolves it).
+    pub cgroups_path: PathBuf,
+    /// The unified cgroup the shim made (v1-hybrid hosts).
+    unified_cgroup: Option<PathBuf>,
+    /// Whether the shim mounted the rootfs (and must unmount it).
+    rootfs_mounted: bool,
+}
+
+/// A process's exit, to be watched by the shim.
+pub type ExitReceiver = oneshot::Receiver<Exit>;
+
+// === impl Container ===
+
+impl Container {
+    /// Creates the container of `req`: rootfs, stdio, cgroups, init (waiting
+    /// for Start). Nothing is left behind if it fails.
+    pub async fn create(req: &CreateTaskRequest, runtime: &RuntimeClient) -> Result<(Self, ExitReceiver)> {
+        validate_id(&req.id)?;
+        if !req.checkpoint.is_empty() {
+            return Err(Error::Unsupported {
+                call: "create from a checkpoint",
+            });
+        }
+        let bundle = PathBuf::from(&req.bundle);
+        let spec = Spec::load(bundle.join("config.json")).map_err(|e| Error::InvalidBundle {
+            bundle: bundle.clone(),
+            reason: e.to_string(),
+        })?;
+        let cgroups_path = cgroup::spec_cgroups_path(
+            spec.linux().as_ref().and_then(|l| l.cgroups_path().as_deref()),
+            &req.id,
+        );
+        let terminal = spec
+            .process()
+            .as_ref()
+            .and_then(|p| p.terminal())
+            .unwrap_or(false);
+        let stdio = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: terminal || req.terminal,
+        };
+        let mut c = Container {
+            id: req.id.clone(),
+            bundle: bundle.clone(),
+            init: Process::new("", stdio),
+            execs: HashMap::new(),
+            unified_cgroup: cgroup::unified_cgroup(&cgroups_path),
+            cgroups_path,
+            rootfs_mounted: false,
+        };
+        match c.create_init(req, runtime).await {
+            Ok(rx) => Ok((c, rx)),
+            Err(e) => {
+                c.cleanup(runtime).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_init(
+        &mut self,
+        req: &CreateTaskRequest,
+        runtime: &RuntimeClient,
+    ) -> Result<ExitReceiver> {
+        if !req.rootfs.is_empty() {
+            let rootfs = self.bundle.join("rootfs");
+            std::fs::create_dir_all(&rootfs).map_err(Error::io(format!("create {}", rootfs.display())))?;
+            self.rootfs_mounted = true;
+            for m in &req.rootfs {
+                containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
+                    .await
+                    .map_err(|source| Error::Mount {
+                        id: self.id.clone(),
+                        source,
+                    })?;
+            }
+        }
+        let (child, pending) = io::prepare(&self.init.stdio, &self.bundle, "init").await?;
+        let launch = Launch {
+            work_dir: &self.bundle,
+            stdio: child,
+            unified_cgroup: self.unified_cgroup.as_deref(),
+        };
+        let (pid, rx) = runtime.create(&self.id, &self.bundle, launch).await?;
+        self.init.pid = pid;
+        self.init.io = Some(pending.finish().await?);
+        Ok(rx)
+    }
+
+    /// Starts the init (empty `exec_id`) or an exec; returns the pid and,
+    /// for an exec, its exit receiver.
+    pub async fn start(
+        &mut self,
+        exec_id: &str,
+        runtime: &RuntimeClient,
+    ) -> Result<(i32, Option<ExitReceiver>)> {
+        if exec_id.is_empty() {
+            self.expect_state(&self.init, ProcessState::Created, "start")?;
+            runtime.start(&self.id, &self.bundle).await?;
+            self.init.state = ProcessState::Running;
+            return Ok((self.init.pid, None));
+        }
+        if self.init.state != ProcessState::Running {
+            return Err(Error::BadState {
+                id: self.id.clone(),
+                state: self.init.state.name(),
+                op: "exec",
+            });
+        }
+        let p = self.exec(exec_id)?;
+        self.expect_state(p, ProcessState::Created, "start")?;
+        let spec_path = self.bundle.join(format!(".crab-exec-{exec_id}.json"));
+        let spec = p.spec.clone().unwrap_or_default();
+        std::fs::write(&spec_path, spec).map_err(Error::io(format!("write {}", spec_path.display())))?;
+        let (child, pending) = io::prepare(&p.stdio, &self.bundle, exec_id).await?;
+        let launch = Launch {
+            work_dir: &self.bundle,
+            stdio: child,
+            unified_cgroup: self.unified_cgroup.as_deref(),
+        };
+        let res = runtime.exec(&self.id, &spec_path, launch).await;
+        let _ = std::fs::remove_file(&spec_path);
+        let (pid, rx) = res?;
+        let io = pending.finish().await?;
+        let p = self.exec_mut(exec_id)?;
+        p.pid = pid;
+        p.io = Some(io);
+        p.state = ProcessState::Running;
+        Ok((pid, Some(rx)))
+    }
+
+    /// Registers an exec (it runs at Start).
+    pub fn add_exec(&mut self, req: &ExecProcessRequest) -> Result<()> {
+        validate_id(&req.exec_id)?;
+        if self.execs.contains_key(&req.exec_id) {
+            return Err(Error::AlreadyExists {
+                kind: "exec",
+                id: req.exec_id.clone(),
+            });
+        }
+        if self.init.state != ProcessState::Running {
+            return Err(Error::BadState {
+                id: self.id.clone(),
+                state: self.init.state.name(),
+                op: "exec",
+            });
+        }
+        let spec = req.spec.as_ref().map(|any| any.value.clone()).unwrap_or_default();
+        let terminal = serde_json::from_slice::<serde_json::Value>(&spec)
+            .ok()
+            .and_then(|v| v.get("terminal").and_then(serde_json::Value::as_bool))
+            .unwrap_or(false);
+        let mut p = Process::new(
+            &req.exec_id,
+            StdioPaths {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: terminal || req.terminal,
+            },
+        );
+        p.spec = Some(spec);
+        self.execs.insert(req.exec_id.clone(), p);
+        Ok(())
+    }
+
+    /// Sends `signal` to the init (with `all`, to every process of the
+    /// container) or to an exec.
+    pub async fn kill(&self, exec_id: &str, signal: u32, all: bool) -> Result<()> {
+        let p = self.process(exec_id)?;
+        let sig = Signal::try_from(signal as i32).map_err(|_| Error::InvalidSignal { signal })?;
+        if p.state == ProcessState::Stopped || p.pid <= 0 {
+            if all && exec_id.is_empty() {
+                // Kill-all after the init exited: stragglers of a container
+                // without its own pid namespace may still run.
+                return self.kill_all(sig).await;
+            }
+            return Err(Error::Finished {
+                id: self.process_id(exec_id),
+            });
+        }
+        if all && exec_id.is_empty() {
+            return self.kill_all(sig).await;
+        }
+        nix::sys::signal::kill(Pid::from_raw(p.pid), sig).map_err(|e| match e {
+            nix::errno::Errno::ESRCH => Error::Finished {
+                id: self.process_id(exec_id),
+            },
+            e => Error::io(format!("kill {}", p.pid))(e.into()),
+        })
+    }
+
+    async fn kill_all(&self, sig: Signal) -> Result<()> {
+        let pids = cgroup::pids(&self.cgroups_path, &self.id).unwrap_or_default();
+        for pid in pids {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), sig);
+        }
+        Ok(())
+    }
+
+    /// Freezes (`pause`) or thaws the container.
+    pub async fn freeze(&mut self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
+        let (from, to, op) = if pause {
+            (ProcessState::Running, ProcessState::Paused, "pause")
+        } else {
+            (ProcessState::Paused, ProcessState::Running, "resume")
+        };
+        self.expect_state(&self.init, from, op)?;
+        let dir = runtime.root().join(&self.id);
+        let id = self.id.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c =
+                libcontainer::container::Container::load(dir).map_err(|source| Error::Libcontainer {
+                    op,
+                    id: id.clone(),
+                    source,
+                })?;
+            let r = if pause { c.pause() } else { c.resume() };
+            r.map_err(|source| Error::Libcontainer { op, id, source })
+        })
+        .await
+        .map_err(|e| Error::io(op)(std::io::Error::other(e)))??;
+        self.init.state = to;
+        Ok(())
+    }
+
+    /// Removes an exited exec from the table and returns it.
+    pub fn remove_exec(&mut self, exec_id: &str) -> Result<Process> {
+        let p = self.exec(exec_id)?;
+        if matches!(p.state, ProcessState::Running | ProcessState::Paused) {
+            return Err(Error::BadState {
+                id: exec_id.to_owned(),
+                state: p.state.name(),
+                op: "delete",
+            });
+        }
+        Ok(self.execs.remove(exec_id).expect("checked just above"))
+    }
+
+    /// Deletes the container's runtime state, rootfs mounts and unified
+    /// cgroup. The init must have exited or never started.
+    pub async fn delete(&mut self, runtime: &RuntimeClient) -> Result<()> {
+        if matches!(self.init.state, ProcessState::Running | ProcessState::Paused) {
+            return Err(Error::BadState {
+                id: self.id.clone(),
+                state: self.init.state.name(),
+                op: "delete",
+            });
+        }
+        let force = self.init.state == ProcessState::Created;
+        runtime.delete(&self.id, &self.bundle, force).await?;
+        self.cleanup(runtime).await;
+        Ok(())
+    }
+
+    /// Best-effort removal of everything `create` may have made.
+    async fn cleanup(&mut self, runtime: &RuntimeClient) {
+        if let Err(e) = runtime.delete(&self.id, &self.bundle, true).await {
+            log::debug!("cleanup of {}: {e}", self.id);
+        }
+        self.init.io = None;
+        if self.rootfs_mounted {
+            let rootfs = self.bundle.join("rootfs");
+            if let Err(e) = unmount(&rootfs) {
+                log::warn!("unmount {}: {e}", rootfs.display());
+            } else {
+                self.rootfs_mounted = false;
+            }
+        }
+        if let Some(cg) = &self.unified_cgroup {
+            if let Err(e) = cgroup::remove_unified(cg) {
+                log::warn!("remove cgroup {}: {e}", cg.display());
+            }
+        }
+    }
+
+    /// The init (empty id) or an exec.
+    pub fn process(&self, exec_id: &str) -> Result<&Process> {
+        if exec_id.is_empty() {
+            return Ok(&self.init);
+        }
+        self.exec(exec_id)
+    }
+
+    /// The init (empty id) or an exec, mutably.
+    pub fn process_mut(&mut self, exec_id: &str) -> Result<&mut Process> {
+        if exec_id.is_empty() {
+            return Ok(&mut self.init);
+        }
+        self.exec_mut(exec_id)
+    }
+
+    fn exec(&self, exec_id: &str) -> Result<&Process> {
+        self.execs.get(exec_id).ok_or_else(|| Error::NotFound {
+            kind: "exec",
+            id: exec_id.to_owned(),
+        })
+    }
+
+    fn exec_mut(&mut self, exec_id: &str) -> Result<&mut Process> {
+        self.execs.get_mut(exec_id).ok_or_else(|| Error::NotFound {
+            kind: "exec",
+            id: exec_id.to_owned(),
+        })
+    }
+
+    fn process_id(&self, exec_id: &str) -> String {
+        if exec_id.is_empty() {
+            self.id.clone()
+        } else {
+            exec_id.to_owned()
+        }
+    }
+
+    fn expect_state(&self, p: &Process, want: ProcessState, op: &'static str) -> Result<()> {
+        if p.state != want {
+            return Err(Error::BadState {
+                id: self.process_id(&p.exec_id),
+                state: p.state.name(),
+                op,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Unmounts everything at and below `target`.
+pub fn unmount(target: &Path) -> std::result::Result<(), containerd_shim::Error> {
+    containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH)
+}

@@ -1,0 +1,237 @@
+//! The shim's error type and its one mapping onto ttrpc status codes.
+
+use std::path::PathBuf;
+
+use containerd_shim::protos::ttrpc;
+
+/// Everything a task API call of the crab shim can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No container or exec with this id in this shim.
+    #[error("{kind} {id} not found")]
+    NotFound {
+        /// `container` or `exec`.
+        kind: &'static str,
+        /// The id asked for.
+        id: String,
+    },
+    /// A container or exec with this id already exists.
+    #[error("{kind} {id} already exists")]
+    AlreadyExists {
+        /// `container` or `exec`.
+        kind: &'static str,
+        /// The id asked for.
+        id: String,
+    },
+    /// The id would escape its directory or is not a valid container id.
+    #[error("invalid id {id:?}: use 1-76 letters, digits, '.', '_' or '-', starting with a letter or digit")]
+    InvalidId {
+        /// The id given.
+        id: String,
+    },
+    /// The stdio URI names a scheme the shim does not implement.
+    #[error("unsupported stdio {uri:?}: the crab shim takes fifo paths and file:// URIs")]
+    UnsupportedStdio {
+        /// The URI given.
+        uri: String,
+    },
+    /// The bundle's `config.json` is missing or not an OCI runtime spec.
+    #[error("invalid bundle {bundle}: {reason}")]
+    InvalidBundle {
+        /// The bundle directory.
+        bundle: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The process is not in a state that allows the call.
+    #[error("{id} is {state}: cannot {op}")]
+    BadState {
+        /// Container or exec id.
+        id: String,
+        /// Its current state.
+        state: &'static str,
+        /// The refused operation.
+        op: &'static str,
+    },
+    /// The signal number is not a signal of this OS.
+    #[error("invalid signal {signal}")]
+    InvalidSignal {
+        /// The number given.
+        signal: u32,
+    },
+    /// An Update request's resources are not an OCI `LinuxResources`.
+    #[error("invalid resources: {reason}")]
+    InvalidResources {
+        /// What the JSON decoder said.
+        reason: String,
+    },
+    /// The process has already exited.
+    #[error("process {id} already finished")]
+    Finished {
+        /// Container or exec id.
+        id: String,
+    },
+    /// The runtime helper (libcontainer) reported a failure.
+    #[error("{op} {id}: {reason}")]
+    Runtime {
+        /// `create`, `start`, `exec`, `delete`.
+        op: &'static str,
+        /// Container id.
+        id: String,
+        /// libcontainer's message, as the helper wrote it.
+        reason: String,
+    },
+    /// The runtime helper did not finish in time.
+    #[error("{op} {id}: runtime helper did not finish within {secs}s")]
+    RuntimeTimeout {
+        /// The operation.
+        op: &'static str,
+        /// Container id.
+        id: String,
+        /// The deadline.
+        secs: u64,
+    },
+    /// An in-process libcontainer call failed (kill, pause, resume).
+    #[error("{op} {id}")]
+    Libcontainer {
+        /// The operation.
+        op: &'static str,
+        /// Container id.
+        id: String,
+        /// libcontainer's error.
+        #[source]
+        source: libcontainer::error::LibcontainerError,
+    },
+    /// A cgroup read or write failed (stats, update, the unified cgroup).
+    #[error("cgroup {op} of {id}")]
+    Cgroup {
+        /// The operation.
+        op: &'static str,
+        /// Container id.
+        id: String,
+        /// What failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Mounting or unmounting the rootfs failed.
+    #[error("rootfs of {id}")]
+    Mount {
+        /// Container id.
+        id: String,
+        /// What failed.
+        #[source]
+        source: containerd_shim::Error,
+    },
+    /// An OS call failed.
+    #[error("{context}")]
+    Io {
+        /// What the shim was doing.
+        context: String,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The call is part of the task API but this shim does not offer it.
+    #[error("{call} is not supported by the crab shim")]
+    Unsupported {
+        /// The call.
+        call: &'static str,
+    },
+}
+
+/// Result of a shim operation.
+pub type Result<T> = std::result::Result<T, Error>;
+
+// === impl Error ===
+
+impl Error {
+    /// An [`Error::Io`] with `context`.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let context = context.into();
+        move |source| Error::Io { context, source }
+    }
+
+    fn code(&self) -> ttrpc::Code {
+        match self {
+            Error::NotFound { .. } => ttrpc::Code::NOT_FOUND,
+            Error::AlreadyExists { .. } => ttrpc::Code::ALREADY_EXISTS,
+            Error::InvalidId { .. }
+            | Error::UnsupportedStdio { .. }
+            | Error::InvalidBundle { .. }
+            | Error::InvalidSignal { .. }
+            | Error::InvalidResources { .. } => ttrpc::Code::INVALID_ARGUMENT,
+            Error::BadState { .. } | Error::Runtime { .. } => ttrpc::Code::FAILED_PRECONDITION,
+            Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
+            Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,
+            Error::Unsupported { .. } => ttrpc::Code::UNIMPLEMENTED,
+            Error::Libcontainer { .. } | Error::Cgroup { .. } | Error::Mount { .. } | Error::Io { .. } => {
+                ttrpc::Code::UNKNOWN
+            }
+        }
+    }
+}
+
+impl From<Error> for ttrpc::Error {
+    fn from(e: Error) -> Self {
+        // containerd shows the status message to the user, so it carries the
+        // whole source chain.
+        let mut msg = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            source = s.source();
+        }
+        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), msg))
+    }
+}
+
+/// Checks a container or exec id the way containerd does
+/// (`identifiers.Validate`), so no id can name a path outside its directory.
+pub fn validate_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 76
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !ok {
+        return Err(Error::InvalidId { id: id.to_owned() });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(id: &str, valid: bool) {
+        assert_eq!(validate_id(id).is_ok(), valid, "{id:?}");
+    }
+
+    #[test]
+    fn ids() {
+        check("abc", true);
+        check("a.b_c-1", true);
+        check(&"a".repeat(76), true);
+        check(&"a".repeat(77), false);
+        check("", false);
+        check("../etc", false);
+        check("a/b", false);
+        check(".hidden", false);
+        check("-x", false);
+        check("a b", false);
+    }
+
+    #[test]
+    fn codes() {
+        let e = Error::NotFound {
+            kind: "exec",
+            id: "x".into(),
+        };
+        match ttrpc::Error::from(e) {
+            ttrpc::Error::RpcStatus(s) => assert_eq!(s.code(), ttrpc::Code::NOT_FOUND),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! The shim's side of the runtime helper: spawn, wait through the exit
+//! router, read the pid file or the error.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::SUBCOMMAND;
+use crate::error::{Error, Result};
+use crate::exits::{Exit, ExitRouter};
+
+/// Receives a launched process's exit.
+pub type ExitReceiver = tokio::sync::oneshot::Receiver<Exit>;
+pub use crate::io::ChildStdio as Stdio;
+
+/// Runs libcontainer operations in helper processes.
+pub struct RuntimeClient {
+    exe: PathBuf,
+    root: PathBuf,
+    timeout: Duration,
+    exits: Arc<ExitRouter>,
+    n_calls: AtomicU64,
+}
+
+/// What a create or exec needs besides the container id.
+pub struct Launch<'a> {
+    /// Where the pid file and error log go (the bundle).
+    pub work_dir: &'a Path,
+    /// The container's stdio.
+    pub stdio: Stdio,
+    /// The unified cgroup to be born in (v1-hybrid hosts).
+    pub unified_cgroup: Option<&'a Path>,
+}
+
+// === impl RuntimeClient ===
+
+impl RuntimeClient {
+    /// A client that runs `exe runtime …` with libcontainer state under `root`.
+    pub fn new(exe: PathBuf, root: PathBuf, timeout: Duration, exits: Arc<ExitRouter>) -> Self {
+        RuntimeClient {
+            exe,
+            root,
+            timeout,
+            exits,
+            n_calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Creates container `id` from `bundle`; returns its init's pid.
+    pub async fn create(&self, id: &str, bundle: &Path, launch: Launch<'_>) -> Result<(i32, ExitReceiver)> {
+        let mut args = vec!["create".into(), "--bundle".into(), bundle.as_os_str().to_owned()];
+        self.launch("create", id, &mut args, launch).await
+    }
+
+    /// Runs the process described by `process_json` in container `id`;
+    /// returns its pid.
+    pub async fn exec(
+        &self,
+        id: &str,
+        process_json: &Path,
+        launch: Launch<'_>,
+    ) -> Result<(i32, ExitReceiver)> {
+        let mut args = vec![
+            "exec".into(),
+            "--process".into(),
+            process_json.as_os_str().to_owned(),
+        ];
+        self.launch("exec", id, &mut args, launch).await
+    }
+
+    /// Starts container `id`'s process.
+    pub async fn start(&self, id: &str, work_dir: &Path) -> Result<()> {
+        let args = vec!["start".into(), id.into()];
+        self.invoke(
+            "start",
+            id,
+            work_dir,
+            args,
+            Stdio::Fds {
+                stdin: None,
+                stdout: None,
+                stderr: None,
+            },
+        )
+        .await
+    }
+
+    /// Deletes container `id`'s state and cgroups (`force`: kill it first).
+    pub async fn delete(&self, id: &str, work_dir: &Path, force: bool) -> Result<()> {
+        let mut args = vec!["delete".into()];
+        if force {
+            args.push("--force".into());
+        }
+        args.push(id.into());
+        self.invoke(
+            "delete",
+            id,
+            work_dir,
+            args,
+            Stdio::Fds {
+                stdin: None,
+                stdout: None,
+                stderr: None,
+            },
+        )
+        .await
+    }
+
+    /// libcontainer's state root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    async fn launch(
+        &self,
+        op: &'static str,
+        id: &str,
+        args: &mut Vec<std::ffi::OsString>,
+        launch: Launch<'_>,
+    ) -> Result<(i32, ExitReceiver)> {
+        // The new process can exit before the helper does (an exec of
+        // `true`): keep unclaimed exits until its pid is watched.
+        let _spawning = self.exits.spawning();
+        let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
+        let pid_file = launch.work_dir.join(format!(".crab-{op}-{n}.pid"));
+        args.push("--pid-file".into());
+        args.push(pid_file.clone().into());
+        if let Stdio::Console { path } = &launch.stdio {
+            args.push("--console-socket".into());
+            args.push(path.into());
+        }
+        if let Some(cg) = launch.unified_cgroup {
+            args.push("--unified-cgroup".into());
+            args.push(cg.into());
+        }
+        args.push(id.into());
+        let res = self
+            .invoke(op, id, launch.work_dir, std::mem::take(args), launch.stdio)
+            .await;
+        let pid = res.and_then(|()| {
+            let text = std::fs::read_to_string(&pid_file)
+                .map_err(Error::io(format!("read {}", pid_file.display())))?;
+            text.trim().parse::<i32>().map_err(|_| Error::Runtime {
+                op,
+                id: id.to_owned(),
+                reason: format!("pid file holds {text:?}"),
+            })
+        });
+        let _ = std::fs::remove_file(&pid_file);
+        let pid = pid?;
+        Ok((pid, self.exits.watch(pid)))
+    }
+
+    async fn invoke(
+        &self,
+        op: &'static str,
+        id: &str,
+        work_dir: &Path,
+        args: Vec<std::ffi::OsString>,
+        stdio: Stdio,
+    ) -> Result<()> {
+        let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
+        let log = work_dir.join(format!(".crab-{op}-{n}.log"));
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg(SUBCOMMAND)
+            .arg("--root")
+            .arg(&self.root)
+            .arg("--log")
+            .arg(&log)
+            .args(args)
+            .current_dir(work_dir);
+        match stdio {
+            Stdio::Fds {
+                stdin,
+                stdout,
+                stderr,
+            } => {
+                cmd.stdin(stdin.map_or_else(std::process::Stdio::null, Into::into));
+                cmd.stdout(stdout.map_or_else(std::process::Stdio::null, Into::into));
+                cmd.stderr(stderr.map_or_else(std::process::Stdio::null, Into::into));
+            }
+            Stdio::Console { .. } => {
+                cmd.stdin(std::process::Stdio::null());
+                cmd.stdout(std::process::Stdio::null());
+                cmd.stderr(std::process::Stdio::null());
+            }
+        }
+        let guard = self.exits.spawning();
+        // The child is never waited on through `Child`: the shim's reaper
+        // collects it and the exit router hands its status back.
+        let child = cmd
+            .spawn()
+            .map_err(Error::io(format!("spawn runtime helper for {op}")))?;
+        let pid = child.id() as i32;
+        drop(cmd);
+        let exit = self.exits.watch(pid);
+        drop(guard);
+        let code = match tokio::time::timeout(self.timeout, exit).await {
+            Ok(Ok(exit)) => exit.code,
+            Ok(Err(_)) => unreachable!("the exit router lives as long as the shim"),
+            Err(_) => {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                return Err(Error::RuntimeTimeout {
+                    op,
+                    id: id.to_owned(),
+                    secs: self.timeout.as_secs(),
+                });
+            }
+        };
+        let reason = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        if code != 0 {
+            let reason = if reason.is_empty() {
+                format!("runtime helper exited with status {code}")
+            } else {
+                reason
+            };
+            return Err(Error::Runtime {
+                op,
+                id: id.to_owned(),
+                reason,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! The shim's lifecycle towards containerd (start, delete, wait) and the
+//! state shared by task API calls.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim::api::DeleteResponse;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim::asynchronous::util::write_str_to_file;
+use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
+use containerd_shim::protos::events::task::TaskExit;
+use containerd_shim::protos::protobuf::MessageDyn;
+use containerd_shim::protos::protobuf::MessageField;
+use containerd_shim::protos::topics::TASK_EXIT_EVENT_TOPIC;
+use containerd_shim::protos::ttrpc::context::Context;
+use containerd_shim::{Flags, StartOpts};
+
+use crate::config::Config;
+use crate::container::{Container, ExitReceiver};
+use crate::exits::ExitRouter;
+use crate::process::timestamp;
+use crate::runtime::RuntimeClient;
+use crate::RUNTIME_NAME;
+
+/// How long the shim waits for a process's output to reach containerd after
+/// it exited (a daemon child may hold the pipe open forever).
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// Annotation that groups the containers of one Kubernetes pod in one shim.
+const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+
+/// Runs the shim personality: parses containerd's flags and serves.
+pub fn shim_main() {
+    let config = match Config::load() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!(
+                "{RUNTIME_NAME}: {e}: {}",
+                std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            );
+            std::process::exit(1);
+        }
+    };
+    let shim_config = containerd_shim::Config {
+        default_log_level: config.shim.log_level.clone(),
+        ..Default::default()
+    };
+    // One thread is enough for one sandbox's calls and keeps the idle shim small.
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{RUNTIME_NAME}: start tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    CONFIG.set(config).expect("set once, before the runtime starts");
+    rt.block_on(containerd_shim::asynchronous::run::<Service>(
+        RUNTIME_NAME,
+        Some(shim_config),
+    ));
+}
+
+static CONFIG: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
+
+fn config() -> &'static Config {
+    CONFIG.get().expect("set in shim_main before anything runs")
+}
+
+/// containerd's view of the shim process.
+pub struct Service {
+    exit: Arc<ExitSignal>,
+    id: String,
+    namespace: String,
+}
+
+/// State shared by every task API call.
+pub struct TaskService {
+    /// Containers by id.
+    pub containers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Container>>>>,
+    /// The runtime helper.
+    pub runtime: Arc<RuntimeClient>,
+    /// Event publisher.
+    pub events: Arc<Events>,
+    /// Set when the shim should exit.
+    pub exit: Arc<ExitSignal>,
+}
+
+/// Publishes task events to containerd.
+pub struct Events {
+    publisher: RemotePublisher,
+    namespace: String,
+}
+
+// === impl Service ===
+
+#[async_trait]
+impl Shim for Service {
+    type T = TaskService;
+
+    async fn new(_runtime_id: &str, args: &Flags, _config: &mut containerd_shim::Config) -> Self {
+        Service {
+            exit: Arc::new(ExitSignal::default()),
+            id: args.id.clone(),
+            namespace: args.namespace.clone(),
+        }
+    }
+
+    async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
+        let grouping = sandbox_group(Path::new("config.json")).unwrap_or_else(|| opts.id.clone());
+        let address = spawn(opts, &grouping, Vec::new()).await?;
+        write_str_to_file("address", &address).await?;
+        Ok(address)
+    }
+
+    async fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
+        // containerd calls this when the shim died without deleting its
+        // task: remove whatever the container left behind.
+        let bundle = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+        let runtime = runtime_client(ExitRouter::start().await);
+        if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
+            log::warn!("delete {} in {}: {e}", self.id, self.namespace);
+        }
+        let rootfs = bundle.join("rootfs");
+        if let Err(e) = crate::container::unmount(&rootfs) {
+            log::warn!("unmount {}: {e}", rootfs.display());
+        }
+        Ok(DeleteResponse {
+            pid: 0,
+            exit_status: 128 + libc::SIGKILL as u32,
+            exited_at: MessageField::some(timestamp(SystemTime::now())),
+            ..Default::default()
+        })
+    }
+
+    async fn wait(&mut self) {
+        self.exit.wait().await;
+    }
+
+    async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
+        TaskService {
+            containers: Mutex::new(HashMap::new()),
+            runtime: Arc::new(runtime_client(ExitRouter::start().await)),
+            events: Arc::new(Events {
+                publisher,
+                namespace: self.namespace.clone(),
+            }),
+            exit: self.exit.clone(),
+        }
+    }
+}
+
+fn runtime_client(exits: Arc<ExitRouter>) -> RuntimeClient {
+    let cfg = &config().shim;
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    RuntimeClient::new(exe, cfg.state_dir.clone(), cfg.runtime_timeout(), exits)
+}
+
+/// The pod id a CRI container's shim is shared under, from its spec.
+fn sandbox_group(spec: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(spec).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("annotations")?
+        .get(SANDBOX_ID_ANNOTATION)?
+        .as_str()
+        .map(str::to_owned)
+}
+
+// === impl TaskService ===
+
+impl TaskService {
+    /// The container `id`.
+    pub fn container(&self, id: &str) -> crate::error::Result<Arc<tokio::sync::Mutex<Container>>> {
+        self.containers
+            .lock()
+            .expect("containers lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| crate::error::Error::NotFound {
+                kind: "container",
+                id: id.to_owned(),
+            })
+    }
+
+    /// Follows a process until it exits: drains its output, records the
+    /// status and publishes TaskExit.
+    pub fn watch_exit(
+        &self,
+        container: Arc<tokio::sync::Mutex<Container>>,
+        exec_id: String,
+        pid: i32,
+        rx: ExitReceiver,
+    ) {
+        let events = self.events.clone();
+        // Ends when the process exits; the exit router outlives it.
+        tokio::spawn(async move {
+            let Ok(exit) = rx.await else { return };
+            let (cid, io) = {
+                let mut c = container.lock().await;
+                let cid = c.id.clone();
+                (cid, c.process_mut(&exec_id).ok().and_then(|p| p.io.take()))
+            };
+            if let Some(mut io) = io {
+                io.drain(DRAIN_LIMIT).await;
+            }
+            if let Ok(p) = container.lock().await.process_mut(&exec_id) {
+                p.set_exited(exit);
+            }
+            log::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
+            let id = if exec_id.is_empty() { cid.clone() } else { exec_id };
+            events
+                .publish(
+                    TASK_EXIT_EVENT_TOPIC,
+                    Box::new(TaskExit {
+                        container_id: cid,
+                        id,
+                        pid: pid as u32,
+                        exit_status: exit.code,
+                        exited_at: MessageField::some(timestamp(exit.at)),
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        });
+    }
+}
+
+// === impl Events ===
+
+impl Events {
+    /// Publishes `event` under `topic`; failures are logged (containerd
+    /// re-reads state through the task API).
+    pub async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        if let Err(e) = self
+            .publisher
+            .publish(Context::default(), topic, &self.namespace, event)
+            .await
+        {
+            log::warn!("publish {topic}: {e}");
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! The task API (ttrpc): thin translations between containerd's messages and
+//! [`Container`] calls, plus the events each call publishes.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use containerd_shim::api::*;
+use containerd_shim::protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskIO, TaskPaused, TaskResumed, TaskStart,
+};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use containerd_shim::protos::protobuf::MessageField;
+use containerd_shim::protos::shim_async::Task;
+use containerd_shim::protos::topics::*;
+use containerd_shim::protos::ttrpc::r#async::TtrpcContext;
+use containerd_shim::protos::ttrpc::Result as TtrpcResult;
+use containerd_shim::protos::types::task::ProcessInfo;
+use containerd_shim::util::convert_to_any;
+
+use crate::cgroup;
+use crate::container::Container;
+use crate::error::Error;
+use crate::process::timestamp;
+use crate::service::TaskService;
+
+#[async_trait]
+impl Task for TaskService {
+    async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
+        if self
+            .containers
+            .lock()
+            .expect("containers lock")
+            .contains_key(&req.id)
+        {
+            return Err(Error::AlreadyExists {
+                kind: "container",
+                id: req.id,
+            }
+            .into());
+        }
+        let (container, rx) = Container::create(&req, &self.runtime).await?;
+        let pid = container.init.pid;
+        let container = Arc::new(tokio::sync::Mutex::new(container));
+        self.containers
+            .lock()
+            .expect("containers lock")
+            .insert(req.id.clone(), container.clone());
+        self.watch_exit(container, String::new(), pid, rx);
+        log::info!("created {} (pid {pid})", req.id);
+        self.events
+            .publish(
+                TASK_CREATE_EVENT_TOPIC,
+                Box::new(TaskCreate {
+                    container_id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    io: MessageField::some(TaskIO {
+                        stdin: req.stdin.clone(),
+                        stdout: req.stdout.clone(),
+                        stderr: req.stderr.clone(),
+                        terminal: req.terminal,
+                        ..Default::default()
+                    }),
+                    checkpoint: req.checkpoint.clone(),
+                    pid: pid as u32,
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(CreateTaskResponse {
+            pid: pid as u32,
+            ..Default::default()
+        })
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        let container = self.container(&req.id)?;
+        let (pid, rx) = container.lock().await.start(&req.exec_id, &self.runtime).await?;
+        if let Some(rx) = rx {
+            self.watch_exit(container, req.exec_id.clone(), pid, rx);
+            self.events
+                .publish(
+                    TASK_EXEC_STARTED_EVENT_TOPIC,
+                    Box::new(TaskExecStarted {
+                        container_id: req.id.clone(),
+                        exec_id: req.exec_id.clone(),
+                        pid: pid as u32,
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        } else {
+            self.events
+                .publish(
+                    TASK_START_EVENT_TOPIC,
+                    Box::new(TaskStart {
+                        container_id: req.id.clone(),
+                        pid: pid as u32,
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        }
+        Ok(StartResponse {
+            pid: pid as u32,
+            ..Default::default()
+        })
+    }
+
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        let container = self.container(&req.id)?;
+        let c = container.lock().await;
+        let p = c.process(&req.exec_id)?;
+        Ok(p.state_response(&c.id, &c.bundle.to_string_lossy()))
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        let container = self.container(&req.id)?;
+        let mut rx = container.lock().await.process(&req.exec_id)?.subscribe();
+        // The sender lives in the process, which outlives every waiter that
+        // subscribed before it was deleted; a deleted process ends the wait.
+        let exit = match rx.wait_for(Option::is_some).await {
+            Ok(exit) => *exit,
+            Err(_) => None,
+        };
+        let exit = exit.ok_or_else(|| Error::NotFound {
+            kind: "exec",
+            id: req.exec_id.clone(),
+        })?;
+        Ok(WaitResponse {
+            exit_status: exit.code,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        })
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        container
+            .lock()
+            .await
+            .kill(&req.exec_id, req.signal, req.all)
+            .await?;
+        Ok(Empty::new())
+    }
+
+    async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        let container = self.container(&req.id)?;
+        let mut c = container.lock().await;
+        let (pid, exit) = if req.exec_id.is_empty() {
+            c.delete(&self.runtime).await?;
+            self.containers.lock().expect("containers lock").remove(&req.id);
+            (c.init.pid, c.init.exit())
+        } else {
+            let p = c.remove_exec(&req.exec_id)?;
+            (p.pid, p.exit())
+        };
+        let exit_status = exit.map_or(0, |e| e.code);
+        let exited_at = exit.map_or_else(MessageField::none, |e| MessageField::some(timestamp(e.at)));
+        if req.exec_id.is_empty() {
+            log::info!("deleted {}", req.id);
+            self.events
+                .publish(
+                    TASK_DELETE_EVENT_TOPIC,
+                    Box::new(TaskDelete {
+                        container_id: req.id.clone(),
+                        pid: pid.max(0) as u32,
+                        exit_status,
+                        exited_at: exited_at.clone(),
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        }
+        Ok(DeleteResponse {
+            pid: pid.max(0) as u32,
+            exit_status,
+            exited_at,
+            ..Default::default()
+        })
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        container.lock().await.add_exec(&req)?;
+        self.events
+            .publish(
+                TASK_EXEC_ADDED_EVENT_TOPIC,
+                Box::new(TaskExecAdded {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(Empty::new())
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        let container = self.container(&req.id)?;
+        let (path, id) = {
+            let c = container.lock().await;
+            (c.cgroups_path.clone(), c.id.clone())
+        };
+        let pids = cgroup::pids(&path, &id)?;
+        Ok(PidsResponse {
+            processes: pids
+                .into_iter()
+                .map(|pid| ProcessInfo {
+                    pid,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        container.lock().await.freeze(true, &self.runtime).await?;
+        self.events
+            .publish(
+                TASK_PAUSED_EVENT_TOPIC,
+                Box::new(TaskPaused {
+                    container_id: req.id.clone(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(Empty::new())
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        container.lock().await.freeze(false, &self.runtime).await?;
+        self.events
+            .publish(
+                TASK_RESUMED_EVENT_TOPIC,
+                Box::new(TaskResumed {
+                    container_id: req.id.clone(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(Empty::new())
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let mut c = container.lock().await;
+        if let Some(io) = c.process_mut(&req.exec_id)?.io.as_mut() {
+            io.close_stdin();
+        }
+        Ok(Empty::new())
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let c = container.lock().await;
+        if let Some(io) = c.process(&req.exec_id)?.io.as_ref() {
+            io.resize(req.width, req.height)?;
+        }
+        Ok(Empty::new())
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let resources: oci_spec::runtime::LinuxResources = serde_json::from_slice(&req.resources.value)
+            .map_err(|e| Error::InvalidResources {
+                reason: e.to_string(),
+            })?;
+        let (path, id) = {
+            let c = container.lock().await;
+            (c.cgroups_path.clone(), c.id.clone())
+        };
+        tokio::task::spawn_blocking(move || cgroup::update(&path, &id, &resources))
+            .await
+            .map_err(|e| Error::io("update")(std::io::Error::other(e)))??;
+        Ok(Empty::new())
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        let container = self.container(&req.id)?;
+        let (pid, id) = {
+            let c = container.lock().await;
+            (c.init.pid, c.id.clone())
+        };
+        let metrics = cgroup::metrics(pid as u32, &id)?;
+        let stats: Any = convert_to_any(Box::new(metrics)).map_err(|source| Error::Cgroup {
+            op: "encode metrics",
+            id,
+            source: Box::new(source),
+        })?;
+        Ok(StatsResponse {
+            stats: MessageField::some(stats),
+            ..Default::default()
+        })
+    }
+
+    async fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        let task_pid = match self.container(&req.id) {
+            Ok(c) => c.lock().await.init.pid.max(0) as u32,
+            Err(_) => 0,
+        };
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
+        if self.containers.lock().expect("containers lock").is_empty() {
+            self.exit.signal();
+        }
+        Ok(Empty::new())
+    }
+
+    async fn checkpoint(&self, _ctx: &TtrpcContext, _req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        Err(Error::Unsupported { call: "checkpoint" }.into())
+    }
+}
