@@ -1,11 +1,13 @@
 //! A process's stdio: containerd's fifos (or `file://` URIs) on one side,
 //! pipes or a pty on the container's side, and the copy tasks between them.
 //!
-//! The shim holds the fifos open read-write, so a containerd restart (its
-//! ends closing) never hands the container `EPIPE`; a copy simply blocks until
-//! a reader is back, as with runc's shim.
+//! The shim holds the output fifos open read-write, so a containerd restart
+//! (its ends closing) never hands the container `EPIPE`; a copy simply blocks
+//! until a reader is back, as with runc's shim. The stdin fifo is read-only,
+//! so the client closing it is the container's EOF.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,6 +56,8 @@ pub struct ProcessIo {
     outputs: Vec<JoinHandle<()>>,
     /// The stdin copy; aborting it closes the container's stdin.
     stdin: Option<JoinHandle<()>>,
+    /// The stdin fifo, while its copy may still wait for a writer.
+    stdin_fifo: Option<PathBuf>,
     /// The pty master, for resizes.
     console: Option<Arc<OwnedFd>>,
 }
@@ -83,12 +87,8 @@ pub async fn prepare(paths: &StdioPaths, work_dir: &Path, name: &str) -> Result<
         None
     } else {
         let (r, w) = os_pipe()?;
-        let fifo = pipe::OpenOptions::new()
-            .read_write(true)
-            .open_receiver(&paths.stdin)
-            .map_err(Error::io(format!("open stdin {}", paths.stdin)))?;
         let w = pipe::Sender::from_owned_fd(w).map_err(Error::io("stdin pipe"))?;
-        io.stdin = Some(tokio::spawn(copy(fifo, w)));
+        io.start_stdin(&paths.stdin, w);
         Some(r)
     };
     let stdout = output(&paths.stdout, &mut io).await?;
@@ -132,12 +132,8 @@ impl PendingIo {
             io.outputs.push(tokio::spawn(copy(reader, out)));
         }
         if !paths.stdin.is_empty() {
-            let fifo = pipe::OpenOptions::new()
-                .read_write(true)
-                .open_receiver(&paths.stdin)
-                .map_err(Error::io(format!("open stdin {}", paths.stdin)))?;
             let writer = tokio::fs::File::from_std(std::fs::File::from(clone_fd(&master)?));
-            io.stdin = Some(tokio::spawn(copy(fifo, writer)));
+            io.start_stdin(&paths.stdin, writer);
         }
         io.console = Some(master);
         Ok(io)
@@ -147,10 +143,41 @@ impl PendingIo {
 // === impl ProcessIo ===
 
 impl ProcessIo {
+    /// Copies the stdin fifo into `to` until the fifo's writer closes it
+    /// (the container then sees EOF) or CloseIO.
+    ///
+    /// The fifo is opened read-only, blocking until containerd's client opens
+    /// its end, like containerd's fifo package does: opened read-write, it
+    /// would never report EOF, and a client that closes stdin before it can
+    /// call CloseIO (ctr with a short file) would hang the container.
+    fn start_stdin<W>(&mut self, fifo: &str, to: W)
+    where
+        W: tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let path = PathBuf::from(fifo);
+        self.stdin_fifo = Some(path.clone());
+        self.stdin = Some(tokio::spawn(async move {
+            let opened = tokio::task::spawn_blocking(move || std::fs::File::open(path)).await;
+            let Ok(Ok(file)) = opened else { return };
+            match pipe::Receiver::from_file(file) {
+                Ok(from) => copy(from, to).await,
+                Err(e) => log::warn!("stdin fifo: {e}"),
+            }
+        }));
+    }
+
     /// Closes the process's stdin (CloseIO).
     pub fn close_stdin(&mut self) {
         if let Some(task) = self.stdin.take() {
             task.abort();
+        }
+        // A copy still blocked in open(2) waits for a writer that may never
+        // come: be that writer for a moment, so its thread ends.
+        if let Some(fifo) = self.stdin_fifo.take() {
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(fifo);
         }
     }
 
@@ -246,10 +273,24 @@ where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
-    // A pty master reports EIO once the container's side is gone: that is
-    // the end of the stream, not a failure.
-    let _ = tokio::io::copy(&mut from, &mut to).await;
-    let _ = tokio::io::AsyncWriteExt::flush(&mut to).await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Not tokio::io::copy: it reads ahead before writing and drops what it
+    // holds when the read fails, and a pty master reports EIO as soon as the
+    // container's side is gone, often right after the last output.
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            // EIO from a pty master: the end of the stream, not a failure.
+            Err(_) => break,
+        };
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.flush().await;
 }
 
 fn os_pipe() -> Result<(OwnedFd, OwnedFd)> {

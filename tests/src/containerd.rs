@@ -1,0 +1,184 @@
+//! A private containerd: its own root, state, socket and namespace.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use crate::image::{busybox_archive, BUSYBOX};
+use crate::{ok, path_with_crab, unique, wait_until};
+
+/// A running containerd, stopped and cleaned up on drop.
+pub struct Containerd {
+    /// Its private directory (config, root, state, socket, log).
+    pub dir: PathBuf,
+    /// The namespace tests use.
+    pub namespace: String,
+    child: Option<Child>,
+}
+
+impl Containerd {
+    /// Starts containerd and imports the busybox image.
+    pub fn start() -> Self {
+        let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
+        std::fs::create_dir_all(&dir).expect("create containerd dir");
+        let config = format!(
+            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
+             [grpc]\n  address = \"{d}/c.sock\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_apparmor = true\n",
+            d = dir.display()
+        );
+        std::fs::write(dir.join("config.toml"), config).expect("write containerd config");
+        let mut c = Containerd {
+            namespace: unique("ns"),
+            dir,
+            child: None,
+        };
+        c.spawn();
+        c.ctr_ok(&["image", "import", &busybox_archive().to_string_lossy()]);
+        c
+    }
+
+    /// The gRPC socket.
+    pub fn address(&self) -> PathBuf {
+        self.dir.join("c.sock")
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("containerd.log"))
+            .expect("open containerd log");
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(self.dir.join("config.toml"))
+            .env("PATH", path_with_crab())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .spawn()
+            .expect("start containerd (run packaging/install-deps.sh)");
+        self.child = Some(child);
+        let addr = self.address();
+        wait_until(20, || {
+            Command::new("ctr")
+                .arg("-a")
+                .arg(&addr)
+                .arg("version")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "containerd did not come up; see {}/containerd.log",
+                self.dir.display()
+            )
+        });
+    }
+
+    /// Stops containerd (SIGTERM) and starts it again on the same state;
+    /// running tasks and their shims are untouched.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
+    }
+
+    /// A `ctr` command against this containerd and namespace.
+    pub fn ctr_cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("-a")
+            .arg(self.address())
+            .arg("-n")
+            .arg(&self.namespace)
+            .args(args);
+        cmd.env("PATH", path_with_crab());
+        cmd
+    }
+
+    /// Runs `ctr args…` and returns its output.
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        self.ctr_cmd(args).stdin(Stdio::null()).output().expect("run ctr")
+    }
+
+    /// Runs `ctr args…`, asserts success, returns stdout.
+    #[track_caller]
+    pub fn ctr_ok(&self, args: &[&str]) -> String {
+        ok(self.ctr(args))
+    }
+
+    /// `ctr run -d` of busybox with `runtime`, running `cmd`.
+    #[track_caller]
+    pub fn run_detached(&self, runtime: &str, id: &str, cmd: &[&str]) {
+        let mut args = vec!["run", "-d", "--runtime", runtime, BUSYBOX, id];
+        args.extend_from_slice(cmd);
+        self.ctr_ok(&args);
+    }
+
+    /// Pid of task `id` as `ctr task ls` shows it.
+    pub fn task_pid(&self, id: &str) -> Option<i32> {
+        self.task_field(id, 1).and_then(|p| p.parse().ok())
+    }
+
+    /// Status of task `id` as `ctr task ls` shows it.
+    pub fn task_status(&self, id: &str) -> Option<String> {
+        self.task_field(id, 2)
+    }
+
+    fn task_field(&self, id: &str, idx: usize) -> Option<String> {
+        let out = self.ctr_ok(&["task", "ls"]);
+        out.lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.first() == Some(&id))
+            .and_then(|f| f.get(idx).map(|s| s.to_string()))
+    }
+
+    /// Kills, deletes and removes container `id`.
+    pub fn remove(&self, id: &str) {
+        let _ = self.ctr(&["task", "kill", "-s", "SIGKILL", id]);
+        wait_until(10, || {
+            (self.task_status(id).as_deref() != Some("RUNNING")).then_some(())
+        });
+        let _ = self.ctr(&["task", "delete", id]);
+        let _ = self.ctr(&["container", "rm", id]);
+    }
+
+    /// The directory of containerd's v2 task bundles for this namespace.
+    pub fn bundles(&self) -> PathBuf {
+        self.dir
+            .join("state/io.containerd.runtime.v2.task")
+            .join(&self.namespace)
+    }
+
+    /// Removes every container of the namespace (cleanup of a failed test).
+    fn remove_all(&self) {
+        let out = self.ctr(&["container", "ls", "-q"]);
+        for id in String::from_utf8_lossy(&out.stdout).lines() {
+            self.remove(id.trim());
+        }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.remove_all();
+        }
+        self.stop();
+        let _ = nix::mount::umount2(
+            &self.dir.join("root/io.containerd.snapshotter.v1.overlayfs") as &Path,
+            nix::mount::MntFlags::MNT_DETACH,
+        );
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! "Nothing is left behind": shim processes, mounts, cgroups, bundles and
+//! shim sockets of a containerd namespace, checked after a test removed its
+//! containers.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::{wait_until, Containerd};
+
+/// Asserts that nothing of `ids` (containers already removed) remains.
+///
+/// # Panics
+/// With a list of what was left.
+#[track_caller]
+pub fn assert_clean(ctd: &Containerd, ids: &[&str]) {
+    // Shims exit on their own shortly after containerd's Shutdown call.
+    let left = wait_until(10, || {
+        let left = leftovers(ctd, ids);
+        left.is_empty().then_some(())
+    });
+    if left.is_none() {
+        panic!("left behind:\n  {}", leftovers(ctd, ids).join("\n  "));
+    }
+}
+
+fn leftovers(ctd: &Containerd, ids: &[&str]) -> Vec<String> {
+    let mut left = Vec::new();
+    let address = ctd.address();
+    let addr = address.to_string_lossy();
+    for pid in shim_pids(&addr) {
+        left.push(format!("shim process {pid}"));
+    }
+    let bundles = ctd.bundles();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for line in mountinfo.lines() {
+        if line.contains(&*bundles.to_string_lossy()) {
+            left.push(format!("mount {line}"));
+        }
+    }
+    for id in ids {
+        if bundles.join(id).exists() {
+            left.push(format!("bundle {}", bundles.join(id).display()));
+        }
+        let sock = shim_socket(&addr, &ctd.namespace, id);
+        if sock.exists() {
+            left.push(format!("shim socket {}", sock.display()));
+        }
+    }
+    for root in cgroup_roots() {
+        let ns_dir = root.join(&ctd.namespace);
+        if let Ok(entries) = std::fs::read_dir(&ns_dir) {
+            for e in entries.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    left.push(format!("cgroup {}", e.path().display()));
+                }
+            }
+        }
+    }
+    left
+}
+
+/// Every cgroup hierarchy's mount point (v1 controllers and the unified one).
+fn cgroup_roots() -> Vec<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fstype = right.split(' ').next()?;
+            matches!(fstype, "cgroup" | "cgroup2")
+                .then(|| PathBuf::from(left.split(' ').nth(4).unwrap_or("/")))
+        })
+        .collect()
+}
+
+/// Pids of crab shims serving the containerd at `address`.
+pub fn shim_pids(address: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let is_shim = args
+            .first()
+            .is_some_and(|a| a.ends_with("containerd-shim-crab-v2"));
+        if is_shim && args.iter().any(|a| a == address) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The shim socket containerd-shim derives from containerd's address,
+/// namespace and id (`/run/containerd/s/<sha256>`).
+fn shim_socket(address: &str, namespace: &str, id: &str) -> PathBuf {
+    let key = Path::new(address).join(namespace).join(id);
+    let out = Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("piped stdin")
+                .write_all(key.to_string_lossy().as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("run sha256sum");
+    let hex = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from("/run/containerd/s").join(hex.split_whitespace().next().unwrap_or_default())
+}

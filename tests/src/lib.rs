@@ -1,0 +1,96 @@
+//! Harness for Crab's integration tests: real containerd and dockerd
+//! instances in private directories, a busybox image built locally (no
+//! registry is reachable), and checks that nothing is left behind.
+//!
+//! Every test needs root (mounts, cgroups, namespaces); CI runs them as root.
+
+pub mod containerd;
+pub mod docker;
+pub mod image;
+pub mod leftovers;
+
+use std::path::PathBuf;
+use std::process::Output;
+
+pub use containerd::Containerd;
+pub use docker::Dockerd;
+
+/// The runtime name under test.
+pub const CRAB: &str = "io.containerd.crab.v2";
+/// containerd's own runc shim, the baseline.
+pub const RUNC: &str = "io.containerd.runc.v2";
+
+/// The directory of the workspace's built binaries (`target/<profile>`).
+///
+/// # Panics
+/// If `containerd-shim-crab-v2` has not been built (run `cargo test --workspace`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test-binary>
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .to_owned();
+    assert!(
+        dir.join("containerd-shim-crab-v2").exists(),
+        "{} has no containerd-shim-crab-v2: build the workspace first (cargo test --workspace)",
+        dir.display()
+    );
+    dir
+}
+
+/// `PATH` with the crab binaries first.
+pub fn path_with_crab() -> String {
+    format!(
+        "{}:{}",
+        bin_dir().display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// Asserts `out` succeeded and returns its stdout.
+#[track_caller]
+pub fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "command failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// stderr of `out` as text.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `secs` seconds.
+///
+/// For conditions owned by other processes (a daemon's socket appearing),
+/// which a test cannot await any other way.
+pub fn wait_until<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if std::time::Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A unique short name for this test process's resources.
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}

@@ -1,0 +1,291 @@
+//! The crab runtime through `ctr`, side by side with runc where behaviour
+//! must match. Needs root: CI runs it as root.
+
+use std::process::Command;
+
+use crab_tests::image::BUSYBOX;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::{ok, wait_until, Containerd, CRAB, RUNC};
+
+/// `ctr run --rm` attached: stdout reaches the user, the exit status is exact.
+#[test]
+fn run_prints_and_exits_with_status() {
+    let ctd = Containerd::start();
+    for rt in [RUNC, CRAB] {
+        let out = ctd.ctr(&[
+            "run",
+            "--rm",
+            "--runtime",
+            rt,
+            BUSYBOX,
+            "t1",
+            "sh",
+            "-c",
+            "echo hi; echo err >&2; exit 3",
+        ]);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n", "{rt}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("err"), "{rt}");
+        assert_eq!(out.status.code(), Some(3), "{rt}");
+    }
+    assert_clean(&ctd, &["t1"]);
+}
+
+/// stdin reaches the container and its EOF too.
+#[test]
+fn run_passes_stdin() {
+    let ctd = Containerd::start();
+    let out = ctd
+        .ctr_cmd(&[
+            "run",
+            "--rm",
+            "--runtime",
+            CRAB,
+            BUSYBOX,
+            "s1",
+            "sh",
+            "-c",
+            "read x; echo got $x; cat; echo end",
+        ])
+        .stdin(std::fs::File::open("/etc/hostname").expect("a file to read"))
+        .output()
+        .expect("run ctr");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = std::fs::read_to_string("/etc/hostname").expect("read hostname");
+    assert!(text.starts_with(&format!("got {}", first.trim())), "{text:?}");
+    assert!(text.ends_with("end\n"), "{text:?}");
+    assert_clean(&ctd, &["s1"]);
+}
+
+/// `ctr run -t`: a working TTY, same as runc.
+#[test]
+fn run_with_tty() {
+    let ctd = Containerd::start();
+    for rt in [RUNC, CRAB] {
+        let ctr = ctd.ctr_cmd(&[]);
+        let cmd = format!(
+            "{} run -t --rm --runtime {rt} {BUSYBOX} tt sh -c 'tty; test -t 0 && echo stdin-is-tty; exit 4'",
+            shell_words(&ctr)
+        );
+        let out = Command::new("script")
+            .args(["-qec", &cmd, "/dev/null"])
+            .output()
+            .expect("run script");
+        let text = String::from_utf8_lossy(&out.stdout).replace('\r', "");
+        assert!(text.contains("/dev/pts/0"), "{rt}: {text:?}");
+        assert!(text.contains("stdin-is-tty"), "{rt}: {text:?}");
+        assert_eq!(out.status.code(), Some(4), "{rt}: {text:?}");
+    }
+    assert_clean(&ctd, &["tt"]);
+}
+
+/// `ctr task exec` with and without a TTY, stdin, exit statuses.
+#[test]
+fn exec_with_and_without_tty() {
+    let ctd = Containerd::start();
+    ctd.run_detached(CRAB, "e", &["sleep", "300"]);
+    let out = ctd.ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "x1",
+        "e",
+        "sh",
+        "-c",
+        "echo from-exec; exit 5",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from-exec\n");
+    assert_eq!(out.status.code(), Some(5));
+
+    let out = ctd
+        .ctr_cmd(&["task", "exec", "--exec-id", "x2", "e", "cat"])
+        .stdin(std::fs::File::open("/etc/os-release").expect("open"))
+        .output()
+        .expect("run ctr");
+    assert_eq!(out.stdout, std::fs::read("/etc/os-release").expect("read"));
+
+    let ctr = ctd.ctr_cmd(&[]);
+    let cmd = format!(
+        "{} task exec -t --exec-id x3 e sh -c 'tty; exit 6'",
+        shell_words(&ctr)
+    );
+    let out = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .output()
+        .expect("run script");
+    let text = String::from_utf8_lossy(&out.stdout).replace('\r', "");
+    assert!(
+        text.contains("/dev/pts/"),
+        "{text:?} {}",
+        crab_tests::stderr(&out)
+    );
+    assert_eq!(out.status.code(), Some(6));
+
+    // The exec'd process is in the container: same pid namespace, same root.
+    let out = ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "x4",
+        "e",
+        "sh",
+        "-c",
+        "cat /proc/1/cmdline | tr '\\0' ' '",
+    ]);
+    assert_eq!(out.trim(), "sleep 300");
+    ctd.remove("e");
+    assert_clean(&ctd, &["e"]);
+}
+
+/// kill with a signal, ps, pause/resume, metrics, delete.
+#[test]
+fn kill_ps_pause_metrics_delete() {
+    let ctd = Containerd::start();
+    ctd.run_detached(
+        CRAB,
+        "k",
+        &[
+            "sh",
+            "-c",
+            "trap 'echo usr1 > /tmp/got' USR1; while true; do sleep 0.05; done",
+        ],
+    );
+    let pid = ctd.task_pid("k").expect("task listed");
+    // Let the shell install its trap before the signal.
+    wait_until(10, || {
+        ctd.ctr(&["task", "exec", "--exec-id", "p0", "k", "true"])
+            .status
+            .success()
+            .then_some(())
+    });
+
+    ctd.ctr_ok(&["task", "kill", "-s", "SIGUSR1", "k"]);
+    let got = wait_until(10, || {
+        let out = ctd.ctr(&["task", "exec", "--exec-id", "p1", "k", "cat", "/tmp/got"]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    assert_eq!(got.as_deref(), Some("usr1\n"));
+
+    let ps = ctd.ctr_ok(&["task", "ps", "k"]);
+    assert!(
+        ps.lines()
+            .any(|l| l.split_whitespace().next() == Some(&pid.to_string())),
+        "{ps}"
+    );
+    assert!(ps.lines().count() >= 3, "init and its sleep child: {ps}");
+
+    ctd.ctr_ok(&["task", "pause", "k"]);
+    assert_eq!(ctd.task_status("k").as_deref(), Some("PAUSED"));
+    let state = std::fs::read_to_string(format!(
+        "/sys/fs/cgroup/freezer/{}/k/freezer.state",
+        ctd.namespace
+    ))
+    .expect("freezer state");
+    assert_eq!(state.trim(), "FROZEN");
+    ctd.ctr_ok(&["task", "resume", "k"]);
+    assert_eq!(ctd.task_status("k").as_deref(), Some("RUNNING"));
+
+    let metrics = ctd.ctr_ok(&["task", "metrics", "k"]);
+    let usage = metric(&metrics, "memory.usage_in_bytes").expect("memory usage");
+    assert!(usage > 0, "{metrics}");
+    assert!(metric(&metrics, "pids.current").expect("pids") >= 2, "{metrics}");
+
+    // The container has its own unified cgroup (the inspector keys on it).
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("read cgroup");
+    assert!(
+        cg.lines().any(|l| l == format!("0::/{}/k", ctd.namespace)),
+        "{cg}"
+    );
+
+    ctd.ctr_ok(&["task", "kill", "-s", "SIGKILL", "k"]);
+    wait_until(10, || {
+        (ctd.task_status("k").as_deref() == Some("STOPPED")).then_some(())
+    })
+    .expect("task stops");
+    let out = ctd.ctr(&["task", "delete", "k"]);
+    assert!(out.status.success(), "{}", crab_tests::stderr(&out));
+    ok(ctd.ctr(&["container", "rm", "k"]));
+    assert_clean(&ctd, &["k"]);
+}
+
+/// `ctr task kill --all` reaches every process, not only the init.
+#[test]
+fn kill_all_reaches_every_process() {
+    let ctd = Containerd::start();
+    // The init handles TERM and lives on; its child dies of it.
+    ctd.run_detached(
+        CRAB,
+        "a",
+        &[
+            "sh",
+            "-c",
+            "trap 'echo term >> /tmp/log' TERM; sleep 300 & while true; do wait; sleep 1; done",
+        ],
+    );
+    let init = ctd.task_pid("a").expect("task listed");
+    let child = wait_until(10, || {
+        ctd.ctr_ok(&["task", "ps", "a"])
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next()?.parse::<i32>().ok())
+            .find(|&p| p != init)
+    })
+    .expect("child started");
+    ctd.ctr_ok(&["task", "kill", "--all", "-s", "SIGTERM", "a"]);
+    let gone = wait_until(10, || {
+        let ps = ctd.ctr_ok(&["task", "ps", "a"]);
+        (!ps.lines()
+            .any(|l| l.split_whitespace().next() == Some(&child.to_string())))
+        .then_some(())
+    });
+    assert!(gone.is_some(), "the child did not get SIGTERM");
+    let log = wait_until(10, || {
+        let out = ctd.ctr(&["task", "exec", "--exec-id", "c", "a", "cat", "/tmp/log"]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    assert_eq!(log.as_deref(), Some("term\n"), "the init got TERM too");
+    assert_eq!(ctd.task_status("a").as_deref(), Some("RUNNING"));
+    ctd.remove("a");
+    assert_clean(&ctd, &["a"]);
+}
+
+/// A task killed by a signal reports 128 + N, as with runc.
+#[test]
+fn signal_exit_status() {
+    let ctd = Containerd::start();
+    for rt in [RUNC, CRAB] {
+        ctd.run_detached(rt, "sig", &["sleep", "300"]);
+        ctd.ctr_ok(&["task", "kill", "-s", "SIGKILL", "sig"]);
+        wait_until(10, || {
+            (ctd.task_status("sig").as_deref() == Some("STOPPED")).then_some(())
+        })
+        .expect("task stops");
+        let out = ctd.ctr(&["task", "delete", "sig"]);
+        assert!(out.status.success(), "{rt}: {}", crab_tests::stderr(&out));
+        assert!(
+            crab_tests::stderr(&out).contains("exit code 137"),
+            "{rt}: {}",
+            crab_tests::stderr(&out)
+        );
+        ctd.ctr_ok(&["container", "rm", "sig"]);
+    }
+    assert_clean(&ctd, &["sig"]);
+}
+
+fn metric(table: &str, name: &str) -> Option<u64> {
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The command line of `cmd` (program and args) for a shell.
+fn shell_words(cmd: &Command) -> String {
+    let mut words = vec![cmd.get_program().to_string_lossy().into_owned()];
+    words.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    words.join(" ")
+}
