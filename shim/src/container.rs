@@ -106,7 +106,7 @@ impl Container {
                     })?;
             }
         }
-        let (child, pending) = io::prepare(&self.init.stdio, &self.bundle, "init").await?;
+        let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,
@@ -143,7 +143,7 @@ impl Container {
         let spec_path = self.bundle.join(format!(".crab-exec-{exec_id}.json"));
         let spec = p.spec.clone().unwrap_or_default();
         std::fs::write(&spec_path, spec).map_err(Error::io(format!("write {}", spec_path.display())))?;
-        let (child, pending) = io::prepare(&p.stdio, &self.bundle, exec_id).await?;
+        let (child, pending) = io::prepare(&p.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,

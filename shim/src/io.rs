@@ -68,10 +68,17 @@ pub struct PendingIo {
     console: Option<(UnixListener, PathBuf, StdioPaths)>,
 }
 
-/// Sets up both sides of `paths`; `work_dir` holds a console socket if needed.
-pub async fn prepare(paths: &StdioPaths, work_dir: &Path, name: &str) -> Result<(ChildStdio, PendingIo)> {
+/// Sets up both sides of `paths`; `console_dir` holds a console socket if
+/// one is needed (a short path: a socket path has at most 107 bytes, and
+/// bundle paths with 64-character ids are longer).
+pub async fn prepare(paths: &StdioPaths, console_dir: &Path) -> Result<(ChildStdio, PendingIo)> {
     if paths.terminal {
-        let path = work_dir.join(format!("{name}.console.sock"));
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N_CONSOLES: AtomicU64 = AtomicU64::new(0);
+        std::fs::create_dir_all(console_dir)
+            .map_err(Error::io(format!("create {}", console_dir.display())))?;
+        let n = N_CONSOLES.fetch_add(1, Ordering::Relaxed);
+        let path = console_dir.join(format!("{}-{n}.sock", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)
             .map_err(Error::io(format!("bind console socket {}", path.display())))?;

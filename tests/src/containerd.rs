@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use crate::image::{busybox_archive, BUSYBOX};
+use crate::leftovers::Scope;
 use crate::{ok, path_with_crab, unique, wait_until};
 
 /// A running containerd, stopped and cleaned up on drop.
@@ -151,11 +152,23 @@ impl Containerd {
         let _ = self.ctr(&["container", "rm", id]);
     }
 
-    /// The directory of containerd's v2 task bundles for this namespace.
-    pub fn bundles(&self) -> PathBuf {
-        self.dir
-            .join("state/io.containerd.runtime.v2.task")
-            .join(&self.namespace)
+    /// Where this namespace's containers leave traces.
+    pub fn scope(&self) -> Scope {
+        self.scope_of(&self.namespace, &self.namespace)
+    }
+
+    /// Where containers of `namespace` with cgroups under `cgroup_parent`
+    /// leave traces.
+    pub fn scope_of(&self, namespace: &str, cgroup_parent: &str) -> Scope {
+        Scope {
+            address: self.address(),
+            namespace: namespace.to_owned(),
+            cgroup_parent: cgroup_parent.to_owned(),
+            bundles: self
+                .dir
+                .join("state/io.containerd.runtime.v2.task")
+                .join(namespace),
+        }
     }
 
     /// Removes every container of the namespace (cleanup of a failed test).

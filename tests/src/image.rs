@@ -12,7 +12,14 @@ pub const BUSYBOX: &str = "docker.io/crab/busybox:test";
 pub fn busybox_archive() -> &'static PathBuf {
     static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
     ARCHIVE.get_or_init(|| {
-        let path = crate::bin_dir().join("crab-test-busybox.tar");
+        // Named by the script's content, so a changed script rebuilds it.
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            include_str!("../fixtures/mkimage.sh").hash(&mut h);
+            h.finish()
+        };
+        let path = crate::bin_dir().join(format!("crab-test-busybox-{hash:016x}.tar"));
         if !path.exists() {
             // Concurrent test processes each build their own copy and rename
             // it into place; rename is atomic, so readers see a whole file.

@@ -5,32 +5,43 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{wait_until, Containerd};
+use crate::wait_until;
+
+/// Where one client's containers leave traces.
+pub struct Scope {
+    /// containerd's socket.
+    pub address: PathBuf,
+    /// containerd namespace (`moby` for docker).
+    pub namespace: String,
+    /// First component of the containers' cgroups path.
+    pub cgroup_parent: String,
+    /// containerd's v2 task bundles of the namespace.
+    pub bundles: PathBuf,
+}
 
 /// Asserts that nothing of `ids` (containers already removed) remains.
 ///
 /// # Panics
 /// With a list of what was left.
 #[track_caller]
-pub fn assert_clean(ctd: &Containerd, ids: &[&str]) {
+pub fn assert_clean(scope: &Scope, ids: &[&str]) {
     // Shims exit on their own shortly after containerd's Shutdown call.
     let left = wait_until(10, || {
-        let left = leftovers(ctd, ids);
+        let left = leftovers(scope, ids);
         left.is_empty().then_some(())
     });
     if left.is_none() {
-        panic!("left behind:\n  {}", leftovers(ctd, ids).join("\n  "));
+        panic!("left behind:\n  {}", leftovers(scope, ids).join("\n  "));
     }
 }
 
-fn leftovers(ctd: &Containerd, ids: &[&str]) -> Vec<String> {
+fn leftovers(scope: &Scope, ids: &[&str]) -> Vec<String> {
     let mut left = Vec::new();
-    let address = ctd.address();
-    let addr = address.to_string_lossy();
+    let addr = scope.address.to_string_lossy();
     for pid in shim_pids(&addr) {
         left.push(format!("shim process {pid}"));
     }
-    let bundles = ctd.bundles();
+    let bundles = &scope.bundles;
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     for line in mountinfo.lines() {
         if line.contains(&*bundles.to_string_lossy()) {
@@ -41,13 +52,13 @@ fn leftovers(ctd: &Containerd, ids: &[&str]) -> Vec<String> {
         if bundles.join(id).exists() {
             left.push(format!("bundle {}", bundles.join(id).display()));
         }
-        let sock = shim_socket(&addr, &ctd.namespace, id);
+        let sock = shim_socket(&addr, &scope.namespace, id);
         if sock.exists() {
             left.push(format!("shim socket {}", sock.display()));
         }
     }
     for root in cgroup_roots() {
-        let ns_dir = root.join(&ctd.namespace);
+        let ns_dir = root.join(&scope.cgroup_parent);
         if let Ok(entries) = std::fs::read_dir(&ns_dir) {
             for e in entries.flatten() {
                 if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {

@@ -27,7 +27,7 @@ fn run_prints_and_exits_with_status() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("err"), "{rt}");
         assert_eq!(out.status.code(), Some(3), "{rt}");
     }
-    assert_clean(&ctd, &["t1"]);
+    assert_clean(&ctd.scope(), &["t1"]);
 }
 
 /// stdin reaches the container and its EOF too.
@@ -53,7 +53,7 @@ fn run_passes_stdin() {
     let first = std::fs::read_to_string("/etc/hostname").expect("read hostname");
     assert!(text.starts_with(&format!("got {}", first.trim())), "{text:?}");
     assert!(text.ends_with("end\n"), "{text:?}");
-    assert_clean(&ctd, &["s1"]);
+    assert_clean(&ctd.scope(), &["s1"]);
 }
 
 /// `ctr run -t`: a working TTY, same as runc.
@@ -75,7 +75,7 @@ fn run_with_tty() {
         assert!(text.contains("stdin-is-tty"), "{rt}: {text:?}");
         assert_eq!(out.status.code(), Some(4), "{rt}: {text:?}");
     }
-    assert_clean(&ctd, &["tt"]);
+    assert_clean(&ctd.scope(), &["tt"]);
 }
 
 /// `ctr task exec` with and without a TTY, stdin, exit statuses.
@@ -133,7 +133,7 @@ fn exec_with_and_without_tty() {
     ]);
     assert_eq!(out.trim(), "sleep 300");
     ctd.remove("e");
-    assert_clean(&ctd, &["e"]);
+    assert_clean(&ctd.scope(), &["e"]);
 }
 
 /// kill with a signal, ps, pause/resume, metrics, delete.
@@ -206,7 +206,7 @@ fn kill_ps_pause_metrics_delete() {
     let out = ctd.ctr(&["task", "delete", "k"]);
     assert!(out.status.success(), "{}", crab_tests::stderr(&out));
     ok(ctd.ctr(&["container", "rm", "k"]));
-    assert_clean(&ctd, &["k"]);
+    assert_clean(&ctd.scope(), &["k"]);
 }
 
 /// `ctr task kill --all` reaches every process, not only the init.
@@ -249,7 +249,7 @@ fn kill_all_reaches_every_process() {
     assert_eq!(log.as_deref(), Some("term\n"), "the init got TERM too");
     assert_eq!(ctd.task_status("a").as_deref(), Some("RUNNING"));
     ctd.remove("a");
-    assert_clean(&ctd, &["a"]);
+    assert_clean(&ctd.scope(), &["a"]);
 }
 
 /// A task killed by a signal reports 128 + N, as with runc.
@@ -272,7 +272,7 @@ fn signal_exit_status() {
         );
         ctd.ctr_ok(&["container", "rm", "sig"]);
     }
-    assert_clean(&ctd, &["sig"]);
+    assert_clean(&ctd.scope(), &["sig"]);
 }
 
 fn metric(table: &str, name: &str) -> Option<u64> {

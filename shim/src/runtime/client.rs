@@ -116,6 +116,11 @@ impl RuntimeClient {
         &self.root
     }
 
+    /// Where console sockets are made (short paths under the state root).
+    pub fn console_dir(&self) -> PathBuf {
+        self.root.join(".console")
+    }
+
     async fn launch(
         &self,
         op: &'static str,

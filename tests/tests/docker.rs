@@ -1,0 +1,219 @@
+//! The crab runtime through docker 26 (`--runtime crab`, the repo's
+//! daemon.json). Needs root: CI runs it as root.
+
+use std::process::Command;
+use std::time::Instant;
+
+use crab_tests::docker::DOCKER_BUSYBOX as BB;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::{stderr, wait_until, Dockerd};
+
+#[test]
+fn docker_lifecycle() {
+    let d = Dockerd::start();
+
+    // Both names of the runtime work; stdout, stderr and the exit status reach the user.
+    for rt in ["crab", "io.containerd.crab.v2"] {
+        let out = d.docker(&[
+            "run",
+            "--rm",
+            "--runtime",
+            rt,
+            BB,
+            "sh",
+            "-c",
+            "echo hi; echo err >&2; exit 3",
+        ]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "hi\n",
+            "{rt}: {}",
+            stderr(&out)
+        );
+        assert!(stderr(&out).contains("err"), "{rt}");
+        assert_eq!(out.status.code(), Some(3), "{rt}");
+    }
+
+    // docker run -it: a TTY.
+    let cmd = format!(
+        "{} run -it --rm --runtime crab {BB} sh -c 'tty; exit 4'",
+        words(&d.docker_cmd(&[]))
+    );
+    let out = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .output()
+        .expect("script");
+    let text = String::from_utf8_lossy(&out.stdout).replace('\r', "");
+    assert!(text.contains("/dev/pts/0"), "{text:?}");
+    assert_eq!(out.status.code(), Some(4));
+
+    // A service that ends on TERM: logs, exec, pause, stats, stop.
+    d.docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        "svc",
+        "--runtime",
+        "crab",
+        BB,
+        "sh",
+        "-c",
+        "echo started; trap 'echo term; exit 0' TERM; while true; do sleep 0.1; done",
+    ]);
+    wait_until(10, || {
+        d.docker_ok(&["logs", "svc"]).contains("started").then_some(())
+    })
+    .expect("logs");
+    let out = d.docker(&["exec", "svc", "sh", "-c", "echo in-exec; exit 2"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "in-exec\n");
+    assert_eq!(out.status.code(), Some(2));
+    let out = d
+        .docker_cmd(&["exec", "-i", "svc", "cat"])
+        .stdin(std::fs::File::open("/etc/os-release").expect("open"))
+        .output()
+        .expect("docker exec");
+    assert_eq!(out.stdout, std::fs::read("/etc/os-release").expect("read"));
+
+    d.docker_ok(&["pause", "svc"]);
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.Paused}}", "svc"]).trim(),
+        "true"
+    );
+    d.docker_ok(&["unpause", "svc"]);
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.Status}}", "svc"]).trim(),
+        "running"
+    );
+
+    let stats = d.docker_ok(&[
+        "stats",
+        "--no-stream",
+        "--format",
+        "{{.MemUsage}} {{.PIDs}}",
+        "svc",
+    ]);
+    let mut fields = stats.split_whitespace();
+    let mem = fields.next().unwrap_or_default();
+    assert!(!mem.starts_with("0B"), "memory usage is reported: {stats}");
+    let pids: u32 = stats
+        .split_whitespace()
+        .last()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    assert!(pids >= 1, "{stats}");
+
+    d.docker_ok(&["stop", "-t", "10", "svc"]);
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.ExitCode}}", "svc"])
+            .trim(),
+        "0"
+    );
+    assert!(d.docker_ok(&["logs", "svc"]).contains("term"));
+    d.docker_ok(&["rm", "svc"]);
+
+    // docker stop on a process that ignores TERM: SIGKILL after the timeout.
+    d.docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        "stubborn",
+        "--runtime",
+        "crab",
+        BB,
+        "sh",
+        "-c",
+        "trap '' TERM; while true; do sleep 0.1; done",
+    ]);
+    let t = Instant::now();
+    d.docker_ok(&["stop", "-t", "1", "stubborn"]);
+    assert!(t.elapsed().as_millis() >= 1000, "SIGKILL came before the timeout");
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.ExitCode}}", "stubborn"])
+            .trim(),
+        "137"
+    );
+    d.docker_ok(&["rm", "stubborn"]);
+
+    // docker kill, then rm -f of a running container.
+    d.docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        "killed",
+        "--runtime",
+        "crab",
+        BB,
+        "sleep",
+        "300",
+    ]);
+    d.docker_ok(&["kill", "killed"]);
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.ExitCode}}", "killed"])
+            .trim(),
+        "137"
+    );
+    d.docker_ok(&["rm", "killed"]);
+    d.docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        "forced",
+        "--runtime",
+        "crab",
+        BB,
+        "sleep",
+        "300",
+    ]);
+    d.docker_ok(&["rm", "-f", "forced"]);
+
+    assert_clean(&d.scope(), &[]);
+}
+
+/// A container reaches a TCP server that another container on the same
+/// docker network runs.
+#[test]
+fn docker_network() {
+    let d = Dockerd::start();
+    d.docker_ok(&["network", "create", "crabnet"]);
+    d.docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        "srv",
+        "--network",
+        "crabnet",
+        "--runtime",
+        "crab",
+        BB,
+        "sh",
+        "-c",
+        "echo hello-from-srv > /tmp/index.html; exec httpd -f -p 8080 -h /tmp",
+    ]);
+    let got = wait_until(10, || {
+        let out = d.docker(&[
+            "run",
+            "--rm",
+            "--network",
+            "crabnet",
+            "--runtime",
+            "crab",
+            BB,
+            "wget",
+            "-qO-",
+            "http://srv:8080/index.html",
+        ]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    assert_eq!(got.as_deref(), Some("hello-from-srv\n"));
+    d.docker_ok(&["rm", "-f", "srv"]);
+    d.docker_ok(&["network", "rm", "crabnet"]);
+    assert_clean(&d.scope(), &[]);
+}
+
+fn words(cmd: &Command) -> String {
+    let mut w = vec![cmd.get_program().to_string_lossy().into_owned()];
+    w.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    w.join(" ")
+}
