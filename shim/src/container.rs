@@ -64,6 +64,7 @@ impl Container {
             .as_ref()
             .and_then(|p| p.terminal())
             .unwrap_or(false);
+        let root = spec.root().as_ref().map(|r| bundle.join(r.path()));
         let stdio = StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -79,7 +80,7 @@ impl Container {
             cgroups_path,
             rootfs_mounted: false,
         };
-        match c.create_init(req, runtime).await {
+        match c.create_init(req, root.as_deref(), runtime).await {
             Ok(rx) => Ok((c, rx)),
             Err(e) => {
                 c.cleanup(runtime).await;
@@ -91,6 +92,7 @@ impl Container {
     async fn create_init(
         &mut self,
         req: &CreateTaskRequest,
+        root: Option<&Path>,
         runtime: &RuntimeClient,
     ) -> Result<ExitReceiver> {
         if !req.rootfs.is_empty() {
@@ -105,6 +107,13 @@ impl Container {
                         source,
                     })?;
             }
+        }
+        // libcontainer reports a missing root as a bare ENOENT; name it.
+        if let Some(root) = root.filter(|r| !r.is_dir()) {
+            return Err(Error::InvalidBundle {
+                bundle: self.bundle.clone(),
+                reason: format!("root {} is not a directory", root.display()),
+            });
         }
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {

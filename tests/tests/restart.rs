@@ -1,0 +1,58 @@
+//! containerd restarts while a crab task runs: the task keeps running and is
+//! fully manageable afterwards. Needs root: CI runs it as root.
+
+use crab_tests::leftovers::assert_clean;
+use crab_tests::{stderr, wait_until, Containerd, CRAB};
+
+#[test]
+fn task_survives_containerd_restart() {
+    let mut ctd = Containerd::start();
+    ctd.run_detached(
+        CRAB,
+        "r",
+        &[
+            "sh",
+            "-c",
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done",
+        ],
+    );
+    let pid = ctd.task_pid("r").expect("task listed");
+    ctd.restart();
+
+    assert_eq!(ctd.task_pid("r"), Some(pid));
+    assert_eq!(ctd.task_status("r").as_deref(), Some("RUNNING"));
+    // The counter keeps counting: the container never stopped.
+    let read = || -> u64 {
+        let out = ctd.ctr_ok(&[
+            "task",
+            "exec",
+            "--exec-id",
+            &crab_tests::unique("n"),
+            "r",
+            "cat",
+            "/tmp/n",
+        ]);
+        out.trim().parse().expect("a number")
+    };
+    let first = read();
+    assert!(
+        wait_until(10, || (read() > first).then_some(())).is_some(),
+        "counter stopped"
+    );
+
+    ctd.ctr_ok(&["task", "pause", "r"]);
+    assert_eq!(ctd.task_status("r").as_deref(), Some("PAUSED"));
+    ctd.ctr_ok(&["task", "resume", "r"]);
+    assert!(ctd.ctr_ok(&["task", "ps", "r"]).contains(&pid.to_string()));
+
+    // Exits reach the new containerd: the status is exact.
+    ctd.ctr_ok(&["task", "kill", "-s", "SIGKILL", "r"]);
+    wait_until(10, || {
+        (ctd.task_status("r").as_deref() == Some("STOPPED")).then_some(())
+    })
+    .expect("stops");
+    let out = ctd.ctr(&["task", "delete", "r"]);
+    assert!(stderr(&out).contains("exit code 137"), "{}", stderr(&out));
+    ctd.ctr_ok(&["container", "rm", "r"]);
+    assert_clean(&ctd.scope(), &["r"]);
+}
