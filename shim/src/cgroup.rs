@@ -105,7 +105,7 @@ fn relative(cgroups_path: &Path) -> PathBuf {
 }
 
 /// The mount point of the cgroup2 filesystem, from `/proc/self/mountinfo`.
-fn unified_mount() -> Option<PathBuf> {
+pub fn unified_mount() -> Option<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     parse_unified_mount(&info)
 }

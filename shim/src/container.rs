@@ -33,6 +33,8 @@ pub struct Container {
     unified_cgroup: Option<PathBuf>,
     /// Whether the shim mounted the rootfs (and must unmount it).
     rootfs_mounted: bool,
+    /// The task publishing its OOM events; aborted at delete.
+    pub oom_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// A process's exit, to be watched by the shim.
@@ -79,6 +81,7 @@ impl Container {
             unified_cgroup: cgroup::unified_cgroup(&cgroups_path),
             cgroups_path,
             rootfs_mounted: false,
+            oom_task: None,
         };
         match c.create_init(req, root.as_deref(), runtime).await {
             Ok(rx) => Ok((c, rx)),
@@ -295,6 +298,9 @@ impl Container {
 
     /// Best-effort removal of everything `create` may have made.
     async fn cleanup(&mut self, runtime: &RuntimeClient) {
+        if let Some(task) = self.oom_task.take() {
+            task.abort();
+        }
         if let Err(e) = runtime.delete(&self.id, &self.bundle, true).await {
             log::debug!("cleanup of {}: {e}", self.id);
         }

@@ -21,6 +21,7 @@ mod container;
 mod error;
 mod exits;
 mod io;
+mod oom;
 mod process;
 mod runtime;
 mod service;

@@ -11,16 +11,17 @@ use containerd_shim::api::DeleteResponse;
 use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim::asynchronous::util::write_str_to_file;
 use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
-use containerd_shim::protos::events::task::TaskExit;
+use containerd_shim::protos::events::task::{TaskExit, TaskOOM};
 use containerd_shim::protos::protobuf::MessageDyn;
 use containerd_shim::protos::protobuf::MessageField;
-use containerd_shim::protos::topics::TASK_EXIT_EVENT_TOPIC;
+use containerd_shim::protos::topics::{TASK_EXIT_EVENT_TOPIC, TASK_OOM_EVENT_TOPIC};
 use containerd_shim::protos::ttrpc::context::Context;
 use containerd_shim::{Flags, StartOpts};
 
 use crate::config::Config;
 use crate::container::{Container, ExitReceiver};
 use crate::exits::ExitRouter;
+use crate::oom::OomWatch;
 use crate::process::timestamp;
 use crate::runtime::RuntimeClient;
 use crate::RUNTIME_NAME;
@@ -184,6 +185,39 @@ impl TaskService {
                 kind: "container",
                 id: id.to_owned(),
             })
+    }
+
+    /// Publishes TaskOOM for every OOM kill in `c`'s memory cgroup until it
+    /// is deleted.
+    pub fn watch_oom(&self, c: &mut Container) {
+        let mut watch = match OomWatch::new(&c.cgroups_path) {
+            Ok(Some(w)) => w,
+            Ok(None) => return,
+            Err(e) => {
+                log::warn!("{}: no OOM events: {e}", c.id);
+                return;
+            }
+        };
+        let events = self.events.clone();
+        let id = c.id.clone();
+        // Owned by the container: aborted when it is deleted.
+        c.oom_task = Some(tokio::spawn(async move {
+            loop {
+                let waited = tokio::task::spawn_blocking(move || {
+                    let oom = watch.next_blocking();
+                    (watch, oom)
+                })
+                .await;
+                let Ok((w, true)) = waited else { break };
+                watch = w;
+                log::info!("{id}: OOM kill");
+                let event = TaskOOM {
+                    container_id: id.clone(),
+                    ..Default::default()
+                };
+                events.publish(TASK_OOM_EVENT_TOPIC, Box::new(event)).await;
+            }
+        }));
     }
 
     /// Follows a process until it exits: drains its output, records the

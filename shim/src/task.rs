@@ -38,7 +38,8 @@ impl Task for TaskService {
             }
             .into());
         }
-        let (container, rx) = Container::create(&req, &self.runtime).await?;
+        let (mut container, rx) = Container::create(&req, &self.runtime).await?;
+        self.watch_oom(&mut container);
         let pid = container.init.pid;
         let container = Arc::new(tokio::sync::Mutex::new(container));
         self.containers

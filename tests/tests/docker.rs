@@ -102,6 +102,25 @@ fn docker_lifecycle() {
         .unwrap_or(0);
     assert!(pids >= 1, "{stats}");
 
+    // docker update: new limits reach the container's cgroups.
+    d.docker_ok(&[
+        "update",
+        "--memory",
+        "64m",
+        "--memory-swap",
+        "64m",
+        "--pids-limit",
+        "50",
+        "svc",
+    ]);
+    let id = d.docker_ok(&["inspect", "-f", "{{.Id}}", "svc"]);
+    let read = |ctl: &str, file: &str| {
+        std::fs::read_to_string(format!("/sys/fs/cgroup/{ctl}/docker/{}/{file}", id.trim()))
+            .expect("read cgroup")
+    };
+    assert_eq!(read("memory", "memory.limit_in_bytes").trim(), "67108864");
+    assert_eq!(read("pids", "pids.max").trim(), "50");
+
     d.docker_ok(&["stop", "-t", "10", "svc"]);
     assert_eq!(
         d.docker_ok(&["inspect", "-f", "{{.State.ExitCode}}", "svc"])
