@@ -256,10 +256,14 @@ impl Container {
                 libcontainer::container::Container::load(dir).map_err(|source| Error::Libcontainer {
                     op,
                     id: id.clone(),
-                    source,
+                    source: Box::new(source),
                 })?;
             let r = if pause { c.pause() } else { c.resume() };
-            r.map_err(|source| Error::Libcontainer { op, id, source })
+            r.map_err(|source| Error::Libcontainer {
+                op,
+                id,
+                source: Box::new(source),
+            })
         })
         .await
         .map_err(|e| Error::io(op)(std::io::Error::other(e)))??;

@@ -100,7 +100,7 @@ pub enum Error {
         id: String,
         /// libcontainer's error.
         #[source]
-        source: libcontainer::error::LibcontainerError,
+        source: Box<libcontainer::error::LibcontainerError>,
     },
     /// A cgroup read or write failed (stats, update, the unified cgroup).
     #[error("cgroup {op} of {id}")]

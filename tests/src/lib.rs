@@ -26,18 +26,19 @@ pub const RUNC: &str = "io.containerd.runc.v2";
 /// If `containerd-shim-crab-v2` has not been built (run `cargo test --workspace`).
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test-binary>
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target dir")
-        .to_owned();
-    assert!(
-        dir.join("containerd-shim-crab-v2").exists(),
-        "{} has no containerd-shim-crab-v2: build the workspace first (cargo test --workspace)",
-        dir.display()
-    );
-    dir
+    // A test binary lives in target/<profile>/deps, a benchmark binary in
+    // target/<profile>.
+    let candidates = exe.ancestors().skip(1).take(2);
+    let found = candidates
+        .clone()
+        .find(|d| d.join("containerd-shim-crab-v2").exists());
+    match found {
+        Some(dir) => dir.to_owned(),
+        None => panic!(
+            "no containerd-shim-crab-v2 beside {}: build the workspace first (cargo test --workspace)",
+            exe.display()
+        ),
+    }
 }
 
 /// `PATH` with the crab binaries first.
