@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use libcgroups::common::{CgroupConfig, CgroupManager, CgroupSetup, ControllerOpt};
 use oci_spec::runtime::LinuxResources;
 
@@ -64,16 +65,13 @@ pub fn update(cgroups_path: &Path, id: &str, resources: &LinuxResources) -> Resu
         .map_err(|e| cgroup_error("update", id, e))
 }
 
-/// containerd's metrics (`io.containerd.cgroups.v1.Metrics` on v1 and hybrid
-/// hosts) of the cgroup `pid` is in.
-pub fn metrics(pid: u32, id: &str) -> Result<containerd_shim::protos::cgroups::metrics::Metrics> {
-    let err = |e: containerd_shim::Error| Error::Cgroup {
-        op: "metrics",
-        id: id.to_owned(),
-        source: Box::new(e),
-    };
-    let cg = containerd_shim::cgroup::get_cgroup(pid).map_err(err)?;
-    containerd_shim::cgroup::collect_metrics(&cg).map_err(err)
+/// containerd's metrics of the container (see [`crate::metrics`]).
+pub fn metrics(cgroups_path: &Path, id: &str) -> Result<Any> {
+    let stats = manager(cgroups_path, id)?
+        .stats()
+        .map_err(|e| cgroup_error("read stats", id, e))?;
+    let unified = matches!(libcgroups::common::get_cgroup_setup(), Ok(CgroupSetup::Unified));
+    crate::metrics::to_any(&stats, unified).map_err(|e| cgroup_error("encode metrics", id, e))
 }
 
 fn manager(cgroups_path: &Path, id: &str) -> Result<libcgroups::common::AnyCgroupManager> {

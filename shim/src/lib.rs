@@ -21,6 +21,7 @@ mod container;
 mod error;
 mod exits;
 mod io;
+mod metrics;
 mod oom;
 mod process;
 mod runtime;

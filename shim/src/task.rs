@@ -8,14 +8,12 @@ use containerd_shim::api::*;
 use containerd_shim::protos::events::task::{
     TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskIO, TaskPaused, TaskResumed, TaskStart,
 };
-use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::MessageField;
 use containerd_shim::protos::shim_async::Task;
 use containerd_shim::protos::topics::*;
 use containerd_shim::protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim::protos::ttrpc::Result as TtrpcResult;
 use containerd_shim::protos::types::task::ProcessInfo;
-use containerd_shim::util::convert_to_any;
 
 use crate::cgroup;
 use crate::container::Container;
@@ -282,16 +280,13 @@ impl Task for TaskService {
 
     async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
         let container = self.container(&req.id)?;
-        let (pid, id) = {
+        let (path, id) = {
             let c = container.lock().await;
-            (c.init.pid, c.id.clone())
+            (c.cgroups_path.clone(), c.id.clone())
         };
-        let metrics = cgroup::metrics(pid as u32, &id)?;
-        let stats: Any = convert_to_any(Box::new(metrics)).map_err(|source| Error::Cgroup {
-            op: "encode metrics",
-            id,
-            source: Box::new(source),
-        })?;
+        let stats = tokio::task::spawn_blocking(move || cgroup::metrics(&path, &id))
+            .await
+            .map_err(|e| Error::io("stats")(std::io::Error::other(e)))??;
         Ok(StatsResponse {
             stats: MessageField::some(stats),
             ..Default::default()

@@ -190,6 +190,11 @@ fn kill_ps_pause_metrics_delete() {
     let usage = metric(&metrics, "memory.usage_in_bytes").expect("memory usage");
     assert!(usage > 0, "{metrics}");
     assert!(metric(&metrics, "pids.current").expect("pids") >= 2, "{metrics}");
+    assert!(
+        metric(&metrics, "memory.limit_in_bytes").expect("limit") > 0,
+        "{metrics}"
+    );
+    assert!(metric(&metrics, "cpuacct.usage").expect("cpu") > 0, "{metrics}");
 
     // The container has its own unified cgroup (the inspector keys on it).
     let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("read cgroup");

@@ -1,0 +1,30 @@
+# Crab: the two commands a newcomer needs (run as root on Debian 12/13 or
+# Ubuntu 24.04+):
+#   make demo    install dependencies, build, run the demo on embedded defaults
+#   make test    install dependencies, check formatting and lints, run every test
+.PHONY: deps build release demo test lint bench install
+
+deps:
+	packaging/install-deps.sh
+
+build:
+	cargo build --workspace --locked
+
+release:
+	cargo build --release --workspace --locked
+
+demo: deps release
+	packaging/demo.sh
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+
+test: deps lint
+	cargo test --workspace --locked
+
+bench: deps release
+	target/release/crab-bench runtime
+
+install: release
+	packaging/install.sh

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the crab runtime where containerd finds it, and the default
+# configuration. Run as root after `cargo build --release --workspace`.
+#
+#   PREFIX     where binaries go (default /usr/local; containerd looks the
+#              shim up on its PATH as containerd-shim-crab-v2)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(cd "$here/.." && pwd)
+PREFIX=${PREFIX:-/usr/local}
+bin=$top/target/release/containerd-shim-crab-v2
+if [ ! -x "$bin" ]; then
+  echo "build first: cargo build --release --workspace" >&2
+  exit 1
+fi
+install -D -m 0755 "$bin" "$PREFIX/bin/containerd-shim-crab-v2"
+if [ ! -e /etc/crab/crab.toml ]; then
+  install -D -m 0644 "$here/crab.toml" /etc/crab/crab.toml
+fi
+cat <<MSG
+installed $PREFIX/bin/containerd-shim-crab-v2 and /etc/crab/crab.toml
+
+  ctr:        ctr run --runtime io.containerd.crab.v2 IMAGE ID CMD...
+  docker:     docker run --runtime io.containerd.crab.v2 IMAGE CMD...
+              or merge $here/docker/daemon.json into /etc/docker/daemon.json,
+              restart dockerd, then: docker run --runtime crab IMAGE CMD...
+  Kubernetes: merge $here/containerd/config.toml into containerd's config and
+              create a RuntimeClass with handler "crab"
+MSG
