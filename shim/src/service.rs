@@ -2,6 +2,7 @@
 //! state shared by task API calls.
 
 use std::collections::HashMap;
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -130,6 +131,14 @@ impl Shim for Service {
         if let Err(e) = crate::container::unmount(&rootfs) {
             log::warn!("unmount {}: {e}", rootfs.display());
         }
+        remove_unified_cgroup(&bundle, &self.id).await;
+        // The dead shim could not remove its socket.
+        if let Ok(address) = std::fs::read_to_string(bundle.join("address")) {
+            let path = address.trim().trim_start_matches("unix://");
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
         Ok(DeleteResponse {
             pid: 0,
             exit_status: 128 + libc::SIGKILL as u32,
@@ -153,6 +162,36 @@ impl Shim for Service {
             exit: self.exit.clone(),
         }
     }
+}
+
+/// Removes the unified cgroup of the container whose bundle is `bundle`.
+///
+/// Its processes were just killed; the kernel refuses the removal (EBUSY)
+/// until the last of them has exited, which takes a moment after SIGKILL.
+async fn remove_unified_cgroup(bundle: &Path, id: &str) {
+    let Ok(spec) = oci_spec::runtime::Spec::load(bundle.join("config.json")) else {
+        return;
+    };
+    let path = crate::cgroup::spec_cgroups_path(
+        spec.linux().as_ref().and_then(|l| l.cgroups_path().as_deref()),
+        id,
+    );
+    let Some(unified) = crate::cgroup::unified_cgroup(&path) else {
+        return;
+    };
+    for _ in 0..100 {
+        match crate::cgroup::remove_unified(&unified) {
+            Ok(()) => return,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => {
+                log::warn!("remove cgroup {}: {e}", unified.display());
+                return;
+            }
+        }
+    }
+    log::warn!("cgroup {} still busy", unified.display());
 }
 
 fn runtime_client(exits: Arc<ExitRouter>) -> RuntimeClient {

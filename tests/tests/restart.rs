@@ -56,3 +56,24 @@ fn task_survives_containerd_restart() {
     ctd.ctr_ok(&["container", "rm", "r"]);
     assert_clean(&ctd.scope(), &["r"]);
 }
+
+/// The shim is killed (SIGKILL) under a running task: containerd cleans up
+/// through `containerd-shim-crab-v2 delete`, and nothing is left behind.
+#[test]
+fn shim_killed_leaves_nothing() {
+    let ctd = Containerd::start();
+    ctd.run_detached(CRAB, "k9", &["sleep", "300"]);
+    let init = ctd.task_pid("k9").expect("task listed");
+    let shims = crab_tests::leftovers::shim_pids(&ctd.address().to_string_lossy());
+    assert_eq!(shims.len(), 1);
+    let shim = nix::unistd::Pid::from_raw(shims[0]);
+    nix::sys::signal::kill(shim, nix::sys::signal::Signal::SIGKILL).expect("kill shim");
+    // containerd notices and runs the shim's delete, which kills the container.
+    let gone = wait_until(10, || {
+        let alive = std::path::Path::new(&format!("/proc/{init}")).exists();
+        (!alive && ctd.task_status("k9").is_none()).then_some(())
+    });
+    assert!(gone.is_some(), "container or task survived its shim");
+    ctd.ctr_ok(&["container", "rm", "k9"]);
+    assert_clean(&ctd.scope(), &["k9"]);
+}
