@@ -20,7 +20,9 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 
-test: deps lint
+# The integration tests run the built binaries (containerd starts the shim
+# from PATH), which `cargo test` alone does not build.
+test: deps lint build
 	cargo test --workspace --locked
 
 bench: deps release

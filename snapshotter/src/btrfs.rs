@@ -1,0 +1,273 @@
+//! The btrfs backend, driving `btrfs` (btrfs-progs).
+//!
+//! Layout under the sandbox's directory `DIR` (on btrfs): `DIR/live` is the
+//! writable subvolume, `DIR/.snapshots/<name>` the read-only snapshots.
+//! Rollback makes a writable snapshot of the target and swaps it with `live`
+//! atomically (`renameat2(RENAME_EXCHANGE)`), then deletes the old one.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use crate::command::{run, run_from, run_to};
+use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, SnapshotName};
+
+const BTRFS: &str = "btrfs";
+
+/// A sandbox's subvolume and its snapshots.
+#[derive(Debug, Clone)]
+pub struct BtrfsBackend {
+    dir: PathBuf,
+}
+
+impl BtrfsBackend {
+    /// A backend for the sandbox directory `dir` (which need not exist yet).
+    pub fn new(dir: &Path) -> Self {
+        BtrfsBackend { dir: dir.to_owned() }
+    }
+
+    /// Creates `dir` and its empty `live` subvolume.
+    pub fn create(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(Error::io("create", dir))?;
+        let b = BtrfsBackend::new(dir);
+        run(BTRFS, &["subvolume", "create", &path_str(&b.live())?])?;
+        Ok(b)
+    }
+
+    fn live(&self) -> PathBuf {
+        self.dir.join("live")
+    }
+
+    fn snapshots_dir(&self) -> PathBuf {
+        self.dir.join(".snapshots")
+    }
+
+    fn snap(&self, name: &SnapshotName) -> PathBuf {
+        self.snapshots_dir().join(name.as_str())
+    }
+
+    fn require(&self, name: &SnapshotName) -> Result<PathBuf> {
+        let p = self.snap(name);
+        if !p.is_dir() {
+            return Err(Error::NoSnapshot {
+                name: name.to_string(),
+            });
+        }
+        Ok(p)
+    }
+
+    /// Paths in `.snapshots/`.
+    fn entries(&self) -> Result<Vec<PathBuf>> {
+        let dir = self.snapshots_dir();
+        let read = std::fs::read_dir(&dir).map_err(Error::io("read", &dir))?;
+        Ok(read.filter_map(|e| e.ok().map(|e| e.path())).collect())
+    }
+
+    /// A field of `btrfs subvolume show` (e.g. `Generation`).
+    fn show_field(path: &Path, field: &str) -> Result<Option<u64>> {
+        let out = run(BTRFS, &["subvolume", "show", &path_str(path)?])?;
+        Ok(out.lines().find_map(|l| {
+            let (k, v) = l.trim().split_once(':')?;
+            (k.trim() == field).then(|| v.trim().parse().ok())?
+        }))
+    }
+}
+
+impl Backend for BtrfsBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Btrfs
+    }
+
+    fn live_path(&self) -> Result<PathBuf> {
+        Ok(self.live())
+    }
+
+    fn snapshot(&self, name: &SnapshotName) -> Result<Snapshot> {
+        if !self.live().is_dir() {
+            return Err(Error::NoLive {
+                location: self.live().display().to_string(),
+            });
+        }
+        let to = self.snap(name);
+        if to.exists() {
+            return Err(Error::SnapshotExists {
+                name: name.to_string(),
+            });
+        }
+        std::fs::create_dir_all(self.snapshots_dir()).map_err(Error::io("create", self.snapshots_dir()))?;
+        // A btrfs snapshot is created atomically.
+        run(
+            BTRFS,
+            &[
+                "subvolume",
+                "snapshot",
+                "-r",
+                &path_str(&self.live())?,
+                &path_str(&to)?,
+            ],
+        )?;
+        Ok(Snapshot {
+            name: name.clone(),
+            bytes: None,
+        })
+    }
+
+    fn list(&self) -> Result<Vec<Snapshot>> {
+        let mut found = Vec::new();
+        let entries = match std::fs::read_dir(self.snapshots_dir()) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io("read", self.snapshots_dir())(e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(Error::io("read", self.snapshots_dir()))?;
+            let Some(name) = entry.file_name().to_str().and_then(|n| SnapshotName::new(n).ok()) else {
+                continue;
+            };
+            // "Gen at creation" orders snapshots as they were taken.
+            let gen = Self::show_field(&entry.path(), "Gen at creation")?.unwrap_or(0);
+            found.push((gen, name));
+        }
+        found.sort();
+        Ok(found
+            .into_iter()
+            .map(|(_, name)| Snapshot { name, bytes: None })
+            .collect())
+    }
+
+    fn rollback(&self, name: &SnapshotName) -> Result<()> {
+        let snap = self.require(name)?;
+        let fresh = self.dir.join(".live-rollback");
+        if fresh.exists() {
+            run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?])?;
+        }
+        run(
+            BTRFS,
+            &["subvolume", "snapshot", &path_str(&snap)?, &path_str(&fresh)?],
+        )?;
+        nix::fcntl::renameat2(
+            None,
+            &fresh,
+            None,
+            &self.live(),
+            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+        )
+        .map_err(|e| Error::io("swap", self.live())(e.into()))?;
+        // `fresh` now names the old live subvolume.
+        run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?])?;
+        Ok(())
+    }
+
+    fn clone_to(&self, name: &SnapshotName, to: &Location) -> Result<Box<dyn Backend>> {
+        let Location::Btrfs { dir } = to else {
+            return Err(Error::WrongLocation {
+                expected: BackendKind::Btrfs,
+                given: to.kind(),
+            });
+        };
+        let snap = self.require(name)?;
+        let target = BtrfsBackend::new(dir);
+        if target.live().exists() {
+            return Err(Error::TargetExists {
+                location: target.live().display().to_string(),
+            });
+        }
+        std::fs::create_dir_all(dir).map_err(Error::io("create", dir))?;
+        run(
+            BTRFS,
+            &[
+                "subvolume",
+                "snapshot",
+                &path_str(&snap)?,
+                &path_str(&target.live())?,
+            ],
+        )?;
+        Ok(Box::new(target))
+    }
+
+    fn changed_since(&self, name: &SnapshotName) -> Result<Change> {
+        let snap = self.require(name)?;
+        // Generations advance at transaction commit: commit first.
+        run(BTRFS, &["filesystem", "sync", &path_str(&self.dir)?])?;
+        let live = Self::show_field(&self.live(), "Generation")?;
+        let at = Self::show_field(&snap, "Gen at creation")?;
+        Ok(match (live, at) {
+            (Some(l), Some(a)) if l <= a => Change::Unchanged,
+            (Some(_), Some(_)) => Change::Changed { bytes: None },
+            _ => Change::Unknown,
+        })
+    }
+
+    fn export(&self, name: &SnapshotName, parent: Option<&SnapshotName>, out: &mut dyn Write) -> Result<()> {
+        let snap = path_str(&self.require(name)?)?;
+        match parent {
+            Some(p) => {
+                let parent = path_str(&self.require(p)?)?;
+                run_to(BTRFS, &["send", "-q", "-p", &parent, &snap], out)
+            }
+            None => run_to(BTRFS, &["send", "-q", &snap], out),
+        }
+    }
+
+    fn import(&self, name: &SnapshotName, parent: Option<&SnapshotName>, input: &mut dyn Read) -> Result<()> {
+        if self.snap(name).exists() {
+            return Err(Error::SnapshotExists {
+                name: name.to_string(),
+            });
+        }
+        if let Some(p) = parent {
+            self.require(p)?;
+        }
+        std::fs::create_dir_all(self.snapshots_dir()).map_err(Error::io("create", self.snapshots_dir()))?;
+        // The stream names its subvolume after the sender's snapshot, and a
+        // received subvolume cannot be moved (it is read-only): receive
+        // straight into `.snapshots/` and check the name afterwards.
+        let before = self.entries()?;
+        let received = run_from(
+            BTRFS,
+            &["receive", "-q", &path_str(&self.snapshots_dir())?],
+            input,
+        );
+        let new: Vec<PathBuf> = self
+            .entries()?
+            .into_iter()
+            .filter(|e| !before.contains(e))
+            .collect();
+        let bad_name = new.len() != 1 || new[0] != self.snap(name);
+        if received.is_err() || bad_name {
+            // A torn or foreign stream leaves a partial subvolume: never keep it.
+            for sub in &new {
+                run(BTRFS, &["subvolume", "delete", &path_str(sub)?])?;
+            }
+            received?;
+            return Err(Error::BadStream {
+                reason: format!("the stream does not hold snapshot {name}"),
+            });
+        }
+        if parent.is_none() && !self.live().exists() {
+            run(
+                BTRFS,
+                &[
+                    "subvolume",
+                    "snapshot",
+                    &path_str(&self.snap(name))?,
+                    &path_str(&self.live())?,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn destroy(&self, name: &SnapshotName) -> Result<()> {
+        let snap = self.require(name)?;
+        run(BTRFS, &["subvolume", "delete", &path_str(&snap)?])?;
+        Ok(())
+    }
+}
+
+fn path_str(p: &Path) -> Result<String> {
+    p.to_str().map(str::to_owned).ok_or_else(|| Error::Io {
+        op: "use non-UTF-8 path",
+        path: p.to_owned(),
+        source: std::io::ErrorKind::InvalidInput.into(),
+    })
+}

@@ -1,0 +1,32 @@
+//! Crab's filesystem backends: save a sandbox's writable filesystem under a
+//! name in milliseconds, at a cost proportional to what changed, and put it
+//! back, clone it, or move it to another host.
+//!
+//! Public face: the [`Backend`] trait, [`open`] (a backend for a
+//! [`Location`]), the three implementations [`ZfsBackend`], [`BtrfsBackend`]
+//! and [`OverlayCopyBackend`], and [`Error`].
+//!
+//! Calls block (they run `zfs`/`btrfs` commands or walk trees): async
+//! callers run them on a blocking thread.
+//!
+//! Must never: destroy a snapshot as a side effect of another operation
+//! (`zfs rollback -r` is never used), follow a symlink out of the tree it
+//! copies, or leave a half-made snapshot under its final name.
+
+#![forbid(unsafe_code)]
+
+mod backend;
+mod btrfs;
+mod command;
+mod error;
+mod overlay;
+mod zfs;
+
+pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, SnapshotName};
+pub use btrfs::BtrfsBackend;
+pub use error::Error;
+pub use overlay::OverlayCopyBackend;
+pub use zfs::ZfsBackend;
+
+/// Result of a backend operation.
+pub type Result<T> = std::result::Result<T, Error>;

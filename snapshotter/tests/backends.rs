@@ -1,0 +1,343 @@
+//! Every backend against its real filesystem: zfs-fuse on a file-backed
+//! pool, btrfs on a loop device, overlayfs. Needs root: CI runs it as root.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{digest, mutate, populate, sh, unique};
+use crab_snapshotter::{
+    Backend, BtrfsBackend, Change, Error, Location, OverlayCopyBackend, SnapshotName, ZfsBackend,
+};
+
+fn name(s: &str) -> SnapshotName {
+    SnapshotName::new(s).unwrap()
+}
+
+/// The life of a sandbox's filesystem: snapshot, change, snapshot, roll back
+/// both ways, clone, export and import, and bad input. `exact_change` says
+/// whether the backend can tell a change (zfs-fuse cannot); `xattrs`
+/// whether the filesystem has them (zfs-fuse has not).
+fn exercise(b: &dyn Backend, clone_at: Location, fresh: &dyn Backend, exact_change: bool, xattrs: bool) {
+    let live = b.live_path().unwrap();
+    populate(&live, xattrs);
+    let d1 = digest(&live);
+    b.snapshot(&name("v1")).unwrap();
+    if exact_change {
+        assert_eq!(b.changed_since(&name("v1")).unwrap(), Change::Unchanged);
+    }
+    mutate(&live, xattrs);
+    let d2 = digest(&live);
+    assert_ne!(d1, d2);
+    let change = b.changed_since(&name("v1")).unwrap();
+    if exact_change {
+        assert!(matches!(change, Change::Changed { .. }), "{change:?}");
+    }
+    b.snapshot(&name("v2")).unwrap();
+
+    // Roll back to the older snapshot: the tree is v1's, and v2 survives.
+    b.rollback(&name("v1")).unwrap();
+    let live = b.live_path().unwrap();
+    assert_eq!(digest(&live), d1, "rollback to v1");
+    let names: Vec<String> = b
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name.to_string())
+        .collect();
+    assert_eq!(names, ["v1", "v2"]);
+    // Forward again to the newer one.
+    b.rollback(&name("v2")).unwrap();
+    assert_eq!(digest(&b.live_path().unwrap()), d2, "rollback to v2");
+    // Twice in a row to the same snapshot, after a change.
+    std::fs::write(b.live_path().unwrap().join("scratch"), "x").unwrap();
+    b.rollback(&name("v2")).unwrap();
+    assert_eq!(digest(&b.live_path().unwrap()), d2, "second rollback to v2");
+
+    // A clone is an independent copy.
+    let c = b.clone_to(&name("v1"), &clone_at).unwrap();
+    let clive = c.live_path().unwrap();
+    assert_eq!(digest(&clive), d1, "clone of v1");
+    std::fs::write(clive.join("README"), "clone changed\n").unwrap();
+    assert_eq!(digest(&b.live_path().unwrap()), d2, "the clone's change leaks");
+    assert!(matches!(
+        b.clone_to(&name("v1"), &clone_at),
+        Err(Error::TargetExists { .. })
+    ));
+
+    // Export v1 whole and v2 relative to v1; import both elsewhere.
+    let mut full = Vec::new();
+    b.export(&name("v1"), None, &mut full).unwrap();
+    let mut incr = Vec::new();
+    b.export(&name("v2"), Some(&name("v1")), &mut incr).unwrap();
+    // A truncated stream fails and leaves no snapshot behind.
+    let cut = &full[..full.len() / 2];
+    assert!(fresh.import(&name("v1"), None, &mut &cut[..]).is_err());
+    assert!(
+        fresh.list().unwrap_or_default().is_empty(),
+        "a torn import is listed"
+    );
+    fresh.import(&name("v1"), None, &mut &full[..]).unwrap();
+    assert_eq!(digest(&fresh.live_path().unwrap()), d1, "import of v1");
+    fresh
+        .import(&name("v2"), Some(&name("v1")), &mut &incr[..])
+        .unwrap();
+    fresh.rollback(&name("v2")).unwrap();
+    assert_eq!(digest(&fresh.live_path().unwrap()), d2, "import of v2 on v1");
+
+    // Bad input: clear errors, nothing changed.
+    assert!(matches!(b.rollback(&name("nope")), Err(Error::NoSnapshot { .. })));
+    assert!(matches!(
+        b.snapshot(&name("v1")),
+        Err(Error::SnapshotExists { .. })
+    ));
+    assert!(SnapshotName::new("../v1").is_err());
+    assert_eq!(digest(&b.live_path().unwrap()), d2);
+
+    b.snapshot(&name("v3")).unwrap();
+    b.destroy(&name("v3")).unwrap();
+    let names: Vec<String> = b
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name.to_string())
+        .collect();
+    assert_eq!(names, ["v1", "v2"]);
+    assert!(matches!(b.destroy(&name("v3")), Err(Error::NoSnapshot { .. })));
+}
+
+#[test]
+fn overlay_copy_on_a_real_overlay() {
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabov")));
+    let (lower, upper, work, merged) = (
+        root.join("lower"),
+        root.join("upper"),
+        root.join("work"),
+        root.join("merged"),
+    );
+    for d in [&lower, &upper, &work, &merged] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    // The image layer: a file to delete (whiteout) and a directory to
+    // replace (opaque directory) through the overlay.
+    std::fs::create_dir_all(lower.join("etc/conf.d")).unwrap();
+    std::fs::write(lower.join("etc/conf.d/a"), "a").unwrap();
+    std::fs::write(lower.join("etc/passwd"), "root:x:0:0\n").unwrap();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    sh(
+        "mount",
+        &["-t", "overlay", "overlay", "-o", &opts, merged.to_str().unwrap()],
+    );
+    let guard = Unmount(merged.clone());
+    std::fs::remove_file(merged.join("etc/passwd")).unwrap();
+    std::fs::remove_dir_all(merged.join("etc/conf.d")).unwrap();
+    std::fs::create_dir(merged.join("etc/conf.d")).unwrap();
+    std::fs::write(merged.join("etc/conf.d/b"), "b").unwrap();
+    drop(guard);
+
+    let b = OverlayCopyBackend::new(&upper, &root.join("store"));
+    // The upper directory now has a whiteout and an opaque directory.
+    let whiteout = std::fs::symlink_metadata(upper.join("etc/passwd")).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+        &whiteout.file_type()
+    ));
+    assert!(xattr::get(upper.join("etc/conf.d"), "trusted.overlay.opaque")
+        .unwrap()
+        .is_some());
+
+    let clone_at = Location::OverlayCopy {
+        upper: root.join("clone-upper"),
+        store: root.join("clone-store"),
+    };
+    let fresh = OverlayCopyBackend::new(&root.join("fresh-upper"), &root.join("fresh-store"));
+    exercise(&b, clone_at, &fresh, true, true);
+
+    // The rolled-back upper still works as an overlay: v1's merged view.
+    b.rollback(&name("v1")).unwrap();
+    sh(
+        "mount",
+        &["-t", "overlay", "overlay", "-o", &opts, merged.to_str().unwrap()],
+    );
+    let guard = Unmount(merged.clone());
+    assert!(
+        !merged.join("etc/passwd").exists(),
+        "the whiteout hides the lower file"
+    );
+    assert!(
+        !merged.join("etc/conf.d/a").exists(),
+        "the opaque directory hides the lower one"
+    );
+    assert_eq!(std::fs::read_to_string(merged.join("etc/conf.d/b")).unwrap(), "b");
+    assert_eq!(
+        std::fs::read_to_string(merged.join("to-edit")).unwrap(),
+        "version 1\n"
+    );
+    drop(guard);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A snapshot writes bytes in proportion to the change: untouched files are
+/// shared with the previous snapshot.
+#[test]
+fn overlay_copy_shares_untouched_files() {
+    use std::os::unix::fs::MetadataExt;
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabsh")));
+    let upper = root.join("upper");
+    std::fs::create_dir_all(&upper).unwrap();
+    populate(&upper, true);
+    let b = OverlayCopyBackend::new(&upper, &root.join("store"));
+    b.snapshot(&name("s1")).unwrap();
+    std::fs::write(upper.join("to-edit"), "changed").unwrap();
+    b.snapshot(&name("s2")).unwrap();
+    let ino = |s: &str, f: &str| {
+        std::fs::metadata(root.join("store").join(s).join(f))
+            .unwrap()
+            .ino()
+    };
+    assert_eq!(
+        ino("s1", "src/deep/er/data.bin"),
+        ino("s2", "src/deep/er/data.bin")
+    );
+    assert_ne!(ino("s1", "to-edit"), ino("s2", "to-edit"));
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn btrfs_on_a_loop_device() {
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabbt")));
+    std::fs::create_dir_all(root.join("mnt")).unwrap();
+    let img = root.join("fs.img");
+    sh("truncate", &["-s", "1G", img.to_str().unwrap()]);
+    sh("mkfs.btrfs", &["-q", img.to_str().unwrap()]);
+    sh(
+        "mount",
+        &[
+            "-o",
+            "loop",
+            img.to_str().unwrap(),
+            root.join("mnt").to_str().unwrap(),
+        ],
+    );
+    let guard = Unmount(root.join("mnt"));
+    let mnt = root.join("mnt");
+    let b = BtrfsBackend::create(&mnt.join("sb")).unwrap();
+    let clone_at = Location::Btrfs {
+        dir: mnt.join("fork"),
+    };
+    let fresh = BtrfsBackend::new(&mnt.join("fresh"));
+    exercise(&b, clone_at, &fresh, true, true);
+    drop(guard);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn zfs_on_zfs_fuse() {
+    let zfs = ZfsFuse::start();
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabzf")));
+    std::fs::create_dir_all(&root).unwrap();
+    let pool = unique("crabp");
+    let img = root.join("pool.img");
+    sh("truncate", &["-s", "512M", img.to_str().unwrap()]);
+    let mnt = root.join("mnt");
+    sh(
+        "zpool",
+        &[
+            "create",
+            "-m",
+            mnt.to_str().unwrap(),
+            &pool,
+            img.to_str().unwrap(),
+        ],
+    );
+    let _pool = DestroyPool(pool.clone());
+    let b = ZfsBackend::create(&format!("{pool}/sandboxes/sb")).unwrap();
+    let clone_at = Location::Zfs {
+        dataset: format!("{pool}/sandboxes/fork"),
+    };
+    let fresh = ZfsBackend::new(&format!("{pool}/imported/sb")).unwrap();
+    exercise(&b, clone_at, &fresh, false, false);
+    // v1 is the origin of the fork, v2 of the live dataset (rolled back to
+    // it by clone): ZFS cannot destroy them, and says so.
+    assert!(matches!(b.destroy(&name("v1")), Err(Error::SnapshotInUse { .. })));
+    assert!(matches!(b.destroy(&name("v2")), Err(Error::SnapshotInUse { .. })));
+    drop(_pool);
+    drop(zfs);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount(&self.0);
+    }
+}
+
+struct DestroyPool(String);
+
+impl Drop for DestroyPool {
+    fn drop(&mut self) {
+        // zfs-fuse reports a pool busy for a moment after its last unmount.
+        for _ in 0..50 {
+            let st = std::process::Command::new("zpool")
+                .args(["destroy", "-f", &self.0])
+                .status();
+            if st.is_ok_and(|s| s.success()) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+/// zfs-fuse, started for the test if it is not running, and stopped after.
+struct ZfsFuse {
+    child: Option<std::process::Child>,
+}
+
+impl ZfsFuse {
+    fn start() -> Self {
+        if std::process::Command::new("zpool")
+            .arg("list")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return ZfsFuse { child: None };
+        }
+        let child = std::process::Command::new("zfs-fuse")
+            .arg("--no-daemon")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start zfs-fuse (run packaging/install-deps.sh)");
+        let up = (0..250).any(|_| {
+            let ok = std::process::Command::new("zpool")
+                .arg("list")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if !ok {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            ok
+        });
+        assert!(up, "zfs-fuse did not come up");
+        ZfsFuse { child: Some(child) }
+    }
+}
+
+impl Drop for ZfsFuse {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = c.wait();
+        }
+    }
+}
