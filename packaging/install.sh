@@ -14,6 +14,10 @@ if [ ! -x "$bin" ]; then
   exit 1
 fi
 install -D -m 0755 "$bin" "$PREFIX/bin/containerd-shim-crab-v2"
+install -D -m 0755 "$top/target/release/containerd-crab-snapshotter" "$PREFIX/bin/containerd-crab-snapshotter"
+if [ -d /etc/systemd/system ]; then
+  install -D -m 0644 "$here/systemd/containerd-crab-snapshotter.service" /etc/systemd/system/containerd-crab-snapshotter.service
+fi
 if [ ! -e /etc/crab/crab.toml ]; then
   install -D -m 0644 "$here/crab.toml" /etc/crab/crab.toml
 fi
@@ -26,4 +30,8 @@ installed $PREFIX/bin/containerd-shim-crab-v2 and /etc/crab/crab.toml
               restart dockerd, then: docker run --runtime crab IMAGE CMD...
   Kubernetes: merge $here/containerd/config.toml into containerd's config and
               create a RuntimeClass with handler "crab"
+  ZFS snapshotter: set [snapshotter] dataset in /etc/crab/crab.toml, merge
+              $here/containerd/snapshotter.toml into containerd's config,
+              systemctl enable --now containerd-crab-snapshotter, then:
+              ctr run --snapshotter crabzfs ...
 MSG

@@ -17,9 +17,10 @@ pub const CONFIG_ENV: &str = "CRAB_CONFIG";
 
 const EMBEDDED: &str = include_str!("../../packaging/crab.toml");
 
-/// The whole configuration file.
+/// The whole configuration file, as the shim reads it. Every component
+/// reads its own table (`[snapshotter]` belongs to the snapshotter); within
+/// a table, unknown keys are errors.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Config {
     /// Settings of `containerd-shim-crab-v2`.
     pub shim: ShimConfig,

@@ -21,12 +21,14 @@ mod command;
 mod error;
 mod overlay;
 mod zfs;
+mod zfs_snapshotter;
 
 pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, SnapshotName};
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
 pub use overlay::OverlayCopyBackend;
 pub use zfs::ZfsBackend;
+pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};
 
 /// Result of a backend operation.
 pub type Result<T> = std::result::Result<T, Error>;

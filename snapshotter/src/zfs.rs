@@ -358,13 +358,18 @@ impl Backend for ZfsBackend {
     }
 }
 
-/// `zfs rename`, retried for up to two seconds: zfs-fuse reports a dataset
-/// busy for a moment after an unmount while its last transaction group
-/// (atime updates included) is written out.
+/// `zfs rename`, retried until the dataset settles (see [`run_settled`]).
 fn rename_when_settled(from: &str, to: &str) -> Result<()> {
+    run_settled(&["rename", from, to])
+}
+
+/// A `zfs` command retried for up to two seconds: zfs-fuse reports a
+/// dataset busy for a moment after an unmount while its last transaction
+/// group (atime updates included) is written out.
+pub(crate) fn run_settled(args: &[&str]) -> Result<()> {
     let mut last = None;
     for _ in 0..20 {
-        match run(ZFS, &["rename", from, to]) {
+        match run(ZFS, args) {
             Ok(_) => return Ok(()),
             Err(e @ Error::Command { .. }) => last = Some(e),
             Err(e) => return Err(e),

@@ -9,6 +9,7 @@ use common::{digest, mutate, populate, sh, unique};
 use crab_snapshotter::{
     Backend, BtrfsBackend, Change, Error, Location, OverlayCopyBackend, SnapshotName, ZfsBackend,
 };
+use crab_tests::zfs::{Pool, ZfsFuse};
 
 fn name(s: &str) -> SnapshotName {
     SnapshotName::new(s).unwrap()
@@ -238,36 +239,19 @@ fn btrfs_on_a_loop_device() {
 #[test]
 fn zfs_on_zfs_fuse() {
     let zfs = ZfsFuse::start();
-    let root = PathBuf::from(format!("/tmp/{}", unique("crabzf")));
-    std::fs::create_dir_all(&root).unwrap();
-    let pool = unique("crabp");
-    let img = root.join("pool.img");
-    sh("truncate", &["-s", "512M", img.to_str().unwrap()]);
-    let mnt = root.join("mnt");
-    sh(
-        "zpool",
-        &[
-            "create",
-            "-m",
-            mnt.to_str().unwrap(),
-            &pool,
-            img.to_str().unwrap(),
-        ],
-    );
-    let _pool = DestroyPool(pool.clone());
-    let b = ZfsBackend::create(&format!("{pool}/sandboxes/sb")).unwrap();
+    let pool = Pool::create("512M");
+    let b = ZfsBackend::create(&format!("{}/sandboxes/sb", pool.name)).unwrap();
     let clone_at = Location::Zfs {
-        dataset: format!("{pool}/sandboxes/fork"),
+        dataset: format!("{}/sandboxes/fork", pool.name),
     };
-    let fresh = ZfsBackend::new(&format!("{pool}/imported/sb")).unwrap();
+    let fresh = ZfsBackend::new(&format!("{}/imported/sb", pool.name)).unwrap();
     exercise(&b, clone_at, &fresh, false, false);
     // v1 is the origin of the fork, v2 of the live dataset (rolled back to
     // it by clone): ZFS cannot destroy them, and says so.
     assert!(matches!(b.destroy(&name("v1")), Err(Error::SnapshotInUse { .. })));
     assert!(matches!(b.destroy(&name("v2")), Err(Error::SnapshotInUse { .. })));
-    drop(_pool);
+    drop(pool);
     drop(zfs);
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 struct Unmount(PathBuf);
@@ -275,69 +259,5 @@ struct Unmount(PathBuf);
 impl Drop for Unmount {
     fn drop(&mut self) {
         let _ = nix::mount::umount(&self.0);
-    }
-}
-
-struct DestroyPool(String);
-
-impl Drop for DestroyPool {
-    fn drop(&mut self) {
-        // zfs-fuse reports a pool busy for a moment after its last unmount.
-        for _ in 0..50 {
-            let st = std::process::Command::new("zpool")
-                .args(["destroy", "-f", &self.0])
-                .status();
-            if st.is_ok_and(|s| s.success()) {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    }
-}
-
-/// zfs-fuse, started for the test if it is not running, and stopped after.
-struct ZfsFuse {
-    child: Option<std::process::Child>,
-}
-
-impl ZfsFuse {
-    fn start() -> Self {
-        if std::process::Command::new("zpool")
-            .arg("list")
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
-            return ZfsFuse { child: None };
-        }
-        let child = std::process::Command::new("zfs-fuse")
-            .arg("--no-daemon")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start zfs-fuse (run packaging/install-deps.sh)");
-        let up = (0..250).any(|_| {
-            let ok = std::process::Command::new("zpool")
-                .arg("list")
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if !ok {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            ok
-        });
-        assert!(up, "zfs-fuse did not come up");
-        ZfsFuse { child: Some(child) }
-    }
-}
-
-impl Drop for ZfsFuse {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(c.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-            let _ = c.wait();
-        }
     }
 }

@@ -19,12 +19,18 @@ pub struct Containerd {
 impl Containerd {
     /// Starts containerd and imports the busybox image.
     pub fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// Starts containerd with `extra` appended to its config (e.g. a proxy
+    /// plugin), and imports the busybox image.
+    pub fn start_with(extra: &str) -> Self {
         let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
         std::fs::create_dir_all(&dir).expect("create containerd dir");
         let config = format!(
             "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
              [grpc]\n  address = \"{d}/c.sock\"\n\
-             [plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_apparmor = true\n",
+             [plugins.\"io.containerd.grpc.v1.cri\"]\n  disable_apparmor = true\n{extra}\n",
             d = dir.display()
         );
         std::fs::write(dir.join("config.toml"), config).expect("write containerd config");

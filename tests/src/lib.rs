@@ -8,6 +8,8 @@ pub mod containerd;
 pub mod docker;
 pub mod image;
 pub mod leftovers;
+pub mod snapshotter;
+pub mod zfs;
 
 use std::path::PathBuf;
 use std::process::Output;

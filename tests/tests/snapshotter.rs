@@ -1,0 +1,310 @@
+//! containerd-crab-snapshotter (`crabzfs`) under a real containerd on a
+//! zfs-fuse pool. Needs root: CI runs it as root.
+
+use std::path::Path;
+use std::process::Command;
+
+use crab_tests::image::BUSYBOX;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::snapshotter::Snapshotter;
+use crab_tests::zfs::{Pool, ZfsFuse};
+use crab_tests::{ok, stderr, wait_until, Containerd, CRAB};
+
+const LAYERED: &str = "docker.io/crab/layered:test";
+
+/// A zfs-fuse pool with the snapshotter and a containerd that uses it.
+struct Setup {
+    ctd: Containerd,
+    snap: Snapshotter,
+    pool: Pool,
+    _zfs: ZfsFuse,
+}
+
+impl Setup {
+    fn start() -> Self {
+        Self::start_sized("512M")
+    }
+
+    fn start_sized(size: &str) -> Self {
+        let zfs = ZfsFuse::start();
+        let pool = Pool::create(size);
+        let snap = Snapshotter::start(&pool);
+        let ctd = Containerd::start_with(&snap.containerd_config());
+        Setup {
+            ctd,
+            snap,
+            pool,
+            _zfs: zfs,
+        }
+    }
+
+    fn snapshots(&self, args: &[&str]) -> std::process::Output {
+        let mut all = vec!["snapshots", "--snapshotter", "crabzfs"];
+        all.extend_from_slice(args);
+        self.ctd.ctr(&all)
+    }
+
+    /// Restarts the snapshotter (`crash_at` arms a crash point) and waits
+    /// until containerd reaches it again (its gRPC client backs off after
+    /// a dead peer).
+    fn respawn(&mut self, crash_at: Option<&str>) {
+        self.snap.stop();
+        self.snap.spawn(crash_at);
+        wait_until(30, || self.snapshots(&["ls"]).status.success().then_some(()))
+            .expect("containerd reconnects");
+    }
+
+    /// containerd's snapshot keys for crabzfs.
+    fn keys(&self) -> Vec<String> {
+        let out = ok(self.snapshots(&["ls"]));
+        out.lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .collect()
+    }
+
+    /// Datasets under the snapshotter's root (not the root itself).
+    fn datasets(&self) -> Vec<String> {
+        self.pool
+            .datasets(&self.snap.dataset)
+            .into_iter()
+            .filter(|d| *d != self.snap.dataset)
+            .collect()
+    }
+
+    /// containerd's view and the pool agree: one dataset per snapshot.
+    #[track_caller]
+    fn assert_agree(&self) {
+        let (keys, datasets) = (self.keys(), self.datasets());
+        assert_eq!(
+            keys.len(),
+            datasets.len(),
+            "containerd has {keys:?}, the pool {datasets:?}"
+        );
+    }
+}
+
+/// An image with three layers (busybox, then files, then whiteouts and an
+/// opaque directory over them).
+fn import_layered(s: &Setup) {
+    let dir = s.pool.dir.join("layers");
+    let (l1, l2) = (dir.join("l1"), dir.join("l2"));
+    for d in [
+        l1.join("etc"),
+        l1.join("opt/dir"),
+        l2.join("etc"),
+        l2.join("opt/dir"),
+    ] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(l1.join("etc/victim"), "v").unwrap();
+    std::fs::write(l1.join("opt/dir/a"), "a").unwrap();
+    std::fs::write(l2.join("etc/.wh.victim"), "").unwrap();
+    std::fs::write(l2.join("opt/dir/.wh..wh..opq"), "").unwrap();
+    std::fs::write(l2.join("opt/dir/c"), "c").unwrap();
+    let tar = dir.join("layered.tar");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/mkimage.sh");
+    ok(Command::new(script)
+        .arg(&tar)
+        .arg(LAYERED)
+        .arg(&l1)
+        .arg(&l2)
+        .output()
+        .unwrap());
+    s.ctd.ctr_ok(&[
+        "image",
+        "import",
+        "--snapshotter",
+        "crabzfs",
+        &tar.to_string_lossy(),
+    ]);
+}
+
+#[test]
+fn ctr_run_on_crabzfs() {
+    let s = Setup::start();
+    import_layered(&s);
+    s.ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--snapshotter",
+        "crabzfs",
+        "--runtime",
+        CRAB,
+        LAYERED,
+        "z",
+        "sh",
+        "-c",
+        "echo data > /written; sleep 300",
+    ]);
+    // Whiteouts of the upper layer hid what the lower ones had.
+    let out = s.ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "l",
+        "z",
+        "sh",
+        "-c",
+        "ls /etc; echo --; ls /opt/dir",
+    ]);
+    assert!(!out.contains("victim"), "{out}");
+    assert!(out.ends_with("--\nc\n"), "{out}");
+    // The write landed in the container's own dataset.
+    let landed = wait_until(10, || {
+        let out = Command::new("zfs")
+            .args(["list", "-H", "-o", "name,mountpoint", "-r", &s.snap.dataset])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let hits: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .filter(|(_, mp)| Path::new(mp).join("written").exists())
+            .map(|(n, _)| n.to_owned())
+            .collect();
+        (hits.len() == 1).then(|| hits[0].clone())
+    })
+    .expect("exactly one dataset holds the write");
+    s.assert_agree();
+    s.ctd.remove("z");
+    // Removing the container removes its dataset.
+    let gone = wait_until(20, || (!s.datasets().contains(&landed)).then_some(()));
+    assert!(gone.is_some(), "{landed} outlived its container");
+    s.assert_agree();
+    assert_clean(&s.ctd.scope(), &["z"]);
+    // The runtime's own bundle rootfs is unmounted; the image layers stay.
+    assert!(s.keys().len() >= 3);
+}
+
+#[test]
+fn crash_in_the_middle_recovers() {
+    let mut s = Setup::start();
+    s.ctd.ctr_ok(&[
+        "image",
+        "import",
+        "--snapshotter",
+        "crabzfs",
+        &crab_tests::image::busybox_archive().to_string_lossy(),
+    ]);
+    let base = s.keys().into_iter().next().expect("the busybox layer");
+    for (point, op) in [
+        ("prepare-after-dataset", vec!["prepare", "k1", base.as_str()]),
+        ("commit-after-snapshot", vec!["commit", "c1", "k1"]),
+        ("remove-after-meta", vec!["rm", "c1"]),
+    ] {
+        // Each crash needs what the previous (crashed, so undone) step
+        // would have made.
+        match point {
+            "commit-after-snapshot" => drop(ok(s.snapshots(&["prepare", "k1", &base]))),
+            "remove-after-meta" => drop(ok(s.snapshots(&["commit", "c1", "k1"]))),
+            _ => {}
+        }
+        s.respawn(Some(point));
+        let out = s.snapshots(&op);
+        if point != "remove-after-meta" {
+            assert!(!out.status.success(), "{point}: {op:?} succeeded through a crash");
+        }
+        assert!(s.snap.wait_crashed(), "{point}: the snapshotter was not killed");
+        s.respawn(None);
+        s.assert_agree();
+    }
+    // Everything still works after the crashes.
+    ok(s.snapshots(&["prepare", "k2", &base]));
+    ok(s.snapshots(&["commit", "c2", "k2"]));
+    ok(s.snapshots(&["rm", "c2"]));
+    wait_until(20, || (s.keys().len() == s.datasets().len()).then_some(())).expect("agree after GC");
+}
+
+#[test]
+fn bad_input_is_refused_clearly() {
+    let s = Setup::start();
+    s.ctd.ctr_ok(&[
+        "image",
+        "import",
+        "--snapshotter",
+        "crabzfs",
+        &crab_tests::image::busybox_archive().to_string_lossy(),
+    ]);
+    let base = s.keys().into_iter().next().expect("the busybox layer");
+    let before = s.datasets();
+    let out = s.snapshots(&["info", "no-such-key"]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("not found"),
+        "{}",
+        stderr(&out)
+    );
+    let out = s.snapshots(&["prepare", "k", "no-such-parent"]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("not found"),
+        "{}",
+        stderr(&out)
+    );
+    ok(s.snapshots(&["prepare", "k", &base]));
+    let out = s.snapshots(&["prepare", "k", &base]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("already exists"),
+        "{}",
+        stderr(&out)
+    );
+    let out = s.snapshots(&["rm", &base]);
+    assert!(!out.status.success(), "removed a snapshot with children");
+    ok(s.snapshots(&["rm", "k"]));
+    wait_until(20, || (s.datasets() == before).then_some(())).expect("back to the image layer only");
+    s.assert_agree();
+
+    // A missing pool: a clear error at start, nothing served.
+    let bin = crab_tests::bin_dir().join("containerd-crab-snapshotter");
+    let out = Command::new(bin)
+        .args([
+            "--address",
+            "/tmp/crab-nopool.sock",
+            "--dataset",
+            "nopool/crab",
+            "--state-dir",
+        ])
+        .arg(s.pool.dir.join("nostate"))
+        .env("CRAB_CONFIG", "/nonexistent")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("cannot serve dataset nopool/crab"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!Path::new("/tmp/crab-nopool.sock").exists());
+}
+
+#[test]
+fn full_pool_fails_clearly() {
+    let s = Setup::start_sized("64M");
+    s.ctd.ctr_ok(&[
+        "image",
+        "import",
+        "--snapshotter",
+        "crabzfs",
+        &crab_tests::image::busybox_archive().to_string_lossy(),
+    ]);
+    let base = s.keys().into_iter().next().expect("the busybox layer");
+    ok(s.snapshots(&["prepare", "k", &base]));
+    // Fill the pool through the active snapshot's mount.
+    let mounts = ok(s.snapshots(&["mounts", "/mnt", "k"]));
+    let source = mounts
+        .split_whitespace()
+        .find(|w| w.starts_with('/') && *w != "/mnt")
+        .expect("a bind mount source")
+        .to_owned();
+    let fill = std::fs::File::create(Path::new(&source).join("fill")).unwrap();
+    let mut w = std::io::BufWriter::new(fill);
+    let chunk = vec![0x5a_u8; 1 << 20];
+    let full = (0..200).any(|_| std::io::Write::write_all(&mut w, &chunk).is_err());
+    drop(w);
+    assert!(full, "a 64M pool took 200M");
+    let before = s.datasets();
+    let out = s.snapshots(&["prepare", "k2", &base]);
+    assert!(!out.status.success(), "prepared on a full pool");
+    assert!(stderr(&out).contains("out of space"), "{}", stderr(&out));
+    assert_eq!(s.datasets(), before, "a half-made dataset");
+    s.assert_agree();
+}
