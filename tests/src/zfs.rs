@@ -1,7 +1,7 @@
 //! zfs-fuse for tests: the daemon (started if absent, stopped if the test
 //! started it) and file-backed pools destroyed on drop.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use crate::{unique, wait_until};
@@ -108,9 +108,4 @@ impl Drop for Pool {
         });
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// Whether `path` is inside `dir`.
-pub fn is_under(path: &Path, dir: &Path) -> bool {
-    path.starts_with(dir)
 }

@@ -4,7 +4,6 @@
 use std::path::Path;
 use std::process::Command;
 
-use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::snapshotter::Snapshotter;
 use crab_tests::zfs::{Pool, ZfsFuse};
