@@ -27,6 +27,7 @@ test: deps lint build
 
 bench: deps release
 	target/release/crab-bench runtime
+	target/release/crab-bench fs
 
 install: release
 	packaging/install.sh

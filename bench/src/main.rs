@@ -7,6 +7,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod fs;
 mod runtime;
 mod stats;
 
@@ -25,10 +26,24 @@ enum Bench {
         #[arg(long, default_value_t = 40)]
         runs: usize,
     },
+    /// Filesystem snapshots per backend (zfs-fuse, btrfs, overlay-copy)
+    /// against copying the whole tree.
+    Fs {
+        /// Size of the sandbox tree in MB.
+        #[arg(long, default_value_t = 200)]
+        mb: usize,
+        /// Number of files in it.
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
+        /// Turns for the storage figure (each changes 1% of the files).
+        #[arg(long, default_value_t = 50)]
+        turns: usize,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Runtime { runs } => runtime::run(runs),
+        Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
     }
 }
