@@ -24,16 +24,7 @@ pub fn run(program: &str, args: &[&str]) -> Result<String> {
 
 /// Runs `program args…` with its stdout copied into `out`.
 pub fn run_to(program: &str, args: &[&str], out: &mut dyn Write) -> Result<()> {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| Error::Spawn {
-            program: program.to_owned(),
-            source,
-        })?;
+    let mut child = spawn(program, args, Stdio::null(), Stdio::piped())?;
     let mut stdout = child.stdout.take().expect("piped stdout");
     let copied = std::io::copy(&mut stdout, out);
     drop(stdout);
@@ -42,20 +33,24 @@ pub fn run_to(program: &str, args: &[&str], out: &mut dyn Write) -> Result<()> {
 
 /// Runs `program args…` with `input` copied into its stdin.
 pub fn run_from(program: &str, args: &[&str], input: &mut dyn Read) -> Result<()> {
-    let mut child = Command::new(program)
+    let mut child = spawn(program, args, Stdio::piped(), Stdio::null())?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let copied = std::io::copy(input, &mut stdin).and_then(|_| stdin.flush());
+    drop(stdin);
+    finish(program, args, child, copied)
+}
+
+fn spawn(program: &str, args: &[&str], stdin: Stdio, stdout: Stdio) -> Result<std::process::Child> {
+    Command::new(program)
         .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdin(stdin)
+        .stdout(stdout)
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| Error::Spawn {
             program: program.to_owned(),
             source,
-        })?;
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    let copied = std::io::copy(input, &mut stdin).and_then(|_| stdin.flush());
-    drop(stdin);
-    finish(program, args, child, copied)
+        })
 }
 
 fn finish(
