@@ -1,7 +1,8 @@
 //! A scripted LLM upstream: answers OpenAI- and Anthropic-shaped JSON and SSE
 //! streams, in process, over real HTTP. The request's `model` picks faults:
 //! `status-429`, `stall-headers`, `stall-body`, `gated` (a stream that sends
-//! its first chunk, then waits for `release()`).
+//! its first chunk, then waits for `release()`), `gated-endless` (the same,
+//! then pings until its receiver goes away).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -29,6 +30,7 @@ pub struct Seen {
 
 struct State {
     seen: Mutex<Vec<Seen>>,
+    n_seen: watch::Sender<usize>,
     gate: Semaphore,
     /// Streams whose receiver went away before they finished.
     cut: Mutex<Option<watch::Sender<u64>>>,
@@ -51,6 +53,7 @@ impl ScriptedUpstream {
         let (cut_tx, cut_rx) = watch::channel(0);
         let state = Arc::new(State {
             seen: Mutex::new(Vec::new()),
+            n_seen: watch::channel(0).0,
             gate: Semaphore::new(0),
             cut: Mutex::new(Some(cut_tx)),
         });
@@ -93,6 +96,12 @@ impl ScriptedUpstream {
         self.state.gate.add_permits(1);
     }
 
+    /// Waits until the upstream has seen `n` requests.
+    pub async fn wait_seen(&self, n: usize) {
+        let mut rx = self.state.n_seen.subscribe();
+        rx.wait_for(|c| *c >= n).await.expect("upstream alive");
+    }
+
     /// Waits until `n` streams were cut by their receiver.
     pub async fn wait_cut(&self, n: u64) {
         let mut rx = self.cut_rx.clone();
@@ -127,6 +136,7 @@ async fn handle(
         headers: parts.headers.clone(),
         body: body.clone(),
     });
+    state.n_seen.send_modify(|n| *n += 1);
     if parts.method == http::Method::GET {
         return Ok(match path.as_str() {
             "/v1/models" => json_resp(
@@ -181,10 +191,18 @@ async fn handle(
         return Ok(full(StatusCode::OK, "application/json", chunks.concat()));
     }
     let (mut tx, body) = Channel::<Bytes, Infallible>::new(1);
-    let gated = model == "gated";
+    let gated = model.starts_with("gated");
     let stall = model == "stall-body";
+    let endless = model == "gated-endless";
+    let chunks: Box<dyn Iterator<Item = String> + Send> = if endless {
+        let first = chunks[0].clone();
+        let more = sse(Some("ping"), &json!({"type": "ping"}));
+        Box::new(std::iter::once(first).chain(std::iter::repeat(more)))
+    } else {
+        Box::new(chunks.into_iter())
+    };
     tracker.spawn(async move {
-        for (idx, chunk) in chunks.into_iter().enumerate() {
+        for (idx, chunk) in chunks.enumerate() {
             if idx == 1 && stall {
                 std::future::pending::<()>().await;
             }
