@@ -213,3 +213,36 @@ async fn replay_refuses_a_range_the_transcript_lacks() {
     let err = h.sandbox.replay(2).await;
     assert!(err.is_ok(), "a recorded 4xx is a complete answer: {err:?}");
 }
+
+#[tokio::test]
+async fn a_turns_record_is_on_disk_before_the_next_answer_is_released() {
+    let h = Harness::plain().await;
+    for turn in 1..=5u64 {
+        let stream = turn % 2 == 0;
+        let resp = h
+            .post("/v1/messages", &messages_body("claude-test", stream))
+            .send()
+            .await
+            .expect("send");
+        // Read the file as soon as the answer's head arrived, without a
+        // flush: every earlier turn must already be there.
+        let raw = std::fs::read_to_string(h.sandbox.transcript_path()).expect("read");
+        let on_disk: Vec<u64> = raw
+            .lines()
+            .map(|l| serde_json::from_str::<Entry>(l).expect("entry"))
+            .filter_map(|e| match e {
+                Entry::Turn(t) => Some(t.turn),
+                Entry::Divergence(_) => None,
+            })
+            .collect();
+        // Turn `turn`'s own record may be there too (its body can end
+        // before the client sees the head); earlier ones must be.
+        let earlier: Vec<u64> = on_disk.iter().copied().filter(|t| *t < turn).collect();
+        assert_eq!(
+            earlier,
+            (1..turn).collect::<Vec<_>>(),
+            "answer of turn {turn}: on disk {on_disk:?}"
+        );
+        resp.bytes().await.expect("body");
+    }
+}
