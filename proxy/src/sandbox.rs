@@ -106,6 +106,12 @@ impl Sandbox {
         self.shared.transcript.path()
     }
 
+    /// Returns once no upstream answer of this sandbox is streaming (for
+    /// instance before a checkpoint, or to see a departed agent's stream end).
+    pub async fn wait_streams_closed(&self) {
+        self.shared.stats.wait_streams_closed().await;
+    }
+
     /// Returns once every transcript entry submitted so far is fsynced.
     pub async fn flush_transcript(&self) {
         let target = self.shared.transcript.submitted();

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use serde::Serialize;
+use tokio::sync::watch;
 
 use crate::gate::GateOutcome;
 
@@ -54,15 +55,26 @@ pub struct TurnHold {
 }
 
 /// The live counters behind [`SandboxStats`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct StatsCell {
     inner: Mutex<(SandboxStats, VecDeque<TurnHold>)>,
+    open_streams: watch::Sender<u64>,
+}
+
+impl Default for StatsCell {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Default::default()),
+            open_streams: watch::channel(0).0,
+        }
+    }
 }
 
 impl StatsCell {
     pub(crate) fn snapshot(&self) -> SandboxStats {
         let guard = self.inner.lock();
         let mut s = guard.0.clone();
+        s.n_open_streams = *self.open_streams.borrow();
         s.recent = guard.1.iter().copied().collect();
         s
     }
@@ -72,11 +84,18 @@ impl StatsCell {
     }
 
     pub(crate) fn stream_opened(&self) {
-        self.update(|s| s.n_open_streams += 1);
+        self.open_streams.send_modify(|n| *n += 1);
     }
 
     pub(crate) fn stream_closed(&self) {
-        self.update(|s| s.n_open_streams = s.n_open_streams.saturating_sub(1));
+        self.open_streams.send_modify(|n| *n = n.saturating_sub(1));
+    }
+
+    /// Resolves when no upstream body is open.
+    pub(crate) async fn wait_streams_closed(&self) {
+        let mut rx = self.open_streams.subscribe();
+        // The sender lives in `self`: wait_for cannot see it closed.
+        let _ = rx.wait_for(|n| *n == 0).await;
     }
 
     pub(crate) fn turn_released(&self, hold: TurnHold) {

@@ -108,6 +108,20 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::HOST,
 ];
 
+/// Removes the hop-by-hop headers and those that `Connection` names.
+fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for h in HOP_BY_HOP.iter().chain(&named) {
+        headers.remove(h);
+    }
+}
+
 /// The upstream client service.
 #[derive(Clone)]
 pub(crate) struct Upstream {
@@ -193,10 +207,10 @@ impl Service<Request<Bytes>> for Upstream {
                 .version(http::Version::HTTP_11);
             if let Some(headers) = out.headers_mut() {
                 *headers = parts.headers;
-                for h in &HOP_BY_HOP {
-                    headers.remove(h);
-                }
+                strip_hop_by_hop(headers);
                 headers.remove(header::ACCEPT_ENCODING);
+                // The proxy's own server answered any `100-continue`.
+                headers.remove(header::EXPECT);
             }
             let out = out.body(Full::new(body)).map_err(|_| UpstreamError::BadPath {
                 base: uri.to_string(),
@@ -238,9 +252,7 @@ impl Service<Request<Bytes>> for Upstream {
                 }
             };
             let (mut parts, body) = resp.into_parts();
-            for h in &HOP_BY_HOP {
-                parts.headers.remove(h);
-            }
+            strip_hop_by_hop(&mut parts.headers);
             let body = TimedBody::new(body, timeouts, total_deadline, stats);
             Ok(Response::from_parts(parts, body.boxed()))
         })
@@ -329,5 +341,61 @@ impl Body for TimedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderMap;
+
+    use super::*;
+
+    fn check(given: &[(&str, &str)], kept: &[&str]) {
+        let mut headers = HeaderMap::new();
+        for (k, v) in given {
+            headers.append(
+                HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                v.parse().expect("value"),
+            );
+        }
+        strip_hop_by_hop(&mut headers);
+        let mut got: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        got.sort_unstable();
+        assert_eq!(got, kept, "{given:?}");
+    }
+
+    #[test]
+    fn hop_by_hop_headers() {
+        for (given, kept) in [
+            (
+                &[
+                    ("authorization", "Bearer x"),
+                    ("x-api-key", "k"),
+                    ("content-type", "a/b"),
+                ][..],
+                &["authorization", "content-type", "x-api-key"][..],
+            ),
+            (
+                &[
+                    ("connection", "keep-alive, x-trace"),
+                    ("x-trace", "1"),
+                    ("keep-alive", "5"),
+                    ("x-other", "2"),
+                ][..],
+                &["x-other"][..],
+            ),
+            (
+                &[
+                    ("transfer-encoding", "chunked"),
+                    ("te", "trailers"),
+                    ("upgrade", "h2c"),
+                    ("host", "h"),
+                    ("proxy-authorization", "p"),
+                ][..],
+                &[][..],
+            ),
+        ] {
+            check(given, kept);
+        }
     }
 }

@@ -112,23 +112,40 @@ async fn an_idle_upstream_cuts_the_stream_and_the_record_says_so() {
 
 #[tokio::test]
 async fn a_client_leaving_mid_stream_ends_the_upstream_stream() {
-    let h = Harness::plain().await;
-    let mut resp = h
-        .post("/v1/messages", &messages_body("gated-endless", true))
-        .send()
-        .await
-        .expect("send");
-    resp.chunk().await.expect("first chunk").expect("some");
-    assert_eq!(h.sandbox.stats().n_open_streams, 1);
-    drop(resp);
-    h.upstream.release();
-    // The upstream's next send fails: the proxy dropped its side.
-    tokio::time::timeout(Duration::from_secs(10), h.upstream.wait_cut(1))
-        .await
-        .expect("upstream stream cut");
-    let response = h.turns().await.pop().expect("record").response.expect("response");
-    assert_eq!(response.end, StreamEnd::ClientDisconnected);
-    assert_eq!(h.sandbox.stats().n_open_streams, 0, "no stream left behind");
+    // `gated`: the upstream is silent when the client leaves; `gated-endless`:
+    // it keeps sending.
+    for (idx, model) in ["gated", "gated-endless"].into_iter().enumerate() {
+        let h = Harness::plain().await;
+        let mut resp = h
+            .post("/v1/messages", &messages_body(model, true))
+            .send()
+            .await
+            .expect("send");
+        resp.chunk().await.expect("first chunk").expect("some");
+        assert_eq!(h.sandbox.stats().n_open_streams, 1);
+        drop(resp);
+        if idx == 0 {
+            // Seen while the upstream is silent: hyper reads the client's EOF.
+            tokio::time::timeout(Duration::from_secs(10), h.sandbox.wait_streams_closed())
+                .await
+                .expect("closed");
+        }
+        h.upstream.release();
+        // The upstream's next send fails: the proxy dropped its side.
+        tokio::time::timeout(Duration::from_secs(10), h.upstream.wait_cut(1))
+            .await
+            .expect("upstream stream cut");
+        tokio::time::timeout(Duration::from_secs(10), h.sandbox.wait_streams_closed())
+            .await
+            .expect("closed");
+        let response = h.turns().await.pop().expect("record").response.expect("response");
+        assert_eq!(response.end, StreamEnd::ClientDisconnected, "{model}");
+        assert_eq!(
+            h.sandbox.stats().n_open_streams,
+            0,
+            "{model}: no stream left behind"
+        );
+    }
 }
 
 #[tokio::test]

@@ -131,18 +131,28 @@ async fn tool_call_exchanges_pass_through() {
 #[tokio::test]
 async fn upstream_errors_pass_through_unchanged() {
     let h = Harness::plain().await;
-    let resp = h
-        .post("/v1/messages", &messages_body("status-429", false))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(resp.status(), 429);
-    assert_eq!(resp.headers()["retry-after"], "7");
-    assert!(resp.headers().get("x-crab-error").is_none());
-    let body: serde_json::Value = resp.json().await.expect("json");
-    assert_eq!(body["error"]["type"], "rate_limit_error");
-    let record = h.turns().await.pop().expect("record");
-    assert_eq!(record.response.expect("response").status, 429);
+    for (model, status, kind) in [
+        ("status-429", 429, "rate_limit_error"),
+        ("status-500", 500, "api_error"),
+    ] {
+        let resp = h
+            .post("/v1/messages", &messages_body(model, false))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), status);
+        if status == 429 {
+            assert_eq!(resp.headers()["retry-after"], "7");
+        }
+        assert!(
+            resp.headers().get("x-crab-error").is_none(),
+            "the upstream's own answer"
+        );
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(body["error"]["type"], kind);
+        let record = h.turns().await.pop().expect("record");
+        assert_eq!(record.response.expect("response").status, status);
+    }
 }
 
 #[tokio::test]

@@ -1,6 +1,6 @@
 //! A scripted LLM upstream: answers OpenAI- and Anthropic-shaped JSON and SSE
 //! streams, in process, over real HTTP. The request's `model` picks faults:
-//! `status-429`, `stall-headers`, `stall-body`, `gated` (a stream that sends
+//! `status-429`, `status-500`, `stall-headers`, `stall-body`, `gated` (a stream that sends
 //! its first chunk, then waits for `release()`), `gated-endless` (the same,
 //! then pings until its receiver goes away).
 
@@ -165,6 +165,10 @@ async fn handle(
             r.headers_mut()
                 .insert("retry-after", http::HeaderValue::from_static("7"));
             return Ok(r);
+        }
+        "status-500" => {
+            let body = json!({"type":"error","error":{"type":"api_error","message":"upstream broke"}});
+            return Ok(json_resp(StatusCode::INTERNAL_SERVER_ERROR, body));
         }
         "stall-headers" => {
             std::future::pending::<()>().await;
