@@ -164,3 +164,54 @@ async fn a_slowloris_client_is_cut_at_the_header_deadline() {
     assert!(read.is_ok(), "connection closed by the proxy");
     assert!(h.upstream.seen().is_empty());
 }
+
+#[tokio::test]
+async fn a_transcript_that_cannot_be_opened_refuses_the_sandbox() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blocker = dir.path().join("not-a-dir");
+    std::fs::write(&blocker, b"").expect("write");
+    let mut cfg = support::config("http://127.0.0.1:9", dir.path());
+    cfg.transcript_dir = blocker;
+    let proxy = crab_proxy::Proxy::new(cfg, std::sync::Arc::new(crab_proxy::NoopHook)).expect("proxy");
+    let err = proxy
+        .add_sandbox(crab_proxy::SandboxId::new("sb").expect("id"))
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(
+            err,
+            crab_proxy::Error::Transcript(crab_proxy::transcript::TranscriptError::Open { .. })
+        ),
+        "{err:?}"
+    );
+    assert!(proxy
+        .sandbox(&crab_proxy::SandboxId::new("sb").expect("id"))
+        .is_none());
+}
+
+#[tokio::test]
+async fn a_failing_transcript_disk_is_counted_and_never_wedges_the_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tdir = dir.path().join("transcripts");
+    std::fs::create_dir_all(&tdir).expect("mkdir");
+    // Every write to /dev/full fails with ENOSPC.
+    std::os::unix::fs::symlink("/dev/full", tdir.join("sb1.jsonl")).expect("symlink");
+    let h = Harness::start(Default::default(), |c| c.transcript_dir = tdir.clone()).await;
+    for _ in 0..3 {
+        let resp = h
+            .post("/v1/chat/completions", &chat_body("gpt-test", false))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.expect("body");
+    }
+    h.sandbox.flush_transcript().await;
+    let stats = h.sandbox.stats();
+    assert_eq!(stats.n_transcript_errors, 3);
+    assert_eq!(
+        stats.n_transcript_timeouts, 0,
+        "a failed write does not hold the next answer"
+    );
+}
