@@ -70,6 +70,13 @@ pub enum ConfigError {
         /// The URL given.
         uri: String,
     },
+    /// The TLS client cannot be set up with the ring provider.
+    #[error("cannot set up the TLS client")]
+    Tls {
+        /// What rustls said.
+        #[source]
+        source: rustls::Error,
+    },
 }
 
 impl Upstreams {

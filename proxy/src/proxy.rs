@@ -41,10 +41,11 @@ impl Proxy {
     /// A proxy with `config` calling `hook` at every turn end.
     ///
     /// # Errors
-    /// [`Error::Config`] when an upstream URL is not absolute http(s).
+    /// [`Error::Config`] when an upstream URL is not absolute http(s), or
+    /// the TLS client cannot be set up.
     pub fn new(config: ProxyConfig, hook: Arc<dyn TurnHook>) -> Result<Self, Error> {
         config.upstreams.validate()?;
-        let client = build_client(&config.timeouts);
+        let client = build_client(&config.timeouts)?;
         let inner = Inner {
             config: Arc::new(config),
             hook,

@@ -21,7 +21,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
-use crate::config::{Timeouts, Upstreams};
+use crate::config::{ConfigError, Timeouts, Upstreams};
 use crate::route::{Provider, Route};
 use crate::stats::StatsCell;
 use crate::{Error, ProxyBody};
@@ -134,18 +134,21 @@ pub(crate) struct Upstream {
 /// A shareable HTTP/HTTPS client; one per [`crate::Proxy`].
 pub(crate) type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-/// Builds the client: webpki roots, HTTP/1.1, connect deadline.
-pub(crate) fn build_client(timeouts: &Timeouts) -> UpstreamClient {
+/// Builds the client: rustls with the ring provider named explicitly (so a
+/// second provider elsewhere in a binary cannot make the default ambiguous),
+/// webpki roots, HTTP/1.1, connect deadline.
+pub(crate) fn build_client(timeouts: &Timeouts) -> Result<UpstreamClient, ConfigError> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(Some(timeouts.upstream_connect));
     http.set_nodelay(true);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_webpki_roots()
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
+        .map_err(|source| ConfigError::Tls { source })?
         .https_or_http()
         .enable_http1()
         .wrap_connector(http);
-    Client::builder(TokioExecutor::new()).build(https)
+    Ok(Client::builder(TokioExecutor::new()).build(https))
 }
 
 impl Upstream {

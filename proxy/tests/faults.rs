@@ -46,23 +46,32 @@ async fn bodies_over_the_limit_get_413() {
 
 #[tokio::test]
 async fn an_unreachable_upstream_is_a_502() {
-    // A port that was just free: nothing listens there.
+    // A port that was just free (nothing listens), and TLS to a plain HTTP
+    // server (the handshake fails).
     let free = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", free.local_addr().expect("addr"));
+    let refused = format!("http://{}", free.local_addr().expect("addr"));
     drop(free);
-    let h = Harness::start(Default::default(), |c| {
-        c.upstreams.openai = url.parse().expect("uri");
-    })
-    .await;
-    let resp = h
-        .post("/v1/chat/completions", &chat_body("gpt-test", false))
-        .send()
-        .await
-        .expect("send");
-    check_error(resp, 502, "crab_upstream_unreachable").await;
-    let record = h.turns().await.pop().expect("record");
-    assert_eq!(record.error.as_deref(), Some("crab_upstream_unreachable"));
-    assert!(record.response.is_none());
+    let plain = support::ScriptedUpstream::start().await;
+    let bad_tls = format!("https://{}", plain.addr);
+    for url in [refused, bad_tls] {
+        let h = Harness::start(Default::default(), |c| {
+            c.upstreams.openai = url.parse().expect("uri");
+        })
+        .await;
+        let resp = h
+            .post("/v1/chat/completions", &chat_body("gpt-test", false))
+            .send()
+            .await
+            .expect("send");
+        check_error(resp, 502, "crab_upstream_unreachable").await;
+        let record = h.turns().await.pop().expect("record");
+        assert_eq!(
+            record.error.as_deref(),
+            Some("crab_upstream_unreachable"),
+            "{url}"
+        );
+        assert!(record.response.is_none());
+    }
 }
 
 #[tokio::test]
