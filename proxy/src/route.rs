@@ -13,8 +13,10 @@ use tower::{Layer, Service};
 #[serde(rename_all = "snake_case")]
 pub enum Api {
     /// OpenAI Chat Completions, `POST /v1/chat/completions`.
+    #[serde(rename = "openai_chat")]
     OpenAiChat,
     /// OpenAI Responses, `POST /v1/responses`.
+    #[serde(rename = "openai_responses")]
     OpenAiResponses,
     /// Anthropic Messages, `POST /v1/messages`.
     AnthropicMessages,

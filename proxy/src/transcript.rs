@@ -419,3 +419,117 @@ async fn write_loop(
         durable.send_modify(|d| *d += n);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// An entry encodes to `expected` and decodes back to itself.
+    fn check(entry: Entry, expected: serde_json::Value) {
+        let encoded = serde_json::to_value(&entry).expect("encode");
+        assert_eq!(encoded, expected);
+        let decoded: Entry = serde_json::from_value(encoded).expect("decode");
+        assert_eq!(decoded, entry);
+    }
+
+    #[test]
+    fn format() {
+        let timing = Timing {
+            started_unix_ms: 5,
+            headers_us: Some(1),
+            first_byte_us: None,
+            end_us: 9,
+            hold_us: Some(0),
+        };
+        let turn = TurnRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            turn: 3,
+            api: Api::OpenAiChat,
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            request: RecordedRequest {
+                headers: vec![("a".into(), "b".into())],
+                body: RecordedBody::from_bytes(b"{}"),
+            },
+            response: Some(RecordedResponse {
+                status: 200,
+                headers: vec![],
+                body: RecordedBody::from_bytes(&[0xff, 0x00]),
+                n_bytes: 2,
+                capped: false,
+                end: StreamEnd::ClientDisconnected,
+            }),
+            error: None,
+            gate: Some(GateOutcome::HookTimedOut),
+            timing,
+        };
+        check(
+            Entry::Turn(turn),
+            json!({"kind": "turn", "v": 1, "sandbox": "sb", "turn": 3, "api": "openai_chat", "method": "POST",
+                "path": "/v1/chat/completions",
+                "request": {"headers": [["a", "b"]], "body": {"text": "{}"}},
+                "response": {"status": 200, "headers": [], "body": {"base64": "/wA="}, "n_bytes": 2,
+                             "capped": false, "end": "client_disconnected"},
+                "error": null, "gate": "hook_timed_out",
+                "timing": {"started_unix_ms": 5, "headers_us": 1, "first_byte_us": null, "end_us": 9, "hold_us": 0}}),
+        );
+        let divergence = DivergenceRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            turn: 2,
+            path: "/v1/messages".into(),
+            expected_sha256: "aa".into(),
+            got_sha256: "bb".into(),
+            unix_ms: 7,
+        };
+        check(
+            Entry::Divergence(divergence),
+            json!({"kind": "divergence", "v": 1, "sandbox": "sb", "turn": 2, "path": "/v1/messages",
+                "expected_sha256": "aa", "got_sha256": "bb", "unix_ms": 7}),
+        );
+    }
+
+    #[test]
+    fn redaction() {
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("Authorization", "Bearer s"),
+            ("x-api-key", "s"),
+            ("api-key", "s"),
+            ("cookie", "s"),
+            ("proxy-authorization", "s"),
+            ("content-type", "application/json"),
+            ("anthropic-version", "2023-06-01"),
+        ] {
+            headers.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                v.parse().expect("value"),
+            );
+        }
+        let kept: Vec<String> = record_headers(&headers).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(kept, ["content-type", "anthropic-version"]);
+    }
+
+    #[tokio::test]
+    async fn torn_last_line_is_ignored() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let line = r#"{"kind":"divergence","v":1,"sandbox":"s","turn":1,"path":"/","expected_sha256":"a","got_sha256":"b","unix_ms":1}"#;
+        for (text, n_entries, ok) in [
+            (format!("{line}\n{line}\n"), 2, true),
+            (format!("{line}\n{{\"kind\":\"tu"), 1, true),
+            (format!("{{\"kind\":\"tu\n{line}\n"), 0, false),
+            (String::new(), 0, true),
+        ] {
+            let path = dir.path().join("t.jsonl");
+            std::fs::write(&path, &text).expect("write");
+            match read_entries(&path).await {
+                Ok(entries) => assert!(ok && entries.len() == n_entries, "{text:?}"),
+                Err(TranscriptError::Decode { line_idx, .. }) => assert!(!ok && line_idx == 1, "{text:?}"),
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    }
+}
