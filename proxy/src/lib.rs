@@ -15,6 +15,12 @@
 //! (stats, replay, its tower service), [`serve_sandbox`] and [`serve_host`]
 //! (listeners), [`TurnHook`], [`ProxyConfig`], [`Error`].
 //!
+//! Turn rules in detail: the k-th main-loop request of a sandbox ends turn k
+//! (from 1); a request refused before forwarding (413) is no turn; a
+//! malformed JSON body on a main-loop path is a turn and is forwarded as-is;
+//! an SDK's retry of a failed request is a new turn (it is a new request);
+//! turns answered by a replay count but do not call the hook.
+//!
 //! A request's path through a sandbox is one tower layer per concern:
 //! route detect → body limit → replay → turn-end mark → hold gate →
 //! transcript tee → upstream client (see [`Sandbox::service`]).
