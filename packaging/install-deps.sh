@@ -98,6 +98,15 @@ WRAP
   fi
 fi
 
+# The official OpenAI and Anthropic Python SDKs, for the proxy's SDK tests
+# (proxy/tests/sdk.rs), in a private venv so the system Python stays as it is.
+SDK_VENV=${SDK_VENV:-/opt/crab/sdk-venv}
+if ! "$SDK_VENV/bin/python3" -c 'import openai, anthropic' 2>/dev/null; then
+  log "installing the openai and anthropic SDKs into $SDK_VENV"
+  /usr/bin/python3 -m venv "$SDK_VENV" 2>/dev/null || python3 -m venv "$SDK_VENV"
+  "$SDK_VENV/bin/pip" install -q --disable-pip-version-check 'openai>=1.40,<3' 'anthropic>=0.34,<1'
+fi
+
 # Mounts that BPF and tests use.
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf || true
 mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing || true

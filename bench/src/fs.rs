@@ -51,7 +51,11 @@ fn run_in(root: &Path, mb: usize, files: usize, turns: usize) -> anyhow::Result<
     populate(&base_tree, files, file_size)?;
     let before = free_bytes(root)?;
     let t = Instant::now();
-    let out = Command::new("cp").arg("-a").arg(&base_tree).arg(root.join("copy")).status()?;
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(&base_tree)
+        .arg(root.join("copy"))
+        .status()?;
     if !out.success() {
         bail!("cp -a failed");
     }
@@ -68,9 +72,15 @@ fn run_in(root: &Path, mb: usize, files: usize, turns: usize) -> anyhow::Result<
         populate(&upper, files, file_size)?;
         let store = root.join("ov/store");
         let b = OverlayCopyBackend::new(&upper, &store);
-        rows.push(measure("overlay-copy", &b, &upper, files, per_turn, turns, &|_| {
-            Ok(du_unique(&store)?)
-        })?);
+        rows.push(measure(
+            "overlay-copy",
+            &b,
+            &upper,
+            files,
+            per_turn,
+            turns,
+            &|_| du_unique(&store),
+        )?);
     }
 
     // btrfs on a loop device.
@@ -78,9 +88,15 @@ fn run_in(root: &Path, mb: usize, files: usize, turns: usize) -> anyhow::Result<
         let img = root.join("btrfs.img");
         let mnt = root.join("btrfs");
         std::fs::create_dir_all(&mnt)?;
-        sh("truncate", &["-s", &format!("{}M", mb * 3 + 512), &img.to_string_lossy()])?;
+        sh(
+            "truncate",
+            &["-s", &format!("{}M", mb * 3 + 512), &img.to_string_lossy()],
+        )?;
         sh("mkfs.btrfs", &["-q", &img.to_string_lossy()])?;
-        sh("mount", &["-o", "loop", &img.to_string_lossy(), &mnt.to_string_lossy()])?;
+        sh(
+            "mount",
+            &["-o", "loop", &img.to_string_lossy(), &mnt.to_string_lossy()],
+        )?;
         let res = (|| {
             let b = BtrfsBackend::create(&mnt.join("sb"))?;
             let live = b.live_path()?;
@@ -99,7 +115,15 @@ fn run_in(root: &Path, mb: usize, files: usize, turns: usize) -> anyhow::Result<
         let live = b.live_path()?;
         populate(&live, files, file_size)?;
         let name = pool.name.clone();
-        rows.push(measure("zfs (zfs-fuse)", &b, &live, files, per_turn, turns, &|_| zfs_used(&name))?);
+        rows.push(measure(
+            "zfs (zfs-fuse)",
+            &b,
+            &live,
+            files,
+            per_turn,
+            turns,
+            &|_| zfs_used(&name),
+        )?);
     }
 
     println!(
@@ -161,7 +185,10 @@ fn measure(
     for turn in 0..turns {
         for k in 0..per_turn {
             let f = (turn * per_turn + k) % files;
-            std::fs::write(live.join(format!("f{f}")), format!("turn {turn} file {f}").repeat(64))?;
+            std::fs::write(
+                live.join(format!("f{f}")),
+                format!("turn {turn} file {f}").repeat(64),
+            )?;
         }
         b.snapshot(&n(&format!("turn{turn}"))?)?;
     }
@@ -198,7 +225,9 @@ fn du_unique(dir: &Path) -> anyhow::Result<u64> {
 /// (every 5 s at most): zfs-fuse's accounting lags until then.
 fn zfs_used(pool: &str) -> anyhow::Result<u64> {
     std::thread::sleep(Duration::from_secs(6));
-    let out = Command::new("zfs").args(["get", "-H", "-p", "-o", "value", "used", pool]).output()?;
+    let out = Command::new("zfs")
+        .args(["get", "-H", "-p", "-o", "value", "used", pool])
+        .output()?;
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
 }
 

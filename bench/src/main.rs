@@ -2,12 +2,14 @@
 //!
 //! Run as root from a release build: `make bench` (or
 //! `cargo build --release --workspace && target/release/crab-bench runtime`).
+//! `crab-bench proxy` needs no root: it runs an upstream and the proxy in process.
 
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
 
 mod fs;
+mod proxy;
 mod runtime;
 mod stats;
 
@@ -39,11 +41,24 @@ enum Bench {
         #[arg(long, default_value_t = 50)]
         turns: usize,
     },
+    /// Latency the LLM proxy adds (p50/p99, non-streaming and streaming
+    /// time to first byte, 1 and 64 clients) beside calling the upstream directly.
+    Proxy {
+        /// Requests per configuration (split across the clients).
+        #[arg(long, default_value_t = 2000)]
+        requests: usize,
+        /// Pause between two requests of one client (the agent's tool calls), ms.
+        #[arg(long, default_value_t = 0)]
+        think_ms: u64,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
+        Bench::Proxy { requests, think_ms } => {
+            proxy::run(requests, std::time::Duration::from_millis(think_ms))
+        }
     }
 }

@@ -1,0 +1,92 @@
+//! The proxy's configuration. No `Default`: every deployment states its
+//! upstreams, limits and timeouts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::Uri;
+
+use crate::route::TurnEndRules;
+
+/// Everything a [`crate::Proxy`] needs to know.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Where requests go.
+    pub upstreams: Upstreams,
+    /// Which requests end a turn.
+    pub turn_ends: TurnEndRules,
+    /// Size limits.
+    pub limits: Limits,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+    /// Directory of the transcripts, one `<sandbox>.jsonl` each.
+    pub transcript_dir: PathBuf,
+}
+
+/// Base URLs of the upstream APIs (`scheme://host[:port][/prefix]`); the
+/// request path is appended to the base path.
+#[derive(Debug, Clone)]
+pub struct Upstreams {
+    /// OpenAI-compatible upstream, e.g. `https://api.openai.com`.
+    pub openai: Uri,
+    /// Anthropic upstream, e.g. `https://api.anthropic.com`.
+    pub anthropic: Uri,
+}
+
+/// Size limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest request body accepted; larger ones get 413.
+    pub max_request_body: usize,
+    /// Bytes of one response body kept in its transcript record; the record
+    /// of a longer response is marked incomplete (the agent still gets all).
+    pub transcript_body_cap: usize,
+}
+
+/// Deadlines; each has its own error.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// A client must send its request head within this (slowloris guard).
+    pub client_header: Duration,
+    /// TCP (and TLS) connect to the upstream.
+    pub upstream_connect: Duration,
+    /// From sending the request to the upstream's response head.
+    pub upstream_header: Duration,
+    /// Longest silence between two chunks of an upstream body.
+    pub upstream_idle: Duration,
+    /// Whole upstream exchange, body included.
+    pub upstream_total: Duration,
+    /// Longest hold of an answer by the turn-end hook (and the transcript's
+    /// durability wait); then the answer is released and the miss recorded.
+    pub hook: Duration,
+}
+
+/// A configuration that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// An upstream base URL lacks an `http`/`https` scheme or a host.
+    #[error("upstream {uri} is not an absolute http or https URL")]
+    BadUpstream {
+        /// The URL given.
+        uri: String,
+    },
+    /// The TLS client cannot be set up with the ring provider.
+    #[error("cannot set up the TLS client")]
+    Tls {
+        /// What rustls said.
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+impl Upstreams {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for uri in [&self.openai, &self.anthropic] {
+            let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+            if !scheme_ok || uri.authority().is_none() {
+                return Err(ConfigError::BadUpstream { uri: uri.to_string() });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,201 @@
+//! The hold gate: a turn end's answer waits until the turn is safe.
+//!
+//! On a turn end the gate starts, in a task of the sandbox, the hook call and
+//! the wait for the transcript's durability rule (see [`crate::transcript`]),
+//! both under one deadline (the hook timeout). The request goes upstream at
+//! the same time. The answer (response head, and so the first byte of a
+//! stream) is released when both have finished: at once if they finished
+//! first. Invariant: a failing or late hook releases the answer and is
+//! recorded; the agent is never wedged.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tower::{Layer, Service};
+
+use crate::sandbox::Shared;
+use crate::stats::TurnHold;
+use crate::turn::TurnCtx;
+use crate::{Error, ProxyBody};
+
+/// How a turn's gate opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateOutcome {
+    /// The hook returned Ok and the transcript rule held.
+    Opened,
+    /// The hook returned an error.
+    HookFailed,
+    /// The hook did not return within the hook timeout.
+    HookTimedOut,
+    /// Earlier records were not durable within the hook timeout.
+    TranscriptTimedOut,
+    /// The sandbox shut down before the gate opened.
+    Cancelled,
+}
+
+/// Tower layer holding turn-end answers behind the gate.
+#[derive(Clone)]
+pub(crate) struct GateLayer {
+    shared: Arc<Shared>,
+}
+
+/// The service made by [`GateLayer`].
+#[derive(Clone)]
+pub(crate) struct Gate<S> {
+    shared: Arc<Shared>,
+    inner: S,
+}
+
+/// Awaits `answer` and `gate` together; returns the answer, the outcome and
+/// the hold: how long the answer waited for the gate (zero if the gate
+/// opened first).
+pub(crate) async fn hold<R>(
+    gate: impl Future<Output = (GateOutcome, Instant)>,
+    answer: impl Future<Output = R>,
+) -> (R, GateOutcome, Duration) {
+    let answer = async {
+        let r = answer.await;
+        (r, Instant::now())
+    };
+    let ((r, answered_at), (outcome, opened_at)) = tokio::join!(answer, gate);
+    (r, outcome, opened_at.saturating_duration_since(answered_at))
+}
+
+/// Starts the gate of `turn`: the hook and the durability wait, in a task of
+/// the sandbox (so the hook runs to its end even if the agent leaves).
+fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutcome, Instant)> {
+    let (tx, rx) = oneshot::channel();
+    let durable_target = shared.transcript.submitted();
+    let durable = shared.transcript.wait_durable(durable_target);
+    let hook = shared.hook.clone();
+    let sandbox = shared.id.clone();
+    let timeout = shared.config.timeouts.hook;
+    let cancel = shared.cancel.clone();
+    shared.tracker.spawn(async move {
+        let deadline = Instant::now() + timeout;
+        let work = async {
+            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn));
+            let durable = tokio::time::timeout_at(deadline, durable);
+            match tokio::join!(hook, durable) {
+                (Err(_), _) => GateOutcome::HookTimedOut,
+                (Ok(Err(error)), _) => {
+                    tracing::warn!(sandbox = %sandbox, turn, error = &error as &dyn std::error::Error, "turn hook failed; answer released");
+                    GateOutcome::HookFailed
+                }
+                (Ok(Ok(())), Err(_)) => GateOutcome::TranscriptTimedOut,
+                (Ok(Ok(())), Ok(())) => GateOutcome::Opened,
+            }
+        };
+        let outcome = tokio::select! {
+            outcome = work => outcome,
+            () = cancel.cancelled() => GateOutcome::Cancelled,
+        };
+        // The receiver is gone if the agent left; the outcome is then moot.
+        let _ = tx.send((outcome, Instant::now()));
+    });
+    async move { rx.await.unwrap_or((GateOutcome::Cancelled, Instant::now())) }
+}
+
+impl GateLayer {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+impl<S> Layer<S> for GateLayer {
+    type Service = Gate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Gate {
+            shared: self.shared.clone(),
+            inner,
+        }
+    }
+}
+
+impl<S> Service<Request<Bytes>> for Gate<S>
+where
+    S: Service<Request<Bytes>, Response = Response<ProxyBody>, Error = Error> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+        let ctx = req.extensions().get::<TurnCtx>().cloned();
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let Some(ctx) = ctx else {
+            return Box::pin(inner.call(req));
+        };
+        let gate = open_gate(&self.shared, ctx.turn);
+        let stats = self.shared.stats.clone();
+        Box::pin(async move {
+            let (result, outcome, held) = hold(gate, inner.call(req)).await;
+            ctx.set_released(outcome, held);
+            stats.turn_released(TurnHold {
+                turn: ctx.turn,
+                hold: held,
+                outcome,
+            });
+            tracing::debug!(
+                turn = ctx.turn,
+                ?outcome,
+                hold_ms = held.as_secs_f64() * 1000.0,
+                "answer released"
+            );
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gate opening after `gate_ms`, answer after `answer_ms` (tokio's
+    /// paused clock): the hold is exactly the difference when positive.
+    async fn check(gate_ms: u64, answer_ms: u64, expected_hold_ms: u64) {
+        let start = Instant::now();
+        let gate = async move {
+            tokio::time::sleep(Duration::from_millis(gate_ms)).await;
+            (GateOutcome::Opened, Instant::now())
+        };
+        let answer = tokio::time::sleep(Duration::from_millis(answer_ms));
+        let ((), outcome, held) = hold(gate, answer).await;
+        assert_eq!(outcome, GateOutcome::Opened);
+        assert_eq!(
+            held,
+            Duration::from_millis(expected_hold_ms),
+            "gate {gate_ms} answer {answer_ms}"
+        );
+        assert_eq!(start.elapsed(), Duration::from_millis(gate_ms.max(answer_ms)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn holds() {
+        for (gate_ms, answer_ms, expected) in [
+            (0, 0, 0),
+            (0, 100, 0),
+            (500, 100, 400),
+            (500, 0, 500),
+            (100, 100, 0),
+        ] {
+            check(gate_ms, answer_ms, expected).await;
+        }
+    }
+}

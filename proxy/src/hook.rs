@@ -1,0 +1,54 @@
+//! The turn-end hook: how the proxy asks the engine whether a turn is safe.
+
+use std::error::Error as StdError;
+
+use async_trait::async_trait;
+
+use crate::SandboxId;
+
+/// Called once per turn end; returns when the sandbox's state at that turn
+/// end is safe (its version is published, or the engine decided `none`).
+///
+/// The proxy calls it in a task of its own, in parallel with the upstream
+/// request, and holds that request's answer until it returns (or until the
+/// configured hook timeout). The call is not cancelled when the agent
+/// disconnects: the turn did end.
+#[async_trait]
+pub trait TurnHook: Send + Sync + 'static {
+    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended.
+    ///
+    /// # Errors
+    /// Any [`HookError`]; the proxy then releases the answer anyway and
+    /// records the failure (the agent is never wedged by the engine).
+    async fn turn_ended(&self, sandbox: &SandboxId, turn: u64) -> Result<(), HookError>;
+}
+
+/// Why a [`TurnHook`] could not make a turn safe.
+#[derive(Debug, thiserror::Error)]
+pub enum HookError {
+    /// The engine could not be reached.
+    #[error("engine unavailable")]
+    Unavailable {
+        /// What the transport said.
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// The engine was reached but could not make the turn's version.
+    #[error("checkpoint of the turn failed")]
+    CheckpointFailed {
+        /// What the engine said.
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+}
+
+/// A hook that makes every turn safe at once (no engine attached).
+#[derive(Debug, Clone, Copy)]
+pub struct NoopHook;
+
+#[async_trait]
+impl TurnHook for NoopHook {
+    async fn turn_ended(&self, _sandbox: &SandboxId, _turn: u64) -> Result<(), HookError> {
+        Ok(())
+    }
+}

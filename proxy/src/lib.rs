@@ -1,0 +1,66 @@
+//! `crab-proxy`: Crab's coordinator, an HTTP reverse proxy for LLM APIs that
+//! marks an agent's turn ends, holds each answer until its turn is safe, and
+//! keeps a transcript it can replay.
+//!
+//! Speaks OpenAI Chat Completions (`POST /v1/chat/completions`), OpenAI
+//! Responses (`POST /v1/responses`) and Anthropic Messages
+//! (`POST /v1/messages`), streaming included; every other path passes
+//! through. A main-loop request ends a turn (the rule is a list of
+//! [`RoutePattern`]s); on a turn end the proxy calls the [`TurnHook`] while
+//! the request goes upstream, and releases the answer once the hook returned
+//! (or failed, or timed out). Each turn is appended to the sandbox's
+//! transcript (see [`transcript`] for the format and the durability rule).
+//!
+//! Public face: [`Proxy`] (registry, [`Proxy::add_sandbox`]), [`Sandbox`]
+//! (stats, replay, its tower service), [`serve_sandbox`] and [`serve_host`]
+//! (listeners), [`TurnHook`], [`ProxyConfig`], [`Error`].
+//!
+//! Turn rules in detail: the k-th main-loop request of a sandbox ends turn k
+//! (from 1); a request refused before forwarding (413) is no turn; a
+//! malformed JSON body on a main-loop path is a turn and is forwarded as-is;
+//! an SDK's retry of a failed request is a new turn (it is a new request);
+//! turns answered by a replay count but do not call the hook.
+//!
+//! A request's path through a sandbox is one tower layer per concern:
+//! route detect → body limit → replay → turn-end mark → hold gate →
+//! transcript tee → upstream client (see [`Sandbox::service`]).
+//!
+//! Must never: rewrite a request or response body, add buffering to a
+//! stream, log or store `Authorization`/`x-api-key`/`api-key`, or wedge an
+//! agent on a failing engine.
+
+#![forbid(unsafe_code)]
+
+mod config;
+mod error;
+mod gate;
+mod hook;
+mod id;
+mod limit;
+mod proxy;
+mod replay;
+mod route;
+mod sandbox;
+mod server;
+mod stats;
+mod tee;
+pub mod transcript;
+mod turn;
+mod upstream;
+
+pub use config::{ConfigError, Limits, ProxyConfig, Timeouts, Upstreams};
+pub use error::Error;
+pub use gate::GateOutcome;
+pub use hook::{HookError, NoopHook, TurnHook};
+pub use id::{InvalidSandboxId, SandboxId};
+pub use limit::RequestError;
+pub use proxy::Proxy;
+pub use replay::{canonical, ReplayError};
+pub use route::{Api, InvalidRoutePattern, Provider, Route, RoutePattern, TurnEndRules};
+pub use sandbox::{Sandbox, SandboxService};
+pub use server::{serve_host, serve_sandbox, split_host_path};
+pub use stats::{SandboxStats, TurnHold};
+pub use upstream::{StreamError, UpstreamError};
+
+/// The body of every answer: upstream streams pass through it chunk by chunk.
+pub type ProxyBody = http_body_util::combinators::BoxBody<bytes::Bytes, StreamError>;

@@ -1,0 +1,205 @@
+//! A sandbox as the proxy sees it: its turn counter, replay, transcript,
+//! stats, and the request path its listeners serve.
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::util::BoxCloneService;
+use tower::{ServiceBuilder, ServiceExt};
+
+use crate::config::ProxyConfig;
+use crate::gate::GateLayer;
+use crate::hook::TurnHook;
+use crate::limit::LimitLayer;
+use crate::replay::{Replay, ReplayError, ReplayLayer};
+use crate::route::RouteLayer;
+use crate::stats::{SandboxStats, StatsCell};
+use crate::tee::TeeLayer;
+use crate::transcript::{read_entries, Transcript};
+use crate::turn::TurnLayer;
+use crate::upstream::{Upstream, UpstreamClient};
+use crate::{Error, ProxyBody, SandboxId};
+
+/// The request path of one sandbox as a cloneable tower service; errors are
+/// already answers.
+pub type SandboxService = BoxCloneService<Request<Incoming>, Response<ProxyBody>, Infallible>;
+
+/// One sandbox's proxy state. Cheap to clone; clones share the state.
+#[derive(Clone)]
+pub struct Sandbox {
+    shared: Arc<Shared>,
+}
+
+/// State shared by a sandbox's layers.
+pub(crate) struct Shared {
+    pub(crate) id: SandboxId,
+    pub(crate) config: Arc<ProxyConfig>,
+    pub(crate) hook: Arc<dyn TurnHook>,
+    pub(crate) transcript: Transcript,
+    pub(crate) stats: Arc<StatsCell>,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) cancel: CancellationToken,
+    client: UpstreamClient,
+    turns: Mutex<TurnState>,
+}
+
+/// The turn counter and the replay, changed together under one lock.
+#[derive(Debug, Default)]
+pub(crate) struct TurnState {
+    /// The newest turn number given out (0 before the first turn end).
+    pub(crate) last_turn: u64,
+    /// The active replay, if any.
+    pub(crate) replay: Option<Replay>,
+}
+
+impl Sandbox {
+    pub(crate) async fn open(
+        id: SandboxId,
+        config: Arc<ProxyConfig>,
+        hook: Arc<dyn TurnHook>,
+        client: UpstreamClient,
+    ) -> Result<Self, Error> {
+        let tracker = TaskTracker::new();
+        let stats = Arc::new(StatsCell::default());
+        let path = config.transcript_dir.join(format!("{id}.jsonl"));
+        let transcript = Transcript::open(path, &tracker, stats.clone()).await?;
+        tracing::info!(sandbox = %id, "sandbox added to the proxy");
+        let shared = Shared {
+            id,
+            config,
+            hook,
+            transcript,
+            stats,
+            tracker,
+            cancel: CancellationToken::new(),
+            client,
+            turns: Mutex::new(TurnState::default()),
+        };
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The sandbox's id.
+    pub fn id(&self) -> &SandboxId {
+        &self.shared.id
+    }
+
+    /// A snapshot of the sandbox's counters and recent hold times.
+    pub fn stats(&self) -> SandboxStats {
+        self.shared.stats.snapshot()
+    }
+
+    /// The newest turn number given out (0 before the first turn end).
+    pub fn last_turn(&self) -> u64 {
+        self.shared.with_turns(|t| t.last_turn)
+    }
+
+    /// The transcript file.
+    pub fn transcript_path(&self) -> &Path {
+        self.shared.transcript.path()
+    }
+
+    /// Returns once no upstream answer of this sandbox is streaming (for
+    /// instance before a checkpoint, or to see a departed agent's stream end).
+    pub async fn wait_streams_closed(&self) {
+        self.shared.stats.wait_streams_closed().await;
+    }
+
+    /// Returns once every transcript entry submitted so far is fsynced.
+    pub async fn flush_transcript(&self) {
+        let target = self.shared.transcript.submitted();
+        self.shared.transcript.wait_durable(target).await;
+    }
+
+    /// Starts answering turn ends 1..=`until` from this sandbox's own
+    /// transcript, and numbers turns from 1 again (for an agent just put
+    /// back to its start, or to a version whose conversation it will redo).
+    ///
+    /// # Errors
+    /// [`ReplayError`] when the transcript cannot be read or lacks a
+    /// complete record of a turn in the range.
+    pub async fn replay(&self, until: u64) -> Result<(), Error> {
+        self.flush_transcript().await;
+        let path: PathBuf = self.transcript_path().to_owned();
+        self.replay_from(&path, until).await
+    }
+
+    /// Like [`Self::replay`], from another transcript file (a fork's parent).
+    ///
+    /// # Errors
+    /// As [`Self::replay`].
+    pub async fn replay_from(&self, transcript: &Path, until: u64) -> Result<(), Error> {
+        let entries = read_entries(transcript).await.map_err(ReplayError::from)?;
+        let replay = Replay::new(entries, until)?;
+        tracing::info!(sandbox = %self.shared.id, until, "replay started");
+        self.shared.with_turns(|t| {
+            t.last_turn = 0;
+            t.replay = (until > 0).then_some(replay);
+        });
+        Ok(())
+    }
+
+    /// The request path: route detect → body limit → replay → turn-end mark
+    /// → hold gate → transcript tee → upstream client; errors become answers.
+    pub fn service(&self) -> SandboxService {
+        let shared = &self.shared;
+        let config = &shared.config;
+        let upstream = Upstream::new(
+            shared.client.clone(),
+            config.upstreams.clone(),
+            config.timeouts,
+            shared.stats.clone(),
+        );
+        let stack = ServiceBuilder::new()
+            .layer(RouteLayer::new(config.turn_ends.clone()))
+            .layer(LimitLayer::new(config.limits.max_request_body))
+            .layer(ReplayLayer::new(shared.clone()))
+            .layer(TurnLayer::new(shared.clone()))
+            .layer(GateLayer::new(shared.clone()))
+            .layer(TeeLayer::new(shared.clone()))
+            .service(upstream);
+        // The protocol edge: every error becomes its HTTP answer here.
+        let answer = tower::service_fn(move |req: Request<Incoming>| {
+            let stack = stack.clone();
+            async move { Ok::<_, Infallible>(stack.oneshot(req).await.unwrap_or_else(Error::into_response)) }
+        });
+        BoxCloneService::new(answer)
+    }
+
+    /// Opens every pending gate (outcome `cancelled`: hook calls in flight
+    /// are dropped) and waits until the transcript entries submitted so far
+    /// are durable. The transcript writer itself ends when the last clone of
+    /// this sandbox (and of its services) is dropped.
+    pub async fn shutdown(&self) {
+        self.shared.cancel.cancel();
+        self.flush_transcript().await;
+    }
+}
+
+impl Shared {
+    /// Gives out the next turn number.
+    pub(crate) fn next_turn(&self) -> u64 {
+        self.with_turns(|t| {
+            t.last_turn += 1;
+            t.last_turn
+        })
+    }
+
+    /// Runs `f` on the turn state under its lock (never across an await).
+    pub(crate) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnState) -> R) -> R {
+        f(&mut self.turns.lock())
+    }
+}
+
+impl Sandbox {
+    pub(crate) fn shared_header_timeout(&self) -> std::time::Duration {
+        self.shared.config.timeouts.client_header
+    }
+}

@@ -1,0 +1,178 @@
+//! Listeners: a sandbox's own listener (the shim binds it in the sandbox's
+//! network namespace and hands it over) and the host listener, where
+//! `/s/<sandbox>/…` routes to that sandbox with the prefix stripped.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::uri::PathAndQuery;
+use http::{Request, Response, Uri};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::{Service, ServiceExt};
+
+use crate::{Error, Proxy, ProxyBody, Sandbox, SandboxId};
+
+/// Serves `sandbox` on `listener` until `shutdown` is cancelled; then stops
+/// accepting, drops open connections and returns once their tasks ended.
+pub async fn serve_sandbox(listener: TcpListener, sandbox: Sandbox, shutdown: CancellationToken) {
+    let header_timeout = sandbox.shared_header_timeout();
+    let service = sandbox.service();
+    accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+}
+
+/// Serves every registered sandbox of `proxy` on `listener` under
+/// `/s/<sandbox>/…` until `shutdown` is cancelled.
+pub async fn serve_host(listener: TcpListener, proxy: Proxy, shutdown: CancellationToken) {
+    let header_timeout = proxy.client_header_timeout();
+    let service = HostService { proxy };
+    accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+}
+
+/// Splits `/s/<sandbox>/rest?q` into the sandbox id and `/rest?q`.
+///
+/// # Errors
+/// [`Error::NotASandboxPath`] without the `/s/<id>` prefix,
+/// [`Error::InvalidSandboxId`] for a bad id.
+pub fn split_host_path(path_and_query: &str) -> Result<(SandboxId, String), Error> {
+    let not_ours = || Error::NotASandboxPath {
+        path: path_and_query.to_owned(),
+    };
+    let rest = path_and_query.strip_prefix("/s/").ok_or_else(not_ours)?;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (id, tail) = rest.split_at(end);
+    let id = SandboxId::new(id)?;
+    let tail = if tail.starts_with('/') {
+        tail.to_owned()
+    } else {
+        format!("/{tail}")
+    };
+    Ok((id, tail))
+}
+
+async fn accept_loop<S>(
+    listener: TcpListener,
+    header_timeout: Duration,
+    shutdown: CancellationToken,
+    make: impl Fn() -> S,
+) where
+    S: Service<Request<Incoming>, Response = Response<ProxyBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let tracker = TaskTracker::new();
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(conn) => conn,
+            Err(error) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(make());
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move {
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                result = conn => {
+                    if let Err(error) = result {
+                        tracing::debug!(%peer, %error, "connection ended with an error");
+                    }
+                }
+                () = shutdown.cancelled() => {}
+            }
+        });
+    }
+    tracker.close();
+    tracker.wait().await;
+}
+
+/// The host listener's router.
+#[derive(Clone)]
+struct HostService {
+    proxy: Proxy,
+}
+
+impl Service<Request<Incoming>> for HostService {
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request<Incoming>) -> Self::Future {
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map_or("/", PathAndQuery::as_str)
+            .to_owned();
+        let routed = split_host_path(&pq).and_then(|(id, tail)| {
+            let sandbox = self.proxy.sandbox(&id).ok_or(Error::UnknownSandbox {
+                sandbox: id.to_string(),
+            })?;
+            let mut parts = req.uri().clone().into_parts();
+            parts.path_and_query = Some(
+                tail.parse()
+                    .map_err(|_| Error::NotASandboxPath { path: pq.clone() })?,
+            );
+            *req.uri_mut() =
+                Uri::from_parts(parts).map_err(|_| Error::NotASandboxPath { path: pq.clone() })?;
+            Ok(sandbox)
+        });
+        match routed {
+            Ok(sandbox) => Box::pin(sandbox.service().oneshot(req)),
+            Err(error) => Box::pin(std::future::ready(Ok(error.into_response()))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(path: &str, expected: Option<(&str, &str)>) {
+        let got = split_host_path(path).ok();
+        let got = got.as_ref().map(|(id, tail)| (id.as_str(), tail.as_str()));
+        assert_eq!(got, expected, "{path}");
+    }
+
+    #[test]
+    fn host_paths() {
+        for (path, expected) in [
+            ("/s/sb1/v1/messages", Some(("sb1", "/v1/messages"))),
+            ("/s/sb1/v1/models?limit=2", Some(("sb1", "/v1/models?limit=2"))),
+            ("/s/sb1", Some(("sb1", "/"))),
+            ("/s/sb1?x=1", Some(("sb1", "/?x=1"))),
+            ("/s/a.b_c-1/", Some(("a.b_c-1", "/"))),
+            ("/s/../etc/passwd", None),
+            ("/s/%2e%2e/v1", None),
+            ("/s//v1/messages", None),
+            ("/v1/messages", None),
+            ("/s", None),
+        ] {
+            check(path, expected);
+        }
+    }
+}

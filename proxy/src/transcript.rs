@@ -1,0 +1,535 @@
+//! The transcript: per sandbox, an append-only JSONL file of its turns.
+//!
+//! File: `<transcript_dir>/<sandbox>.jsonl`, one JSON object per line, each
+//! with `"v": 1` and a `"kind"`:
+//!
+//! ```text
+//! {"v":1,"kind":"turn","sandbox":"s1","turn":3,"api":"anthropic_messages",
+//!  "method":"POST","path":"/v1/messages",
+//!  "request":{"headers":[["content-type","application/json"],…],"body":{"text":"{…}"}},
+//!  "response":{"status":200,"headers":[…],"body":{"text":"event: …"},
+//!              "n_bytes":1234,"capped":false,"end":"complete"},   // null if none
+//!  "error":null,                       // or "upstream_unreachable", "upstream_header_timeout", …
+//!  "gate":"opened",                    // or hook_failed, hook_timed_out, transcript_timed_out, cancelled, null
+//!  "timing":{"started_unix_ms":…,"headers_us":…,"first_byte_us":…,"end_us":…,"hold_us":…}}
+//! {"v":1,"kind":"divergence","sandbox":"s1","turn":2,"path":"/v1/messages",
+//!  "expected_sha256":"…","got_sha256":"…","unix_ms":…}
+//! ```
+//!
+//! A body is `{"text": …}` when it is UTF-8, `{"base64": …}` otherwise.
+//! `authorization`, `proxy-authorization`, `x-api-key`, `api-key`, `cookie`
+//! and `set-cookie` headers are never written.
+//! After a rollback the same turn number can appear again: the last line wins.
+//! A torn last line (crash mid-append) is ignored by [`read_entries`].
+//!
+//! Durability rule. Invariant: the answer to a turn is released only after
+//! every record that was submitted before that turn's request arrived is
+//! written and fsynced (or after the hook timeout, recorded as gate outcome
+//! `transcript_timed_out`). A record is submitted when its exchange ends, so
+//! for an agent that waits for each answer before its next request, turn N's
+//! record is durable before turn N+1's answer is released.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http::HeaderMap;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{mpsc, watch};
+use tokio_util::task::TaskTracker;
+
+use crate::gate::GateOutcome;
+use crate::route::Api;
+use crate::stats::StatsCell;
+
+/// Entries queued for the writer before submitters wait.
+const QUEUE: usize = 64;
+
+/// Headers never written to a transcript (lower-case).
+pub const REDACTED_HEADERS: [&str; 6] = [
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "api-key",
+    "cookie",
+    "set-cookie",
+];
+
+/// One line of a transcript.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Entry {
+    /// A turn's exchange.
+    Turn(TurnRecord),
+    /// A replayed request that did not match its record.
+    Divergence(DivergenceRecord),
+}
+
+/// One turn: the request that ended it and the upstream's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The turn, from 1.
+    pub turn: u64,
+    /// The API spoken.
+    pub api: Api,
+    /// Request method.
+    pub method: String,
+    /// Request path and query as forwarded.
+    pub path: String,
+    /// The request.
+    pub request: RecordedRequest,
+    /// The answer, if a response head arrived.
+    pub response: Option<RecordedResponse>,
+    /// Error code when the exchange failed before a response head.
+    pub error: Option<String>,
+    /// How the gate opened; `None` if the agent left before it did.
+    pub gate: Option<GateOutcome>,
+    /// Timings.
+    pub timing: Timing,
+}
+
+/// A request as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedRequest {
+    /// Headers in order, secrets left out.
+    pub headers: Vec<(String, String)>,
+    /// The body, unchanged.
+    pub body: RecordedBody,
+}
+
+/// A response as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedResponse {
+    /// HTTP status.
+    pub status: u16,
+    /// Headers in order, secrets left out.
+    pub headers: Vec<(String, String)>,
+    /// The body (for streams, the concatenated chunks), at most the cap.
+    pub body: RecordedBody,
+    /// Bytes the agent was sent.
+    pub n_bytes: u64,
+    /// Whether the body was longer than the cap (so `body` is a prefix).
+    pub capped: bool,
+    /// How the body ended.
+    pub end: StreamEnd,
+}
+
+impl RecordedResponse {
+    /// Whether `body` is the whole answer.
+    pub fn is_complete(&self) -> bool {
+        !self.capped && self.end == StreamEnd::Complete
+    }
+}
+
+/// How a response body ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamEnd {
+    /// All of it reached the agent.
+    Complete,
+    /// The agent disconnected first.
+    ClientDisconnected,
+    /// The upstream connection broke.
+    UpstreamError,
+    /// The upstream was idle past the idle deadline.
+    IdleTimeout,
+    /// The exchange passed the total deadline.
+    TotalTimeout,
+}
+
+/// A body: text when UTF-8, base64 otherwise.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordedBody {
+    /// UTF-8 text.
+    Text(String),
+    /// Anything else, base64 (standard alphabet).
+    Base64(String),
+}
+
+/// Timings of a turn, relative to the request's arrival.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    /// Wall clock at arrival, ms since the Unix epoch.
+    pub started_unix_ms: u64,
+    /// Upstream response head arrived.
+    pub headers_us: Option<u64>,
+    /// First body byte arrived.
+    pub first_byte_us: Option<u64>,
+    /// Exchange ended (body done, failed or abandoned).
+    pub end_us: u64,
+    /// How long the gate held the answer after it arrived.
+    pub hold_us: Option<u64>,
+}
+
+/// A replay divergence event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DivergenceRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The turn whose request diverged.
+    pub turn: u64,
+    /// The request path.
+    pub path: String,
+    /// SHA-256 of the recorded request's canonical form.
+    pub expected_sha256: String,
+    /// SHA-256 of the received request's canonical form.
+    pub got_sha256: String,
+    /// Wall clock, ms since the Unix epoch.
+    pub unix_ms: u64,
+}
+
+/// Transcript I/O failures.
+#[derive(Debug, thiserror::Error)]
+pub enum TranscriptError {
+    /// The transcript file could not be opened or created.
+    #[error("cannot open transcript {path}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The transcript file could not be read.
+    #[error("cannot read transcript {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line other than a torn last one is not a transcript entry.
+    #[error("transcript {path} line {line_idx} is not an entry")]
+    Decode {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line_idx: usize,
+        /// What the decoder said.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The writing side of one sandbox's transcript.
+#[derive(Debug)]
+pub(crate) struct Transcript {
+    path: PathBuf,
+    tx: mpsc::Sender<Entry>,
+    submitted: AtomicU64,
+    durable: watch::Receiver<u64>,
+    tracker: TaskTracker,
+}
+
+// === impl RecordedBody ===
+
+impl RecordedBody {
+    /// Records `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Self::Text(s.to_owned()),
+            Err(_) => Self::Base64(base64::engine::general_purpose::STANDARD.encode(bytes)),
+        }
+    }
+
+    /// The recorded bytes; `None` if the base64 is damaged.
+    pub fn to_bytes(&self) -> Option<Bytes> {
+        match self {
+            Self::Text(s) => Some(Bytes::copy_from_slice(s.as_bytes())),
+            Self::Base64(b) => base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .ok()
+                .map(Bytes::from),
+        }
+    }
+}
+
+/// Headers as recorded: in order, secrets left out, values lossily decoded.
+pub(crate) fn record_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !REDACTED_HEADERS.contains(&name.as_str()))
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Milliseconds since the Unix epoch.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Reads every entry of a transcript file.
+///
+/// # Errors
+/// [`TranscriptError::Read`] if the file cannot be read,
+/// [`TranscriptError::Decode`] for a bad line other than a torn last one.
+pub async fn read_entries(path: &Path) -> Result<Vec<Entry>, TranscriptError> {
+    let text = tokio::fs::read_to_string(path)
+        .await
+        .map_err(|source| TranscriptError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+    let lines: Vec<&str> = text.split_terminator('\n').collect();
+    let torn_tail = !text.is_empty() && !text.ends_with('\n');
+    let mut entries = Vec::with_capacity(lines.len());
+    for (idx, line) in lines.iter().enumerate() {
+        match serde_json::from_str(line) {
+            Ok(entry) => entries.push(entry),
+            Err(_) if torn_tail && idx + 1 == lines.len() => break,
+            Err(source) => {
+                return Err(TranscriptError::Decode {
+                    path: path.to_owned(),
+                    line_idx: idx + 1,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(entries)
+}
+
+// === impl Transcript ===
+
+impl Transcript {
+    /// Opens (creates) `path` for appending and starts its writer task on
+    /// `tracker`; the task ends when this `Transcript` is dropped.
+    pub(crate) async fn open(
+        path: PathBuf,
+        tracker: &TaskTracker,
+        stats: Arc<StatsCell>,
+    ) -> Result<Self, TranscriptError> {
+        if let Some(dir) = path.parent() {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|source| TranscriptError::Open {
+                    path: path.clone(),
+                    source,
+                })?;
+        }
+        let file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .await
+            .map_err(|source| TranscriptError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let (durable_tx, durable) = watch::channel(0);
+        tracker.spawn(write_loop(file, path.clone(), rx, durable_tx, stats));
+        Ok(Self {
+            path,
+            tx,
+            submitted: AtomicU64::new(0),
+            durable,
+            tracker: tracker.clone(),
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Queues `entry`. Never blocks: when the queue is full the entry waits
+    /// in a task of the sandbox's tracker (backpressure on that task only).
+    pub(crate) fn submit(&self, entry: Entry) {
+        self.submitted.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(entry) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(entry)) => {
+                let tx = self.tx.clone();
+                self.tracker.spawn(async move {
+                    if tx.send(entry).await.is_err() {
+                        tracing::error!("transcript writer gone; entry lost");
+                    }
+                });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                tracing::error!(path = %self.path.display(), "transcript writer gone; entry lost");
+            }
+        }
+    }
+
+    /// How many entries were submitted so far: a target for [`Self::wait_durable`].
+    pub(crate) fn submitted(&self) -> u64 {
+        self.submitted.load(Ordering::SeqCst)
+    }
+
+    /// A future that resolves once `target` entries are durable.
+    pub(crate) fn wait_durable(&self, target: u64) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut durable = self.durable.clone();
+        async move {
+            // An Err means the writer ended: nothing more will become durable.
+            let _ = durable.wait_for(|d| *d >= target).await;
+        }
+    }
+}
+
+/// The writer: appends what is queued, fsyncs once per batch (group commit),
+/// then publishes the new durable count. An I/O error is counted and logged;
+/// the count still advances so that no gate waits for a write that failed.
+async fn write_loop(
+    mut file: tokio::fs::File,
+    path: PathBuf,
+    mut rx: mpsc::Receiver<Entry>,
+    durable: watch::Sender<u64>,
+    stats: Arc<StatsCell>,
+) {
+    let mut batch = Vec::with_capacity(QUEUE);
+    while rx.recv_many(&mut batch, QUEUE).await > 0 {
+        let mut buf = Vec::new();
+        for entry in &batch {
+            // Entries hold only strings, numbers and enums: encoding cannot fail.
+            if let Ok(line) = serde_json::to_vec(entry) {
+                buf.extend_from_slice(&line);
+                buf.push(b'\n');
+            }
+        }
+        let written = async {
+            file.write_all(&buf).await?;
+            file.sync_data().await
+        }
+        .await;
+        if let Err(error) = written {
+            stats.update(|s| s.n_transcript_errors += batch.len() as u64);
+            tracing::error!(path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");
+        }
+        let n = batch.len() as u64;
+        batch.clear();
+        durable.send_modify(|d| *d += n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// An entry encodes to `expected` and decodes back to itself.
+    fn check(entry: Entry, expected: serde_json::Value) {
+        let encoded = serde_json::to_value(&entry).expect("encode");
+        assert_eq!(encoded, expected);
+        let decoded: Entry = serde_json::from_value(encoded).expect("decode");
+        assert_eq!(decoded, entry);
+    }
+
+    #[test]
+    fn format() {
+        let timing = Timing {
+            started_unix_ms: 5,
+            headers_us: Some(1),
+            first_byte_us: None,
+            end_us: 9,
+            hold_us: Some(0),
+        };
+        let turn = TurnRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            turn: 3,
+            api: Api::OpenAiChat,
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            request: RecordedRequest {
+                headers: vec![("a".into(), "b".into())],
+                body: RecordedBody::from_bytes(b"{}"),
+            },
+            response: Some(RecordedResponse {
+                status: 200,
+                headers: vec![],
+                body: RecordedBody::from_bytes(&[0xff, 0x00]),
+                n_bytes: 2,
+                capped: false,
+                end: StreamEnd::ClientDisconnected,
+            }),
+            error: None,
+            gate: Some(GateOutcome::HookTimedOut),
+            timing,
+        };
+        check(
+            Entry::Turn(turn),
+            json!({"kind": "turn", "v": 1, "sandbox": "sb", "turn": 3, "api": "openai_chat", "method": "POST",
+                "path": "/v1/chat/completions",
+                "request": {"headers": [["a", "b"]], "body": {"text": "{}"}},
+                "response": {"status": 200, "headers": [], "body": {"base64": "/wA="}, "n_bytes": 2,
+                             "capped": false, "end": "client_disconnected"},
+                "error": null, "gate": "hook_timed_out",
+                "timing": {"started_unix_ms": 5, "headers_us": 1, "first_byte_us": null, "end_us": 9, "hold_us": 0}}),
+        );
+        let divergence = DivergenceRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            turn: 2,
+            path: "/v1/messages".into(),
+            expected_sha256: "aa".into(),
+            got_sha256: "bb".into(),
+            unix_ms: 7,
+        };
+        check(
+            Entry::Divergence(divergence),
+            json!({"kind": "divergence", "v": 1, "sandbox": "sb", "turn": 2, "path": "/v1/messages",
+                "expected_sha256": "aa", "got_sha256": "bb", "unix_ms": 7}),
+        );
+    }
+
+    #[test]
+    fn redaction() {
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("Authorization", "Bearer s"),
+            ("x-api-key", "s"),
+            ("api-key", "s"),
+            ("cookie", "s"),
+            ("proxy-authorization", "s"),
+            ("content-type", "application/json"),
+            ("anthropic-version", "2023-06-01"),
+        ] {
+            headers.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                v.parse().expect("value"),
+            );
+        }
+        let kept: Vec<String> = record_headers(&headers).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(kept, ["content-type", "anthropic-version"]);
+    }
+
+    #[tokio::test]
+    async fn torn_last_line_is_ignored() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let line = r#"{"kind":"divergence","v":1,"sandbox":"s","turn":1,"path":"/","expected_sha256":"a","got_sha256":"b","unix_ms":1}"#;
+        for (text, n_entries, ok) in [
+            (format!("{line}\n{line}\n"), 2, true),
+            (format!("{line}\n{{\"kind\":\"tu"), 1, true),
+            (format!("{{\"kind\":\"tu\n{line}\n"), 0, false),
+            (String::new(), 0, true),
+        ] {
+            let path = dir.path().join("t.jsonl");
+            std::fs::write(&path, &text).expect("write");
+            match read_entries(&path).await {
+                Ok(entries) => assert!(ok && entries.len() == n_entries, "{text:?}"),
+                Err(TranscriptError::Decode { line_idx, .. }) => assert!(!ok && line_idx == 1, "{text:?}"),
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! The turn-end mark: numbers each turn end of a sandbox, monotonically from
+//! 1, and counts auxiliary requests.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+use crate::gate::GateOutcome;
+use crate::route::Route;
+use crate::sandbox::Shared;
+use crate::transcript::unix_ms;
+use crate::{Error, ProxyBody};
+
+/// A live turn end, put in the request's extensions by [`TurnLayer`].
+#[derive(Debug, Clone)]
+pub(crate) struct TurnCtx {
+    pub(crate) turn: u64,
+    pub(crate) route: Route,
+    pub(crate) started: Instant,
+    pub(crate) started_unix_ms: u64,
+    released: Arc<Mutex<Option<(GateOutcome, Duration)>>>,
+}
+
+impl TurnCtx {
+    pub(crate) fn set_released(&self, outcome: GateOutcome, hold: Duration) {
+        *self.released.lock() = Some((outcome, hold));
+    }
+
+    /// The gate's outcome and hold, once it opened.
+    pub(crate) fn released(&self) -> Option<(GateOutcome, Duration)> {
+        *self.released.lock()
+    }
+}
+
+/// Tower layer assigning turn numbers.
+#[derive(Clone)]
+pub(crate) struct TurnLayer {
+    shared: Arc<Shared>,
+}
+
+/// The service made by [`TurnLayer`].
+#[derive(Clone)]
+pub(crate) struct TurnMark<S> {
+    shared: Arc<Shared>,
+    inner: S,
+}
+
+impl TurnLayer {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+impl<S> Layer<S> for TurnLayer {
+    type Service = TurnMark<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TurnMark {
+            shared: self.shared.clone(),
+            inner,
+        }
+    }
+}
+
+impl<S> Service<Request<Bytes>> for TurnMark<S>
+where
+    S: Service<Request<Bytes>, Response = Response<ProxyBody>, Error = Error> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<Bytes>) -> Self::Future {
+        let route = req.extensions().get::<Route>().copied();
+        let Some(route) = route.filter(|r| r.turn_end) else {
+            self.shared.stats.update(|s| s.n_aux_requests += 1);
+            return Box::pin(self.inner.call(req));
+        };
+        let turn = self.shared.next_turn();
+        self.shared.stats.update(|s| s.n_turns += 1);
+        let ctx = TurnCtx {
+            turn,
+            route,
+            started: Instant::now(),
+            started_unix_ms: unix_ms(),
+            released: Arc::new(Mutex::new(None)),
+        };
+        req.extensions_mut().insert(ctx);
+        let span = tracing::info_span!("turn", sandbox = %self.shared.id, turn, bytes = req.body().len());
+        Box::pin(self.inner.call(req).instrument(span))
+    }
+}

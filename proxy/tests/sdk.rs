@@ -1,0 +1,71 @@
+//! The official OpenAI and Anthropic Python SDKs against the proxy (over the
+//! scripted upstream). Needs the SDK venv that `packaging/install-deps.sh`
+//! makes (`/opt/crab/sdk-venv`, or `CRAB_SDK_PYTHON`): fails, never skips,
+//! when it is missing.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use support::Harness;
+
+fn sdk_python() -> PathBuf {
+    let python = std::env::var_os("CRAB_SDK_PYTHON")
+        .map_or_else(|| "/opt/crab/sdk-venv/bin/python3".into(), PathBuf::from);
+    assert!(
+        python.exists(),
+        "{} missing: run packaging/install-deps.sh (it installs the openai and anthropic SDKs)",
+        python.display()
+    );
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_sdks_work_through_the_proxy() {
+    let python = sdk_python();
+    let h = Harness::plain().await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/sdk_check.py");
+    let run = tokio::process::Command::new(&python)
+        .arg(&script)
+        .env("CRAB_BASE", &h.base)
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("sdk script finished")
+        .expect("spawn");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "sdk script failed: {stderr}");
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
+    for (key, expected) in [
+        ("chat", serde_json::json!("hello from upstream")),
+        ("chat_stream", serde_json::json!("hello from upstream")),
+        ("chat_tool_call", serde_json::json!("run")),
+        ("responses", serde_json::json!("hello from upstream")),
+        ("models", serde_json::json!(["gpt-test"])),
+        ("messages", serde_json::json!("hello from upstream")),
+        ("messages_stream", serde_json::json!("hello from upstream")),
+        ("rate_limited", serde_json::json!(429)),
+    ] {
+        assert_eq!(got[key], expected, "{key} (sdk output {got})");
+    }
+    assert!(got["count_tokens"].as_u64().is_some_and(|n| n > 0), "{got}");
+    // chat, chat stream, chat tools, responses, messages, messages stream, 429: 7 turns;
+    // models and count_tokens are auxiliary.
+    let stats = h.sandbox.stats();
+    assert_eq!((stats.n_turns, stats.n_aux_requests), (7, 2), "{stats:?}");
+    let seen = h.upstream.seen();
+    let anthropic = seen
+        .iter()
+        .find(|s| s.path == "/v1/messages")
+        .expect("messages request");
+    assert!(anthropic.headers.contains_key("anthropic-version"));
+    assert_eq!(anthropic.headers["x-api-key"], "sk-ant-test");
+    h.sandbox.flush_transcript().await;
+    let raw = std::fs::read_to_string(h.sandbox.transcript_path()).expect("transcript");
+    assert_eq!(raw.lines().count(), 7);
+    assert!(!raw.contains("sk-ant-test") && !raw.contains("sk-test-openai"));
+}

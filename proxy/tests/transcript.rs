@@ -1,0 +1,248 @@
+//! The transcript (contents, redaction, cap) and replay (answers from the
+//! transcript, divergence, back to live), through real HTTP.
+
+mod support;
+
+use crab_proxy::transcript::{Entry, StreamEnd};
+use serde_json::json;
+use support::{chat_body, messages_body, Harness};
+
+#[tokio::test]
+async fn records_hold_requests_answers_and_no_secrets() {
+    let h = Harness::plain().await;
+    let req1 = chat_body("gpt-test", false);
+    let req2 = messages_body("claude-test", true);
+    let a1 = h
+        .post("/v1/chat/completions", &req1)
+        .header("api-key", "azure-secret")
+        .send()
+        .await
+        .expect("send");
+    let a1 = a1.bytes().await.expect("body");
+    let a2 = h
+        .post("/v1/messages", &req2)
+        .send()
+        .await
+        .expect("send")
+        .bytes()
+        .await
+        .expect("body");
+    h.client
+        .get(format!("{}/v1/models", h.base))
+        .header("authorization", "Bearer sk-aux")
+        .send()
+        .await
+        .expect("aux");
+
+    let turns = h.turns().await;
+    assert_eq!(turns.len(), 2, "aux requests are not turns");
+    for (record, (turn, path, req, answer, api)) in turns.iter().zip([
+        (1, "/v1/chat/completions", &req1, &a1, crab_proxy::Api::OpenAiChat),
+        (2, "/v1/messages", &req2, &a2, crab_proxy::Api::AnthropicMessages),
+    ]) {
+        assert_eq!(
+            (
+                record.turn,
+                record.path.as_str(),
+                record.api,
+                record.sandbox.as_str()
+            ),
+            (turn, path, api, "sb1")
+        );
+        assert_eq!(
+            record.request.body.to_bytes().expect("bytes"),
+            req.to_string().as_bytes()
+        );
+        let response = record.response.as_ref().expect("response");
+        assert_eq!(response.status, 200);
+        assert_eq!(response.body.to_bytes().expect("bytes"), answer);
+        assert_eq!(response.n_bytes, answer.len() as u64);
+        assert!(response.is_complete());
+        assert!(record.timing.headers_us.is_some() && record.timing.first_byte_us.is_some());
+        assert!(record.timing.end_us >= record.timing.first_byte_us.unwrap_or(0));
+        assert!(record.timing.hold_us.is_some());
+        assert!(record.request.headers.iter().any(|(k, _)| k == "content-type"));
+    }
+    let raw = std::fs::read_to_string(h.sandbox.transcript_path()).expect("read");
+    for secret in [
+        "sk-secret-openai",
+        "sk-ant-secret",
+        "azure-secret",
+        "sk-aux",
+        "authorization",
+        "x-api-key",
+        "api-key",
+    ] {
+        assert!(!raw.to_lowercase().contains(secret), "transcript holds {secret}");
+    }
+    assert_eq!(raw.lines().count(), 2);
+}
+
+#[tokio::test]
+async fn long_answers_are_capped_and_marked_incomplete() {
+    let h = Harness::start(Default::default(), |c| c.limits.transcript_body_cap = 64).await;
+    let answer = h
+        .post("/v1/messages", &messages_body("claude-test", true))
+        .send()
+        .await
+        .expect("send");
+    let answer = answer.bytes().await.expect("body");
+    assert!(answer.len() > 64, "the agent gets everything");
+    let record = h.turns().await.pop().expect("record");
+    let response = record.response.expect("response");
+    assert!(response.capped && !response.is_complete());
+    assert_eq!(response.end, StreamEnd::Complete);
+    assert_eq!(response.body.to_bytes().expect("bytes"), answer.slice(..64));
+    assert_eq!(response.n_bytes, answer.len() as u64);
+}
+
+#[tokio::test]
+async fn replay_answers_from_the_transcript_then_goes_live() {
+    let h = Harness::plain().await;
+    let bodies = [
+        chat_body("gpt-test", false),
+        messages_body("claude-test", true),
+        chat_body("gpt-test", true),
+    ];
+    let paths = ["/v1/chat/completions", "/v1/messages", "/v1/chat/completions"];
+    let mut answers = Vec::new();
+    for (path, body) in paths.iter().zip(&bodies) {
+        answers.push(
+            h.post(path, body)
+                .send()
+                .await
+                .expect("send")
+                .bytes()
+                .await
+                .expect("body"),
+        );
+    }
+    h.sandbox.replay(2).await.expect("replay");
+    for idx in 0..2 {
+        let resp = h.post(paths[idx], &bodies[idx]).send().await.expect("send");
+        assert_eq!(resp.headers()["x-crab-replayed"], (idx + 1).to_string());
+        assert_eq!(resp.bytes().await.expect("body"), answers[idx]);
+    }
+    assert_eq!(
+        h.upstream.seen().len(),
+        3,
+        "replayed turns never reach the upstream"
+    );
+    let resp = h.post(paths[2], &bodies[2]).send().await.expect("send");
+    assert!(resp.headers().get("x-crab-replayed").is_none());
+    resp.bytes().await.expect("body");
+    assert_eq!(h.upstream.seen().len(), 4, "turn 3 went live");
+    assert_eq!(h.sandbox.last_turn(), 3);
+    let stats = h.sandbox.stats();
+    assert_eq!((stats.n_replayed, stats.n_turns), (2, 6));
+    let calls: Vec<u64> = h.hook.calls.lock().iter().map(|(_, t)| *t).collect();
+    assert_eq!(calls, [1, 2, 3, 3], "replayed turns do not call the hook");
+}
+
+#[tokio::test]
+async fn replay_divergence_is_a_409_and_an_event() {
+    let h = Harness::plain().await;
+    let first =
+        json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "temperature": 0});
+    for body in [&first, &chat_body("gpt-test", false)] {
+        h.post("/v1/chat/completions", body)
+            .send()
+            .await
+            .expect("send")
+            .bytes()
+            .await
+            .expect("body");
+    }
+    h.sandbox.replay(2).await.expect("replay");
+    // Same JSON, other key order and spacing: a match.
+    let reordered = "{ \"temperature\": 0, \"messages\": [ {\"content\": \"hi\", \"role\": \"user\"} ], \"model\": \"gpt-test\" }";
+    let resp = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.base))
+        .header("content-type", "application/json")
+        .body(reordered)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.headers()["x-crab-replayed"], "1");
+    // Turn 2 with another prompt: divergence.
+    let other = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "something else"}]});
+    let resp = h.post("/v1/chat/completions", &other).send().await.expect("send");
+    assert_eq!(resp.status(), 409);
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let body: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "crab_replay_divergence");
+    assert_eq!(body["error"]["turn"], 2);
+    assert!(body["error"]["message"]
+        .as_str()
+        .expect("message")
+        .contains("turn 2"));
+    let entries = h.entries().await;
+    let Some(Entry::Divergence(event)) = entries.last() else {
+        panic!("no divergence entry: {entries:?}")
+    };
+    assert_eq!((event.turn, event.path.as_str()), (2, "/v1/chat/completions"));
+    assert_ne!(event.expected_sha256, event.got_sha256);
+    // Replay is over: the next request goes live as turn 2.
+    let resp = h.post("/v1/chat/completions", &other).send().await.expect("send");
+    assert!(resp.headers().get("x-crab-replayed").is_none());
+    assert_eq!(h.sandbox.last_turn(), 2);
+    assert_eq!(h.sandbox.stats().n_divergences, 1);
+}
+
+#[tokio::test]
+async fn replay_refuses_a_range_the_transcript_lacks() {
+    let h = Harness::plain().await;
+    h.post("/v1/chat/completions", &chat_body("gpt-test", false))
+        .send()
+        .await
+        .expect("send");
+    let err = h.sandbox.replay(2).await.expect_err("turn 2 missing");
+    assert!(
+        matches!(
+            err,
+            crab_proxy::Error::Replay(crab_proxy::ReplayError::MissingTurn { turn: 2 })
+        ),
+        "{err:?}"
+    );
+    h.post("/v1/chat/completions", &chat_body("status-429", false))
+        .send()
+        .await
+        .expect("send");
+    let err = h.sandbox.replay(2).await;
+    assert!(err.is_ok(), "a recorded 4xx is a complete answer: {err:?}");
+}
+
+#[tokio::test]
+async fn a_turns_record_is_on_disk_before_the_next_answer_is_released() {
+    let h = Harness::plain().await;
+    for turn in 1..=5u64 {
+        let stream = turn % 2 == 0;
+        let resp = h
+            .post("/v1/messages", &messages_body("claude-test", stream))
+            .send()
+            .await
+            .expect("send");
+        // Read the file as soon as the answer's head arrived, without a
+        // flush: every earlier turn must already be there.
+        let raw = std::fs::read_to_string(h.sandbox.transcript_path()).expect("read");
+        let on_disk: Vec<u64> = raw
+            .lines()
+            .map(|l| serde_json::from_str::<Entry>(l).expect("entry"))
+            .filter_map(|e| match e {
+                Entry::Turn(t) => Some(t.turn),
+                Entry::Divergence(_) => None,
+            })
+            .collect();
+        // Turn `turn`'s own record may be there too (its body can end
+        // before the client sees the head); earlier ones must be.
+        let earlier: Vec<u64> = on_disk.iter().copied().filter(|t| *t < turn).collect();
+        assert_eq!(
+            earlier,
+            (1..turn).collect::<Vec<_>>(),
+            "answer of turn {turn}: on disk {on_disk:?}"
+        );
+        resp.bytes().await.expect("body");
+    }
+}
