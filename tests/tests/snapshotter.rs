@@ -240,6 +240,17 @@ fn bad_input_is_refused_clearly() {
         stderr(&out)
     );
     ok(s.snapshots(&["prepare", "k", &base]));
+    // View, labels (Update), Stat and Usage through containerd.
+    ok(s.snapshots(&["view", "v", &base]));
+    let mounts = ok(s.snapshots(&["mounts", "/mnt", "v"]));
+    assert!(mounts.contains("rbind") && mounts.contains("ro"), "{mounts}");
+    ok(s.snapshots(&["label", "k", "crab.test=yes"]));
+    let info = ok(s.snapshots(&["info", "k"]));
+    assert!(info.contains("\"crab.test\": \"yes\""), "{info}");
+    assert!(info.contains("\"Kind\": \"Active\""), "{info}");
+    let usage = ok(s.snapshots(&["usage", &base]));
+    assert!(usage.lines().count() >= 2, "{usage}");
+    ok(s.snapshots(&["rm", "v"]));
     let out = s.snapshots(&["prepare", "k", &base]);
     assert!(
         !out.status.success() && stderr(&out).contains("already exists"),
