@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use containerd_shim::api::{CreateTaskRequest, ExecProcessRequest};
+use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::Spec;
@@ -15,7 +15,7 @@ use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
-use crate::runtime::{Launch, RuntimeClient};
+use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
 
 /// One container of the shim.
 pub struct Container {
@@ -269,6 +269,47 @@ impl Container {
         .map_err(|e| Error::io(op)(std::io::Error::other(e)))??;
         self.init.state = to;
         Ok(())
+    }
+
+    /// Dumps the container's processes with CRIU into `req.path` (the
+    /// Checkpoint call; containerd makes a checkpoint image of that path).
+    pub async fn checkpoint(&self, req: &CheckpointTaskRequest, runtime: &RuntimeClient) -> Result<()> {
+        if !matches!(self.init.state, ProcessState::Running | ProcessState::Paused) {
+            return Err(Error::BadState {
+                id: self.id.clone(),
+                state: self.init.state.name(),
+                op: "checkpoint",
+            });
+        }
+        let mut opts = CheckpointOpts::default();
+        let mut image_path = PathBuf::from(&req.path);
+        if let Some(any) = req.options.as_ref() {
+            use containerd_shim::protos::protobuf::Message;
+            // containerd and ctr send runc's CheckpointOptions when they
+            // send any.
+            let o = containerd_shim::protos::shim::oci::CheckpointOptions::parse_from_bytes(&any.value)
+                .map_err(|e| Error::InvalidCheckpointOptions {
+                    reason: e.to_string(),
+                })?;
+            opts.exit = o.exit;
+            opts.tcp_established = o.open_tcp;
+            opts.ext_unix_sk = o.external_unix_sockets;
+            opts.file_locks = o.file_locks;
+            if !o.image_path.is_empty() {
+                image_path = PathBuf::from(o.image_path);
+            }
+            if !o.work_path.is_empty() {
+                opts.work_path = Some(PathBuf::from(o.work_path));
+            }
+        }
+        if image_path.as_os_str().is_empty() {
+            return Err(Error::InvalidCheckpointOptions {
+                reason: "no image path".to_owned(),
+            });
+        }
+        runtime
+            .checkpoint(&self.id, &self.bundle, &image_path, &opts)
+            .await
     }
 
     /// Removes an exited exec from the table and returns it.

@@ -65,6 +65,12 @@ pub enum Error {
         /// What the JSON decoder said.
         reason: String,
     },
+    /// A Checkpoint request's options are not runc's CheckpointOptions.
+    #[error("invalid checkpoint options: {reason}")]
+    InvalidCheckpointOptions {
+        /// What is wrong.
+        reason: String,
+    },
     /// The process has already exited.
     #[error("process {id} already finished")]
     Finished {
@@ -159,7 +165,8 @@ impl Error {
             | Error::UnsupportedStdio { .. }
             | Error::InvalidBundle { .. }
             | Error::InvalidSignal { .. }
-            | Error::InvalidResources { .. } => ttrpc::Code::INVALID_ARGUMENT,
+            | Error::InvalidResources { .. }
+            | Error::InvalidCheckpointOptions { .. } => ttrpc::Code::INVALID_ARGUMENT,
             Error::BadState { .. } | Error::Runtime { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,

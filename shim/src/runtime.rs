@@ -17,13 +17,13 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 use libcontainer::container::builder::ContainerBuilder;
-use libcontainer::container::Container;
+use libcontainer::container::{CheckpointOptions, Container, ContainerStatus};
 use libcontainer::syscall::syscall::SyscallType;
 use libcontainer::workload::default::DefaultExecutor;
 
 mod client;
 
-pub use client::{Launch, RuntimeClient};
+pub use client::{CheckpointOpts, Launch, RuntimeClient};
 
 /// First argument that selects the helper personality of the binary.
 pub const SUBCOMMAND: &str = "runtime";
@@ -70,6 +70,26 @@ enum Op {
         console_socket: Option<PathBuf>,
         #[arg(long)]
         unified_cgroup: Option<PathBuf>,
+        id: String,
+    },
+    /// Dump the container's processes with CRIU into an image directory.
+    Checkpoint {
+        #[arg(long)]
+        image_path: PathBuf,
+        #[arg(long)]
+        work_path: Option<PathBuf>,
+        /// Stop the container after the dump (default: leave it running).
+        #[arg(long)]
+        exit: bool,
+        /// Dump established TCP connections.
+        #[arg(long)]
+        tcp_established: bool,
+        /// Dump external unix sockets.
+        #[arg(long)]
+        ext_unix_sk: bool,
+        /// Dump file locks.
+        #[arg(long)]
+        file_locks: bool,
         id: String,
     },
     /// Remove a container's state and cgroups; `--force` kills it first.
@@ -147,6 +167,41 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 .with_process(Some(process))
                 .with_detach(true)
                 .build()?;
+        }
+        Op::Checkpoint {
+            image_path,
+            work_path,
+            exit,
+            tcp_established,
+            ext_unix_sk,
+            file_locks,
+            id,
+        } => {
+            let mut c = load(&cli.root, id)?;
+            // containerd pauses a task before it checkpoints it, but CRIU
+            // cannot seize tasks in a frozen cgroup (libcontainer does not
+            // pass --freeze-cgroup): thaw, let CRIU freeze the tree itself
+            // (the dump stays consistent), and freeze again after.
+            let was_paused = c.status() == ContainerStatus::Paused;
+            if was_paused {
+                c.resume().context("thaw for the dump")?;
+            }
+            let opts = CheckpointOptions {
+                ext_unix_sk: *ext_unix_sk,
+                file_locks: *file_locks,
+                image_path: image_path.clone(),
+                leave_running: !*exit,
+                shell_job: false,
+                tcp_established: *tcp_established,
+                work_path: work_path.clone(),
+                manage_cgroups_mode: rust_criu::CgMode::SOFT,
+                link_remap: false,
+            };
+            let dumped = c.checkpoint(&opts).context("criu dump");
+            if was_paused && !*exit {
+                c.pause().context("freeze again after the dump")?;
+            }
+            dumped?;
         }
         Op::Delete { force, id } => match load(&cli.root, id) {
             Ok(mut c) => c.delete(*force)?,

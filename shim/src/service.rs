@@ -123,7 +123,7 @@ impl Shim for Service {
         // containerd calls this when the shim died without deleting its
         // task: remove whatever the container left behind.
         let bundle = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
-        let runtime = runtime_client(ExitRouter::start().await);
+        let runtime = runtime_client(ExitRouter::start().await, &self.namespace);
         if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
             log::warn!("delete {} in {}: {e}", self.id, self.namespace);
         }
@@ -154,7 +154,7 @@ impl Shim for Service {
     async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
         TaskService {
             containers: Mutex::new(HashMap::new()),
-            runtime: Arc::new(runtime_client(ExitRouter::start().await)),
+            runtime: Arc::new(runtime_client(ExitRouter::start().await, &self.namespace)),
             events: Arc::new(Events {
                 publisher,
                 namespace: self.namespace.clone(),
@@ -194,10 +194,14 @@ async fn remove_unified_cgroup(bundle: &Path, id: &str) {
     log::warn!("cgroup {} still busy", unified.display());
 }
 
-fn runtime_client(exits: Arc<ExitRouter>) -> RuntimeClient {
+/// The runtime client for containers of containerd namespace `namespace`.
+///
+/// Invariant: libcontainer state lives under `<state_dir>/<namespace>/<id>`,
+/// so equal ids in two namespaces never meet (runc's shim does the same).
+fn runtime_client(exits: Arc<ExitRouter>, namespace: &str) -> RuntimeClient {
     let cfg = &config().shim;
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-    RuntimeClient::new(exe, cfg.state_dir.clone(), cfg.runtime_timeout(), exits)
+    RuntimeClient::new(exe, cfg.state_dir.join(namespace), cfg.runtime_timeout(), exits)
 }
 
 /// The pod id a CRI container's shim is shared under, from its spec.

@@ -313,7 +313,10 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
-    async fn checkpoint(&self, _ctx: &TtrpcContext, _req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
-        Err(Error::Unsupported { call: "checkpoint" }.into())
+    async fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let c = container.lock().await;
+        c.checkpoint(&req, &self.runtime).await?;
+        Ok(Empty::new())
     }
 }

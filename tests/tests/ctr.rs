@@ -294,3 +294,24 @@ fn shell_words(cmd: &Command) -> String {
     words.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
     words.join(" ")
 }
+
+/// The same container id in two namespaces: two independent containers.
+#[test]
+fn same_id_in_two_namespaces() {
+    let a = Containerd::start();
+    let b = Containerd::start();
+    a.run_detached(CRAB, "dup", &["sleep", "300"]);
+    b.run_detached(CRAB, "dup", &["sleep", "300"]);
+    assert_eq!(a.task_status("dup").as_deref(), Some("RUNNING"));
+    assert_eq!(b.task_status("dup").as_deref(), Some("RUNNING"));
+    assert_ne!(a.task_pid("dup"), b.task_pid("dup"));
+    a.remove("dup");
+    assert_eq!(
+        b.task_status("dup").as_deref(),
+        Some("RUNNING"),
+        "removing one removed the other"
+    );
+    b.remove("dup");
+    assert_clean(&a.scope(), &["dup"]);
+    assert_clean(&b.scope(), &["dup"]);
+}

@@ -27,6 +27,22 @@ pub struct RuntimeClient {
     n_calls: AtomicU64,
 }
 
+/// How to checkpoint (containerd's runc CheckpointOptions, as far as CRIU
+/// through libcontainer supports them).
+#[derive(Debug, Default)]
+pub struct CheckpointOpts {
+    /// CRIU's work directory (logs), if not the image directory.
+    pub work_path: Option<PathBuf>,
+    /// Stop the container after the dump.
+    pub exit: bool,
+    /// Dump established TCP connections.
+    pub tcp_established: bool,
+    /// Dump external unix sockets.
+    pub ext_unix_sk: bool,
+    /// Dump file locks.
+    pub file_locks: bool,
+}
+
 /// What a create or exec needs besides the container id.
 pub struct Launch<'a> {
     /// Where the pid file and error log go (the bundle).
@@ -78,6 +94,45 @@ impl RuntimeClient {
         let args = vec!["start".into(), id.into()];
         self.invoke(
             "start",
+            id,
+            work_dir,
+            args,
+            Stdio::Fds {
+                stdin: None,
+                stdout: None,
+                stderr: None,
+            },
+        )
+        .await
+    }
+
+    /// Dumps container `id`'s processes into `image_path` with CRIU.
+    pub async fn checkpoint(
+        &self,
+        id: &str,
+        work_dir: &Path,
+        image_path: &Path,
+        opts: &CheckpointOpts,
+    ) -> Result<()> {
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["checkpoint".into(), "--image-path".into(), image_path.into()];
+        if let Some(w) = &opts.work_path {
+            args.push("--work-path".into());
+            args.push(w.into());
+        }
+        for (on, flag) in [
+            (opts.exit, "--exit"),
+            (opts.tcp_established, "--tcp-established"),
+            (opts.ext_unix_sk, "--ext-unix-sk"),
+            (opts.file_locks, "--file-locks"),
+        ] {
+            if on {
+                args.push(flag.into());
+            }
+        }
+        args.push(id.into());
+        self.invoke(
+            "checkpoint",
             id,
             work_dir,
             args,
