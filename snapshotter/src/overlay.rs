@@ -103,25 +103,28 @@ impl OverlayCopyBackend {
         let seq = self.snapshots()?.last().map_or(1, |(s, _)| s + 1);
         let idx_tmp = self.store.join(format!(".tmp-{name}.index"));
         index.save(&idx_tmp)?;
-        // Invariant: the tree and index are durable before the meta file
-        // that makes the snapshot exist.
-        sync_fs(&self.store)?;
-        std::fs::rename(tmp, self.dir(name)).map_err(Error::io("publish", self.dir(name)))?;
-        std::fs::rename(&idx_tmp, self.file(name, "index")).map_err(Error::io("publish", &idx_tmp))?;
         let meta_tmp = self.store.join(format!(".tmp-{name}.meta"));
         let bytes = serde_json::to_vec(&SnapMeta { seq }).expect("a struct of integers encodes");
         std::fs::write(&meta_tmp, bytes).map_err(Error::io("write", &meta_tmp))?;
+        // Invariant: the tree and index are durable before the meta file
+        // that makes the snapshot exist; a tree or index without its meta is
+        // garbage that `begin` clears.
+        std::fs::rename(tmp, self.dir(name)).map_err(Error::io("publish", self.dir(name)))?;
+        std::fs::rename(&idx_tmp, self.file(name, "index")).map_err(Error::io("publish", &idx_tmp))?;
         sync_fs(&self.store)?;
         std::fs::rename(&meta_tmp, self.file(name, "meta")).map_err(Error::io("publish", &meta_tmp))?;
         sync_fs(&self.store)
     }
 
     fn begin(&self, name: &SnapshotName) -> Result<PathBuf> {
-        if self.file(name, "meta").exists() || self.dir(name).exists() {
+        if self.file(name, "meta").exists() {
             return Err(Error::SnapshotExists {
                 name: name.to_string(),
             });
         }
+        // Left by a crash before the meta file was published.
+        remove_any(&self.dir(name))?;
+        remove_any(&self.file(name, "index"))?;
         std::fs::create_dir_all(&self.store).map_err(Error::io("create", &self.store))?;
         let tmp = self.store.join(format!(".tmp-{name}"));
         remove_any(&tmp)?;

@@ -205,6 +205,13 @@ fn overlay_copy_shares_untouched_files() {
         ino("s2", "src/deep/er/data.bin")
     );
     assert_ne!(ino("s1", "to-edit"), ino("s2", "to-edit"));
+    // A tree left by a crash before its meta file was published is not a
+    // snapshot: it is neither listed nor in the way.
+    std::fs::create_dir(root.join("store/s3")).unwrap();
+    std::fs::write(root.join("store/s3/junk"), "torn").unwrap();
+    assert_eq!(b.list().unwrap().len(), 2);
+    b.snapshot(&name("s3")).unwrap();
+    assert!(!root.join("store/s3/junk").exists());
     std::fs::remove_dir_all(&root).unwrap();
 }
 

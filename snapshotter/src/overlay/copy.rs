@@ -3,6 +3,7 @@
 //! of the live tree to a snapshot that rewrites only what differs.
 
 use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use walkdir::WalkDir;
@@ -43,9 +44,22 @@ pub fn copy_tree(src: &Path, dst: &Path, prev: Option<Previous<'_>>) -> Result<I
             .path()
             .strip_prefix(src)
             .expect("walkdir yields paths under its root");
-        let meta = Meta::read(entry.path())?;
         let to = dst.join(rel);
         let key = rel.to_str().map(str::to_owned);
+        // The common case first, on lstat alone: a file untouched since the
+        // previous snapshot becomes a link to that snapshot's copy (whose
+        // xattrs and times are the same), without reading its xattrs.
+        if let (Some(p), Some(k)) = (&prev, &key) {
+            let md = std::fs::symlink_metadata(entry.path()).map_err(Error::io("stat", entry.path()))?;
+            let (ino, ctime) = (md.ino(), (md.ctime(), md.ctime_nsec()));
+            if md.is_file() && md.nlink() == 1 && p.index.untouched(k, ino, ctime) {
+                if std::fs::hard_link(p.dir.join(rel), &to).is_ok() {
+                    index.entries.insert(k.clone(), (ino, ctime.0, ctime.1));
+                    continue;
+                }
+            }
+        }
+        let meta = Meta::read(entry.path())?;
         if let Some(k) = &key {
             index
                 .entries
