@@ -52,11 +52,13 @@ pub fn copy_tree(src: &Path, dst: &Path, prev: Option<Previous<'_>>) -> Result<I
         if let (Some(p), Some(k)) = (&prev, &key) {
             let md = std::fs::symlink_metadata(entry.path()).map_err(Error::io("stat", entry.path()))?;
             let (ino, ctime) = (md.ino(), (md.ctime(), md.ctime_nsec()));
-            if md.is_file() && md.nlink() == 1 && p.index.untouched(k, ino, ctime) {
-                if std::fs::hard_link(p.dir.join(rel), &to).is_ok() {
-                    index.entries.insert(k.clone(), (ino, ctime.0, ctime.1));
-                    continue;
-                }
+            if md.is_file()
+                && md.nlink() == 1
+                && p.index.untouched(k, ino, ctime)
+                && std::fs::hard_link(p.dir.join(rel), &to).is_ok()
+            {
+                index.entries.insert(k.clone(), (ino, ctime.0, ctime.1));
+                continue;
             }
         }
         let meta = Meta::read(entry.path())?;
