@@ -22,6 +22,7 @@ mod error;
 mod exits;
 mod io;
 mod metrics;
+mod netns;
 mod oom;
 mod process;
 mod runtime;

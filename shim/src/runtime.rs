@@ -135,7 +135,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(cg) = unified_cgroup {
                 join_cgroup(cg)?;
             }
-            ContainerBuilder::new(id.clone(), SyscallType::default())
+            let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(DefaultExecutor {})
                 .with_root_path(&cli.root)?
                 .with_pid_file(Some(pid_file))?
@@ -145,6 +145,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 .with_systemd(false)
                 .with_detach(true)
                 .build()?;
+            // runc brings up the loopback interface of a network namespace
+            // it creates; libcontainer does not, and programs expect it.
+            if let (Some(pid), true) = (c.pid(), creates_netns(bundle)?) {
+                crate::netns::loopback_up(pid.as_raw()).context("bring up lo in the container")?;
+            }
         }
         Op::Start { id } => load(&cli.root, id)?.start()?,
         Op::Exec {
@@ -211,6 +216,20 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         },
     }
     Ok(())
+}
+
+/// Whether the bundle's spec makes a new network namespace (one with no path).
+fn creates_netns(bundle: &Path) -> anyhow::Result<bool> {
+    use anyhow::Context;
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json")).context("read config.json")?;
+    let namespaces = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().clone())
+        .unwrap_or_default();
+    Ok(namespaces
+        .iter()
+        .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network && n.path().is_none()))
 }
 
 fn load(root: &Path, id: &str) -> anyhow::Result<Container> {

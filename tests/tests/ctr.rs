@@ -315,3 +315,22 @@ fn same_id_in_two_namespaces() {
     assert_clean(&a.scope(), &["dup"]);
     assert_clean(&b.scope(), &["dup"]);
 }
+
+/// A new network namespace has its loopback interface up, as runc makes it:
+/// a server on 127.0.0.1 inside the container is reachable from inside.
+#[test]
+fn loopback_is_up() {
+    let ctd = Containerd::start();
+    for rt in [RUNC, CRAB] {
+        let out = ctd.ctr(&[
+            "run", "--rm", "--runtime", rt, BUSYBOX, "lo", "sh", "-c",
+            "ip addr show lo; (echo hello | nc -l -p 8080 127.0.0.1 &); \
+             for i in 1 2 3 4 5 6 7 8 9 10; do nc 127.0.0.1 8080 </dev/null && exit 0; sleep 0.1; done; exit 1",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("LOOPBACK,UP"), "{rt}: {text}");
+        assert!(text.contains("hello"), "{rt}: {text}");
+        assert_eq!(out.status.code(), Some(0), "{rt}");
+    }
+    assert_clean(&ctd.scope(), &["lo"]);
+}
