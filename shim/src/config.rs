@@ -36,6 +36,44 @@ pub struct ShimConfig {
     pub log_level: String,
     /// Deadline of one forked runtime operation, in seconds.
     pub runtime_timeout_secs: u64,
+    /// The sandbox's LLM proxy.
+    pub proxy: ProxyShimConfig,
+}
+
+/// The `[shim.proxy]` table: the LLM proxy each sandbox gets.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyShimConfig {
+    /// Whether sandboxes get a proxy at all.
+    pub enabled: bool,
+    /// Port of the listener on 127.0.0.1 in the sandbox's network namespace.
+    pub port: u16,
+    /// Variable that points OpenAI SDKs at the proxy.
+    pub openai_env: String,
+    /// Variable that points Anthropic SDKs at the proxy.
+    pub anthropic_env: String,
+    /// Default OpenAI upstream (no `/v1`).
+    pub openai_upstream: String,
+    /// Default Anthropic upstream.
+    pub anthropic_upstream: String,
+    /// Directory of the transcripts.
+    pub transcript_dir: PathBuf,
+    /// Largest request body, bytes.
+    pub max_request_body: usize,
+    /// Bytes of a response kept in its transcript record.
+    pub transcript_body_cap: usize,
+    /// Seconds a client has to send its request head.
+    pub client_header_timeout: u64,
+    /// Seconds to connect to the upstream.
+    pub upstream_connect_timeout: u64,
+    /// Seconds until the upstream's response head.
+    pub upstream_header_timeout: u64,
+    /// Longest silence within an upstream stream, seconds.
+    pub upstream_idle_timeout: u64,
+    /// Whole upstream exchange, seconds.
+    pub upstream_total_timeout: u64,
+    /// Longest hold of an answer, seconds.
+    pub hold_timeout: u64,
 }
 
 /// Why the configuration could not be read.

@@ -11,11 +11,13 @@ use oci_spec::runtime::Spec;
 use tokio::sync::oneshot;
 
 use crate::cgroup;
+use crate::config::ProxyShimConfig;
 use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
 use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
+use crate::sandbox_proxy::{self, SandboxProxy};
 
 /// One container of the shim.
 pub struct Container {
@@ -35,6 +37,16 @@ pub struct Container {
     rootfs_mounted: bool,
     /// The task publishing its OOM events; aborted at delete.
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
+    /// The sandbox's LLM proxy; stopped at delete.
+    proxy: Option<SandboxProxy>,
+}
+
+/// Where and how the sandbox's LLM proxy runs.
+pub struct ProxySetup<'a> {
+    /// containerd namespace (transcripts are kept per namespace).
+    pub namespace: &'a str,
+    /// `[shim.proxy]`.
+    pub config: &'a ProxyShimConfig,
 }
 
 /// A process's exit, to be watched by the shim.
@@ -45,7 +57,11 @@ pub type ExitReceiver = oneshot::Receiver<Exit>;
 impl Container {
     /// Creates the container of `req`: rootfs, stdio, cgroups, init (waiting
     /// for Start). Nothing is left behind if it fails.
-    pub async fn create(req: &CreateTaskRequest, runtime: &RuntimeClient) -> Result<(Self, ExitReceiver)> {
+    pub async fn create(
+        req: &CreateTaskRequest,
+        runtime: &RuntimeClient,
+        proxy: &ProxySetup<'_>,
+    ) -> Result<(Self, ExitReceiver)> {
         validate_id(&req.id)?;
         if !req.checkpoint.is_empty() {
             return Err(Error::Unsupported {
@@ -82,9 +98,25 @@ impl Container {
             cgroups_path,
             rootfs_mounted: false,
             oom_task: None,
+            proxy: None,
+        };
+        let plan = match proxy.config.enabled {
+            true => sandbox_proxy::inject(&bundle, proxy.config)?,
+            false => None,
         };
         match c.create_init(req, root.as_deref(), runtime).await {
-            Ok(rx) => Ok((c, rx)),
+            Ok(rx) => {
+                if let Some(plan) = plan {
+                    // A proxy that cannot start must not fail the container:
+                    // the agent then meets a refused connection, and the log
+                    // says why.
+                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config).await {
+                        Ok(p) => c.proxy = Some(p),
+                        Err(e) => log::error!("{}: no LLM proxy: {e}", c.id),
+                    }
+                }
+                Ok((c, rx))
+            }
             Err(e) => {
                 c.cleanup(runtime).await;
                 Err(e)
@@ -343,6 +375,9 @@ impl Container {
 
     /// Best-effort removal of everything `create` may have made.
     async fn cleanup(&mut self, runtime: &RuntimeClient) {
+        if let Some(p) = self.proxy.take() {
+            p.stop().await;
+        }
         if let Some(task) = self.oom_task.take() {
             task.abort();
         }

@@ -137,6 +137,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The sandbox's LLM proxy could not be set up.
+    #[error("llm proxy of {id}: {reason}")]
+    Proxy {
+        /// Container id.
+        id: String,
+        /// What crab-proxy said.
+        reason: String,
+    },
     /// The call is part of the task API but this shim does not offer it.
     #[error("{call} is not supported by the crab shim")]
     Unsupported {
@@ -171,6 +179,7 @@ impl Error {
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Unsupported { .. } => ttrpc::Code::UNIMPLEMENTED,
+            Error::Proxy { .. } => ttrpc::Code::UNAVAILABLE,
             Error::Libcontainer { .. } | Error::Cgroup { .. } | Error::Mount { .. } | Error::Io { .. } => {
                 ttrpc::Code::UNKNOWN
             }

@@ -26,6 +26,7 @@ mod netns;
 mod oom;
 mod process;
 mod runtime;
+mod sandbox_proxy;
 mod service;
 mod task;
 

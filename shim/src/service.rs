@@ -69,7 +69,8 @@ pub fn shim_main() {
 
 static CONFIG: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
 
-fn config() -> &'static Config {
+/// The configuration, read once at start.
+pub fn config() -> &'static Config {
     CONFIG.get().expect("set in shim_main before anything runs")
 }
 
@@ -90,6 +91,8 @@ pub struct TaskService {
     pub events: Arc<Events>,
     /// Set when the shim should exit.
     pub exit: Arc<ExitSignal>,
+    /// containerd namespace of this shim's containers.
+    pub namespace: String,
 }
 
 /// Publishes task events to containerd.
@@ -160,6 +163,7 @@ impl Shim for Service {
                 namespace: self.namespace.clone(),
             }),
             exit: self.exit.clone(),
+            namespace: self.namespace.clone(),
         }
     }
 }

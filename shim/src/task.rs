@@ -16,7 +16,7 @@ use containerd_shim::protos::ttrpc::Result as TtrpcResult;
 use containerd_shim::protos::types::task::ProcessInfo;
 
 use crate::cgroup;
-use crate::container::Container;
+use crate::container::{Container, ProxySetup};
 use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
@@ -36,7 +36,11 @@ impl Task for TaskService {
             }
             .into());
         }
-        let (mut container, rx) = Container::create(&req, &self.runtime).await?;
+        let proxy = ProxySetup {
+            namespace: &self.namespace,
+            config: &crate::service::config().shim.proxy,
+        };
+        let (mut container, rx) = Container::create(&req, &self.runtime, &proxy).await?;
         self.watch_oom(&mut container);
         let pid = container.init.pid;
         let container = Arc::new(tokio::sync::Mutex::new(container));

@@ -14,6 +14,7 @@ pub struct Containerd {
     /// The namespace tests use.
     pub namespace: String,
     child: Option<Child>,
+    env: Vec<(String, String)>,
 }
 
 impl Containerd {
@@ -25,6 +26,12 @@ impl Containerd {
     /// Starts containerd with `extra` appended to its config (e.g. a proxy
     /// plugin), and imports the busybox image.
     pub fn start_with(extra: &str) -> Self {
+        Self::start_full(extra, &[])
+    }
+
+    /// Starts containerd with `extra` appended to its config and `env` in
+    /// its environment (which the shims it starts inherit).
+    pub fn start_full(extra: &str, env: &[(&str, &str)]) -> Self {
         let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
         std::fs::create_dir_all(&dir).expect("create containerd dir");
         let config = format!(
@@ -38,6 +45,7 @@ impl Containerd {
             namespace: unique("ns"),
             dir,
             child: None,
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         };
         c.spawn();
         c.ctr_ok(&["image", "import", &busybox_archive().to_string_lossy()]);
@@ -59,6 +67,7 @@ impl Containerd {
             .arg("--config")
             .arg(self.dir.join("config.toml"))
             .env("PATH", path_with_crab())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log)

@@ -8,6 +8,7 @@ pub mod containerd;
 pub mod docker;
 pub mod image;
 pub mod leftovers;
+pub mod llm;
 pub mod snapshotter;
 pub mod zfs;
 

@@ -1,0 +1,265 @@
+//! The sandbox's LLM proxy: the agent inside reaches it at 127.0.0.1 in its
+//! own network namespace, through environment variables the shim puts into
+//! the OCI spec at Create. The agent is not modified.
+//!
+//! An agent whose spec already sets a variable keeps its service: that value
+//! becomes the sandbox's upstream. Sandboxes that share the host's network
+//! namespace get no proxy (one port cannot serve them all).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crab_proxy::{
+    Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, Upstreams,
+};
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ProxyShimConfig;
+use crate::error::{Error, Result};
+
+/// A sandbox's running proxy.
+pub struct SandboxProxy {
+    sandbox: Sandbox,
+    shutdown: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+/// What Create decided before the container existed.
+#[derive(Debug, Clone)]
+pub struct ProxyPlan {
+    upstreams: (String, String),
+}
+
+/// Points the agent's SDKs at the proxy in the bundle's `config.json`
+/// (atomically rewritten), when the container gets a network namespace of
+/// its own. Returns the plan for [`SandboxProxy::start`].
+pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
+    let mut spec: Value = serde_json::from_slice(&text).map_err(|e| Error::InvalidBundle {
+        bundle: bundle.to_owned(),
+        reason: e.to_string(),
+    })?;
+    if !private_netns(&spec) {
+        log::info!(
+            "{}: shares a network namespace with the host: no LLM proxy",
+            bundle.display()
+        );
+        return Ok(None);
+    }
+    let Some(env) = spec.pointer_mut("/process/env") else {
+        return Ok(None);
+    };
+    let mut vars: Vec<String> = match env.as_array() {
+        Some(a) => a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
+        None => Vec::new(),
+    };
+    let port = cfg.port;
+    let mut openai = cfg.openai_upstream.clone();
+    let mut anthropic = cfg.anthropic_upstream.clone();
+    let mut set = |name: &str, local: String, upstream: &mut String, strip_v1: bool| {
+        let prefix = format!("{name}=");
+        match vars.iter().position(|v| v.starts_with(&prefix)) {
+            Some(i) => {
+                let theirs = vars[i][prefix.len()..].trim_end_matches('/').to_owned();
+                let base = if strip_v1 {
+                    theirs.strip_suffix("/v1").map(str::to_owned)
+                } else {
+                    Some(theirs)
+                };
+                match base {
+                    Some(b) => {
+                        *upstream = b;
+                        vars[i] = format!("{prefix}{local}");
+                    }
+                    // An OpenAI base without /v1 cannot be fronted by a
+                    // proxy that serves /v1/…: leave the agent's choice.
+                    None => log::warn!("{name} does not end in /v1: left as the agent set it"),
+                }
+            }
+            None => vars.push(format!("{prefix}{local}")),
+        }
+    };
+    set(
+        &cfg.openai_env,
+        format!("http://127.0.0.1:{port}/v1"),
+        &mut openai,
+        true,
+    );
+    set(
+        &cfg.anthropic_env,
+        format!("http://127.0.0.1:{port}"),
+        &mut anthropic,
+        false,
+    );
+    *env = Value::Array(vars.into_iter().map(Value::String).collect());
+    let bytes =
+        serde_json::to_vec(&spec).map_err(|e| Error::io("encode config.json")(std::io::Error::other(e)))?;
+    let tmp = bundle.join(".config.json.crab");
+    std::fs::write(&tmp, bytes).map_err(Error::io(format!("write {}", tmp.display())))?;
+    std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
+    Ok(Some(ProxyPlan {
+        upstreams: (openai, anthropic),
+    }))
+}
+
+impl SandboxProxy {
+    /// Opens the listener in the network namespace of `pid` and serves the
+    /// sandbox `id` of containerd namespace `namespace`.
+    pub async fn start(
+        namespace: &str,
+        id: &str,
+        pid: i32,
+        plan: ProxyPlan,
+        cfg: &ProxyShimConfig,
+    ) -> Result<Self> {
+        let port = cfg.port;
+        // setns changes only the calling thread: a thread of its own, which
+        // ends right after, so no pooled thread is left in the sandbox.
+        let listener = tokio::task::spawn_blocking(move || {
+            std::thread::spawn(move || bind_in_netns(pid, port))
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("listener thread panicked")))
+        })
+        .await
+        .map_err(|e| Error::io("bind the proxy listener")(std::io::Error::other(e)))?
+        .map_err(Error::io(format!("bind 127.0.0.1:{port} in the sandbox")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(Error::io("proxy listener"))?;
+        let listener = tokio::net::TcpListener::from_std(listener).map_err(Error::io("proxy listener"))?;
+
+        let dir = cfg.transcript_dir.join(namespace);
+        archive_transcript(&dir, id)?;
+        let secs = Duration::from_secs;
+        let upstream = |u: &str| {
+            u.parse().map_err(|_| Error::Proxy {
+                id: id.to_owned(),
+                reason: format!("upstream {u:?} is not a URL"),
+            })
+        };
+        let config = ProxyConfig {
+            upstreams: Upstreams {
+                openai: upstream(&plan.upstreams.0)?,
+                anthropic: upstream(&plan.upstreams.1)?,
+            },
+            turn_ends: TurnEndRules::main_loop(),
+            limits: Limits {
+                max_request_body: cfg.max_request_body,
+                transcript_body_cap: cfg.transcript_body_cap,
+            },
+            timeouts: Timeouts {
+                client_header: secs(cfg.client_header_timeout),
+                upstream_connect: secs(cfg.upstream_connect_timeout),
+                upstream_header: secs(cfg.upstream_header_timeout),
+                upstream_idle: secs(cfg.upstream_idle_timeout),
+                upstream_total: secs(cfg.upstream_total_timeout),
+                hook: secs(cfg.hold_timeout),
+            },
+            transcript_dir: dir,
+        };
+        let proxy_error = |e: crab_proxy::Error| Error::Proxy {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        };
+        // No engine yet: every turn is safe at once.
+        let proxy = Proxy::new(config, Arc::new(NoopHook)).map_err(proxy_error)?;
+        let sid = SandboxId::new(id).map_err(|e| Error::Proxy {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        })?;
+        let sandbox = proxy.add_sandbox(sid).await.map_err(proxy_error)?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(crab_proxy::serve_sandbox(
+            listener,
+            sandbox.clone(),
+            shutdown.clone(),
+        ));
+        log::info!("{id}: LLM proxy on 127.0.0.1:{port} in the sandbox");
+        Ok(SandboxProxy {
+            sandbox,
+            shutdown,
+            task,
+        })
+    }
+
+    /// Stops serving and flushes the transcript.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.sandbox.shutdown().await;
+        let _ = self.task.await;
+    }
+}
+
+/// Whether the spec gives the container a network namespace that is not the
+/// shim's (a new one, or a path to another).
+fn private_netns(spec: &Value) -> bool {
+    let Some(namespaces) = spec.pointer("/linux/namespaces").and_then(Value::as_array) else {
+        return false;
+    };
+    let Some(net) = namespaces
+        .iter()
+        .find(|n| n.get("type").and_then(Value::as_str) == Some("network"))
+    else {
+        return false;
+    };
+    match net.get("path").and_then(Value::as_str) {
+        None | Some("") => true,
+        Some(p) => {
+            use std::os::unix::fs::MetadataExt;
+            let theirs = std::fs::metadata(p).map(|m| (m.dev(), m.ino()));
+            let ours = std::fs::metadata("/proc/self/ns/net").map(|m| (m.dev(), m.ino()));
+            matches!((theirs, ours), (Ok(a), Ok(b)) if a != b)
+        }
+    }
+}
+
+fn bind_in_netns(pid: i32, port: u16) -> std::io::Result<std::net::TcpListener> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+    std::net::TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
+}
+
+/// Moves an earlier container's transcript of the same id aside, so turn
+/// numbers of this sandbox start afresh without losing the old record.
+fn archive_transcript(dir: &Path, id: &str) -> Result<()> {
+    let path: PathBuf = dir.join(format!("{id}.jsonl"));
+    if path.exists() {
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let old = dir.join(format!("{id}.{at}.jsonl"));
+        std::fs::rename(&path, &old).map_err(Error::io(format!("archive {}", path.display())))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(ns: Value, private: bool) {
+        let spec = serde_json::json!({ "linux": { "namespaces": ns } });
+        assert_eq!(private_netns(&spec), private, "{spec}");
+    }
+
+    #[test]
+    fn which_namespaces_get_a_proxy() {
+        check(serde_json::json!([{"type": "network"}]), true);
+        check(serde_json::json!([{"type": "network", "path": ""}]), true);
+        check(serde_json::json!([{"type": "pid"}]), false);
+        check(
+            serde_json::json!([{"type": "network", "path": "/proc/self/ns/net"}]),
+            false,
+        );
+        check(
+            serde_json::json!([{"type": "network", "path": "/proc/1/ns/net"}]),
+            false,
+        );
+    }
+}

@@ -1,0 +1,97 @@
+//! The LLM proxy injected into a crab sandbox: environment variables in the
+//! spec, a listener on 127.0.0.1 in the sandbox's network namespace, turns
+//! counted and kept in the transcript. Needs root: CI runs it as root.
+
+use crab_tests::image::BUSYBOX;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::llm::{ScriptedLlm, ANSWER};
+use crab_tests::{Containerd, CRAB};
+
+/// containerd whose shims write transcripts into a directory of the test's.
+fn containerd() -> (Containerd, std::path::PathBuf) {
+    let base = std::env::temp_dir().join(crab_tests::unique("crabpx"));
+    std::fs::create_dir_all(&base).unwrap();
+    let transcripts = base.join("transcripts");
+    let config = base.join("crab.toml");
+    std::fs::write(
+        &config,
+        format!("[shim.proxy]\ntranscript_dir = \"{}\"\n", transcripts.display()),
+    )
+    .unwrap();
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    (ctd, base)
+}
+
+#[test]
+fn injected_proxy_counts_turns_and_keeps_the_transcript() {
+    let llm = ScriptedLlm::start();
+    let (ctd, base) = containerd();
+    let transcripts = base.join("transcripts");
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    let post = "wget -qO- --header 'Content-Type: application/json' \
+                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    let script = format!("echo $OPENAI_BASE_URL $ANTHROPIC_BASE_URL; {post}; echo; wget -qO- $OPENAI_BASE_URL/models; echo; {post}");
+    let out = ctd.ctr_ok(&[
+        "run",
+        "--rm",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "agent",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let mut lines = out.lines();
+    // The agent's SDK variables point at the proxy in its own namespace.
+    assert_eq!(
+        lines.next(),
+        Some("http://127.0.0.1:7878/v1 http://127.0.0.1:7878"),
+        "{out}"
+    );
+    // The agent's own upstream answered, through the proxy.
+    assert_eq!(out.matches("scripted answer").count(), 2, "{out}");
+    assert!(out.contains(&ANSWER[..20]));
+    assert_eq!(
+        llm.seen(),
+        [
+            "POST /v1/chat/completions",
+            "GET /v1/models",
+            "POST /v1/chat/completions"
+        ]
+    );
+    // Two turns (the model list is not one), both in the transcript.
+    let path = transcripts.join(&ctd.namespace).join("agent.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let turns: Vec<u64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "turn")
+        .filter_map(|v| v["turn"].as_u64())
+        .collect();
+    assert_eq!(turns, [1, 2], "{text}");
+    assert_clean(&ctd.scope(), &["agent"]);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn host_network_gets_no_proxy() {
+    let (ctd, base) = containerd();
+    let out = ctd.ctr_ok(&[
+        "run",
+        "--rm",
+        "--net-host",
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "hostnet",
+        "sh",
+        "-c",
+        "echo \"[$OPENAI_BASE_URL]\"",
+    ]);
+    assert_eq!(out.trim(), "[]", "a host-network sandbox got proxy variables");
+    assert_clean(&ctd.scope(), &["hostnet"]);
+    let _ = std::fs::remove_dir_all(&base);
+}
