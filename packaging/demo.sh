@@ -27,7 +27,9 @@ state = "$work/state"
 [grpc]
   address = "$work/c.sock"
 CFG
-PATH=$bin:$PATH containerd --config "$work/config.toml" >"$work/containerd.log" 2>&1 &
+# Embedded defaults, except that transcripts stay in the demo's directory.
+printf '[shim.proxy]\ntranscript_dir = "%s/transcripts"\n' "$work" >"$work/crab.toml"
+CRAB_CONFIG=$work/crab.toml PATH=$bin:$PATH containerd --config "$work/config.toml" >"$work/containerd.log" 2>&1 &
 ctd_pid=$!
 for _ in $(seq 100); do ctr -a "$work/c.sock" version >/dev/null 2>&1 && break; sleep 0.1; done
 C="ctr -a $work/c.sock"
@@ -51,5 +53,8 @@ $C task ps demo
 $C task pause demo && $C task ls
 $C task resume demo && $C task ls
 $C task metrics demo | head -8
+
+say "the agent's LLM proxy, injected into the sandbox's own network namespace"
+$C task exec --exec-id env demo sh -c 'echo "OPENAI_BASE_URL=$OPENAI_BASE_URL ANTHROPIC_BASE_URL=$ANTHROPIC_BASE_URL"; netstat -ltn 2>/dev/null | grep 7878 || true'
 
 say "done: containerd, the sandbox and every file are removed on exit"

@@ -39,6 +39,8 @@ pub struct Container {
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
+    /// The variables pointing SDKs at it, for execs too.
+    proxy_env: Vec<String>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -99,6 +101,7 @@ impl Container {
             rootfs_mounted: false,
             oom_task: None,
             proxy: None,
+            proxy_env: Vec::new(),
         };
         let plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
@@ -107,6 +110,7 @@ impl Container {
         match c.create_init(req, root.as_deref(), runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
+                    c.proxy_env = plan.env.clone();
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
@@ -220,7 +224,10 @@ impl Container {
                 op: "exec",
             });
         }
-        let spec = req.spec.as_ref().map(|any| any.value.clone()).unwrap_or_default();
+        let mut spec = req.spec.as_ref().map(|any| any.value.clone()).unwrap_or_default();
+        if !self.proxy_env.is_empty() && !spec.is_empty() {
+            spec = sandbox_proxy::inject_exec(&spec, &self.proxy_env)?;
+        }
         let terminal = serde_json::from_slice::<serde_json::Value>(&spec)
             .ok()
             .and_then(|v| v.get("terminal").and_then(serde_json::Value::as_bool))

@@ -137,6 +137,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An Exec request's process spec is not an OCI process (JSON object).
+    #[error("invalid exec spec: {reason}")]
+    InvalidExecSpec {
+        /// What is wrong.
+        reason: String,
+    },
     /// The sandbox's LLM proxy could not be set up.
     #[error("llm proxy of {id}: {reason}")]
     Proxy {
@@ -174,7 +180,8 @@ impl Error {
             | Error::InvalidBundle { .. }
             | Error::InvalidSignal { .. }
             | Error::InvalidResources { .. }
-            | Error::InvalidCheckpointOptions { .. } => ttrpc::Code::INVALID_ARGUMENT,
+            | Error::InvalidCheckpointOptions { .. }
+            | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
             Error::BadState { .. } | Error::Runtime { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,

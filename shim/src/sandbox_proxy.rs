@@ -32,6 +32,8 @@ pub struct SandboxProxy {
 #[derive(Debug, Clone)]
 pub struct ProxyPlan {
     upstreams: (String, String),
+    /// The variables (`NAME=value`) that point SDKs at the proxy.
+    pub env: Vec<String>,
 }
 
 /// Points the agent's SDKs at the proxy in the bundle's `config.json`
@@ -61,8 +63,10 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
     let port = cfg.port;
     let mut openai = cfg.openai_upstream.clone();
     let mut anthropic = cfg.anthropic_upstream.clone();
+    let mut injected = Vec::new();
     let mut set = |name: &str, local: String, upstream: &mut String, strip_v1: bool| {
         let prefix = format!("{name}=");
+        let var = format!("{prefix}{local}");
         match vars.iter().position(|v| v.starts_with(&prefix)) {
             Some(i) => {
                 let theirs = vars[i][prefix.len()..].trim_end_matches('/').to_owned();
@@ -74,14 +78,18 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
                 match base {
                     Some(b) => {
                         *upstream = b;
-                        vars[i] = format!("{prefix}{local}");
+                        vars[i] = var.clone();
+                        injected.push(var);
                     }
                     // An OpenAI base without /v1 cannot be fronted by a
                     // proxy that serves /v1/…: leave the agent's choice.
                     None => log::warn!("{name} does not end in /v1: left as the agent set it"),
                 }
             }
-            None => vars.push(format!("{prefix}{local}")),
+            None => {
+                vars.push(var.clone());
+                injected.push(var);
+            }
         }
     };
     set(
@@ -104,6 +112,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
     std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
     Ok(Some(ProxyPlan {
         upstreams: (openai, anthropic),
+        env: injected,
     }))
 }
 
@@ -195,6 +204,36 @@ impl SandboxProxy {
     }
 }
 
+/// Adds the proxy variables `env` to an exec's OCI process spec (JSON), so
+/// an agent started with `exec` finds the proxy too (containerd builds exec
+/// specs from its own copy of the container's spec, which the shim did not
+/// rewrite). A variable the exec sets itself is left alone.
+pub fn inject_exec(spec: &[u8], env: &[String]) -> Result<Vec<u8>> {
+    let mut process: Value = serde_json::from_slice(spec).map_err(|e| Error::InvalidExecSpec {
+        reason: e.to_string(),
+    })?;
+    let Some(obj) = process.as_object_mut() else {
+        return Err(Error::InvalidExecSpec {
+            reason: "not a JSON object".to_owned(),
+        });
+    };
+    let vars = obj.entry("env").or_insert_with(|| Value::Array(Vec::new()));
+    if let Some(list) = vars.as_array_mut() {
+        for var in env {
+            let name = var.split('=').next().unwrap_or_default();
+            let set = list
+                .iter()
+                .any(|v| v.as_str().is_some_and(|s| s.starts_with(&format!("{name}="))));
+            if !set {
+                list.push(Value::String(var.clone()));
+            }
+        }
+    }
+    serde_json::to_vec(&process).map_err(|e| Error::InvalidExecSpec {
+        reason: e.to_string(),
+    })
+}
+
 /// Whether the spec gives the container a network namespace that is not the
 /// shim's (a new one, or a path to another).
 fn private_netns(spec: &Value) -> bool {
@@ -246,6 +285,22 @@ mod tests {
     fn check(ns: Value, private: bool) {
         let spec = serde_json::json!({ "linux": { "namespaces": ns } });
         assert_eq!(private_netns(&spec), private, "{spec}");
+    }
+
+    #[test]
+    fn exec_specs_get_the_variables_they_lack() {
+        let env = vec!["OPENAI_BASE_URL=http://127.0.0.1:7878/v1".to_owned()];
+        let out = inject_exec(br#"{"args":["sh"],"env":["PATH=/bin"]}"#, &env).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v["env"],
+            serde_json::json!(["PATH=/bin", "OPENAI_BASE_URL=http://127.0.0.1:7878/v1"])
+        );
+        let out = inject_exec(br#"{"env":["OPENAI_BASE_URL=http://mine/v1"]}"#, &env).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["env"], serde_json::json!(["OPENAI_BASE_URL=http://mine/v1"]));
+        assert!(inject_exec(b"[1]", &env).is_err());
+        assert!(inject_exec(b"not json", &env).is_err());
     }
 
     #[test]

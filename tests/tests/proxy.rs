@@ -95,3 +95,24 @@ fn host_network_gets_no_proxy() {
     assert_clean(&ctd.scope(), &["hostnet"]);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// An agent started with `exec` finds the proxy too.
+#[test]
+fn exec_sees_the_proxy_variables() {
+    let (ctd, base) = containerd();
+    ctd.run_detached(CRAB, "box", &["sleep", "300"]);
+    let out = ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "agent",
+        "box",
+        "sh",
+        "-c",
+        "echo $OPENAI_BASE_URL $ANTHROPIC_BASE_URL",
+    ]);
+    assert_eq!(out.trim(), "http://127.0.0.1:7878/v1 http://127.0.0.1:7878");
+    ctd.remove("box");
+    assert_clean(&ctd.scope(), &["box"]);
+    let _ = std::fs::remove_dir_all(&base);
+}
