@@ -41,8 +41,10 @@
 //!
 //! Calls block (file I/O, hashing): async callers run them on a blocking
 //! thread. One process opens a root at a time (the lock file); within it,
-//! the store may be shared by threads, and sandboxes do not wait for each
-//! other.
+//! the store may be shared by threads. Each sandbox has its own lock, held
+//! for manifest reads and writes but not while image files are hashed, so
+//! sandboxes do not wait for each other (except for a `register`, which
+//! holds the table of sandboxes while it creates one).
 
 mod durable;
 mod error;

@@ -19,10 +19,25 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(StoreError::io("fsync directory", dir))
 }
 
-/// Creates `dir` (and missing parents) and fsyncs its parent.
+/// Creates `dir` and its missing parents, fsyncing the parent of each
+/// directory it creates.
 pub(crate) fn create_dir(dir: &Path) -> Result<(), StoreError> {
-    fs::create_dir_all(dir).map_err(StoreError::io("create directory", dir))?;
-    sync_parent(dir)
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        create_dir(parent)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => sync_parent(dir),
+        // Another thread made it first; it fsyncs the parent.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(StoreError::Io {
+            op: "create directory",
+            path: dir.to_owned(),
+            source: e,
+        }),
+    }
 }
 
 /// Fsyncs the directory holding `path`.

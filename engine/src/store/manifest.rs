@@ -271,3 +271,95 @@ pub(crate) fn rewrite<'a>(
     }
     durable::replace_file(path, &bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::record::{Class, VersionRecord};
+
+    /// Builds a manifest from `spec` words: `h<n>` a header with next
+    /// version n, `v<n>` version n holding its own images, `u<n>:<h>`
+    /// version n using h's images, `x` a corrupt line, `t` a torn tail.
+    fn build(spec: &str) -> Vec<u8> {
+        let s1 = SandboxId::new("s1").unwrap();
+        let record = |version: u64, holder: u64| VersionRecord {
+            sandbox: s1.clone(),
+            version,
+            created_unix_ms: 0,
+            turn: None,
+            class: Class::Proc,
+            process_image: Some(holder),
+            fs_snapshot: None,
+            transcript_turns: 0,
+            images: Vec::new(),
+        };
+        let mut bytes = Vec::new();
+        for word in spec.split_whitespace() {
+            let (kind, arg) = word.split_at(1);
+            match kind {
+                "h" => bytes.extend(
+                    record::encode_header(&Header {
+                        sandbox: s1.clone(),
+                        next_version: arg.parse().unwrap(),
+                    })
+                    .unwrap(),
+                ),
+                "v" => {
+                    let v = arg.parse().unwrap();
+                    bytes.extend(record::encode_version(&record(v, v)).unwrap());
+                }
+                "u" => {
+                    let (v, h) = arg.split_once(':').unwrap();
+                    bytes.extend(
+                        record::encode_version(&record(v.parse().unwrap(), h.parse().unwrap())).unwrap(),
+                    );
+                }
+                "x" => bytes.extend(b"0123 not a line\n"),
+                "t" => bytes.extend(b"abc"),
+                _ => panic!("bad spec word {word:?}"),
+            }
+        }
+        bytes
+    }
+
+    /// Checks the next version, where versions 1..=9 are found (`f`, `b`
+    /// for a bad line, `-` for nowhere), which images directories 1..=9 are
+    /// claimed, and the torn tail's line number.
+    fn check(spec: &str, next: u64, found: &str, claimed: &str, torn: Option<u64>) {
+        let m = Manifest::parse(&build(spec), &SandboxId::new("s1").unwrap());
+        let got_found: String = (1..=9)
+            .map(|v| match m.lookup(v) {
+                Lookup::Found(_) => 'f',
+                Lookup::Bad { .. } => 'b',
+                Lookup::Unknown => '-',
+            })
+            .collect();
+        let got_claimed: String = (1..=9)
+            .map(|n| if m.claims_images(n) { 'c' } else { '-' })
+            .collect();
+        assert_eq!(m.next_version(), next, "next, {spec:?}");
+        assert_eq!(got_found, found, "found, {spec:?}");
+        assert_eq!(got_claimed, claimed, "claimed, {spec:?}");
+        assert_eq!(m.torn.map(|t| t.number), torn, "torn, {spec:?}");
+    }
+
+    #[test]
+    fn manifests() {
+        check("", 1, "---------", "---------", None);
+        check("t", 1, "---------", "---------", Some(1));
+        check("h1", 1, "---------", "---------", None);
+        check("h1 v1 u2:1 v3", 4, "fff------", "c-c------", None);
+        check("h1 v1 u2:1 v3 t", 4, "fff------", "c-c------", Some(5));
+        // Bad lines hold the numbers between their intact neighbours, and
+        // each trailing one holds one more.
+        check("h1 v1 x v3", 4, "fbf------", "ccc------", None);
+        check("h1 v1 x x", 4, "fbb------", "ccc------", None);
+        check("h1 x v2", 3, "bf-------", "cc-------", None);
+        // The header keeps the high mark after the newest were removed.
+        check("h7 v1 v3", 7, "f-f------", "c-c------", None);
+        check("h7 v1 x", 7, "fbbbbb---", "cccccc---", None);
+        // Out of order and misplaced headers are bad lines.
+        check("h1 v2 v2", 4, "-fb------", "-cc------", None);
+        check("h1 v1 h5", 3, "fb-------", "cc-------", None);
+    }
+}

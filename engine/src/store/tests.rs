@@ -209,6 +209,15 @@ fn check_publish(script: &str, expected: &str) {
     }
 }
 
+/// The daemon moves stores and pending versions between threads.
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<VersionStore>();
+    check::<PendingVersion>();
+    check::<StoreError>();
+}
+
 #[test]
 fn publish_reuses_what_a_class_does_not_capture() {
     check_publish("", "");
