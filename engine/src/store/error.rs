@@ -134,6 +134,13 @@ pub enum StoreError {
         /// The entry.
         path: PathBuf,
     },
+    /// The manifest ends in a partial line that a failed append left and
+    /// could not cut off; opening the store again repairs it.
+    #[error("manifest {path} ends in a partial line: reopen the store to repair it")]
+    PartialLine {
+        /// The manifest.
+        path: PathBuf,
+    },
     /// A record could not be encoded (a bug: every record is serialisable).
     #[error("cannot encode a manifest line")]
     Encode(#[source] serde_json::Error),

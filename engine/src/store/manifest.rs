@@ -8,6 +8,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::record::{self, Decoded, Header, VersionRecord};
@@ -210,10 +211,14 @@ fn count_lines(complete: &[u8]) -> usize {
 
 /// Appends `line` (LF included) to the manifest at `path` and fsyncs it.
 ///
-/// On failure the file is cut back to its old length, so a later append
-/// does not glue onto a partial line.
+/// On failure the file is cut back to its old length.
+///
+/// Invariant: a line is only appended after a LF (or to an empty file), so
+/// a failed append whose cut-back failed too is never glued to the next
+/// line; opening the store again cuts it off.
 pub(crate) fn append(path: &Path, line: &[u8]) -> Result<(), StoreError> {
     let mut file = OpenOptions::new()
+        .read(true)
         .append(true)
         .open(path)
         .map_err(StoreError::io("open manifest", path))?;
@@ -221,6 +226,16 @@ pub(crate) fn append(path: &Path, line: &[u8]) -> Result<(), StoreError> {
         .metadata()
         .map_err(StoreError::io("stat manifest", path))?
         .len();
+    if old_len > 0 {
+        let mut last = [0];
+        file.read_exact_at(&mut last, old_len - 1)
+            .map_err(StoreError::io("read manifest", path))?;
+        if last != *b"\n" {
+            return Err(StoreError::PartialLine {
+                path: path.to_owned(),
+            });
+        }
+    }
     let written = write_line(&mut file, line).and_then(|()| file.sync_all());
     if let Err(source) = written {
         if let Err(e) = file.set_len(old_len).and_then(|()| file.sync_all()) {

@@ -174,6 +174,7 @@ fn outcome<T>(result: Result<T, StoreError>) -> String {
             StoreError::UnsupportedImageEntry { path } => {
                 format!("unsupported {}", path.file_name().unwrap().to_string_lossy())
             }
+            StoreError::PartialLine { .. } => "partial-line".to_owned(),
             e @ (StoreError::Encode(_) | StoreError::Io { .. }) => panic!("unexpected error: {e}"),
         },
     }
@@ -286,6 +287,29 @@ fn arguments_are_checked() {
     assert_eq!(fx.summary(), "");
     fx.run("a");
     assert_eq!(fx.summary(), "v1");
+}
+
+#[test]
+fn no_line_is_glued_to_a_partial_one() {
+    let fx = fixture();
+    fx.run("a");
+    // What a failed append leaves when cutting it back failed too.
+    let mut file = fs::OpenOptions::new().append(true).open(fx.manifest()).unwrap();
+    file.write_all(b"0123 partial").unwrap();
+    drop(file);
+    let pending = fx
+        .store
+        .begin_version(&fx.s1, new_version(Capture::Proc))
+        .unwrap();
+    assert_eq!(outcome(pending.publish()), "partial-line");
+    assert!(!fx.images(2).exists());
+    let fx = fx.reopen();
+    assert_eq!(
+        fx.store.recovery(&fx.s1).unwrap().torn_line,
+        Some(TornLine { line: 3, bytes: 12 })
+    );
+    assert_eq!(fx.run("n")[0].version, 2);
+    assert_eq!(fx.summary(), "v1 v2");
 }
 
 #[test]
