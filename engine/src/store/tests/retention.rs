@@ -115,3 +115,20 @@ fn numbers_are_not_given_out_again_after_removal() {
     assert_eq!(fx.summary(), "");
     assert_eq!(fx.run("a")[0].version, 4);
 }
+
+#[test]
+fn images_a_compaction_left_behind_are_removed_on_open() {
+    let fx = fixture();
+    fx.run("a a n");
+    let saved = tempfile::tempdir().unwrap();
+    fs::rename(fx.images(1), saved.path().join("1")).unwrap();
+    fs::create_dir(fx.images(1)).unwrap();
+    assert_eq!(fx.store.retain(&fx.s1, 2).unwrap().removed_images, vec![1]);
+    // As if the process died after the compacted manifest was renamed in
+    // and before the images directory was removed.
+    fs::rename(saved.path().join("1"), fx.images(1)).unwrap();
+    let fx = fx.reopen();
+    assert_eq!(fx.store.recovery(&fx.s1).unwrap().removed_images, vec![1]);
+    assert!(!fx.images(1).exists());
+    assert_eq!(fx.summary(), "v2 v3");
+}
