@@ -80,7 +80,7 @@ use self::record::Header;
 pub const DEFAULT_ROOT: &str = "/var/lib/crab";
 
 /// Result of a version store operation.
-pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// The version store of one host.
 ///
