@@ -1,0 +1,336 @@
+//! The version store: a durable, versioned record of each sandbox's
+//! recoverable points.
+//!
+//! A version is `V_i = (P_j, F_k, T_i)` (DESIGN.md): the newest process
+//! image, the newest filesystem snapshot and the transcript prefix at turn
+//! i. The store keeps, per sandbox, an append-only manifest of versions and
+//! the process images they hold; filesystem snapshots live in their backend
+//! and are only named here.
+//!
+//! Layout under the root (default [`DEFAULT_ROOT`]):
+//!
+//! ```text
+//! <root>/lock                         flock(2)ed by the one open store
+//! <root>/sandboxes/<id>/versions.log  the manifest: a header line, then one
+//!                                     line per version (format: record.rs)
+//! <root>/images/<id>/<version>/       the process image that version wrote:
+//!                                     opaque files (CRIU's), any tree
+//! <root>/images/<id>/.tmp-<version>/  a process image being written
+//! ```
+//!
+//! A manifest line is `<sha256-hex of json> <json>\n`; the json is
+//! `{"v":1,"kind":"header","sandbox":…,"next_version":…}` on line 1 and
+//! `{"v":1,"kind":"version","sandbox":…,"version":…,"created_unix_ms":…,
+//! "turn":…,"class":"none|fs|proc|full","process_image":<version>|null,
+//! "fs_snapshot":{"backend":…,"name":…}|null,"transcript_turns":…,
+//! "images":[{"path":…,"bytes":…,"sha256":…}]}` after it.
+//!
+//! Crash safety:
+//! - Invariant: a version's manifest line is appended only after the files
+//!   and directories it names are fsynced and renamed into place, and
+//!   [`PendingVersion::publish`] returns only after the line is fsynced.
+//! - A torn last line (a crash mid-append) is cut off when the store opens
+//!   and reported by [`VersionStore::recovery`]; it is never listed. Its
+//!   number may be given out again: its publish never returned, so no
+//!   caller can hold that number, and the images directory it would have
+//!   named is removed first.
+//! - A number that an intact or corrupt complete line holds is never given
+//!   out again, also after compaction (the header keeps the high mark).
+//! - `.tmp-*` directories, images directories no line can name, and a
+//!   half-written compaction (`versions.log.tmp`) are removed at open.
+//!
+//! Calls block (file I/O, hashing): async callers run them on a blocking
+//! thread. One process opens a root at a time (the lock file); within it,
+//! the store may be shared by threads. Each sandbox has its own lock, held
+//! for manifest reads and writes but not while image files are hashed, so
+//! sandboxes do not wait for each other (except for a `register`, which
+//! holds the table of sandboxes while it creates one).
+
+mod durable;
+mod error;
+mod id;
+mod images;
+mod manifest;
+mod publish;
+mod query;
+mod record;
+mod recover;
+mod retain;
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nix::fcntl::{Flock, FlockArg};
+use parking_lot::Mutex;
+
+pub use self::error::StoreError;
+pub use self::id::SandboxId;
+pub use self::publish::{Capture, NewVersion, PendingVersion};
+pub use self::query::{Version, VersionInfo};
+pub use self::record::{Class, FsSnapshot, ImageFile, VersionRecord};
+pub use self::recover::{Recovery, TornLine};
+pub use self::retain::Removal;
+
+use self::manifest::{Entry, Manifest};
+use self::record::Header;
+
+/// Where the store lives unless configured otherwise.
+pub const DEFAULT_ROOT: &str = "/var/lib/crab";
+
+/// Result of a version store operation.
+pub(crate) type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// The version store of one host.
+///
+/// Cloning is cheap; clones share the store.
+#[derive(Debug, Clone)]
+pub struct VersionStore {
+    inner: Arc<Inner>,
+}
+
+/// Why a version is not valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Defect {
+    /// Its manifest line fails its checksum or does not parse.
+    CorruptLine {
+        /// The line, from 1.
+        line: u64,
+    },
+    /// Its manifest line names another sandbox.
+    NotOfSandbox {
+        /// The line, from 1.
+        line: u64,
+        /// The sandbox it names.
+        found: String,
+    },
+    /// A file of the process image it uses is missing.
+    MissingImage {
+        /// The version holding the process image.
+        holder: u64,
+        /// The file, relative to the holder's images directory.
+        file: String,
+    },
+    /// A file of the process image it uses differs from its record.
+    CorruptImage {
+        /// The version holding the process image.
+        holder: u64,
+        /// The file, relative to the holder's images directory.
+        file: String,
+    },
+    /// The version holding its process image is not in the manifest.
+    MissingDependency {
+        /// The version that should hold the process image.
+        holder: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Inner {
+    root: PathBuf,
+    sandboxes: Mutex<BTreeMap<SandboxId, Arc<Mutex<SandboxState>>>>,
+    /// Held for the store's life: one process per root.
+    _lock: Flock<File>,
+}
+
+/// What the store keeps in memory about a sandbox.
+#[derive(Debug)]
+struct SandboxState {
+    id: SandboxId,
+    /// The number the next version gets.
+    next_version: u64,
+    /// The newest line, for versions that reuse what it uses.
+    last: Last,
+    /// The version being written, if any.
+    pending: Option<Pending>,
+    /// What opening the store repaired.
+    recovery: Recovery,
+}
+
+/// The newest manifest line.
+#[derive(Debug, Clone)]
+enum Last {
+    Empty,
+    Intact(VersionRecord),
+    Bad { line: u64 },
+}
+
+/// What a pending version reuses: retention keeps it.
+#[derive(Debug, Clone)]
+struct Pending {
+    version: u64,
+    process_image: Option<u64>,
+    fs_snapshot: Option<FsSnapshot>,
+}
+
+// === impl VersionStore ===
+
+impl VersionStore {
+    /// Opens (creating if needed) the store at `root`, repairs what a crash
+    /// left behind (see the module doc) and loads every sandbox.
+    ///
+    /// # Errors
+    /// [`StoreError::Locked`] if another process has it open;
+    /// [`StoreError::Io`].
+    ///
+    /// ```no_run
+    /// let store = crab_engine::VersionStore::open(crab_engine::DEFAULT_ROOT)?;
+    /// # Ok::<(), crab_engine::StoreError>(())
+    /// ```
+    pub fn open(root: impl AsRef<Path>) -> Result<VersionStore> {
+        let root = root.as_ref().to_owned();
+        durable::create_dir(&root.join("sandboxes"))?;
+        durable::create_dir(&root.join("images"))?;
+        let lock_path = root.join("lock");
+        let lock_file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(StoreError::io("open lock file", &lock_path))?;
+        let lock = match Flock::lock(lock_file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(StoreError::Locked { root }),
+            Err((_, errno)) => {
+                return Err(StoreError::Io {
+                    op: "lock",
+                    path: lock_path,
+                    source: errno.into(),
+                })
+            }
+        };
+        let inner = Inner {
+            root,
+            sandboxes: Mutex::new(BTreeMap::new()),
+            _lock: lock,
+        };
+        let dir = inner.root.join("sandboxes");
+        for entry in fs::read_dir(&dir).map_err(StoreError::io("read directory", &dir))? {
+            let entry = entry.map_err(StoreError::io("read directory", &dir))?;
+            let name = entry.file_name();
+            let Some(id) = name.to_str().and_then(|n| SandboxId::new(n).ok()) else {
+                tracing::warn!(entry = ?name, "not a sandbox id in the store, left alone");
+                continue;
+            };
+            if !inner.manifest_path(&id).exists() {
+                tracing::warn!(sandbox = %id, "sandbox directory without a manifest, left alone");
+                continue;
+            }
+            let state = recover::load(&inner, id.clone())?;
+            inner.sandboxes.lock().insert(id, Arc::new(Mutex::new(state)));
+        }
+        Ok(VersionStore {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// Registers a new sandbox with an empty manifest.
+    ///
+    /// # Errors
+    /// [`StoreError::SandboxExists`].
+    pub fn register(&self, sandbox: &SandboxId) -> Result<()> {
+        let mut sandboxes = self.inner.sandboxes.lock();
+        if sandboxes.contains_key(sandbox) {
+            return Err(StoreError::SandboxExists {
+                sandbox: sandbox.clone(),
+            });
+        }
+        let inner = &self.inner;
+        durable::create_dir(&inner.images_root(sandbox))?;
+        durable::create_dir(&inner.sandbox_dir(sandbox))?;
+        let header = Header {
+            sandbox: sandbox.clone(),
+            next_version: 1,
+        };
+        // Invariant: the manifest appears whole (renamed in), so a sandbox
+        // directory with a manifest is a registered sandbox.
+        manifest::rewrite(&inner.manifest_path(sandbox), &header, [])?;
+        let state = recover::load(inner, sandbox.clone())?;
+        sandboxes.insert(sandbox.clone(), Arc::new(Mutex::new(state)));
+        tracing::info!(sandbox = %sandbox, "sandbox registered");
+        Ok(())
+    }
+
+    /// The registered sandboxes, sorted.
+    pub fn sandboxes(&self) -> Vec<SandboxId> {
+        self.inner.sandboxes.lock().keys().cloned().collect()
+    }
+
+    /// What opening the store found and repaired for `sandbox`.
+    pub fn recovery(&self, sandbox: &SandboxId) -> Result<Recovery> {
+        Ok(self.inner.sandbox(sandbox)?.lock().recovery.clone())
+    }
+}
+
+// === impl Inner ===
+
+impl Inner {
+    fn sandbox(&self, sandbox: &SandboxId) -> Result<Arc<Mutex<SandboxState>>> {
+        match self.sandboxes.lock().get(sandbox) {
+            Some(state) => Ok(state.clone()),
+            None => Err(StoreError::UnknownSandbox {
+                sandbox: sandbox.clone(),
+            }),
+        }
+    }
+
+    fn sandbox_dir(&self, sandbox: &SandboxId) -> PathBuf {
+        self.root.join("sandboxes").join(sandbox.as_str())
+    }
+
+    fn manifest_path(&self, sandbox: &SandboxId) -> PathBuf {
+        self.sandbox_dir(sandbox).join("versions.log")
+    }
+
+    fn images_root(&self, sandbox: &SandboxId) -> PathBuf {
+        self.root.join("images").join(sandbox.as_str())
+    }
+
+    fn images_dir(&self, sandbox: &SandboxId, version: u64) -> PathBuf {
+        self.images_root(sandbox).join(version.to_string())
+    }
+
+    fn read_manifest(&self, sandbox: &SandboxId) -> Result<Manifest> {
+        Manifest::read(&self.manifest_path(sandbox), sandbox)
+    }
+}
+
+// === impl Last ===
+
+impl Last {
+    fn of(manifest: &Manifest) -> Last {
+        match manifest.last() {
+            None => Last::Empty,
+            Some(line) => match &line.entry {
+                Entry::Version(r) => Last::Intact(r.clone()),
+                Entry::Bad(_) => Last::Bad { line: line.number },
+            },
+        }
+    }
+}
+
+/// Whether the test run stops at crash point `point` (see [`crash_point`]).
+#[cfg(test)]
+fn stops_at(point: &str) -> bool {
+    std::env::var(tests::STOP_AT_ENV).is_ok_and(|p| p == point)
+}
+
+/// A point in a publish where crash tests kill the process: when the test
+/// run asks to stop here, says so on stdout and waits to be SIGKILLed.
+fn crash_point(point: &str) {
+    #[cfg(test)]
+    if stops_at(point) {
+        tests::stop_here(point);
+    }
+    #[cfg(not(test))]
+    let _ = point;
+}
+
+#[cfg(test)]
+mod tests;

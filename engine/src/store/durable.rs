@@ -1,0 +1,89 @@
+//! The few filesystem steps that make a write durable.
+//!
+//! Linux makes a new or renamed directory entry durable only when the
+//! directory itself is fsynced (fsync(2), "Calling fsync() does not
+//! necessarily ensure that the entry in the directory containing the file
+//! has also reached disk"), so every create, rename and remove here is
+//! followed by an fsync of its parent.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+
+use super::StoreError;
+
+/// Fsyncs directory `dir`.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(StoreError::io("fsync directory", dir))
+}
+
+/// Creates `dir` and its missing parents, fsyncing the parent of each
+/// directory it creates.
+pub(crate) fn create_dir(dir: &Path) -> Result<(), StoreError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        create_dir(parent)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => sync_parent(dir),
+        // Another thread made it first; it fsyncs the parent.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(StoreError::Io {
+            op: "create directory",
+            path: dir.to_owned(),
+            source: e,
+        }),
+    }
+}
+
+/// Fsyncs the directory holding `path`.
+pub(crate) fn sync_parent(path: &Path) -> Result<(), StoreError> {
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent),
+        _ => sync_dir(Path::new(".")),
+    }
+}
+
+/// Replaces `path` with `bytes` atomically: a reader sees the old content
+/// or the new one, after a crash too.
+///
+/// Invariant: the new file is fsynced before the rename that replaces the
+/// old one, and the directory is fsynced after it.
+pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let tmp = tmp_path(path);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(StoreError::io("create", &tmp))?;
+    file.write_all(bytes).map_err(StoreError::io("write", &tmp))?;
+    file.sync_all().map_err(StoreError::io("fsync", &tmp))?;
+    drop(file);
+    fs::rename(&tmp, path).map_err(StoreError::io("rename into place", path))?;
+    sync_parent(path)
+}
+
+/// The temporary name [`replace_file`] writes `path` under.
+pub(crate) fn tmp_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(".tmp");
+    path.with_file_name(name)
+}
+
+/// Removes directory tree `dir`, if present, and fsyncs its parent.
+pub(crate) fn remove_dir(dir: &Path) -> Result<(), StoreError> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => sync_parent(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(StoreError::Io {
+            op: "remove directory",
+            path: dir.to_owned(),
+            source: e,
+        }),
+    }
+}
