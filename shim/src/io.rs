@@ -49,6 +49,19 @@ pub enum ChildStdio {
     },
 }
 
+// === impl ChildStdio ===
+
+impl ChildStdio {
+    /// `/dev/null` on all three (the helper's own operations).
+    pub fn null() -> Self {
+        ChildStdio::Fds {
+            stdin: None,
+            stdout: None,
+            stderr: None,
+        }
+    }
+}
+
 /// The shim's side of a process's stdio.
 #[derive(Default)]
 pub struct ProcessIo {

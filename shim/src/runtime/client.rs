@@ -92,18 +92,7 @@ impl RuntimeClient {
     /// Starts container `id`'s process.
     pub async fn start(&self, id: &str, work_dir: &Path) -> Result<()> {
         let args = vec!["start".into(), id.into()];
-        self.invoke(
-            "start",
-            id,
-            work_dir,
-            args,
-            Stdio::Fds {
-                stdin: None,
-                stdout: None,
-                stderr: None,
-            },
-        )
-        .await
+        self.invoke("start", id, work_dir, args, Stdio::null()).await
     }
 
     /// Dumps container `id`'s processes into `image_path` with CRIU.
@@ -131,18 +120,7 @@ impl RuntimeClient {
             }
         }
         args.push(id.into());
-        self.invoke(
-            "checkpoint",
-            id,
-            work_dir,
-            args,
-            Stdio::Fds {
-                stdin: None,
-                stdout: None,
-                stderr: None,
-            },
-        )
-        .await
+        self.invoke("checkpoint", id, work_dir, args, Stdio::null()).await
     }
 
     /// Deletes container `id`'s state and cgroups (`force`: kill it first).
@@ -152,18 +130,7 @@ impl RuntimeClient {
             args.push("--force".into());
         }
         args.push(id.into());
-        self.invoke(
-            "delete",
-            id,
-            work_dir,
-            args,
-            Stdio::Fds {
-                stdin: None,
-                stdout: None,
-                stderr: None,
-            },
-        )
-        .await
+        self.invoke("delete", id, work_dir, args, Stdio::null()).await
     }
 
     /// libcontainer's state root.
