@@ -37,3 +37,43 @@ pub fn busybox_archive() -> &'static PathBuf {
         path
     })
 }
+
+/// The image reference of busybox plus Python and the official SDKs.
+pub const PYTHON_SDK: &str = "docker.io/crab/python-sdk:test";
+
+/// An image of busybox plus the host's Python and the SDK venv of
+/// `packaging/install-deps.sh` (`fixtures/mkpython.sh`), built once.
+pub fn python_sdk_archive() -> &'static PathBuf {
+    static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
+    ARCHIVE.get_or_init(|| {
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            include_str!("../fixtures/mkimage.sh").hash(&mut h);
+            include_str!("../fixtures/mkpython.sh").hash(&mut h);
+            h.finish()
+        };
+        let path = crate::bin_dir().join(format!("crab-test-python-{hash:016x}.tar"));
+        if !path.exists() {
+            let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+            let layer = path.with_extension(format!("layer{}", std::process::id()));
+            crate::ok(
+                Command::new(fixtures.join("mkpython.sh"))
+                    .arg(&layer)
+                    .output()
+                    .expect("run mkpython.sh"),
+            );
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let out = Command::new(fixtures.join("mkimage.sh"))
+                .arg(&tmp)
+                .arg(PYTHON_SDK)
+                .arg(&layer)
+                .output()
+                .expect("run mkimage.sh");
+            let _ = std::fs::remove_dir_all(&layer);
+            crate::ok(out);
+            std::fs::rename(&tmp, &path).expect("publish image archive");
+        }
+        path
+    })
+}

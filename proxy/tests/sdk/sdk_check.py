@@ -1,7 +1,10 @@
 """Drives the proxy with the official OpenAI and Anthropic Python SDKs.
 
-Run by proxy/tests/sdk.rs with CRAB_BASE=http://127.0.0.1:PORT; prints one
-JSON object with what each call returned. Any SDK error fails the script.
+Run by proxy/tests/sdk.rs with CRAB_BASE=http://127.0.0.1:PORT, and by
+proxy/tests/sdk_in_sandbox.rs inside a crab sandbox with no CRAB_BASE: the
+SDKs then find the proxy through OPENAI_BASE_URL/ANTHROPIC_BASE_URL, which
+the shim put into the sandbox. Prints one JSON object with what each call
+returned. Any SDK error fails the script.
 """
 
 import json
@@ -11,10 +14,10 @@ import sys
 import anthropic
 import openai
 
-base = os.environ["CRAB_BASE"]
+base = os.environ.get("CRAB_BASE")
 out = {"openai_version": openai.__version__, "anthropic_version": anthropic.__version__}
 
-oa = openai.OpenAI(base_url=base + "/v1", api_key="sk-test-openai", max_retries=0)
+oa = openai.OpenAI(base_url=base + "/v1" if base else None, api_key="sk-test-openai", max_retries=0)
 msgs = [{"role": "user", "content": "hi"}]
 
 r = oa.chat.completions.create(model="gpt-test", messages=msgs)
