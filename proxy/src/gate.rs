@@ -19,7 +19,7 @@ use http::{Request, Response};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tower::{Layer, Service};
+use tower::Service;
 
 use crate::sandbox::Shared;
 use crate::stats::TurnHold;
@@ -42,13 +42,7 @@ pub enum GateOutcome {
     Cancelled,
 }
 
-/// Tower layer holding turn-end answers behind the gate.
-#[derive(Clone)]
-pub(crate) struct GateLayer {
-    shared: Arc<Shared>,
-}
-
-/// The service made by [`GateLayer`].
+/// The tower service that holds turn-end answers behind the gate (stacked in `Sandbox::service`).
 #[derive(Clone)]
 pub(crate) struct Gate<S> {
     shared: Arc<Shared>,
@@ -105,20 +99,9 @@ fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutco
     async move { rx.await.unwrap_or((GateOutcome::Cancelled, Instant::now())) }
 }
 
-impl GateLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
-    }
-}
-
-impl<S> Layer<S> for GateLayer {
-    type Service = Gate<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Gate {
-            shared: self.shared.clone(),
-            inner,
-        }
+impl<S> Gate<S> {
+    pub(crate) fn new(shared: Arc<Shared>, inner: S) -> Self {
+        Self { shared, inner }
     }
 }
 

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use sha2::{Digest, Sha256};
-use tower::{Layer, Service};
+use tower::Service;
 
 use crate::route::Route;
 use crate::sandbox::{Shared, TurnState};
@@ -187,33 +187,16 @@ fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBod
     resp
 }
 
-/// Tower layer answering replayed turns from the transcript.
-#[derive(Clone)]
-pub(crate) struct ReplayLayer {
-    shared: Arc<Shared>,
-}
-
-/// The service made by [`ReplayLayer`].
+/// The tower service that answers replayed turns from the transcript (stacked in `Sandbox::service`).
 #[derive(Clone)]
 pub(crate) struct ReplayService<S> {
     shared: Arc<Shared>,
     inner: S,
 }
 
-impl ReplayLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
-    }
-}
-
-impl<S> Layer<S> for ReplayLayer {
-    type Service = ReplayService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ReplayService {
-            shared: self.shared.clone(),
-            inner,
-        }
+impl<S> ReplayService<S> {
+    pub(crate) fn new(shared: Arc<Shared>, inner: S) -> Self {
+        Self { shared, inner }
     }
 }
 

@@ -10,19 +10,20 @@ use hyper::body::Incoming;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tower::layer::layer_fn;
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
 
 use crate::config::ProxyConfig;
-use crate::gate::GateLayer;
+use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{Replay, ReplayError, ReplayLayer};
+use crate::replay::{Replay, ReplayError, ReplayService};
 use crate::route::RouteLayer;
 use crate::stats::{SandboxStats, StatsCell};
-use crate::tee::TeeLayer;
+use crate::tee::Tee;
 use crate::transcript::{read_entries, Transcript};
-use crate::turn::TurnLayer;
+use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
 use crate::{Error, ProxyBody, SandboxId};
 
@@ -160,10 +161,10 @@ impl Sandbox {
         let stack = ServiceBuilder::new()
             .layer(RouteLayer::new(config.turn_ends.clone()))
             .layer(LimitLayer::new(config.limits.max_request_body))
-            .layer(ReplayLayer::new(shared.clone()))
-            .layer(TurnLayer::new(shared.clone()))
-            .layer(GateLayer::new(shared.clone()))
-            .layer(TeeLayer::new(shared.clone()))
+            .layer(layer_fn(with_shared(shared, ReplayService::new)))
+            .layer(layer_fn(with_shared(shared, TurnMark::new)))
+            .layer(layer_fn(with_shared(shared, Gate::new)))
+            .layer(layer_fn(with_shared(shared, Tee::new)))
             .service(upstream);
         // The protocol edge: every error becomes its HTTP answer here.
         let answer = tower::service_fn(move |req: Request<Incoming>| {
@@ -202,4 +203,11 @@ impl Sandbox {
     pub(crate) fn shared_header_timeout(&self) -> std::time::Duration {
         self.shared.config.timeouts.client_header
     }
+}
+
+/// What `layer_fn` needs for a service that takes only the sandbox's shared
+/// state besides its inner service.
+fn with_shared<S, T>(shared: &Arc<Shared>, make: fn(Arc<Shared>, S) -> T) -> impl Fn(S) -> T {
+    let shared = shared.clone();
+    move |inner| make(shared.clone(), inner)
 }

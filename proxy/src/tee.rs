@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tower::{Layer, Service};
+use tower::Service;
 
 use crate::sandbox::Shared;
 use crate::transcript::{
@@ -26,13 +26,7 @@ use crate::turn::TurnCtx;
 use crate::upstream::StreamError;
 use crate::{Error, ProxyBody};
 
-/// Tower layer teeing turn exchanges into the transcript.
-#[derive(Clone)]
-pub(crate) struct TeeLayer {
-    shared: Arc<Shared>,
-}
-
-/// The service made by [`TeeLayer`].
+/// The tower service that tees turn exchanges into the transcript (stacked in `Sandbox::service`).
 #[derive(Clone)]
 pub(crate) struct Tee<S> {
     shared: Arc<Shared>,
@@ -54,20 +48,9 @@ struct TeeBody {
     draft: Option<Draft>,
 }
 
-impl TeeLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
-    }
-}
-
-impl<S> Layer<S> for TeeLayer {
-    type Service = Tee<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Tee {
-            shared: self.shared.clone(),
-            inner,
-        }
+impl<S> Tee<S> {
+    pub(crate) fn new(shared: Arc<Shared>, inner: S) -> Self {
+        Self { shared, inner }
     }
 }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use parking_lot::Mutex;
 use tokio::time::Instant;
-use tower::{Layer, Service};
+use tower::Service;
 use tracing::Instrument;
 
 use crate::gate::GateOutcome;
@@ -20,7 +20,7 @@ use crate::sandbox::Shared;
 use crate::transcript::unix_ms;
 use crate::{Error, ProxyBody};
 
-/// A live turn end, put in the request's extensions by [`TurnLayer`].
+/// A live turn end, put in the request's extensions by [`TurnMark`].
 #[derive(Debug, Clone)]
 pub(crate) struct TurnCtx {
     pub(crate) turn: u64,
@@ -41,33 +41,16 @@ impl TurnCtx {
     }
 }
 
-/// Tower layer assigning turn numbers.
-#[derive(Clone)]
-pub(crate) struct TurnLayer {
-    shared: Arc<Shared>,
-}
-
-/// The service made by [`TurnLayer`].
+/// The tower service that assigns turn numbers (stacked in `Sandbox::service`).
 #[derive(Clone)]
 pub(crate) struct TurnMark<S> {
     shared: Arc<Shared>,
     inner: S,
 }
 
-impl TurnLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
-    }
-}
-
-impl<S> Layer<S> for TurnLayer {
-    type Service = TurnMark<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        TurnMark {
-            shared: self.shared.clone(),
-            inner,
-        }
+impl<S> TurnMark<S> {
+    pub(crate) fn new(shared: Arc<Shared>, inner: S) -> Self {
+        Self { shared, inner }
     }
 }
 
