@@ -40,19 +40,7 @@ async fn official_python_sdks_work_through_the_proxy() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "sdk script failed: {stderr}");
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
-    for (key, expected) in [
-        ("chat", serde_json::json!("hello from upstream")),
-        ("chat_stream", serde_json::json!("hello from upstream")),
-        ("chat_tool_call", serde_json::json!("run")),
-        ("responses", serde_json::json!("hello from upstream")),
-        ("models", serde_json::json!(["gpt-test"])),
-        ("messages", serde_json::json!("hello from upstream")),
-        ("messages_stream", serde_json::json!("hello from upstream")),
-        ("rate_limited", serde_json::json!(429)),
-    ] {
-        assert_eq!(got[key], expected, "{key} (sdk output {got})");
-    }
-    assert!(got["count_tokens"].as_u64().is_some_and(|n| n > 0), "{got}");
+    support::assert_sdk_report(&got);
     // chat, chat stream, chat tools, responses, messages, messages stream, 429: 7 turns;
     // models and count_tokens are auxiliary.
     let stats = h.sandbox.stats();

@@ -66,18 +66,7 @@ async fn official_sdks_inside_a_crab_sandbox() {
         String::from_utf8_lossy(&out.stderr)
     );
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
-    for (key, expected) in [
-        ("chat", serde_json::json!("hello from upstream")),
-        ("chat_stream", serde_json::json!("hello from upstream")),
-        ("chat_tool_call", serde_json::json!("run")),
-        ("responses", serde_json::json!("hello from upstream")),
-        ("models", serde_json::json!(["gpt-test"])),
-        ("messages", serde_json::json!("hello from upstream")),
-        ("messages_stream", serde_json::json!("hello from upstream")),
-        ("rate_limited", serde_json::json!(429)),
-    ] {
-        assert_eq!(got[key], expected, "{key} (sdk output {got})");
-    }
+    support::assert_sdk_report(&got);
     // chat, chat stream, chat tools, responses, messages, messages stream
     // and the 429: seven turns, exactly, in the sandbox's transcript.
     let turns: Vec<u64> = transcript

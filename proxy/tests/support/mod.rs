@@ -179,3 +179,22 @@ pub fn chat_body(model: &str, stream: bool) -> serde_json::Value {
 pub fn messages_body(model: &str, stream: bool) -> serde_json::Value {
     serde_json::json!({"model": model, "max_tokens": 64, "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
 }
+
+/// Checks what `tests/sdk/sdk_check.py` printed: every SDK call got the
+/// scripted upstream's answer, and the 429 came back as such.
+#[track_caller]
+pub fn assert_sdk_report(got: &serde_json::Value) {
+    for (key, expected) in [
+        ("chat", serde_json::json!("hello from upstream")),
+        ("chat_stream", serde_json::json!("hello from upstream")),
+        ("chat_tool_call", serde_json::json!("run")),
+        ("responses", serde_json::json!("hello from upstream")),
+        ("models", serde_json::json!(["gpt-test"])),
+        ("messages", serde_json::json!("hello from upstream")),
+        ("messages_stream", serde_json::json!("hello from upstream")),
+        ("rate_limited", serde_json::json!(429)),
+    ] {
+        assert_eq!(got[key], expected, "{key} (sdk output {got})");
+    }
+    assert!(got["count_tokens"].as_u64().is_some_and(|n| n > 0), "{got}");
+}
