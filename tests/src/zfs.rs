@@ -2,18 +2,24 @@
 //! started it) and file-backed pools destroyed on drop.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use crate::{unique, wait_until};
 
-/// zfs-fuse, running while this lives.
-pub struct ZfsFuse {
-    child: Option<Child>,
-}
+/// zfs-fuse, the host's ZFS daemon, for tests.
+pub struct ZfsFuse;
 
 impl ZfsFuse {
-    /// Starts zfs-fuse unless it already runs.
+    /// Makes sure zfs-fuse runs: starts it when it does not.
+    ///
+    /// It is one daemon for the whole host, shared by every test that runs
+    /// at the same time, so a test never stops it, and the check-and-start
+    /// holds a host-wide lock (two daemons started at once wedge both).
     pub fn start() -> Self {
+        let lock = std::fs::File::create("/tmp/crab-tests-zfs-fuse.lock").expect("create lock file");
+        let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| e)
+            .expect("lock");
         let up = || {
             Command::new("zpool")
                 .arg("list")
@@ -21,26 +27,18 @@ impl ZfsFuse {
                 .is_ok_and(|o| o.status.success())
         };
         if up() {
-            return ZfsFuse { child: None };
+            return ZfsFuse;
         }
-        let child = Command::new("zfs-fuse")
-            .arg("--no-daemon")
+        // Detached from the test: it outlives it, as a host daemon does.
+        Command::new("setsid")
+            .args(["-f", "zfs-fuse", "--no-daemon"])
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()
+            .status()
             .expect("start zfs-fuse (run packaging/install-deps.sh)");
-        wait_until(10, || up().then_some(())).expect("zfs-fuse did not come up");
-        ZfsFuse { child: Some(child) }
-    }
-}
-
-impl Drop for ZfsFuse {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(c.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let _ = c.wait();
-        }
+        wait_until(20, || up().then_some(())).expect("zfs-fuse did not come up");
+        ZfsFuse
     }
 }
 
