@@ -245,7 +245,7 @@ fn btrfs_on_a_loop_device() {
 
 #[test]
 fn zfs_on_zfs_fuse() {
-    let zfs = ZfsFuse::start();
+    let _zfs = ZfsFuse::start();
     let pool = Pool::create("512M");
     let b = ZfsBackend::create(&format!("{}/sandboxes/sb", pool.name)).unwrap();
     let clone_at = Location::Zfs {
@@ -258,7 +258,6 @@ fn zfs_on_zfs_fuse() {
     assert!(matches!(b.destroy(&name("v1")), Err(Error::SnapshotInUse { .. })));
     assert!(matches!(b.destroy(&name("v2")), Err(Error::SnapshotInUse { .. })));
     drop(pool);
-    drop(zfs);
 }
 
 struct Unmount(PathBuf);
