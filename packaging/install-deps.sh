@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs everything Crab's build and tests need. Idempotent; run as root.
 #
-# Debian 12 (bookworm): base packages from bookworm; docker 26 and CRIU 4.x
-# from Debian 13 (trixie). bookworm's CRIU 3.17 fails on Linux >= 6.x
-# ("Unexpected rt vDSO area bounds"), and trixie's CRIU needs glibc 2.38, so
-# CRIU is unpacked into a private prefix with its own loader instead of being
-# installed system-wide.
+# Debian 12 (bookworm): base packages from bookworm; docker 26 from Debian 13
+# (trixie); CRIU 4.2 from sid with trixie's libraries. bookworm's CRIU 3.17
+# fails on Linux >= 6.x ("Unexpected rt vDSO area bounds"), trixie's 4.1
+# cannot dump TCP sockets on Linux >= 6.16, and both newer ones need glibc
+# 2.38, so CRIU is unpacked into a private prefix with its own loader
+# instead of being installed system-wide.
 #
-# Debian 13 / Ubuntu 24.04+: every package, CRIU included, comes from the
-# host's own suite; no trixie source and no private prefix are needed.
+# Debian 13 / Ubuntu 24.04+: every package comes from the host's own suite
+# (on Linux >= 6.16 their CRIU must be 4.2 or newer for sockets).
 set -euo pipefail
 
 CRIU_PREFIX=${CRIU_PREFIX:-/opt/crab/criu}
@@ -74,23 +75,36 @@ fi
 # their own daemons, so nothing here needs to stay running.
 
 if [ "$codename" = bookworm ]; then
-  if ! [ -x /usr/local/sbin/criu ] || ! /usr/local/sbin/criu --version 2>/dev/null | grep -q 'Version: 4'; then
-    log "unpacking CRIU 4.x from trixie into $CRIU_PREFIX"
-    criu_pkgs=(criu libcompel1 libc6 libbsd0 libgnutls30t64 libnet1 libnftables1
-      libnl-3-200 libprotobuf-c1 libuuid1 libmd0 libp11-kit0 libidn2-0
+  if ! [ -x /usr/local/sbin/criu ] || ! /usr/local/sbin/criu --version 2>/dev/null | grep -q 'Version: 4\.[2-9]'; then
+    # CRIU >= 4.2: 4.1 cannot dump TCP sockets on Linux >= 6.16 (the kernel
+    # refuses SO_PASSSEC on them; checkpoint-restore/criu#2718). CRIU 4.2
+    # and the two libraries it needs newer come from sid, read through a
+    # private apt state so the system's sources stay as they are; the rest
+    # comes from trixie.
+    log "unpacking CRIU 4.2 (sid) and its libraries (trixie) into $CRIU_PREFIX"
+    criu_pkgs=(libc6 libbsd0 libgnutls30t64 libnftables1
+      libprotobuf-c1 libuuid1 libmd0 libp11-kit0 libidn2-0
       libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libjansson4
       libmnl0 libnftnl11 libxtables12 libffi8 libedit2 libtinfo6 libbpf1
       libelf1t64 zlib1g libzstd1 libcap2)
+    sid_pkgs=(criu libcompel1 libnet9 libnl-3-200)
     tmp=$(mktemp -d); chmod 755 "$tmp"
+    mkdir -p "$tmp/lists/partial"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" >"$tmp/sid.list"
+    sid=(-o Dir::Etc::sourcelist="$tmp/sid.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$tmp/lists")
+    apt-get -q "${sid[@]}" update
     (cd "$tmp" && apt-get download -q $(printf '%s/trixie ' "${criu_pkgs[@]}"))
+    (cd "$tmp" && apt-get download -q "${sid[@]}" "${sid_pkgs[@]}")
     rm -rf "$CRIU_PREFIX.new"
     mkdir -p "$CRIU_PREFIX.new"
-    for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
+    # sid's packages last: they replace trixie's where both have a file.
+    for deb in $(ls "$tmp"/*.deb | grep -v -e /criu_ -e /libcompel1_ -e /libnet9_ -e /libnl-3-200_); do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
+    for deb in "$tmp"/criu_*.deb "$tmp"/libcompel1_*.deb "$tmp"/libnet9_*.deb "$tmp"/libnl-3-200_*.deb; do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
     rm -rf "$tmp" "$CRIU_PREFIX"
     mv "$CRIU_PREFIX.new" "$CRIU_PREFIX"
     cat >/usr/local/sbin/criu <<WRAP
 #!/bin/sh
-# CRIU 4.x from Debian 13, run through its own loader (installed by Crab's install-deps.sh).
+# CRIU 4.2 (Debian sid) with Debian 13 libraries, run through its own loader (installed by Crab's install-deps.sh).
 P=$CRIU_PREFIX
 exec "\$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "\$P/usr/lib/x86_64-linux-gnu" "\$P/usr/sbin/criu" "\$@"
 WRAP
