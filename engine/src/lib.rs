@@ -13,6 +13,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod api;
+pub mod client;
+pub mod config;
+pub mod daemon;
 mod error;
 mod store;
 

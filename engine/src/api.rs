@@ -1,0 +1,226 @@
+//! The JSON messages of crabd's management API (crabctl and shims → crabd)
+//! and of each shim's control API (crabd → shim), both HTTP/1.1 over
+//! root-only unix sockets.
+//!
+//! crabd's routes, under `/v1`:
+//!
+//! | method | path | body → answer |
+//! |---|---|---|
+//! | GET | `/sandboxes` | → `[SandboxInfo]` |
+//! | POST | `/sandboxes` | `Registration` → `SandboxInfo` (a shim registers) |
+//! | DELETE | `/sandboxes/{id}` | → `{}` (a shim unregisters; versions stay) |
+//! | POST | `/sandboxes/{sel}/checkpoint` | `CheckpointRequest` → `CheckpointReport` |
+//! | GET | `/sandboxes/{sel}/versions` | → `[VersionView]` |
+//! | POST | `/sandboxes/{sel}/rollback` | `RollbackRequest` → `RollbackReport` |
+//! | DELETE | `/sandboxes/{sel}/versions/{version}` | → `RemovalReport` |
+//!
+//! `{sel}` is a sandbox id or a unique prefix of one. Errors answer with a
+//! 4xx/5xx status and an [`ErrorBody`].
+//!
+//! A shim's routes: `POST /checkpoint` (`ShimCheckpoint` →
+//! `ShimCheckpointed`) and `POST /restore` (`ShimRestore` → `ShimRestored`).
+
+use std::path::PathBuf;
+
+use crab_snapshotter::{BackendKind, SnapshotName};
+use serde::{Deserialize, Serialize};
+
+use crate::{Class, FsSnapshot, VersionRecord};
+
+/// A running sandbox, as its shim registers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// The container id, as containerd knows it.
+    pub id: String,
+    /// The containerd namespace.
+    pub namespace: String,
+    /// The shim's control socket.
+    pub control: PathBuf,
+    /// The init's pid on the host.
+    pub pid: i32,
+    /// The filesystem backend that can snapshot its rootfs, if one can.
+    pub fs_backend: Option<BackendKind>,
+}
+
+/// A sandbox as `crabctl ps` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    /// Its registration.
+    #[serde(flatten)]
+    pub registration: Registration,
+    /// How many versions it has (valid or not).
+    pub versions: usize,
+    /// Its newest version number, if any.
+    pub latest: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{sel}/checkpoint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRequest {
+    /// `fs` (files only) or `full` (files and processes).
+    pub class: Class,
+}
+
+/// What a checkpoint made, and what it cost the sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointReport {
+    /// The published version.
+    pub version: VersionRecord,
+    /// How long the sandbox was frozen, in milliseconds.
+    pub frozen_ms: f64,
+    /// The whole checkpoint, hashing and publishing included, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// Which version: a number, or the newest valid one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionSel {
+    /// The newest version that passes verification.
+    Latest,
+    /// This version number.
+    Number(u64),
+}
+
+/// `POST /v1/sandboxes/{sel}/rollback`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollbackRequest {
+    /// The version to go back to.
+    pub version: VersionSel,
+}
+
+/// What a rollback did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RollbackReport {
+    /// The version the sandbox now runs.
+    pub version: u64,
+    /// The restored init's pid on the host.
+    pub pid: i32,
+    /// The restore in the shim, in milliseconds.
+    pub restore_ms: f64,
+    /// The whole rollback, verification included, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// One manifest line as `crabctl versions` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionView {
+    /// The manifest line, from 1.
+    pub line: u64,
+    /// The version's record, unless its line is unreadable.
+    #[serde(flatten)]
+    pub record: Option<VersionRecord>,
+    /// Why it cannot be restored, if it cannot.
+    pub defect: Option<String>,
+}
+
+/// What `rm-version` removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovalReport {
+    /// Versions whose manifest lines were dropped.
+    pub removed: Vec<u64>,
+}
+
+/// The body of every error answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, for a human.
+    pub error: String,
+}
+
+/// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimCheckpoint {
+    /// Where CRIU writes the process image; none for a files-only checkpoint.
+    pub images_dir: Option<PathBuf>,
+    /// The filesystem snapshot to take, and where its backend keeps copies.
+    pub fs: Option<FsTarget>,
+}
+
+/// A filesystem snapshot to take or go back to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsTarget {
+    /// Its name in the backend.
+    pub name: SnapshotName,
+    /// Where a copying backend keeps the sandbox's snapshots (crabd's).
+    pub store: PathBuf,
+}
+
+/// A shim's answer to `POST /checkpoint`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShimCheckpointed {
+    /// How long the sandbox was frozen, in milliseconds.
+    pub frozen_ms: f64,
+    /// The snapshot taken, if one was asked for.
+    pub fs: Option<FsSnapshot>,
+}
+
+/// `POST /restore` to a shim: replace the sandbox's processes (and files)
+/// with a checkpoint's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimRestore {
+    /// The process image to restore.
+    pub images_dir: PathBuf,
+    /// The filesystem snapshot to roll back to first, if any.
+    pub fs: Option<FsTarget>,
+}
+
+/// A shim's answer to `POST /restore`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShimRestored {
+    /// The restored init's pid on the host.
+    pub pid: i32,
+    /// How long the restore took, in milliseconds.
+    pub restore_ms: f64,
+}
+
+// === impl VersionSel ===
+
+impl std::str::FromStr for VersionSel {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "latest" {
+            return Ok(VersionSel::Latest);
+        }
+        s.parse::<u64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .map(VersionSel::Number)
+            .ok_or_else(|| {
+                format!("invalid version {s:?}: a version number from `crabctl versions`, or `latest`")
+            })
+    }
+}
+
+impl std::fmt::Display for VersionSel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VersionSel::Latest => f.write_str("latest"),
+            VersionSel::Number(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl Serialize for VersionSel {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            VersionSel::Latest => s.serialize_str("latest"),
+            VersionSel::Number(n) => s.serialize_u64(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for VersionSel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => n.to_string().parse().map_err(serde::de::Error::custom),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! crabd: the host's checkpoint engine. It serves the management API
+//! (`crate::api`) on a root-only unix socket, keeps the sandboxes that shims
+//! register, and turns checkpoint and rollback requests into calls to each
+//! sandbox's shim and versions in the [`VersionStore`].
+//!
+//! One operation per sandbox runs at a time; sandboxes do not wait for each
+//! other. Work on a sandbox runs to its end even if the caller hangs up, so a
+//! version is either published whole or not at all.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::routing::{delete, get, post};
+use axum::Router;
+
+use crate::config::CrabdConfig;
+use crate::{StoreError, VersionStore};
+
+mod error;
+mod registry;
+mod routes;
+
+pub use error::ApiError;
+pub use registry::Registry;
+
+/// Why crabd could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Another crabd answers on the socket.
+    #[error("crabd is already running on {}", socket.display())]
+    AlreadyRunning {
+        /// The socket.
+        socket: PathBuf,
+    },
+    /// The version store could not be opened (another crabd holds it, or
+    /// the disk failed).
+    #[error("open the version store: {0}")]
+    Store(#[from] StoreError),
+    /// A file or socket operation failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What crabd was doing.
+        op: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// crabd's state, shared by every request.
+#[derive(Debug)]
+pub struct Daemon {
+    config: CrabdConfig,
+    store: VersionStore,
+    registry: Registry,
+    busy: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// Opens the store and the registry under `config.root`.
+    ///
+    /// # Errors
+    /// [`DaemonError::Store`], [`DaemonError::Io`].
+    pub fn open(config: CrabdConfig) -> Result<Daemon, DaemonError> {
+        let store = VersionStore::open(&config.root)?;
+        let dir = config.root.join("registry");
+        let registry = Registry::open(&dir).map_err(|source| DaemonError::Io {
+            op: "open the registry",
+            path: dir,
+            source,
+        })?;
+        Ok(Daemon {
+            config,
+            store,
+            registry,
+            busy: parking_lot::Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The lock that keeps a sandbox's operations one at a time.
+    fn busy(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.busy.lock().entry(id.to_owned()).or_default().clone()
+    }
+
+    /// Where copying filesystem backends keep sandbox `id`'s snapshots.
+    fn fs_store(&self, id: &str) -> PathBuf {
+        self.config.root.join("fs").join(id)
+    }
+
+    /// The API's routes.
+    pub fn router(self: Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/sandboxes", get(routes::list).post(routes::register))
+            .route("/v1/sandboxes/{sel}", delete(routes::unregister))
+            .route("/v1/sandboxes/{sel}/checkpoint", post(routes::checkpoint))
+            .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
+            .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
+            .route(
+                "/v1/sandboxes/{sel}/versions/{version}",
+                delete(routes::remove_version),
+            )
+            .fallback(routes::not_found)
+            .with_state(self)
+    }
+}
+
+/// Runs crabd until SIGTERM or SIGINT.
+///
+/// # Errors
+/// [`DaemonError`] when it cannot start.
+pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
+    let socket = config.socket.clone();
+    let daemon = Arc::new(Daemon::open(config)?);
+    let listener = bind(&socket).await?;
+    let pid_file = daemon.config.root.join("crabd.pid");
+    if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
+        tracing::warn!(path = %pid_file.display(), "write pid file: {e}");
+    }
+    tracing::info!(socket = %socket.display(), root = %daemon.config.root.display(), "crabd serving");
+    let app = daemon.router();
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown())
+        .await
+        .map_err(|source| DaemonError::Io {
+            op: "serve",
+            path: socket.clone(),
+            source,
+        });
+    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&pid_file);
+    tracing::info!("crabd stopped");
+    served
+}
+
+/// Binds the socket, root-only; a stale socket is replaced, a live one is
+/// another crabd.
+async fn bind(socket: &std::path::Path) -> Result<tokio::net::UnixListener, DaemonError> {
+    let io = |op, source| DaemonError::Io {
+        op,
+        path: socket.to_owned(),
+        source,
+    };
+    if tokio::net::UnixStream::connect(socket).await.is_ok() {
+        return Err(DaemonError::AlreadyRunning {
+            socket: socket.to_owned(),
+        });
+    }
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("remove stale socket", e)),
+    }
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io("create socket directory", e))?;
+    }
+    let listener = tokio::net::UnixListener::bind(socket).map_err(|e| io("bind", e))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| io("chmod", e))?;
+    Ok(listener)
+}
+
+async fn shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

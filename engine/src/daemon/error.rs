@@ -1,0 +1,129 @@
+//! What a crabd API call can fail with, and the HTTP status of each.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use crate::api::ErrorBody;
+use crate::client::ClientError;
+use crate::StoreError;
+
+/// A refused or failed API call.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request body is not the JSON the route takes.
+    #[error("invalid request: {reason}")]
+    BadRequest {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No registered sandbox has this id or id prefix.
+    #[error("no sandbox matches {sel:?} (see `crabctl ps`)")]
+    UnknownSandbox {
+        /// What was asked for.
+        sel: String,
+    },
+    /// Several sandboxes start with this prefix.
+    #[error("{sel:?} matches several sandboxes: {}", matches.join(", "))]
+    Ambiguous {
+        /// What was asked for.
+        sel: String,
+        /// The ids it matches.
+        matches: Vec<String>,
+    },
+    /// The checkpoint needs a filesystem snapshot the sandbox's rootfs cannot take.
+    #[error("sandbox {id} has no filesystem backend for its rootfs: only a process checkpoint is possible")]
+    NoFsBackend {
+        /// The sandbox.
+        id: String,
+    },
+    /// The version holds no process image to restore.
+    #[error("version {version} of sandbox {id} has no process image: roll back to a full checkpoint")]
+    NoProcessImage {
+        /// The sandbox.
+        id: String,
+        /// The version.
+        version: u64,
+    },
+    /// The version store refused or failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The sandbox's shim refused or failed.
+    #[error("the shim of sandbox {id}: {source}")]
+    Shim {
+        /// The sandbox.
+        id: String,
+        /// What happened.
+        #[source]
+        source: ClientError,
+    },
+    /// A file operation of crabd's own failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What crabd was doing.
+        op: &'static str,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A worker task died.
+    #[error("internal error: {reason}")]
+    Internal {
+        /// What happened.
+        reason: String,
+    },
+}
+
+// === impl ApiError ===
+
+impl ApiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::UnknownSandbox { .. } => StatusCode::NOT_FOUND,
+            ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
+            ApiError::NoFsBackend { .. } | ApiError::NoProcessImage { .. } => StatusCode::CONFLICT,
+            ApiError::Store(e) => match e {
+                StoreError::InvalidSandboxId { .. } => StatusCode::BAD_REQUEST,
+                StoreError::UnknownSandbox { .. }
+                | StoreError::UnknownVersion { .. }
+                | StoreError::NoValidVersion { .. } => StatusCode::NOT_FOUND,
+                StoreError::PendingExists { .. } | StoreError::VersionInUse { .. } => StatusCode::CONFLICT,
+                StoreError::CorruptManifestLine { .. }
+                | StoreError::NotOfSandbox { .. }
+                | StoreError::MissingImage { .. }
+                | StoreError::CorruptImage { .. }
+                | StoreError::MissingDependency { .. }
+                | StoreError::CannotInherit { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            ApiError::Shim { source, .. } => match source {
+                ClientError::Refused { status, .. } => {
+                    StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+                }
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            ApiError::Io { .. } | ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = self.to_string();
+        // The shim's message already carries its causes; others get theirs.
+        if !matches!(self, ApiError::Shim { .. }) {
+            let mut source = std::error::Error::source(&self);
+            while let Some(s) = source {
+                let s_text = s.to_string();
+                if !error.contains(&s_text) {
+                    error.push_str(": ");
+                    error.push_str(&s_text);
+                }
+                source = s.source();
+            }
+        }
+        tracing::info!(status = %self.status(), "refused: {error}");
+        (self.status(), Json(ErrorBody { error })).into_response()
+    }
+}

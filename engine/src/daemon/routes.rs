@@ -1,0 +1,301 @@
+//! The API's handlers.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::Json;
+use crab_snapshotter::{BackendKind, SnapshotName};
+use serde::de::DeserializeOwned;
+
+use super::{ApiError, Daemon};
+use crate::api::{
+    CheckpointReport, CheckpointRequest, FsTarget, Registration, RemovalReport, RollbackReport,
+    RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimRestore, ShimRestored, VersionSel,
+    VersionView,
+};
+use crate::client::UnixClient;
+use crate::{Capture, Class, FsSnapshot, NewVersion, SandboxId, StoreError};
+
+type Reply<T> = Result<Json<T>, ApiError>;
+
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest {
+        reason: e.to_string(),
+    })
+}
+
+/// Runs `work` on its own task, so that a caller hanging up does not cut it
+/// short, and blocking store calls off the reactor where they are marked.
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(work).await.map_err(|e| ApiError::Internal {
+        reason: e.to_string(),
+    })?
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal {
+            reason: e.to_string(),
+        })?
+        .map_err(ApiError::from)
+}
+
+fn shim(d: &Daemon, reg: &Registration) -> UnixClient {
+    UnixClient::new(
+        &reg.control,
+        format!("the shim of {}", reg.id),
+        d.config.shim_timeout(),
+    )
+}
+
+fn info(d: &Daemon, registration: Registration) -> SandboxInfo {
+    let versions = SandboxId::new(&registration.id)
+        .ok()
+        .and_then(|sid| d.store.versions(&sid).ok())
+        .unwrap_or_default();
+    SandboxInfo {
+        registration,
+        versions: versions.len(),
+        latest: versions
+            .iter()
+            .rev()
+            .find_map(|v| v.record.as_ref().map(|r| r.version)),
+    }
+}
+
+/// `GET /v1/sandboxes`.
+pub async fn list(State(d): State<Arc<Daemon>>) -> Reply<Vec<SandboxInfo>> {
+    let all = d.registry.all();
+    Ok(Json(all.into_iter().map(|r| info(&d, r)).collect()))
+}
+
+/// `POST /v1/sandboxes`: a shim registers its sandbox.
+pub async fn register(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<SandboxInfo> {
+    let reg: Registration = parse(&body)?;
+    let sid = SandboxId::new(&reg.id)?;
+    match d.store.register(&sid) {
+        Ok(()) | Err(StoreError::SandboxExists { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    d.registry.insert(reg.clone())?;
+    tracing::info!(
+        sandbox = reg.id,
+        namespace = reg.namespace,
+        pid = reg.pid,
+        "registered"
+    );
+    Ok(Json(info(&d, reg)))
+}
+
+/// `DELETE /v1/sandboxes/{id}`: the sandbox is gone (its versions stay).
+pub async fn unregister(State(d): State<Arc<Daemon>>, Path(id): Path<String>) -> Reply<serde_json::Value> {
+    if !d.registry.remove(&id) {
+        return Err(ApiError::UnknownSandbox { sel: id });
+    }
+    tracing::info!(sandbox = id, "unregistered");
+    Ok(Json(serde_json::json!({})))
+}
+
+/// `POST /v1/sandboxes/{sel}/checkpoint`.
+pub async fn checkpoint(
+    State(d): State<Arc<Daemon>>,
+    Path(sel): Path<String>,
+    body: Bytes,
+) -> Reply<CheckpointReport> {
+    let req: CheckpointRequest = parse(&body)?;
+    let reg = d.registry.resolve(&sel)?;
+    detached(async move {
+        let busy = d.busy(&reg.id);
+        let _one_at_a_time = busy.lock().await;
+        let started = Instant::now();
+        let sid = SandboxId::new(&reg.id)?;
+        let needs_fs = matches!(req.class, Class::Fs | Class::Full);
+        let fs = if needs_fs {
+            let backend = reg.fs_backend.ok_or_else(|| ApiError::NoFsBackend { id: reg.id.clone() })?;
+            let ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis();
+            let name = SnapshotName::new(&format!("c{ms}")).expect("a valid snapshot name");
+            Some(FsSnapshot { backend, name })
+        } else {
+            None
+        };
+        let capture = match (req.class, fs.clone()) {
+            (Class::Fs, Some(f)) => Capture::Fs(f),
+            (Class::Full, Some(f)) => Capture::Full(f),
+            (Class::Proc, _) => Capture::Proc,
+            _ => Capture::Nothing,
+        };
+        let store = d.store.clone();
+        let sid2 = sid.clone();
+        let pending = blocking(move || {
+            store.begin_version(
+                &sid2,
+                NewVersion {
+                    turn: None,
+                    transcript_turns: 0,
+                    capture,
+                },
+            )
+        })
+        .await?;
+        let frozen_ms = if req.class == Class::None {
+            0.0
+        } else {
+            let call = ShimCheckpoint {
+                images_dir: pending.images_dir().map(ToOwned::to_owned),
+                fs: fs.map(|f| FsTarget {
+                    name: f.name,
+                    store: d.fs_store(&reg.id),
+                }),
+            };
+            let done: ShimCheckpointed = shim(&d, &reg)
+                .post("/checkpoint", &call)
+                .await
+                .map_err(|source| ApiError::Shim {
+                    id: reg.id.clone(),
+                    source,
+                })?;
+            done.frozen_ms
+        };
+        let version = blocking(move || pending.publish()).await?;
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(sandbox = reg.id, version = version.version, class = ?version.class, frozen_ms, total_ms, "checkpoint published");
+        Ok(Json(CheckpointReport {
+            version,
+            frozen_ms,
+            total_ms,
+        }))
+    })
+    .await
+}
+
+/// `GET /v1/sandboxes/{sel}/versions`.
+pub async fn versions(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<Vec<VersionView>> {
+    let reg = d.registry.resolve(&sel)?;
+    let sid = SandboxId::new(&reg.id)?;
+    let store = d.store.clone();
+    let list = blocking(move || store.versions(&sid)).await?;
+    Ok(Json(
+        list.into_iter()
+            .map(|v| VersionView {
+                line: v.line,
+                record: v.record,
+                defect: v.defect.map(|d| format!("{d:?}")),
+            })
+            .collect(),
+    ))
+}
+
+/// `POST /v1/sandboxes/{sel}/rollback`.
+pub async fn rollback(
+    State(d): State<Arc<Daemon>>,
+    Path(sel): Path<String>,
+    body: Bytes,
+) -> Reply<RollbackReport> {
+    let req: RollbackRequest = parse(&body)?;
+    let reg = d.registry.resolve(&sel)?;
+    detached(async move {
+        let busy = d.busy(&reg.id);
+        let _one_at_a_time = busy.lock().await;
+        let started = Instant::now();
+        let sid = SandboxId::new(&reg.id)?;
+        let store = d.store.clone();
+        let version = blocking(move || match req.version {
+            VersionSel::Latest => store.latest_valid(&sid),
+            VersionSel::Number(n) => store.get(&sid, n),
+        })
+        .await?;
+        let number = version.record.version;
+        let images_dir = version.images_dir.ok_or_else(|| ApiError::NoProcessImage {
+            id: reg.id.clone(),
+            version: number,
+        })?;
+        let call = ShimRestore {
+            images_dir,
+            fs: version.record.fs_snapshot.map(|f| FsTarget {
+                name: f.name,
+                store: d.fs_store(&reg.id),
+            }),
+        };
+        let done: ShimRestored =
+            shim(&d, &reg)
+                .post("/restore", &call)
+                .await
+                .map_err(|source| ApiError::Shim {
+                    id: reg.id.clone(),
+                    source,
+                })?;
+        let mut reg = reg;
+        reg.pid = done.pid;
+        d.registry.insert(reg.clone())?;
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            sandbox = reg.id,
+            version = number,
+            restore_ms = done.restore_ms,
+            total_ms,
+            "rolled back"
+        );
+        Ok(Json(RollbackReport {
+            version: number,
+            pid: done.pid,
+            restore_ms: done.restore_ms,
+            total_ms,
+        }))
+    })
+    .await
+}
+
+/// `DELETE /v1/sandboxes/{sel}/versions/{version}`.
+pub async fn remove_version(
+    State(d): State<Arc<Daemon>>,
+    Path((sel, version)): Path<(String, String)>,
+) -> Reply<RemovalReport> {
+    let reg = d.registry.resolve(&sel)?;
+    let n = match version.parse::<VersionSel>() {
+        Ok(VersionSel::Number(n)) => n,
+        Ok(VersionSel::Latest) => {
+            return Err(ApiError::BadRequest {
+                reason: "rm-version takes a version number, not `latest`".to_owned(),
+            })
+        }
+        Err(reason) => return Err(ApiError::BadRequest { reason }),
+    };
+    detached(async move {
+        let busy = d.busy(&reg.id);
+        let _one_at_a_time = busy.lock().await;
+        let sid = SandboxId::new(&reg.id)?;
+        let store = d.store.clone();
+        let removal = blocking(move || store.remove_version(&sid, n)).await?;
+        // Snapshots no version uses any more: the copies crabd keeps go
+        // too (the upper directory is not touched by a destroy).
+        let store_dir = d.fs_store(&reg.id);
+        for snap in removal
+            .unused_snapshots
+            .iter()
+            .filter(|s| s.backend == BackendKind::OverlayCopy)
+        {
+            let backend = crab_snapshotter::OverlayCopyBackend::new(&store_dir, &store_dir);
+            if let Err(e) = crab_snapshotter::Backend::destroy(&backend, &snap.name) {
+                tracing::warn!(snapshot = %snap.name, "remove unused snapshot: {e}");
+            }
+        }
+        Ok(Json(RemovalReport {
+            removed: removal.versions,
+        }))
+    })
+    .await
+}
+
+/// Any other path.
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::BadRequest {
+        reason: format!("no such API route: {}", uri.path()),
+    }
+}
