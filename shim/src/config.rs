@@ -24,6 +24,21 @@ const EMBEDDED: &str = include_str!("../../packaging/crab.toml");
 pub struct Config {
     /// Settings of `containerd-shim-crab-v2`.
     pub shim: ShimConfig,
+    /// How the shim finds crabd (the `[crabd]` table, shared with crabd).
+    pub crabd: CrabdShimConfig,
+}
+
+/// The keys of `[crabd]` the shim reads (crabd reads the rest).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CrabdShimConfig {
+    /// crabd's management socket.
+    pub socket: PathBuf,
+    /// Whether containers register with crabd.
+    pub register: bool,
+    /// Whether the shim starts crabd when it is not running.
+    pub autostart: bool,
+    /// The crabd binary.
+    pub binary: PathBuf,
 }
 
 /// The `[shim]` table.

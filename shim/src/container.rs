@@ -17,7 +17,9 @@ use crate::exits::Exit;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
 use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
-use crate::sandbox_proxy::{self, SandboxProxy};
+use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
+
+mod snapshot;
 
 /// One container of the shim.
 pub struct Container {
@@ -41,6 +43,11 @@ pub struct Container {
     proxy: Option<SandboxProxy>,
     /// The variables pointing SDKs at it, for execs too.
     proxy_env: Vec<String>,
+    /// How the proxy was set up, to start it again in a restored network
+    /// namespace.
+    proxy_plan: Option<(String, ProxyPlan)>,
+    /// The rootfs mounts containerd asked for (remounted after a rollback).
+    rootfs_mounts: Vec<containerd_shim::protos::api::Mount>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -102,6 +109,8 @@ impl Container {
             oom_task: None,
             proxy: None,
             proxy_env: Vec::new(),
+            proxy_plan: None,
+            rootfs_mounts: req.rootfs.to_vec(),
         };
         let plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
@@ -111,6 +120,7 @@ impl Container {
             Ok(rx) => {
                 if let Some(plan) = plan {
                     c.proxy_env = plan.env.clone();
+                    c.proxy_plan = Some((proxy.namespace.to_owned(), plan.clone()));
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
@@ -288,6 +298,15 @@ impl Container {
             (ProcessState::Paused, ProcessState::Running, "resume")
         };
         self.expect_state(&self.init, from, op)?;
+        self.set_frozen(pause, runtime).await?;
+        self.init.state = to;
+        Ok(())
+    }
+
+    /// Freezes or thaws the container's cgroup, leaving the recorded state
+    /// alone (a checkpoint freezes for a moment).
+    async fn set_frozen(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
+        let op = if pause { "pause" } else { "resume" };
         let dir = runtime.root().join(&self.id);
         let id = self.id.clone();
         tokio::task::spawn_blocking(move || {
@@ -305,9 +324,7 @@ impl Container {
             })
         })
         .await
-        .map_err(|e| Error::io(op)(std::io::Error::other(e)))??;
-        self.init.state = to;
-        Ok(())
+        .map_err(|e| Error::io(op)(std::io::Error::other(e)))?
     }
 
     /// Dumps the container's processes with CRIU into `req.path` (the

@@ -151,6 +151,31 @@ pub enum Error {
         /// What crab-proxy said.
         reason: String,
     },
+    /// A filesystem snapshot operation failed.
+    #[error("filesystem snapshot of {id}: {source}")]
+    Snapshot {
+        /// The container.
+        id: String,
+        /// What the backend said.
+        #[source]
+        source: crab_snapshotter::Error,
+    },
+    /// The container's rootfs is not one a filesystem backend can snapshot.
+    #[error("{id}: no filesystem backend can snapshot its rootfs ({reason})")]
+    NoFsBackend {
+        /// The container.
+        id: String,
+        /// What the rootfs is.
+        reason: String,
+    },
+    /// A checkpoint to restore is missing or unreadable.
+    #[error("checkpoint {path} cannot be restored: {reason}")]
+    InvalidCheckpoint {
+        /// The images directory.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// The call is part of the task API but this shim does not offer it.
     #[error("{call} is not supported by the crab shim")]
     Unsupported {
@@ -181,15 +206,19 @@ impl Error {
             | Error::InvalidSignal { .. }
             | Error::InvalidResources { .. }
             | Error::InvalidCheckpointOptions { .. }
+            | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
+            Error::NoFsBackend { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::BadState { .. } | Error::Runtime { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Unsupported { .. } => ttrpc::Code::UNIMPLEMENTED,
             Error::Proxy { .. } => ttrpc::Code::UNAVAILABLE,
-            Error::Libcontainer { .. } | Error::Cgroup { .. } | Error::Mount { .. } | Error::Io { .. } => {
-                ttrpc::Code::UNKNOWN
-            }
+            Error::Libcontainer { .. }
+            | Error::Cgroup { .. }
+            | Error::Mount { .. }
+            | Error::Io { .. }
+            | Error::Snapshot { .. } => ttrpc::Code::UNKNOWN,
         }
     }
 }

@@ -18,6 +18,7 @@
 mod cgroup;
 pub mod config;
 mod container;
+mod control;
 mod error;
 mod exits;
 mod io;

@@ -17,13 +17,15 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 use libcontainer::container::builder::ContainerBuilder;
-use libcontainer::container::{CheckpointOptions, Container, ContainerStatus};
+use libcontainer::container::{Container, ContainerStatus};
 use libcontainer::syscall::syscall::SyscallType;
 use libcontainer::workload::default::DefaultExecutor;
 
 mod client;
+mod criu;
 
-pub use client::{CheckpointOpts, Launch, RuntimeClient};
+pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
+pub use criu::DESCRIPTORS;
 
 /// First argument that selects the helper personality of the binary.
 pub const SUBCOMMAND: &str = "runtime";
@@ -90,6 +92,25 @@ enum Op {
         /// Dump file locks.
         #[arg(long)]
         file_locks: bool,
+        id: String,
+    },
+    /// Restore the container's processes from a CRIU image directory (its
+    /// previous processes must be gone); the restored init's stdio is the
+    /// helper's, its pid goes to `--pid-file`.
+    Restore {
+        #[arg(long)]
+        image_path: PathBuf,
+        #[arg(long)]
+        work_path: PathBuf,
+        /// Restore established TCP connections.
+        #[arg(long)]
+        tcp_established: bool,
+        #[arg(long)]
+        pid_file: PathBuf,
+        #[arg(long)]
+        console_socket: Option<PathBuf>,
+        #[arg(long)]
+        unified_cgroup: Option<PathBuf>,
         id: String,
     },
     /// Remove a container's state and cgroups; `--force` kills it first.
@@ -162,6 +183,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(cg) = unified_cgroup {
                 join_cgroup(cg)?;
             }
+            join_time_namespace(&load(&cli.root, id)?)?;
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(DefaultExecutor {})
                 .with_root_path(&cli.root)?
@@ -182,31 +204,52 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             file_locks,
             id,
         } => {
+            let c = load(&cli.root, id)?;
+            // A frozen container (containerd pauses before Checkpoint, crabd
+            // freezes for a consistent filesystem snapshot) stays frozen:
+            // CRIU is told the freezer cgroup.
+            criu::dump(
+                &c,
+                &criu::DumpOpts {
+                    image_path,
+                    work_path: work_path.as_deref(),
+                    leave_running: !*exit,
+                    tcp_established: *tcp_established,
+                    ext_unix_sk: *ext_unix_sk,
+                    file_locks: *file_locks,
+                },
+            )?;
+            if *exit {
+                let mut c = load(&cli.root, id)?;
+                c.set_status(ContainerStatus::Stopped).save()?;
+            }
+        }
+        Op::Restore {
+            image_path,
+            work_path,
+            tcp_established,
+            pid_file,
+            console_socket,
+            unified_cgroup,
+            id,
+        } => {
+            if console_socket.is_some() {
+                anyhow::bail!("restoring a container with a terminal is not supported");
+            }
+            if let Some(cg) = unified_cgroup {
+                join_cgroup(cg)?;
+            }
             let mut c = load(&cli.root, id)?;
-            // containerd pauses a task before it checkpoints it, but CRIU
-            // cannot seize tasks in a frozen cgroup (libcontainer does not
-            // pass --freeze-cgroup): thaw, let CRIU freeze the tree itself
-            // (the dump stays consistent), and freeze again after.
-            let was_paused = c.status() == ContainerStatus::Paused;
-            if was_paused {
-                c.resume().context("thaw for the dump")?;
-            }
-            let opts = CheckpointOptions {
-                ext_unix_sk: *ext_unix_sk,
-                file_locks: *file_locks,
-                image_path: image_path.clone(),
-                leave_running: !*exit,
-                shell_job: false,
-                tcp_established: *tcp_established,
-                work_path: work_path.clone(),
-                manage_cgroups_mode: rust_criu::CgMode::SOFT,
-                link_remap: false,
-            };
-            let dumped = c.checkpoint(&opts).context("criu dump");
-            if was_paused && !*exit {
-                c.pause().context("freeze again after the dump")?;
-            }
-            dumped?;
+            let pid = criu::restore(
+                &mut c,
+                &criu::RestoreOpts {
+                    image_path,
+                    work_path,
+                    tcp_established: *tcp_established,
+                },
+            )?;
+            std::fs::write(pid_file, pid.to_string())
+                .with_context(|| format!("write {}", pid_file.display()))?;
         }
         Op::Delete { force, id } => match load(&cli.root, id) {
             Ok(mut c) => c.delete(*force)?,
@@ -245,4 +288,30 @@ fn join_cgroup(cgroup: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(cgroup).with_context(|| format!("create cgroup {}", cgroup.display()))?;
     std::fs::write(cgroup.join("cgroup.procs"), std::process::id().to_string())
         .with_context(|| format!("join cgroup {}", cgroup.display()))
+}
+
+/// Joins the time namespace of the container's init when it differs from
+/// the helper's. CRIU restores a tree into a time namespace of its own
+/// (monotonic clocks must not jump), which libcontainer does not know: an
+/// exec outside it would see other clocks, and CRIU could not dump it
+/// with the tree later. The helper is single-threaded here, as setns of a
+/// time namespace requires; the children it forks are born inside.
+fn join_time_namespace(c: &Container) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let Some(pid) = c.pid() else { return Ok(()) };
+    let theirs = format!("/proc/{pid}/ns/time");
+    let (Ok(t), Ok(o)) = (
+        std::fs::metadata(&theirs),
+        std::fs::metadata("/proc/self/ns/time"),
+    ) else {
+        return Ok(());
+    };
+    use std::os::unix::fs::MetadataExt;
+    if t.ino() == o.ino() {
+        return Ok(());
+    }
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/time")).context("open the init's time namespace")?;
+    nix::sched::setns(ns, nix::sched::CloneFlags::from_bits_retain(libc::CLONE_NEWTIME))
+        .context("join the init's time namespace")?;
+    Ok(())
 }

@@ -21,6 +21,7 @@ use containerd_shim::{Flags, StartOpts};
 
 use crate::config::Config;
 use crate::container::{Container, ExitReceiver};
+use crate::control::Control;
 use crate::exits::ExitRouter;
 use crate::oom::OomWatch;
 use crate::process::timestamp;
@@ -93,6 +94,8 @@ pub struct TaskService {
     pub exit: Arc<ExitSignal>,
     /// containerd namespace of this shim's containers.
     pub namespace: String,
+    /// Control sockets (and crabd registrations) of started containers.
+    pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
 }
 
 /// Publishes task events to containerd.
@@ -164,6 +167,7 @@ impl Shim for Service {
             }),
             exit: self.exit.clone(),
             namespace: self.namespace.clone(),
+            controls: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
 }
@@ -267,8 +271,7 @@ impl TaskService {
         }));
     }
 
-    /// Follows a process until it exits: drains its output, records the
-    /// status and publishes TaskExit.
+    /// Follows a process until it exits; see [`watch_exit`].
     pub fn watch_exit(
         &self,
         container: Arc<tokio::sync::Mutex<Container>>,
@@ -276,38 +279,57 @@ impl TaskService {
         pid: i32,
         rx: ExitReceiver,
     ) {
-        let events = self.events.clone();
-        // Ends when the process exits; the exit router outlives it.
-        tokio::spawn(async move {
-            let Ok(exit) = rx.await else { return };
-            let (cid, io) = {
-                let mut c = container.lock().await;
-                let cid = c.id.clone();
-                (cid, c.process_mut(&exec_id).ok().and_then(|p| p.io.take()))
-            };
-            if let Some(mut io) = io {
-                io.drain(DRAIN_LIMIT).await;
-            }
-            if let Ok(p) = container.lock().await.process_mut(&exec_id) {
-                p.set_exited(exit);
-            }
-            log::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
-            let id = if exec_id.is_empty() { cid.clone() } else { exec_id };
-            events
-                .publish(
-                    TASK_EXIT_EVENT_TOPIC,
-                    Box::new(TaskExit {
-                        container_id: cid,
-                        id,
-                        pid: pid as u32,
-                        exit_status: exit.code,
-                        exited_at: MessageField::some(timestamp(exit.at)),
-                        ..Default::default()
-                    }),
-                )
-                .await;
-        });
+        watch_exit(self.events.clone(), container, exec_id, pid, rx);
     }
+}
+
+/// Follows a process until it exits: drains its output, records the status
+/// and publishes TaskExit. A process that is no longer `pid` when it exits
+/// was replaced by a restore: its exit is not the task's.
+pub fn watch_exit(
+    events: Arc<Events>,
+    container: Arc<tokio::sync::Mutex<Container>>,
+    exec_id: String,
+    pid: i32,
+    rx: ExitReceiver,
+) {
+    // Ends when the process exits; the exit router outlives it.
+    tokio::spawn(async move {
+        let Ok(exit) = rx.await else { return };
+        let (cid, io) = {
+            let mut c = container.lock().await;
+            let cid = c.id.clone();
+            match c.process_mut(&exec_id) {
+                Ok(p) if p.pid == pid => (cid, p.io.take()),
+                Ok(_) => {
+                    log::info!("{cid} {exec_id}: replaced pid {pid} exited");
+                    return;
+                }
+                Err(_) => (cid, None),
+            }
+        };
+        if let Some(mut io) = io {
+            io.drain(DRAIN_LIMIT).await;
+        }
+        if let Ok(p) = container.lock().await.process_mut(&exec_id) {
+            p.set_exited(exit);
+        }
+        log::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
+        let id = if exec_id.is_empty() { cid.clone() } else { exec_id };
+        events
+            .publish(
+                TASK_EXIT_EVENT_TOPIC,
+                Box::new(TaskExit {
+                    container_id: cid,
+                    id,
+                    pid: pid as u32,
+                    exit_status: exit.code,
+                    exited_at: MessageField::some(timestamp(exit.at)),
+                    ..Default::default()
+                }),
+            )
+            .await;
+    });
 }
 
 // === impl Events ===

@@ -17,6 +17,7 @@ use containerd_shim::protos::types::task::ProcessInfo;
 
 use crate::cgroup;
 use crate::container::{Container, ProxySetup};
+use crate::control::Control;
 use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
@@ -93,6 +94,21 @@ impl Task for TaskService {
                 )
                 .await;
         } else {
+            let config = &crate::service::config().crabd;
+            match Control::start(
+                container.clone(),
+                self.runtime.clone(),
+                self.events.clone(),
+                &self.namespace,
+                config,
+            )
+            .await
+            {
+                Ok(control) => {
+                    self.controls.lock().await.insert(req.id.clone(), control);
+                }
+                Err(e) => log::warn!("{}: no control socket: {e}", req.id),
+            }
             self.events
                 .publish(
                     TASK_START_EVENT_TOPIC,
@@ -149,6 +165,17 @@ impl Task for TaskService {
 
     async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
         let container = self.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            let running = matches!(
+                container.lock().await.init.state,
+                crate::process::ProcessState::Running | crate::process::ProcessState::Paused
+            );
+            if !running {
+                if let Some(control) = self.controls.lock().await.remove(&req.id) {
+                    control.stop().await;
+                }
+            }
+        }
         let mut c = container.lock().await;
         let (pid, exit) = if req.exec_id.is_empty() {
             c.delete(&self.runtime).await?;

@@ -43,6 +43,13 @@ pub struct CheckpointOpts {
     pub file_locks: bool,
 }
 
+/// How to restore.
+#[derive(Debug, Default)]
+pub struct RestoreOpts {
+    /// Restore established TCP connections (they were dumped).
+    pub tcp_established: bool,
+}
+
 /// What a create or exec needs besides the container id.
 pub struct Launch<'a> {
     /// Where the pid file and error log go (the bundle).
@@ -121,6 +128,29 @@ impl RuntimeClient {
         }
         args.push(id.into());
         self.invoke("checkpoint", id, work_dir, args, Stdio::null()).await
+    }
+
+    /// Restores container `id`'s processes from `image_path` (its previous
+    /// processes must be gone); returns the restored init's pid.
+    pub async fn restore(
+        &self,
+        id: &str,
+        image_path: &Path,
+        work_path: &Path,
+        opts: &RestoreOpts,
+        launch: Launch<'_>,
+    ) -> Result<(i32, ExitReceiver)> {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "restore".into(),
+            "--image-path".into(),
+            image_path.into(),
+            "--work-path".into(),
+            work_path.into(),
+        ];
+        if opts.tcp_established {
+            args.push("--tcp-established".into());
+        }
+        self.launch("restore", id, &mut args, launch).await
     }
 
     /// Deletes container `id`'s state and cgroups (`force`: kill it first).

@@ -1,0 +1,262 @@
+//! crabd's checkpoint and restore of a running container: a consistent
+//! freeze → filesystem snapshot → CRIU dump → thaw, and the way back.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crab_engine::api::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore, ShimRestored};
+use crab_engine::FsSnapshot;
+use crab_snapshotter::{BackendKind, Location};
+
+use super::{Container, ExitReceiver};
+use crate::error::{Error, Result};
+use crate::io;
+use crate::process::ProcessState;
+use crate::runtime::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
+use crate::sandbox_proxy::SandboxProxy;
+
+/// How long the previous processes may take to die at a restore.
+const KILL_LIMIT: Duration = Duration::from_secs(10);
+
+// === impl Container ===
+
+impl Container {
+    /// The filesystem backend that can snapshot this container's rootfs.
+    pub fn fs_backend(&self) -> Option<BackendKind> {
+        self.overlay_upper().ok().map(|_| BackendKind::OverlayCopy)
+    }
+
+    /// The upper directory of the container's overlay rootfs.
+    fn overlay_upper(&self) -> Result<PathBuf> {
+        let no = |reason: String| Error::NoFsBackend {
+            id: self.id.clone(),
+            reason,
+        };
+        match self.rootfs_mounts.as_slice() {
+            [m] if m.type_ == "overlay" => m
+                .options
+                .iter()
+                .find_map(|o| o.strip_prefix("upperdir="))
+                .map(PathBuf::from)
+                .ok_or_else(|| no("a read-only overlay".to_owned())),
+            [m] => Err(no(format!("a {} mount", m.type_))),
+            [] => Err(no("a directory in the bundle".to_owned())),
+            _ => Err(no("several mounts".to_owned())),
+        }
+    }
+
+    fn fs_location(&self, target: &FsTarget) -> Result<Location> {
+        Ok(Location::OverlayCopy {
+            upper: self.overlay_upper()?,
+            store: target.store.clone(),
+        })
+    }
+
+    /// Freezes the container, snapshots its files and dumps its processes
+    /// (as asked), and thaws it; the images' hashing is crabd's, after.
+    pub async fn engine_checkpoint(
+        &self,
+        req: &ShimCheckpoint,
+        runtime: &RuntimeClient,
+    ) -> Result<ShimCheckpointed> {
+        self.expect_state(&self.init, ProcessState::Running, "checkpoint")?;
+        let location = req.fs.as_ref().map(|t| self.fs_location(t)).transpose()?;
+        self.set_frozen(true, runtime).await?;
+        let frozen_at = Instant::now();
+        let made = self.checkpoint_frozen(req, location, runtime).await;
+        let thawed = self.set_frozen(false, runtime).await;
+        let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
+        let fs = made?;
+        thawed?;
+        log::info!("{}: checkpoint, frozen {frozen_ms:.1} ms", self.id);
+        Ok(ShimCheckpointed { frozen_ms, fs })
+    }
+
+    async fn checkpoint_frozen(
+        &self,
+        req: &ShimCheckpoint,
+        location: Option<Location>,
+        runtime: &RuntimeClient,
+    ) -> Result<Option<FsSnapshot>> {
+        let mut fs = None;
+        if let (Some(target), Some(location)) = (&req.fs, location) {
+            let name = target.name.clone();
+            let id = self.id.clone();
+            fs = Some(
+                tokio::task::spawn_blocking(move || {
+                    let backend = crab_snapshotter::open(&location)?;
+                    backend.snapshot(&name)?;
+                    Ok(FsSnapshot {
+                        backend: BackendKind::OverlayCopy,
+                        name,
+                    })
+                })
+                .await
+                .map_err(|e| Error::io("filesystem snapshot")(std::io::Error::other(e)))?
+                .map_err(|source| Error::Snapshot { id, source })?,
+            );
+        }
+        if let Some(images) = &req.images_dir {
+            let opts = CheckpointOpts {
+                work_path: Some(self.bundle.join(".crab-criu")),
+                ..Default::default()
+            };
+            runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
+        }
+        Ok(fs)
+    }
+
+    /// Replaces the container's processes (and files) with a checkpoint's:
+    /// checks what it can first, kills the current processes, rolls the
+    /// rootfs back, restores with CRIU, and re-wires stdio and the proxy.
+    /// Returns the restored init's exit receiver for the caller to watch.
+    pub async fn engine_restore(
+        &mut self,
+        req: &ShimRestore,
+        runtime: &RuntimeClient,
+    ) -> Result<(ShimRestored, ExitReceiver)> {
+        let started = Instant::now();
+        self.expect_state(&self.init, ProcessState::Running, "restore")?;
+        if self.init.stdio.terminal {
+            return Err(Error::Unsupported {
+                call: "restore of a container with a terminal",
+            });
+        }
+        check_images(&req.images_dir)?;
+        let fs = match &req.fs {
+            Some(target) => {
+                let location = self.fs_location(target)?;
+                let name = target.name.clone();
+                let id = self.id.clone();
+                tokio::task::spawn_blocking(move || {
+                    let backend = crab_snapshotter::open(&location)?;
+                    backend.list().map(|l| l.iter().any(|s| s.name == name))
+                })
+                .await
+                .map_err(|e| Error::io("list snapshots")(std::io::Error::other(e)))?
+                .map_err(|source| Error::Snapshot {
+                    id: id.clone(),
+                    source,
+                })?
+                .then_some(())
+                .ok_or_else(|| Error::InvalidCheckpoint {
+                    path: target.store.clone(),
+                    reason: format!("no filesystem snapshot {}", target.name),
+                })?;
+                Some((self.fs_location(target)?, target.name.clone()))
+            }
+            None => None,
+        };
+
+        // From here on the previous processes are gone.
+        self.kill_every_process().await?;
+        if let Some(mut io) = self.init.io.take() {
+            io.drain(Duration::from_millis(200)).await;
+        }
+        if let Some((location, name)) = fs {
+            self.rollback_rootfs(location, name).await?;
+        }
+        let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let launch = Launch {
+            work_dir: &self.bundle,
+            stdio: child,
+            unified_cgroup: self.unified_cgroup.as_deref(),
+        };
+        let work = self.bundle.join(".crab-criu");
+        let (pid, rx) = runtime
+            .restore(&self.id, &req.images_dir, &work, &RestoreOpts::default(), launch)
+            .await?;
+        self.init.pid = pid;
+        self.init.io = Some(pending.finish().await?);
+        self.restart_proxy().await;
+        let restore_ms = started.elapsed().as_secs_f64() * 1e3;
+        log::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
+        Ok((ShimRestored { pid, restore_ms }, rx))
+    }
+
+    /// SIGKILLs every process of the container and waits until its cgroup
+    /// is empty.
+    async fn kill_every_process(&self) -> Result<()> {
+        let deadline = Instant::now() + KILL_LIMIT;
+        loop {
+            let pids = crate::cgroup::pids(&self.cgroups_path, &self.id)?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::BadState {
+                    id: self.id.clone(),
+                    state: "unkillable",
+                    op: "restore",
+                });
+            }
+            for pid in pids {
+                let _ =
+                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Unmounts the rootfs, rolls its files back, and mounts it again (an
+    /// overlay must not change under its mount).
+    async fn rollback_rootfs(
+        &mut self,
+        location: Location,
+        name: crab_snapshotter::SnapshotName,
+    ) -> Result<()> {
+        let rootfs = self.bundle.join("rootfs");
+        super::unmount(&rootfs).map_err(|source| Error::Mount {
+            id: self.id.clone(),
+            source,
+        })?;
+        let id = self.id.clone();
+        let rolled = tokio::task::spawn_blocking(move || crab_snapshotter::open(&location)?.rollback(&name))
+            .await
+            .map_err(|e| Error::io("filesystem rollback")(std::io::Error::other(e)))?
+            .map_err(|source| Error::Snapshot { id, source });
+        for m in &self.rootfs_mounts {
+            containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
+                .await
+                .map_err(|source| Error::Mount {
+                    id: self.id.clone(),
+                    source,
+                })?;
+        }
+        rolled
+    }
+
+    /// Binds the LLM proxy again in the restored network namespace (CRIU
+    /// made a new one when the container had its own).
+    async fn restart_proxy(&mut self) {
+        let Some((namespace, plan)) = self.proxy_plan.clone() else {
+            return;
+        };
+        if let Some(p) = self.proxy.take() {
+            p.stop().await;
+        }
+        let config = &crate::service::config().shim.proxy;
+        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config).await {
+            Ok(p) => self.proxy = Some(p),
+            Err(e) => log::error!("{}: no LLM proxy after restore: {e}", self.id),
+        }
+    }
+}
+
+/// Checks that `dir` holds a CRIU dump made by this shim.
+fn check_images(dir: &Path) -> Result<()> {
+    let bad = |reason: &str| Error::InvalidCheckpoint {
+        path: dir.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if !dir.is_dir() {
+        return Err(bad("no such directory"));
+    }
+    if !dir.join("inventory.img").is_file() {
+        return Err(bad("no CRIU inventory.img"));
+    }
+    if !dir.join(crate::runtime::DESCRIPTORS).is_file() {
+        return Err(bad("no descriptors.json"));
+    }
+    Ok(())
+}

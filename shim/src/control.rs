@@ -1,0 +1,223 @@
+//! The shim's control socket, through which crabd checkpoints and restores
+//! the container, and the container's registration with crabd.
+//!
+//! The socket is root-only (0600) and lives under the runtime state root;
+//! the routes and messages are `crab_engine::api`'s. Work that a call starts
+//! runs to its end even when the caller goes away: a crabd killed in the
+//! middle of a checkpoint must not leave the container frozen.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use crab_engine::api::{ErrorBody, Registration, ShimCheckpoint, ShimRestore};
+use crab_engine::client::{ClientError, UnixClient};
+use tokio::sync::Mutex;
+
+use crate::config::CrabdShimConfig;
+use crate::container::Container;
+use crate::error::Error;
+use crate::runtime::RuntimeClient;
+use crate::service::Events;
+
+/// A container's control socket and its registration; stopped at delete.
+pub struct Control {
+    socket: PathBuf,
+    server: tokio::task::JoinHandle<()>,
+    crabd: Option<(UnixClient, String)>,
+}
+
+#[derive(Clone)]
+struct Ctx {
+    container: Arc<Mutex<Container>>,
+    runtime: Arc<RuntimeClient>,
+    events: Arc<Events>,
+}
+
+// === impl Control ===
+
+impl Control {
+    /// Serves `container`'s control socket and registers it with crabd
+    /// (starting crabd when it is not running and the config says so).
+    /// Failing to reach crabd is logged: the container runs on without.
+    pub async fn start(
+        container: Arc<Mutex<Container>>,
+        runtime: Arc<RuntimeClient>,
+        events: Arc<Events>,
+        namespace: &str,
+        config: &CrabdShimConfig,
+    ) -> std::io::Result<Control> {
+        let (id, pid, fs_backend) = {
+            let c = container.lock().await;
+            (c.id.clone(), c.init.pid, c.fs_backend())
+        };
+        let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
+        std::fs::create_dir_all(socket.parent().expect("a socket path has a parent"))?;
+        let _ = std::fs::remove_file(&socket);
+        let listener = tokio::net::UnixListener::bind(&socket)?;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+        let app = Router::new()
+            .route("/checkpoint", post(checkpoint))
+            .route("/restore", post(restore))
+            .with_state(Ctx {
+                container,
+                runtime,
+                events,
+            });
+        // Lives until `stop`.
+        let server = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                log::warn!("control socket: {e}");
+            }
+        });
+        let mut control = Control {
+            socket: socket.clone(),
+            server,
+            crabd: None,
+        };
+        if config.register {
+            let client = UnixClient::new(&config.socket, "crabd", Duration::from_secs(5));
+            let reg = Registration {
+                id: id.clone(),
+                namespace: namespace.to_owned(),
+                control: socket,
+                pid,
+                fs_backend,
+            };
+            match register(&client, &reg, config).await {
+                Ok(()) => control.crabd = Some((client, id)),
+                Err(e) => log::warn!("{id}: not registered with crabd: {e}"),
+            }
+        }
+        Ok(control)
+    }
+
+    /// Unregisters from crabd and closes the socket.
+    pub async fn stop(self) {
+        if let Some((client, id)) = &self.crabd {
+            if let Err(e) = client
+                .delete::<serde_json::Value>(&format!("/v1/sandboxes/{id}"))
+                .await
+            {
+                log::warn!("{id}: unregister from crabd: {e}");
+            }
+        }
+        self.server.abort();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Registers `reg`; when nothing listens, starts crabd and tries again for
+/// a few seconds.
+async fn register(
+    client: &UnixClient,
+    reg: &Registration,
+    config: &CrabdShimConfig,
+) -> Result<(), ClientError> {
+    match client.post::<_, serde_json::Value>("/v1/sandboxes", reg).await {
+        Err(ClientError::Connect { .. }) if config.autostart => {}
+        other => return other.map(drop),
+    }
+    if let Err(e) = spawn_crabd(&config.binary) {
+        log::warn!("start crabd ({}): {e}", config.binary.display());
+    }
+    let mut last = None;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match client.post::<_, serde_json::Value>("/v1/sandboxes", reg).await {
+            Err(e @ ClientError::Connect { .. }) => last = Some(e),
+            other => return other.map(drop),
+        }
+    }
+    Err(last.expect("the loop ran"))
+}
+
+/// Starts crabd in a process group of its own, detached from the shim's
+/// stdio; it reads the same `crab.toml` (`$CRAB_CONFIG` is inherited).
+fn spawn_crabd(binary: &Path) -> std::io::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(binary);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0);
+    // The shim's reaper collects it if it ever exits while the shim runs.
+    cmd.spawn().map(drop)
+}
+
+async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
+    let req: ShimCheckpoint = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                format!("invalid checkpoint request: {e}"),
+            )
+        }
+    };
+    // Runs to its end even if crabd hangs up: the thaw must happen.
+    let done = tokio::spawn(async move {
+        let c = ctx.container.lock().await;
+        c.engine_checkpoint(&req, &ctx.runtime).await
+    })
+    .await;
+    match done {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => refuse_error(e),
+        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("checkpoint task: {e}")),
+    }
+}
+
+async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
+    let req: ShimRestore = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("invalid restore request: {e}")),
+    };
+    let done = tokio::spawn(async move {
+        let mut c = ctx.container.lock().await;
+        let (restored, rx) = c.engine_restore(&req, &ctx.runtime).await?;
+        drop(c);
+        crate::service::watch_exit(
+            ctx.events.clone(),
+            ctx.container.clone(),
+            String::new(),
+            restored.pid,
+            rx,
+        );
+        Ok::<_, Error>(restored)
+    })
+    .await;
+    match done {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => refuse_error(e),
+        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("restore task: {e}")),
+    }
+}
+
+fn refuse_error(e: Error) -> Response {
+    let status = match &e {
+        Error::InvalidCheckpoint { .. } => StatusCode::BAD_REQUEST,
+        Error::BadState { .. } | Error::NoFsBackend { .. } | Error::Unsupported { .. } => {
+            StatusCode::CONFLICT
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    refuse(status, msg)
+}
+
+fn refuse(status: StatusCode, error: String) -> Response {
+    (status, Json(ErrorBody { error })).into_response()
+}

@@ -1,0 +1,317 @@
+//! CRIU dump and restore of a container's process tree, in the helper.
+//!
+//! libcontainer has a checkpoint but no restore, and its checkpoint cannot
+//! dump a frozen container consistently (it does not hand CRIU the freezer
+//! cgroup). Both directions are here, through `rust-criu`'s RPC, the way
+//! runc drives CRIU:
+//! - bind mounts and (v1) cgroup mounts are external: recorded by their
+//!   destination at dump, mapped back to their source at restore;
+//! - a network namespace the spec joins by path is external, so the restored
+//!   tree joins it again (docker's sandboxes);
+//! - the dump names the freezer cgroup, so a container that is already
+//!   frozen stays frozen throughout and comes out frozen;
+//! - stdio that was a pipe is re-wired at restore to fresh pipes of the shim
+//!   (`--inherit-fd`), so output keeps reaching containerd;
+//! - the restored init is the helper's child (`rst_sibling`), and becomes
+//!   the shim's when the helper exits, like a created init.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use anyhow::{bail, Context, Result};
+use libcgroups::common::CgroupSetup;
+use libcontainer::container::Container;
+use oci_spec::runtime::{LinuxNamespaceType, Mount, Spec};
+use rust_criu::Criu;
+
+/// File in the image directory recording where the init's stdio pointed.
+pub const DESCRIPTORS: &str = "descriptors.json";
+
+/// CRIU's log files, in the work directory.
+const DUMP_LOG: &str = "dump.log";
+const RESTORE_LOG: &str = "restore.log";
+
+/// The CRIU binary: `CRAB_CRIU` or `criu` on `PATH`.
+fn criu() -> Result<Criu> {
+    let path = std::env::var("CRAB_CRIU").unwrap_or_else(|_| "criu".to_owned());
+    Criu::new_with_criu_path(path.clone()).with_context(|| format!("start CRIU ({path})"))
+}
+
+/// How to dump.
+pub struct DumpOpts<'a> {
+    /// Where the images go (created if missing).
+    pub image_path: &'a Path,
+    /// CRIU's work directory (logs), if not the image directory.
+    pub work_path: Option<&'a Path>,
+    /// Leave the tree running after the dump (else CRIU kills it).
+    pub leave_running: bool,
+    /// Dump established TCP connections.
+    pub tcp_established: bool,
+    /// Dump external unix sockets.
+    pub ext_unix_sk: bool,
+    /// Dump file locks.
+    pub file_locks: bool,
+}
+
+/// Dumps container `c`'s process tree.
+pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
+    let pid = c.pid().context("the container has no init pid")?.as_raw();
+    let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
+    std::fs::create_dir_all(opts.image_path)
+        .with_context(|| format!("create {}", opts.image_path.display()))?;
+    // The init's stdio targets, for re-wiring at restore.
+    let descriptors: Vec<String> = (0..3)
+        .map(|n| {
+            std::fs::read_link(format!("/proc/{pid}/fd/{n}"))
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| "/dev/null".to_owned())
+        })
+        .collect();
+    std::fs::write(
+        opts.image_path.join(DESCRIPTORS),
+        serde_json::to_vec(&descriptors).context("encode descriptors")?,
+    )
+    .context("write descriptors.json")?;
+
+    let mut criu = criu()?;
+    let images =
+        File::open(opts.image_path).with_context(|| format!("open {}", opts.image_path.display()))?;
+    criu.set_images_dir_fd(images.as_raw_fd());
+    let work = match opts.work_path {
+        Some(w) => {
+            std::fs::create_dir_all(w).with_context(|| format!("create {}", w.display()))?;
+            Some(File::open(w).with_context(|| format!("open {}", w.display()))?)
+        }
+        None => None,
+    };
+    if let Some(w) = &work {
+        criu.set_work_dir_fd(w.as_raw_fd());
+    }
+    for (dest, _) in external_mounts(&spec)? {
+        criu.set_external_mount(dest.clone(), dest);
+    }
+    if let Some(path) = joined_netns(&spec) {
+        let ino = std::fs::metadata(&path)
+            .with_context(|| format!("stat {}", path.display()))?
+            .ino();
+        criu.add_external(format!("net[{ino}]:{NETNS_KEY}"));
+    }
+    criu.set_freeze_cgroup(freezer_cgroup(pid)?.to_string_lossy().into_owned());
+    criu.set_log_file(DUMP_LOG.to_owned());
+    criu.set_log_level(4);
+    criu.set_pid(pid);
+    criu.set_leave_running(opts.leave_running);
+    criu.set_ext_unix_sk(opts.ext_unix_sk);
+    criu.set_tcp_established(opts.tcp_established);
+    criu.set_file_locks(opts.file_locks);
+    criu.set_shell_job(false);
+    criu.set_orphan_pts_master(true);
+    criu.set_manage_cgroups(true);
+    criu.cgroups_mode(rust_criu::CgMode::SOFT);
+    criu.set_root(rootfs(c.bundle(), &spec).to_string_lossy().into_owned());
+    let log = opts.work_path.unwrap_or(opts.image_path).join(DUMP_LOG);
+    criu.dump()
+        .map_err(|e| anyhow::anyhow!("{e}{}", log_errors(&log)))
+        .with_context(|| format!("criu dump failed (log: {})", log.display()))
+}
+
+/// What a restore needs besides the images.
+pub struct RestoreOpts<'a> {
+    /// The images.
+    pub image_path: &'a Path,
+    /// CRIU's work directory (logs).
+    pub work_path: &'a Path,
+    /// Restore established TCP connections.
+    pub tcp_established: bool,
+}
+
+/// The pid of the restored init, from CRIU's `post-restore` notification
+/// (rust-criu drops the one in the final response). The helper restores
+/// once per process, so a process-wide cell is enough.
+static RESTORED_PID: AtomicI32 = AtomicI32::new(0);
+
+fn notify(script: &str, msg: &rust_criu::rust_criu_protobuf::rpc::Criu_notify, _fd: Option<RawFd>) -> i32 {
+    if script == "post-restore" {
+        RESTORED_PID.store(msg.pid(), Ordering::SeqCst);
+    }
+    0
+}
+
+/// Restores container `c`'s process tree from `opts.image_path`, with the
+/// helper's own stdio standing in for the init's pipes; returns the
+/// restored init's pid and records it, running, in libcontainer's state.
+pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
+    let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
+    let descriptors: Vec<String> = serde_json::from_slice(
+        &std::fs::read(opts.image_path.join(DESCRIPTORS)).context("read descriptors.json")?,
+    )
+    .context("parse descriptors.json")?;
+
+    let mut criu = criu()?;
+    let images =
+        File::open(opts.image_path).with_context(|| format!("open {}", opts.image_path.display()))?;
+    criu.set_images_dir_fd(images.as_raw_fd());
+    std::fs::create_dir_all(opts.work_path)
+        .with_context(|| format!("create {}", opts.work_path.display()))?;
+    let work = File::open(opts.work_path).with_context(|| format!("open {}", opts.work_path.display()))?;
+    criu.set_work_dir_fd(work.as_raw_fd());
+    for (dest, source) in external_mounts(&spec)? {
+        criu.set_external_mount(dest, source);
+    }
+    // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
+    // above stdio. They are closed when this helper exits.
+    let mut keep: Vec<OwnedFd> = Vec::new();
+    for (n, target) in descriptors.iter().enumerate() {
+        if target.starts_with("pipe:") {
+            let fd = inheritable(n as RawFd)?;
+            criu.add_inherit_fd(fd.as_raw_fd(), target.clone())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            keep.push(fd);
+        }
+    }
+    if let Some(path) = joined_netns(&spec) {
+        let ns = File::open(&path).with_context(|| format!("open {}", path.display()))?;
+        let fd = inheritable(ns.as_raw_fd())?;
+        criu.add_inherit_fd(fd.as_raw_fd(), NETNS_KEY.to_owned())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        keep.push(fd);
+    }
+    criu.set_log_file(RESTORE_LOG.to_owned());
+    criu.set_log_level(4);
+    criu.set_tcp_established(opts.tcp_established);
+    criu.set_shell_job(false);
+    criu.set_manage_cgroups(true);
+    criu.cgroups_mode(rust_criu::CgMode::SOFT);
+    criu.set_rst_sibling(true);
+    criu.set_root(rootfs(c.bundle(), &spec).to_string_lossy().into_owned());
+    criu.set_notify_scripts(true);
+    criu.set_notify_cb(notify);
+    RESTORED_PID.store(0, Ordering::SeqCst);
+    let log = opts.work_path.join(RESTORE_LOG);
+    criu.restore()
+        .map_err(|e| anyhow::anyhow!("{e}{}", log_errors(&log)))
+        .with_context(|| format!("criu restore failed (log: {})", log.display()))?;
+    drop(keep);
+    let pid = RESTORED_PID.load(Ordering::SeqCst);
+    if pid <= 0 {
+        bail!("CRIU restored without reporting the init's pid");
+    }
+    c.set_pid(pid)
+        .set_status(libcontainer::container::ContainerStatus::Running)
+        .save()
+        .context("record the restored init in the container state")?;
+    Ok(pid)
+}
+
+/// The last error lines of a CRIU log, to show with the failure (the log
+/// itself may be gone by the time a user looks).
+fn log_errors(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error")).collect();
+    let tail = &errors[errors.len().saturating_sub(3)..];
+    tail.iter().map(|l| format!("; {}", l.trim())).collect()
+}
+
+/// The key CRIU knows an external network namespace by (runc's name).
+const NETNS_KEY: &str = "extRootNetNS";
+
+/// A duplicate of `fd` numbered above stdio, without `CLOEXEC`.
+fn inheritable(fd: RawFd) -> Result<OwnedFd> {
+    // SAFETY: fcntl(F_DUPFD) on a descriptor this process owns returns a new
+    // descriptor that nothing else owns; it is wrapped at once.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD, 3) };
+    if dup < 0 {
+        return Err(std::io::Error::last_os_error()).context("dup a descriptor for CRIU");
+    }
+    // SAFETY: `dup` is a fresh descriptor owned by nobody else.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dup) })
+}
+
+/// The container's root directory on the host.
+fn rootfs(bundle: &Path, spec: &Spec) -> PathBuf {
+    let root = spec
+        .root()
+        .as_ref()
+        .map(|r| r.path().clone())
+        .unwrap_or_else(|| PathBuf::from("rootfs"));
+    bundle.join(root)
+}
+
+/// External mounts as (destination, source): every bind mount of the
+/// spec, and on v1 hosts each cgroup hierarchy when the spec mounts cgroups.
+fn external_mounts(spec: &Spec) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for m in spec.mounts().iter().flatten() {
+        let dest = m.destination().to_string_lossy().into_owned();
+        if is_bind(m) {
+            let source = m
+                .source()
+                .as_ref()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| dest.clone());
+            out.push((dest, source));
+        } else if m.typ().as_deref() == Some("cgroup")
+            && matches!(
+                libcgroups::common::get_cgroup_setup().context("cgroup setup")?,
+                CgroupSetup::Legacy | CgroupSetup::Hybrid
+            )
+        {
+            for mp in libcgroups::v1::util::list_subsystem_mount_points().context("cgroup mount points")? {
+                let mp = mp.to_string_lossy().into_owned();
+                if mp.starts_with("/sys/fs/cgroup") {
+                    out.push((mp.clone(), mp));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn is_bind(m: &Mount) -> bool {
+    m.typ().as_deref() == Some("bind") || m.options().iter().flatten().any(|o| o == "bind" || o == "rbind")
+}
+
+/// The network namespace the spec joins by path, if any.
+fn joined_netns(spec: &Spec) -> Option<PathBuf> {
+    spec.linux()
+        .as_ref()?
+        .namespaces()
+        .as_ref()?
+        .iter()
+        .find(|n| n.typ() == LinuxNamespaceType::Network)?
+        .path()
+        .clone()
+}
+
+/// The freezer cgroup of `pid` on the host: the v1 freezer hierarchy when
+/// there is one, else the unified one.
+fn freezer_cgroup(pid: i32) -> Result<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).context("read the init's cgroups")?;
+    let mut unified = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
+        let (Some(controllers), Some(path)) = (controllers, path) else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "freezer") {
+            let mp =
+                libcgroups::v1::util::get_subsystem_mount_point(&libcgroups::v1::ControllerType::Freezer)
+                    .context("freezer mount point")?;
+            return Ok(mp.join(path));
+        }
+        if controllers.is_empty() {
+            unified = Some(path.to_owned());
+        }
+    }
+    let path = unified.context("the init is in no freezer cgroup")?;
+    let base = match libcgroups::common::get_cgroup_setup().context("cgroup setup")? {
+        CgroupSetup::Unified => PathBuf::from("/sys/fs/cgroup"),
+        _ => PathBuf::from("/sys/fs/cgroup/unified"),
+    };
+    Ok(base.join(path))
+}
