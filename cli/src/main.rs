@@ -1,0 +1,212 @@
+//! `crabctl`: the user's command for Crab sandboxes. It talks to crabd's
+//! management API (`crab_engine::api`) over crabd's unix socket.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use crab_engine::api::{
+    CheckpointReport, CheckpointRequest, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo,
+    VersionSel, VersionView,
+};
+use crab_engine::client::UnixClient;
+use crab_engine::Class;
+use serde::Serialize;
+
+mod table;
+
+/// Checkpoint, roll back and inspect Crab sandboxes.
+#[derive(Parser)]
+#[command(name = "crabctl", version)]
+struct Cli {
+    /// crabd's socket.
+    #[arg(
+        long,
+        global = true,
+        env = "CRAB_SOCKET",
+        default_value = "/run/crab/crabd.sock"
+    )]
+    socket: PathBuf,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Seconds to wait for crabd.
+    #[arg(long, global = true, default_value_t = 300)]
+    timeout: u64,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the running sandboxes crabd knows.
+    Ps,
+    /// Save a sandbox now: files and processes (default), or files only.
+    Checkpoint {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+        /// Files only.
+        #[arg(long, conflicts_with = "full")]
+        fs: bool,
+        /// Files and processes (the default).
+        #[arg(long)]
+        full: bool,
+    },
+    /// List a sandbox's versions.
+    Versions {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+    },
+    /// Put a sandbox back to a version: its processes, memory and files.
+    Rollback {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+        /// A version number from `crabctl versions`, or `latest`.
+        version: VersionSel,
+    },
+    /// Remove a version (and what only it used).
+    RmVersion {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+        /// A version number from `crabctl versions`.
+        version: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("crabctl: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(&cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("crabctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
+    let crabd = UnixClient::new(&cli.socket, "crabd", Duration::from_secs(cli.timeout));
+    match &cli.command {
+        Command::Ps => {
+            let list: Vec<SandboxInfo> = crabd.get("/v1/sandboxes").await?;
+            print(cli.json, &list, || {
+                let rows = list.iter().map(|s| {
+                    vec![
+                        s.registration.id.clone(),
+                        s.registration.namespace.clone(),
+                        s.registration.pid.to_string(),
+                        s.versions.to_string(),
+                        s.latest.map_or("-".to_owned(), |v| v.to_string()),
+                    ]
+                });
+                table::render(&["SANDBOX", "NAMESPACE", "PID", "VERSIONS", "LATEST"], rows)
+            });
+        }
+        Command::Checkpoint { sandbox, fs, .. } => {
+            let class = if *fs { Class::Fs } else { Class::Full };
+            let r: CheckpointReport = crabd
+                .post(&sandbox_path(sandbox, "checkpoint"), &CheckpointRequest { class })
+                .await?;
+            print(cli.json, &r, || {
+                format!(
+                    "version {} ({}) of {}: frozen {:.1} ms, total {:.1} ms\n",
+                    r.version.version,
+                    class_name(r.version.class),
+                    r.version.sandbox.as_str(),
+                    r.frozen_ms,
+                    r.total_ms
+                )
+            });
+        }
+        Command::Versions { sandbox } => {
+            let list: Vec<VersionView> = crabd.get(&sandbox_path(sandbox, "versions")).await?;
+            print(cli.json, &list, || {
+                let rows = list.iter().map(|v| match &v.record {
+                    Some(r) => vec![
+                        r.version.to_string(),
+                        class_name(r.class).to_owned(),
+                        r.process_image.map_or("-".to_owned(), |p| p.to_string()),
+                        r.fs_snapshot
+                            .as_ref()
+                            .map_or("-".to_owned(), |f| f.name.to_string()),
+                        r.created_unix_ms.to_string(),
+                        v.defect.clone().unwrap_or_else(|| "ok".to_owned()),
+                    ],
+                    None => vec![
+                        "?".to_owned(),
+                        "?".to_owned(),
+                        "-".to_owned(),
+                        "-".to_owned(),
+                        "-".to_owned(),
+                        v.defect.clone().unwrap_or_default(),
+                    ],
+                });
+                table::render(&["VERSION", "CLASS", "IMAGE", "FS", "CREATED_MS", "STATUS"], rows)
+            });
+        }
+        Command::Rollback { sandbox, version } => {
+            let r: RollbackReport = crabd
+                .post(
+                    &sandbox_path(sandbox, "rollback"),
+                    &RollbackRequest { version: *version },
+                )
+                .await?;
+            print(cli.json, &r, || {
+                format!(
+                    "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",
+                    r.version, r.pid, r.restore_ms, r.total_ms
+                )
+            });
+        }
+        Command::RmVersion { sandbox, version } => {
+            let r: RemovalReport = crabd
+                .delete(&format!("{}/{version}", sandbox_path(sandbox, "versions")))
+                .await?;
+            print(cli.json, &r, || {
+                let list: Vec<String> = r.removed.iter().map(u64::to_string).collect();
+                format!("removed versions: {}\n", list.join(" "))
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `/v1/sandboxes/<sel>/<what>`, the selector escaped for a path.
+fn sandbox_path(sel: &str, what: &str) -> String {
+    let escaped: String = sel
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    format!("/v1/sandboxes/{escaped}/{what}")
+}
+
+fn class_name(c: Class) -> &'static str {
+    match c {
+        Class::None => "none",
+        Class::Fs => "fs",
+        Class::Proc => "proc",
+        Class::Full => "full",
+    }
+}
+
+fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(value).expect("API types always serialize")
+        );
+    } else {
+        print!("{}", human());
+    }
+}
