@@ -41,11 +41,24 @@ impl Containerd {
             d = dir.display()
         );
         std::fs::write(dir.join("config.toml"), config).expect("write containerd config");
+        // The shims get a crab.toml whose crabd is this containerd's own
+        // (started by the first shim, stopped on drop), over the caller's.
+        let mut env: Vec<(String, String)> =
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let theirs = env
+            .iter()
+            .position(|(k, _)| k == "CRAB_CONFIG")
+            .map(|i| env.remove(i).1)
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        let crab_toml = dir.join("crab.toml");
+        std::fs::write(&crab_toml, format!("{theirs}\n{}", crabd_table(&dir))).expect("write crab.toml");
+        env.push(("CRAB_CONFIG".to_owned(), crab_toml.to_string_lossy().into_owned()));
         let mut c = Containerd {
             namespace: unique("ns"),
             dir,
             child: None,
-            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            env,
         };
         c.spawn();
         c.ctr_ok(&["image", "import", &busybox_archive().to_string_lossy()]);
@@ -55,6 +68,39 @@ impl Containerd {
     /// The gRPC socket.
     pub fn address(&self) -> PathBuf {
         self.dir.join("c.sock")
+    }
+
+    /// The crab.toml its shims (and their crabd) read.
+    pub fn crab_config(&self) -> PathBuf {
+        self.dir.join("crab.toml")
+    }
+
+    /// The socket of this containerd's crabd.
+    pub fn crabd_socket(&self) -> PathBuf {
+        self.dir.join("crabd.sock")
+    }
+
+    /// The root of this containerd's crabd.
+    pub fn crabd_root(&self) -> PathBuf {
+        self.dir.join("crabd")
+    }
+
+    /// The pid of this containerd's crabd, if it runs.
+    pub fn crabd_pid(&self) -> Option<i32> {
+        let text = std::fs::read_to_string(self.crabd_root().join("crabd.pid")).ok()?;
+        let pid: i32 = text.trim().parse().ok()?;
+        std::path::Path::new(&format!("/proc/{pid}"))
+            .exists()
+            .then_some(pid)
+    }
+
+    /// Stops this containerd's crabd, if it runs, and waits for it to exit.
+    pub fn stop_crabd(&self) {
+        let Some(pid) = self.crabd_pid() else { return };
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+        wait_until(10, || {
+            (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+        });
     }
 
     fn spawn(&mut self) {
@@ -201,6 +247,7 @@ impl Drop for Containerd {
             self.remove_all();
         }
         self.stop();
+        self.stop_crabd();
         let _ = nix::mount::umount2(
             &self.dir.join("root/io.containerd.snapshotter.v1.overlayfs") as &Path,
             nix::mount::MntFlags::MNT_DETACH,
@@ -209,4 +256,12 @@ impl Drop for Containerd {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// The `[crabd]` table of a test containerd: its own socket and root.
+fn crabd_table(dir: &Path) -> String {
+    format!(
+        "[crabd]\nsocket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\n",
+        d = dir.display()
+    )
 }

@@ -1,0 +1,158 @@
+//! A stateful sandbox for checkpoint and rollback tests
+//! (`fixtures/stateful.py` in the Python image), and the ways to look at
+//! its state from the host: its servers, its files, and `crabctl`.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use crate::containerd::Containerd;
+use crate::image::{python_sdk_archive, PYTHON_SDK};
+use crate::{bin_dir, wait_until, CRAB};
+
+/// Port of the counter (each connection gets the next value).
+pub const COUNTER: u16 = 7000;
+/// Port of the key-value store (`set k v`, `get k`, `exit CODE`).
+pub const STORE: u16 = 7001;
+
+/// Starts the stateful sandbox `id` with the crab runtime and waits until
+/// both its servers answer; returns the init's pid.
+pub fn run_stateful(ctd: &Containerd, id: &str) -> i32 {
+    ctd.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let mount = format!(
+        "type=bind,src={},dst=/fixtures,options=rbind:ro",
+        fixtures.display()
+    );
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--mount",
+        &mount,
+        "--runtime",
+        CRAB,
+        PYTHON_SDK,
+        id,
+        "/opt/crab/sdk-venv/bin/python3",
+        "/fixtures/stateful.py",
+    ]);
+    let pid = ctd.task_pid(id).expect("the task runs");
+    wait_until(20, || try_ask(pid, STORE, "get nothing").ok())
+        .unwrap_or_else(|| panic!("the store of {id} never answered"));
+    wait_until(20, || try_ask(pid, COUNTER, "peek").ok().map(drop))
+        .unwrap_or_else(|| panic!("the counter of {id} never answered"));
+    pid
+}
+
+/// Sends `req` to `port` on the loopback of `pid`'s network namespace;
+/// returns the answer's first line.
+///
+/// # Panics
+/// If the server does not answer.
+#[track_caller]
+pub fn ask(pid: i32, port: u16, req: &str) -> String {
+    try_ask(pid, port, req).unwrap_or_else(|e| panic!("port {port} in pid {pid}'s netns: {e}"))
+}
+
+/// Like [`ask`], with the failure as an error.
+pub fn try_ask(pid: i32, port: u16, req: &str) -> std::io::Result<String> {
+    let req = req.to_owned();
+    // setns(CLONE_NEWNET) changes only the calling thread.
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+        s.write_all(format!("{req}\n").as_bytes())?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        Ok(answer.lines().next().unwrap_or_default().to_owned())
+    })
+    .join()
+    .expect("the client thread does not panic")
+}
+
+/// The tree under `dir` of `pid`'s root, by relative path: type, mode,
+/// owner, and content or link target.
+pub fn tree_digest(pid: i32, dir: &str) -> BTreeMap<String, String> {
+    let root = PathBuf::from(format!("/proc/{pid}/root{dir}"));
+    let mut out = BTreeMap::new();
+    walk(&root, &root, &mut out);
+    out
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let rel = path
+            .strip_prefix(root)
+            .unwrap_or(&path)
+            .to_string_lossy()
+            .into_owned();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let head = format!("{:o} {}:{}", meta.mode(), meta.uid(), meta.gid());
+        if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(&path).unwrap_or_default();
+            out.insert(rel, format!("{head} -> {}", target.display()));
+        } else if meta.is_dir() {
+            out.insert(rel, format!("{head} dir"));
+            walk(root, &path, out);
+        } else {
+            let content = std::fs::read(&path).unwrap_or_default();
+            out.insert(rel, format!("{head} {}", String::from_utf8_lossy(&content)));
+        }
+    }
+}
+
+/// Runs `crabctl --json args…` against `ctd`'s crabd.
+pub fn crabctl(ctd: &Containerd, args: &[&str]) -> Output {
+    std::process::Command::new(bin_dir().join("crabctl"))
+        .arg("--socket")
+        .arg(ctd.crabd_socket())
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("run crabctl")
+}
+
+/// Runs `crabctl --json args…`, asserts success, parses the JSON answer.
+#[track_caller]
+pub fn crabctl_ok(ctd: &Containerd, args: &[&str]) -> serde_json::Value {
+    let out = crabctl(ctd, args);
+    assert!(
+        out.status.success(),
+        "crabctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("crabctl prints JSON")
+}
+
+/// Runs `crabctl args…`, asserts failure, returns its message.
+#[track_caller]
+pub fn crabctl_err(ctd: &Containerd, args: &[&str]) -> String {
+    let out = crabctl(ctd, args);
+    assert!(
+        !out.status.success(),
+        "crabctl {args:?} should fail, printed {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Waits until crabd lists sandbox `id` (its shim registers it at start).
+#[track_caller]
+pub fn wait_registered(ctd: &Containerd, id: &str) {
+    wait_until(20, || {
+        let out = crabctl(ctd, &["ps"]);
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        list.as_array()?.iter().any(|s| s["id"] == id).then_some(())
+    })
+    .unwrap_or_else(|| panic!("crabd never listed {id}"));
+}

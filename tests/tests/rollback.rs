@@ -1,0 +1,166 @@
+//! Checkpoint and rollback of a running sandbox through crabd and crabctl,
+//! with real CRIU, containerd and overlayfs. Needs root: CI runs it as root.
+//!
+//! The sandbox (`fixtures/stateful.py`) keeps state in a counter process's
+//! memory, in a TCP server's memory, and in files under /data.
+
+use crab_tests::leftovers::assert_clean;
+use crab_tests::sandbox::{
+    ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
+};
+use crab_tests::{wait_until, Containerd};
+
+/// Writes the v-th state of the files under /data through an exec.
+fn write_files(ctd: &Containerd, id: &str, v: u32) {
+    let script = match v {
+        1 => "mkdir -p /data/d && echo one > /data/f1 && echo keep > /data/f3 && ln -s f1 /data/link && chmod 600 /data/f3",
+        _ => "echo two > /data/f1 && echo new > /data/f2 && rm /data/f3 && rm -r /data/d && mkdir /data/e",
+    };
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &crab_tests::unique("w"),
+        id,
+        "sh",
+        "-c",
+        script,
+    ]);
+}
+
+#[test]
+fn rollback_restores_memory_servers_and_files() {
+    let ctd = Containerd::start();
+    let id = "rb";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+
+    // v1: counter at 3, store a=1, files of state 1.
+    for _ in 0..2 {
+        ask(pid, COUNTER, "hit");
+    }
+    assert_eq!(ask(pid, COUNTER, "hit"), "4", "the readiness probe took 1");
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    write_files(&ctd, id, 1);
+    let files_v1 = tree_digest(pid, "/data");
+    let v1 = crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(v1["version"]["version"], 1);
+    assert_eq!(v1["version"]["class"], "full");
+    assert!(v1["frozen_ms"].as_f64().unwrap() > 0.0);
+
+    // Everything changes after v1.
+    assert_eq!(ask(pid, COUNTER, "hit"), "5");
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+    assert_eq!(ask(pid, STORE, "set b 3"), "ok");
+    write_files(&ctd, id, 2);
+    assert_ne!(tree_digest(pid, "/data"), files_v1);
+
+    // Twice, with an exec in between: a restored sandbox restores again.
+    let mut pid = pid;
+    for round in 0..2 {
+        // Prefix selection works.
+        let r = crabctl_ok(&ctd, &["rollback", "r", "1"]);
+        assert_eq!(r["version"], 1);
+        pid = r["pid"].as_i64().unwrap() as i32;
+        assert_eq!(ctd.task_pid(id), Some(pid), "containerd sees the restored init");
+        assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
+        assert_eq!(
+            ask(pid, COUNTER, "hit"),
+            "5",
+            "round {round}: the counter is v1's"
+        );
+        assert_eq!(ask(pid, STORE, "get a"), "1");
+        assert_eq!(ask(pid, STORE, "get b"), "-");
+        assert_eq!(
+            tree_digest(pid, "/data"),
+            files_v1,
+            "round {round}: the files are v1's"
+        );
+        // The sandbox works on: execs, writes, the servers.
+        write_files(&ctd, id, 2);
+        assert_eq!(ask(pid, STORE, "set b 4"), "ok");
+    }
+
+    // containerd still gets the task's exit status.
+    let _ = crab_tests::sandbox::try_ask(pid, STORE, "exit 7");
+    wait_until(10, || {
+        (ctd.task_status(id).as_deref() == Some("STOPPED")).then_some(())
+    })
+    .expect("the task stops");
+    let out = ctd.ctr(&["task", "delete", id]);
+    assert!(
+        crab_tests::stderr(&out).contains("non-zero exit code 7"),
+        "ctr task delete reports the exit status: {}",
+        crab_tests::stderr(&out)
+    );
+    ctd.ctr_ok(&["container", "rm", id]);
+    assert_clean(&ctd.scope(), &[id]);
+}
+
+#[test]
+fn files_only_checkpoint_and_bad_input() {
+    let ctd = Containerd::start();
+    let id = "fsonly";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    write_files(&ctd, id, 1);
+
+    // A files-only version has no process image of its own to restore.
+    let v1 = crabctl_ok(&ctd, &["checkpoint", "--fs", id]);
+    assert_eq!(v1["version"]["class"], "fs");
+    assert!(v1["version"]["process_image"].is_null());
+    let e = crabctl_err(&ctd, &["rollback", id, "1"]);
+    assert!(e.contains("no process image"), "{e}");
+
+    // Unknown sandbox, unknown version, malformed version.
+    let e = crabctl_err(&ctd, &["rollback", "nosuch", "1"]);
+    assert!(e.contains("no sandbox matches"), "{e}");
+    let e = crabctl_err(&ctd, &["rollback", id, "9"]);
+    assert!(e.contains("has no version 9"), "{e}");
+    let e = crabctl_err(&ctd, &["rollback", id, "../1"]);
+    assert!(e.contains("invalid version"), "{e}");
+    let e = crabctl_err(&ctd, &["versions", "../x"]);
+    assert!(e.contains("no sandbox matches"), "{e}");
+
+    // A full version, then a corrupted process image: rollback refuses it,
+    // and `latest` falls back to the newest valid version.
+    let v2 = crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(v2["version"]["version"], 2);
+    let v3 = crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(v3["version"]["version"], 3);
+    let images = ctd.crabd_root().join("images").join(id).join("3");
+    let victim = std::fs::read_dir(&images)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .expect("a pages image");
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&victim, bytes).unwrap();
+    let e = crabctl_err(&ctd, &["rollback", id, "3"]);
+    assert!(e.contains("corrupt") || e.contains("differs"), "{e}");
+    assert_eq!(
+        ctd.task_pid(id),
+        Some(pid),
+        "a refused rollback leaves the sandbox alone"
+    );
+    assert_eq!(ask(pid, STORE, "get a"), "-");
+    let r = crabctl_ok(&ctd, &["rollback", id, "latest"]);
+    assert_eq!(r["version"], 2);
+
+    // rm-version drops the version; it is gone from the list.
+    let removed = crabctl_ok(&ctd, &["rm-version", id, "3"]);
+    assert_eq!(removed["removed"], serde_json::json!([3]));
+    let list = crabctl_ok(&ctd, &["versions", id]);
+    let numbers: Vec<i64> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["version"].as_i64())
+        .collect();
+    assert_eq!(numbers, vec![1, 2]);
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}
