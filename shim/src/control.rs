@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use crab_engine::api::{ErrorBody, Registration, ShimCheckpoint, ShimRestore};
+use crab_engine::api::{ErrorBody, Registration, ShimCheckpoint, ShimRestore, ShimRestored};
 use crab_engine::client::{ClientError, UnixClient};
 use tokio::sync::Mutex;
 
@@ -181,16 +181,26 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     };
     let done = tokio::spawn(async move {
         let mut c = ctx.container.lock().await;
-        let (restored, rx) = c.engine_restore(&req, &ctx.runtime).await?;
+        let restored = c.engine_restore(&req, &ctx.runtime).await?;
         drop(c);
+        let pid = restored.pid;
         crate::service::watch_exit(
             ctx.events.clone(),
             ctx.container.clone(),
             String::new(),
-            restored.pid,
-            rx,
+            pid,
+            restored.rx,
         );
-        Ok::<_, Error>(restored)
+        match restored.failure {
+            None => Ok(ShimRestored {
+                pid,
+                restore_ms: restored.restore_ms,
+            }),
+            Some(e) => Err(Error::RestoreUndone {
+                source: Box::new(e),
+                pid,
+            }),
+        }
     })
     .await;
     match done {
@@ -203,6 +213,7 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
 fn refuse_error(e: Error) -> Response {
     let status = match &e {
         Error::InvalidCheckpoint { .. } => StatusCode::BAD_REQUEST,
+        Error::RestoreUndone { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         Error::BadState { .. } | Error::NoFsBackend { .. } | Error::Unsupported { .. } => {
             StatusCode::CONFLICT
         }

@@ -176,6 +176,28 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A restore failed; the sandbox was put back as it was before.
+    #[error("restore failed; the sandbox was put back as it was (pid {pid})")]
+    RestoreUndone {
+        /// Why the restore failed.
+        #[source]
+        source: Box<Error>,
+        /// The init that runs now.
+        pid: i32,
+    },
+    /// A restore failed, and so did putting the sandbox back: its processes
+    /// are gone.
+    #[error(
+        "restore of {id} failed ({restore}), and so did putting it back ({undo}): its processes are gone"
+    )]
+    RestoreLost {
+        /// The container.
+        id: String,
+        /// Why the restore failed.
+        restore: String,
+        /// Why the undo failed.
+        undo: String,
+    },
     /// The call is part of the task API but this shim does not offer it.
     #[error("{call} is not supported by the crab shim")]
     Unsupported {
@@ -218,7 +240,9 @@ impl Error {
             | Error::Cgroup { .. }
             | Error::Mount { .. }
             | Error::Io { .. }
-            | Error::Snapshot { .. } => ttrpc::Code::UNKNOWN,
+            | Error::Snapshot { .. }
+            | Error::RestoreLost { .. }
+            | Error::RestoreUndone { .. } => ttrpc::Code::UNKNOWN,
         }
     }
 }

@@ -164,3 +164,146 @@ fn files_only_checkpoint_and_bad_input() {
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
 }
+
+#[test]
+fn crabd_killed_mid_checkpoint_and_corrupt_manifest() {
+    let ctd = Containerd::start();
+    let id = "fault";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+
+    // SIGKILL crabd while a checkpoint is pending (its images directory
+    // exists, nothing is published yet).
+    let crabd = ctd.crabd_pid().expect("crabd runs (the shim started it)");
+    let mut child = std::process::Command::new(crab_tests::bin_dir().join("crabctl"))
+        .arg("--socket")
+        .arg(ctd.crabd_socket())
+        .args(["checkpoint", id])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let images = ctd.crabd_root().join("images").join(id);
+    let pending = || {
+        std::fs::read_dir(&images)
+            .ok()?
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+            .then_some(())
+    };
+    wait_until(20, pending).expect("the checkpoint reaches the shim");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(crabd),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(
+        !child.wait().unwrap().success(),
+        "the interrupted checkpoint fails"
+    );
+
+    // The sandbox runs on, thawed, with its state.
+    wait_until(20, || (ask(pid, STORE, "get a") == "1").then_some(())).expect("the sandbox answers");
+    assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
+
+    // crabd comes back: no torn version, and the next checkpoint works.
+    let mut again = std::process::Command::new(crab_tests::bin_dir().join("crabd"))
+        .env("CRAB_CONFIG", ctd.crab_config())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(20, || {
+        crab_tests::sandbox::crabctl(&ctd, &["ps"])
+            .status
+            .success()
+            .then_some(())
+    })
+    .expect("crabd restarts");
+    let list = crabctl_ok(&ctd, &["versions", id]);
+    let versions = list.as_array().unwrap();
+    assert_eq!(versions.len(), 1, "{list}");
+    assert!(versions[0]["defect"].is_null());
+    assert!(pending().is_none(), "the torn images are gone");
+    let next = crabctl_ok(&ctd, &["checkpoint", id]);
+    let n = next["version"]["version"].as_i64().unwrap();
+    assert!(n > 1);
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+
+    // A corrupted manifest line: that version is refused, `latest` falls
+    // back to the newest valid one.
+    let manifest = ctd.crabd_root().join("sandboxes").join(id).join("versions.log");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let last = text.lines().last().unwrap().to_owned();
+    std::fs::write(
+        &manifest,
+        text.replace(&last, &last.replace("\"full\"", "\"fs\"")),
+    )
+    .unwrap();
+    let e = crabctl_err(&ctd, &["rollback", id, &n.to_string()]);
+    assert!(e.contains("corrupt"), "{e}");
+    let r = crabctl_ok(&ctd, &["rollback", id, "latest"]);
+    assert_eq!(r["version"], 1);
+    let pid = r["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(pid, STORE, "get a"), "1");
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    let _ = again.kill();
+    let _ = again.wait();
+}
+
+#[test]
+fn failed_restore_puts_the_sandbox_back() {
+    let ctd = Containerd::start();
+    let id = "undo";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(ask(pid, STORE, "set a 5"), "ok");
+    let count: u64 = ask(pid, COUNTER, "hit").parse().unwrap();
+
+    // A process image that passes the shim's checks but that CRIU cannot
+    // restore (crabd would refuse it for its checksums, so the shim's
+    // control socket is called directly, as crabd calls it).
+    let broken = ctd.dir.join("broken-images");
+    let v1 = ctd.crabd_root().join("images").join(id).join("1");
+    std::fs::create_dir_all(&broken).unwrap();
+    for e in std::fs::read_dir(&v1).unwrap().flatten() {
+        if e.file_name() != "pstree.img" {
+            std::fs::copy(e.path(), broken.join(e.file_name())).unwrap();
+        }
+    }
+    let ps = crabctl_ok(&ctd, &["ps"]);
+    let control = ps[0]["control"].as_str().unwrap().to_owned();
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+            &control,
+            "-X",
+            "POST",
+            "-d",
+        ])
+        .arg(format!("{{\"images_dir\":\"{}\",\"fs\":null}}", broken.display()))
+        .arg("http://shim/restore")
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(answer.ends_with("422"), "{answer}");
+    assert!(answer.contains("put back as it was"), "{answer}");
+
+    // The sandbox runs on with the state it had, and containerd follows it.
+    let now = ctd.task_pid(id).unwrap();
+    assert_ne!(now, pid, "the undo checkpoint was restored");
+    assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
+    assert_eq!(ask(now, STORE, "get a"), "5");
+    assert_eq!(ask(now, COUNTER, "hit"), (count + 1).to_string());
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}

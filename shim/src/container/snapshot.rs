@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crab_engine::api::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore, ShimRestored};
+use crab_engine::api::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
 use crab_engine::FsSnapshot;
-use crab_snapshotter::{BackendKind, Location};
+use crab_snapshotter::{BackendKind, Location, SnapshotName};
 
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
@@ -14,6 +14,27 @@ use crate::io;
 use crate::process::ProcessState;
 use crate::runtime::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 use crate::sandbox_proxy::SandboxProxy;
+
+/// A restore's outcome: the init that now runs, and why the checkpoint
+/// asked for is not what runs, if it is not.
+pub struct Restored {
+    /// The running init's pid on the host.
+    pub pid: i32,
+    /// Its exit, for the caller to watch.
+    pub rx: ExitReceiver,
+    /// How long it took, in milliseconds.
+    pub restore_ms: f64,
+    /// Set when the restore failed and the sandbox was put back as it was.
+    pub failure: Option<Error>,
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis()
+}
 
 /// How long the previous processes may take to die at a restore.
 const KILL_LIMIT: Duration = Duration::from_secs(10);
@@ -106,15 +127,16 @@ impl Container {
         Ok(fs)
     }
 
-    /// Replaces the container's processes (and files) with a checkpoint's:
-    /// checks what it can first, kills the current processes, rolls the
-    /// rootfs back, restores with CRIU, and re-wires stdio and the proxy.
-    /// Returns the restored init's exit receiver for the caller to watch.
-    pub async fn engine_restore(
-        &mut self,
-        req: &ShimRestore,
-        runtime: &RuntimeClient,
-    ) -> Result<(ShimRestored, ExitReceiver)> {
+    /// Replaces the container's processes (and files) with a checkpoint's.
+    ///
+    /// Everything that can be checked is checked before anything changes.
+    /// Then the sandbox as it is now is saved aside (an undo checkpoint),
+    /// the current processes are killed, the rootfs rolled back and the
+    /// checkpoint restored with CRIU; stdio and the proxy are re-wired. If
+    /// the restore fails, the undo checkpoint is restored instead, so a
+    /// failed restore does not cost the sandbox; [`Restored::failure`] then
+    /// says why. The caller watches the exit of [`Restored::pid`].
+    pub async fn engine_restore(&mut self, req: &ShimRestore, runtime: &RuntimeClient) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
         if self.init.stdio.terminal {
@@ -123,32 +145,94 @@ impl Container {
             });
         }
         check_images(&req.images_dir)?;
-        let fs = match &req.fs {
-            Some(target) => {
-                let location = self.fs_location(target)?;
-                let name = target.name.clone();
-                let id = self.id.clone();
-                tokio::task::spawn_blocking(move || {
-                    let backend = crab_snapshotter::open(&location)?;
-                    backend.list().map(|l| l.iter().any(|s| s.name == name))
-                })
-                .await
-                .map_err(|e| Error::io("list snapshots")(std::io::Error::other(e)))?
-                .map_err(|source| Error::Snapshot {
-                    id: id.clone(),
-                    source,
-                })?
-                .then_some(())
-                .ok_or_else(|| Error::InvalidCheckpoint {
-                    path: target.store.clone(),
-                    reason: format!("no filesystem snapshot {}", target.name),
-                })?;
-                Some((self.fs_location(target)?, target.name.clone()))
-            }
+        let target_fs = match &req.fs {
+            Some(target) => Some(self.existing_snapshot(target).await?),
             None => None,
         };
 
-        // From here on the previous processes are gone.
+        let undo_dir = self.bundle.join(".crab-undo");
+        let _ = std::fs::remove_dir_all(&undo_dir);
+        let undo_fs = match &req.fs {
+            Some(t) => Some(FsTarget {
+                name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
+                store: t.store.clone(),
+            }),
+            None => None,
+        };
+        let undo = ShimCheckpoint {
+            images_dir: Some(undo_dir.clone()),
+            fs: undo_fs.clone(),
+        };
+        self.engine_checkpoint(&undo, runtime).await?;
+        let undo_fs = match &undo_fs {
+            Some(t) => Some((self.fs_location(t)?, t.name.clone())),
+            None => None,
+        };
+
+        let (pid, rx, failure) = match self.replace_processes(&req.images_dir, target_fs, runtime).await {
+            Ok((pid, rx)) => (pid, rx, None),
+            Err(failed) => {
+                log::error!("{}: restore failed, putting the sandbox back: {failed}", self.id);
+                match self.replace_processes(&undo_dir, undo_fs.clone(), runtime).await {
+                    Ok((pid, rx)) => (pid, rx, Some(failed)),
+                    Err(undo_failed) => {
+                        return Err(Error::RestoreLost {
+                            id: self.id.clone(),
+                            restore: failed.to_string(),
+                            undo: undo_failed.to_string(),
+                        })
+                    }
+                }
+            }
+        };
+        let _ = std::fs::remove_dir_all(&undo_dir);
+        if let Some((location, name)) = undo_fs {
+            let destroyed =
+                tokio::task::spawn_blocking(move || crab_snapshotter::open(&location)?.destroy(&name)).await;
+            if let Ok(Err(e)) = destroyed {
+                log::warn!("{}: remove the undo snapshot: {e}", self.id);
+            }
+        }
+        let restore_ms = started.elapsed().as_secs_f64() * 1e3;
+        log::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
+        Ok(Restored {
+            pid,
+            rx,
+            restore_ms,
+            failure,
+        })
+    }
+
+    /// The location of an existing snapshot `target`, or why it is not there.
+    async fn existing_snapshot(&self, target: &FsTarget) -> Result<(Location, SnapshotName)> {
+        let location = self.fs_location(target)?;
+        let name = target.name.clone();
+        let id = self.id.clone();
+        let probe = location.clone();
+        let exists = tokio::task::spawn_blocking(move || {
+            let backend = crab_snapshotter::open(&probe)?;
+            backend.list().map(|l| l.iter().any(|s| s.name == name))
+        })
+        .await
+        .map_err(|e| Error::io("list snapshots")(std::io::Error::other(e)))?
+        .map_err(|source| Error::Snapshot { id, source })?;
+        if !exists {
+            return Err(Error::InvalidCheckpoint {
+                path: target.store.clone(),
+                reason: format!("no filesystem snapshot {}", target.name),
+            });
+        }
+        Ok((location, target.name.clone()))
+    }
+
+    /// Kills the current processes, rolls the rootfs back to `fs`, restores
+    /// `images`, and re-wires stdio and the proxy.
+    async fn replace_processes(
+        &mut self,
+        images: &Path,
+        fs: Option<(Location, SnapshotName)>,
+        runtime: &RuntimeClient,
+    ) -> Result<(i32, ExitReceiver)> {
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
@@ -164,14 +248,12 @@ impl Container {
         };
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime
-            .restore(&self.id, &req.images_dir, &work, &RestoreOpts::default(), launch)
+            .restore(&self.id, images, &work, &RestoreOpts::default(), launch)
             .await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         self.restart_proxy().await;
-        let restore_ms = started.elapsed().as_secs_f64() * 1e3;
-        log::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
-        Ok((ShimRestored { pid, restore_ms }, rx))
+        Ok((pid, rx))
     }
 
     /// SIGKILLs every process of the container and waits until its cgroup
