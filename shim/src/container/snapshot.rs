@@ -152,13 +152,10 @@ impl Container {
 
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
-        let undo_fs = match &req.fs {
-            Some(t) => Some(FsTarget {
-                name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
-                store: t.store.clone(),
-            }),
-            None => None,
-        };
+        let undo_fs = req.fs.as_ref().map(|t| FsTarget {
+            name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
+            store: t.store.clone(),
+        });
         let undo = ShimCheckpoint {
             images_dir: Some(undo_dir.clone()),
             fs: undo_fs.clone(),
