@@ -8,6 +8,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod checkpoint;
 mod fs;
 mod proxy;
 mod runtime;
@@ -41,6 +42,17 @@ enum Bench {
         #[arg(long, default_value_t = 50)]
         turns: usize,
     },
+    /// Full checkpoint (wall and frozen time) and restore of a sandbox whose
+    /// process holds `mb` MB, crab through crabd vs `ctr task checkpoint`
+    /// with runc.v2.
+    Checkpoint {
+        /// Resident memory of the sandbox's process, MB.
+        #[arg(long, default_value_t = 100)]
+        mb: usize,
+        /// Checkpoints (and restores) per runtime.
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+    },
     /// Latency the LLM proxy adds (p50/p99, non-streaming and streaming
     /// time to first byte, 1 and 64 clients) beside calling the upstream directly.
     Proxy {
@@ -57,6 +69,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
+        Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))
         }

@@ -1,0 +1,190 @@
+//! `crab-bench checkpoint`: issue 4's numbers. A sandbox whose process holds
+//! `mb` MB of resident memory is checkpointed (files and processes) by crab
+//! through crabd, and restored; the baseline is `ctr task checkpoint` of the
+//! same workload under runc.v2 with the same CRIU, runs interleaved.
+//!
+//! Frozen time is sampled the same way for both: a thread reads the
+//! container's `freezer.state` every 0.2 ms while the checkpoint runs (crab
+//! also reports its own measure).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use crab_tests::image::{python_sdk_archive, PYTHON_SDK};
+use crab_tests::sandbox::crabctl;
+use crab_tests::{wait_until, Containerd, CRAB, RUNC};
+
+use crate::stats::{ms, percentile};
+
+/// Runs the benchmark and prints its table.
+pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
+    let ctd = Containerd::start();
+    ctd.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    let script = format!(
+        "import os, time\nb = bytearray(os.urandom({mb} << 20))\nopen('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n"
+    );
+    for (rt, id) in [(RUNC, "ck-runc"), (CRAB, "ck-crab")] {
+        ctd.ctr_ok(&[
+            "run",
+            "-d",
+            "--runtime",
+            rt,
+            PYTHON_SDK,
+            id,
+            "/opt/crab/sdk-venv/bin/python3",
+            "-c",
+            &script,
+        ]);
+        let pid = ctd.task_pid(id).context("task pid")?;
+        wait_until(120, || {
+            std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
+                .exists()
+                .then_some(())
+        })
+        .with_context(|| format!("{id} never filled its memory"))?;
+    }
+    let rss = rss_mib(ctd.task_pid("ck-crab").context("crab pid")?);
+    wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
+
+    // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore]
+    let mut s: [Vec<Duration>; 6] = Default::default();
+    for i in 0..runs {
+        let (total, frozen, _) = timed_frozen(&freezer_state(&ctd, "ck-runc"), || {
+            let out = ctd.ctr(&["task", "checkpoint", "ck-runc"]);
+            if !out.status.success() {
+                bail!("ctr task checkpoint: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            Ok(serde_json::Value::Null)
+        })?;
+        s[0].push(total);
+        s[1].push(frozen);
+        // Each runc checkpoint leaves an image in containerd's store.
+        for image in ctd.ctr_ok(&["image", "ls", "-q"]).lines() {
+            if image.contains("checkpoint/ck-runc") {
+                ctd.ctr_ok(&["image", "rm", image.trim()]);
+            }
+        }
+        let (total, frozen, report) = timed_frozen(&freezer_state(&ctd, "ck-crab"), || {
+            crabctl_json(&ctd, &["checkpoint", "ck-crab"])
+        })?;
+        s[2].push(total);
+        s[3].push(frozen);
+        let own = report["frozen_ms"]
+            .as_f64()
+            .context("frozen_ms in crabctl's report")?;
+        s[4].push(Duration::from_secs_f64(own / 1e3));
+        let t = Instant::now();
+        crabctl_json(&ctd, &["rollback", "ck-crab", "latest"])?;
+        s[5].push(t.elapsed());
+        eprintln!("run {}/{runs} done", i + 1);
+    }
+
+    println!(
+        "checkpoint benchmark: a process holding {mb} MB (crab's RSS {rss:.0} MiB), {runs} runs each, interleaved"
+    );
+    println!(
+        "{:<40} {:>12} {:>12} {:>10}",
+        "figure (ms)", "runc.v2", "crab", "crab/runc"
+    );
+    let row = |name: &str, r: &mut Vec<Duration>, c: &mut Vec<Duration>| {
+        for p in [50.0, 90.0] {
+            let (a, b) = (percentile(r, p), percentile(c, p));
+            println!(
+                "{:<40} {:>12} {:>12} {:>10.2}",
+                format!("{name} p{p:.0}"),
+                ms(a),
+                ms(b),
+                b.as_secs_f64() / a.as_secs_f64()
+            );
+        }
+    };
+    let [mut rt, mut rf, mut ct, mut cf, mut co, mut cr] = s;
+    row("full checkpoint, wall", &mut rt, &mut ct);
+    row("frozen (sampled freezer.state)", &mut rf, &mut cf);
+    println!(
+        "{:<40} {:>12} {:>12}",
+        "frozen, crab's own measure p50",
+        "-",
+        ms(percentile(&mut co, 50.0))
+    );
+    println!(
+        "{:<40} {:>12} {:>12}",
+        "restore (crabctl rollback, wall) p50",
+        "-",
+        ms(percentile(&mut cr, 50.0))
+    );
+    println!(
+        "{:<40} {:>12} {:>12}",
+        "restore (crabctl rollback, wall) p90",
+        "-",
+        ms(percentile(&mut cr, 90.0))
+    );
+    println!("targets: frozen crab/runc <= 1.2; restore < 1000 ms (runc: containerd 1.6 has no restore of a running task to compare)");
+    for id in ["ck-runc", "ck-crab"] {
+        ctd.remove(id);
+    }
+    Ok(())
+}
+
+fn crabctl_json(ctd: &Containerd, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+    let out = crabctl(ctd, args);
+    if !out.status.success() {
+        bail!("crabctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Runs `f` while a thread samples `state_file`; returns the wall time and
+/// how long the file said FROZEN, and `f`'s answer.
+fn timed_frozen(
+    state_file: &PathBuf,
+    f: impl FnOnce() -> anyhow::Result<serde_json::Value>,
+) -> anyhow::Result<(Duration, Duration, serde_json::Value)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let stop = stop.clone();
+        let file = state_file.clone();
+        std::thread::spawn(move || {
+            let mut frozen = Duration::ZERO;
+            let mut last = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                let state = std::fs::read_to_string(&file).unwrap_or_default();
+                let now = Instant::now();
+                if state.trim() != "THAWED" {
+                    frozen += now - last;
+                }
+                last = now;
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            frozen
+        })
+    };
+    let t = Instant::now();
+    let r = f();
+    let total = t.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let frozen = sampler.join().expect("sampler");
+    Ok((total, frozen, r?))
+}
+
+/// The v1 freezer state file of a `ctr run` container (cgroups path `/<ns>/<id>`).
+fn freezer_state(ctd: &Containerd, id: &str) -> PathBuf {
+    PathBuf::from("/sys/fs/cgroup/freezer")
+        .join(&ctd.namespace)
+        .join(id)
+        .join("freezer.state")
+}
+
+fn rss_mib(pid: i32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        / 1024.0
+}
