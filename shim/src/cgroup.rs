@@ -65,6 +65,25 @@ pub fn update(cgroups_path: &Path, id: &str, resources: &LinuxResources) -> Resu
         .map_err(|e| cgroup_error("update", id, e))
 }
 
+/// Moves process `pid` into the container's cgroups (every hierarchy the
+/// manager handles, creating them if needed); with `resources`, applies the
+/// spec's limits too (a cgroup made anew, for a forked sandbox).
+pub fn join(cgroups_path: &Path, id: &str, pid: i32, resources: Option<&LinuxResources>) -> Result<()> {
+    let m = manager(cgroups_path, id)?;
+    m.add_task(nix::unistd::Pid::from_raw(pid))
+        .map_err(|e| cgroup_error("join", id, e))?;
+    if let Some(resources) = resources {
+        let opt = ControllerOpt {
+            resources,
+            disable_oom_killer: false,
+            oom_score_adj: None,
+            freezer_state: None,
+        };
+        m.apply(&opt).map_err(|e| cgroup_error("apply limits", id, e))?;
+    }
+    Ok(())
+}
+
 /// containerd's metrics of the container (see [`crate::metrics`]).
 pub fn metrics(cgroups_path: &Path, id: &str) -> Result<Any> {
     let stats = manager(cgroups_path, id)?

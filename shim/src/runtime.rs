@@ -111,6 +111,10 @@ enum Op {
         console_socket: Option<PathBuf>,
         #[arg(long)]
         unified_cgroup: Option<PathBuf>,
+        /// The container has no state yet (a sandbox forked or imported
+        /// from a checkpoint): make it, and its cgroups with the spec's limits.
+        #[arg(long)]
+        bundle: Option<PathBuf>,
         id: String,
     },
     /// Remove a container's state and cgroups; `--force` kills it first.
@@ -231,15 +235,29 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             pid_file,
             console_socket,
             unified_cgroup,
+            bundle,
             id,
         } => {
             if console_socket.is_some() {
                 anyhow::bail!("restoring a container with a terminal is not supported");
             }
+            if let Some(bundle) = bundle {
+                new_state(&cli.root, id, bundle)?;
+            }
+            // CRIU leaves cgroups alone (the image may name another
+            // container's): the restored tree is born in the helper's, which
+            // are the container's own.
+            let mut c = load(&cli.root, id)?;
+            let spec =
+                oci_spec::runtime::Spec::load(c.bundle().join("config.json")).context("read config.json")?;
+            let linux = spec.linux().as_ref();
+            let cgroups_path =
+                crate::cgroup::spec_cgroups_path(linux.and_then(|l| l.cgroups_path().as_deref()), id);
+            let fresh_limits = bundle.as_ref().and(linux.and_then(|l| l.resources().as_ref()));
+            crate::cgroup::join(&cgroups_path, id, std::process::id() as i32, fresh_limits)?;
             if let Some(cg) = unified_cgroup {
                 join_cgroup(cg)?;
             }
-            let mut c = load(&cli.root, id)?;
             let pid = criu::restore(
                 &mut c,
                 &criu::RestoreOpts {
@@ -273,6 +291,22 @@ fn creates_netns(bundle: &Path) -> anyhow::Result<bool> {
     Ok(namespaces
         .iter()
         .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network && n.path().is_none()))
+}
+
+/// Makes libcontainer's state for container `id` of `bundle`, which has no
+/// process yet (its first one is about to be restored).
+fn new_state(root: &Path, id: &str, bundle: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let dir = root.join(id);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json")).context("read config.json")?;
+    libcontainer::config::YoukiConfig::from_spec(&spec, id)
+        .and_then(|c| c.save(&dir))
+        .context("save the container's config")?;
+    Container::new(id, ContainerStatus::Created, None, bundle, &dir)?
+        .save()
+        .context("save the container's state")?;
+    Ok(())
 }
 
 fn load(root: &Path, id: &str) -> anyhow::Result<Container> {

@@ -48,6 +48,9 @@ pub struct CheckpointOpts {
 pub struct RestoreOpts {
     /// Restore established TCP connections (they were dumped).
     pub tcp_established: bool,
+    /// The container has no runtime state yet (forked or imported): make
+    /// it from this bundle.
+    pub fresh_bundle: Option<PathBuf>,
 }
 
 /// What a create or exec needs besides the container id.
@@ -149,6 +152,10 @@ impl RuntimeClient {
         ];
         if opts.tcp_established {
             args.push("--tcp-established".into());
+        }
+        if let Some(bundle) = &opts.fresh_bundle {
+            args.push("--bundle".into());
+            args.push(bundle.into());
         }
         self.launch("restore", id, &mut args, launch).await
     }

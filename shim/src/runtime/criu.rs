@@ -183,8 +183,10 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     criu.set_log_level(4);
     criu.set_tcp_established(opts.tcp_established);
     criu.set_shell_job(false);
-    criu.set_manage_cgroups(true);
-    criu.cgroups_mode(rust_criu::CgMode::SOFT);
+    // The tree stays in the cgroups of the helper, which joined the
+    // container's: the image's paths may be another container's (a fork).
+    criu.set_manage_cgroups(false);
+    criu.cgroups_mode(rust_criu::CgMode::IGNORE);
     criu.set_rst_sibling(true);
     criu.set_root(rootfs(c.bundle(), &spec).to_string_lossy().into_owned());
     criu.set_notify_scripts(true);
