@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use crab_engine::api::{
-    CheckpointReport, CheckpointRequest, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo,
-    VersionSel, VersionView,
+    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, RemovalReport, RollbackReport,
+    RollbackRequest, SandboxInfo, VersionSel, VersionView,
 };
 use crab_engine::client::UnixClient;
 use crab_engine::Class;
@@ -64,6 +64,16 @@ enum Command {
         sandbox: String,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
+    },
+    /// Start a new sandbox from a version; both then run independently.
+    Fork {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+        /// A version number from `crabctl versions`, or `latest`.
+        version: VersionSel,
+        /// The new sandbox's container id.
+        #[arg(long)]
+        name: Option<String>,
     },
     /// Remove a version (and what only it used).
     RmVersion {
@@ -163,6 +173,27 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
                 format!(
                     "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",
                     r.version, r.pid, r.restore_ms, r.total_ms
+                )
+            });
+        }
+        Command::Fork {
+            sandbox,
+            version,
+            name,
+        } => {
+            let r: ForkReport = crabd
+                .post(
+                    &sandbox_path(sandbox, "fork"),
+                    &ForkRequest {
+                        version: *version,
+                        name: name.clone(),
+                    },
+                )
+                .await?;
+            print(cli.json, &r, || {
+                format!(
+                    "{} runs from version {}: pid {}, {:.1} ms\n",
+                    r.id, r.version, r.pid, r.total_ms
                 )
             });
         }

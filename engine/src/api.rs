@@ -13,6 +13,7 @@
 //! | GET | `/sandboxes/{sel}/versions` | → `[VersionView]` |
 //! | POST | `/sandboxes/{sel}/rollback` | `RollbackRequest` → `RollbackReport` |
 //! | DELETE | `/sandboxes/{sel}/versions/{version}` | → `RemovalReport` |
+//! | POST | `/sandboxes/{sel}/fork` | `ForkRequest` → `ForkReport` |
 //!
 //! `{sel}` is a sandbox id or a unique prefix of one. Errors answer with a
 //! 4xx/5xx status and an [`ErrorBody`].
@@ -27,6 +28,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Class, FsSnapshot, VersionRecord};
 
+/// Spec annotation with which crabd creates a sandbox from a checkpoint:
+/// crab's shim restores the init at Start from the process image in this
+/// directory instead of running the spec's process.
+pub const RESTORE_ANNOTATION: &str = "io.crab.restore.images";
+
 /// A running sandbox, as its shim registers it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {
@@ -34,6 +40,8 @@ pub struct Registration {
     pub id: String,
     /// The containerd namespace.
     pub namespace: String,
+    /// containerd's gRPC socket (where a fork of the sandbox is created).
+    pub containerd: PathBuf,
     /// The shim's control socket.
     pub control: PathBuf,
     /// The init's pid on the host.
@@ -98,6 +106,28 @@ pub struct RollbackReport {
     /// The restore in the shim, in milliseconds.
     pub restore_ms: f64,
     /// The whole rollback, verification included, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// `POST /v1/sandboxes/{sel}/fork`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkRequest {
+    /// The version to fork from.
+    pub version: VersionSel,
+    /// The new sandbox's container id (default: `<id>-fork-<version>-<n>`).
+    pub name: Option<String>,
+}
+
+/// A new sandbox made from a version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkReport {
+    /// Its container id.
+    pub id: String,
+    /// Its init's pid on the host.
+    pub pid: u32,
+    /// The version it was made from.
+    pub version: u64,
+    /// The whole fork, in milliseconds.
     pub total_ms: f64,
 }
 

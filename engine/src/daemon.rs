@@ -101,6 +101,7 @@ impl Daemon {
             .route("/v1/sandboxes/{sel}/checkpoint", post(routes::checkpoint))
             .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
             .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
+            .route("/v1/sandboxes/{sel}/fork", post(routes::fork))
             .route(
                 "/v1/sandboxes/{sel}/versions/{version}",
                 delete(routes::remove_version),

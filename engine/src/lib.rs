@@ -16,6 +16,7 @@
 pub mod api;
 pub mod client;
 pub mod config;
+pub mod containerd;
 pub mod daemon;
 mod error;
 mod store;

@@ -48,6 +48,9 @@ pub struct Container {
     proxy_plan: Option<(String, ProxyPlan)>,
     /// The rootfs mounts containerd asked for (remounted after a rollback).
     rootfs_mounts: Vec<containerd_shim::protos::api::Mount>,
+    /// A process image the init is restored from at Start (a sandbox
+    /// forked or imported by crabd), instead of running the spec's process.
+    pending_restore: Option<PathBuf>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -70,7 +73,7 @@ impl Container {
         req: &CreateTaskRequest,
         runtime: &RuntimeClient,
         proxy: &ProxySetup<'_>,
-    ) -> Result<(Self, ExitReceiver)> {
+    ) -> Result<(Self, Option<ExitReceiver>)> {
         validate_id(&req.id)?;
         if !req.checkpoint.is_empty() {
             return Err(Error::Unsupported {
@@ -111,11 +114,36 @@ impl Container {
             proxy_env: Vec::new(),
             proxy_plan: None,
             rootfs_mounts: req.rootfs.to_vec(),
+            pending_restore: spec
+                .annotations()
+                .as_ref()
+                .and_then(|a| a.get(crab_engine::api::RESTORE_ANNOTATION))
+                .map(PathBuf::from),
         };
+        if c.pending_restore.is_some() && c.init.stdio.terminal {
+            return Err(Error::Unsupported {
+                call: "restore of a container with a terminal",
+            });
+        }
         let plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };
+        if c.pending_restore.is_some() {
+            // The init is restored at Start; its proxy starts then, in the
+            // restored network namespace.
+            c.proxy_plan = plan.map(|p| (proxy.namespace.to_owned(), p));
+            if let Some((_, p)) = &c.proxy_plan {
+                c.proxy_env = p.env.clone();
+            }
+            return match c.mount_rootfs(req, root.as_deref()).await {
+                Ok(()) => Ok((c, None)),
+                Err(e) => {
+                    c.cleanup(runtime).await;
+                    Err(e)
+                }
+            };
+        }
         match c.create_init(req, root.as_deref(), runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
@@ -129,7 +157,7 @@ impl Container {
                         Err(e) => log::error!("{}: no LLM proxy: {e}", c.id),
                     }
                 }
-                Ok((c, rx))
+                Ok((c, Some(rx)))
             }
             Err(e) => {
                 c.cleanup(runtime).await;
@@ -144,6 +172,21 @@ impl Container {
         root: Option<&Path>,
         runtime: &RuntimeClient,
     ) -> Result<ExitReceiver> {
+        self.mount_rootfs(req, root).await?;
+        let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let launch = Launch {
+            work_dir: &self.bundle,
+            stdio: child,
+            unified_cgroup: self.unified_cgroup.as_deref(),
+        };
+        let (pid, rx) = runtime.create(&self.id, &self.bundle, launch).await?;
+        self.init.pid = pid;
+        self.init.io = Some(pending.finish().await?);
+        Ok(rx)
+    }
+
+    /// Mounts containerd's rootfs into the bundle and checks the spec's root.
+    async fn mount_rootfs(&mut self, req: &CreateTaskRequest, root: Option<&Path>) -> Result<()> {
         if !req.rootfs.is_empty() {
             let rootfs = self.bundle.join("rootfs");
             std::fs::create_dir_all(&rootfs).map_err(Error::io(format!("create {}", rootfs.display())))?;
@@ -164,16 +207,7 @@ impl Container {
                 reason: format!("root {} is not a directory", root.display()),
             });
         }
-        let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
-        let launch = Launch {
-            work_dir: &self.bundle,
-            stdio: child,
-            unified_cgroup: self.unified_cgroup.as_deref(),
-        };
-        let (pid, rx) = runtime.create(&self.id, &self.bundle, launch).await?;
-        self.init.pid = pid;
-        self.init.io = Some(pending.finish().await?);
-        Ok(rx)
+        Ok(())
     }
 
     /// Starts the init (empty `exec_id`) or an exec; returns the pid and,
@@ -185,6 +219,10 @@ impl Container {
     ) -> Result<(i32, Option<ExitReceiver>)> {
         if exec_id.is_empty() {
             self.expect_state(&self.init, ProcessState::Created, "start")?;
+            if let Some(images) = self.pending_restore.take() {
+                let (pid, rx) = self.restore_init(&images, runtime).await?;
+                return Ok((pid, Some(rx)));
+            }
             runtime.start(&self.id, &self.bundle).await?;
             self.init.state = ProcessState::Running;
             return Ok((self.init.pid, None));

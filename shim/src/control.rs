@@ -50,7 +50,7 @@ impl Control {
         container: Arc<Mutex<Container>>,
         runtime: Arc<RuntimeClient>,
         events: Arc<Events>,
-        namespace: &str,
+        (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
     ) -> std::io::Result<Control> {
         let (id, pid, fs_backend) = {
@@ -86,6 +86,7 @@ impl Control {
             let reg = Registration {
                 id: id.clone(),
                 namespace: namespace.to_owned(),
+                containerd: PathBuf::from(containerd.trim_start_matches("unix://")),
                 control: socket,
                 pid,
                 fs_backend,

@@ -80,6 +80,7 @@ pub struct Service {
     exit: Arc<ExitSignal>,
     id: String,
     namespace: String,
+    containerd: String,
 }
 
 /// State shared by every task API call.
@@ -94,6 +95,8 @@ pub struct TaskService {
     pub exit: Arc<ExitSignal>,
     /// containerd namespace of this shim's containers.
     pub namespace: String,
+    /// containerd's gRPC socket.
+    pub containerd: String,
     /// Control sockets (and crabd registrations) of started containers.
     pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
 }
@@ -115,6 +118,7 @@ impl Shim for Service {
             exit: Arc::new(ExitSignal::default()),
             id: args.id.clone(),
             namespace: args.namespace.clone(),
+            containerd: args.address.clone(),
         }
     }
 
@@ -167,6 +171,7 @@ impl Shim for Service {
             }),
             exit: self.exit.clone(),
             namespace: self.namespace.clone(),
+            containerd: self.containerd.clone(),
             controls: tokio::sync::Mutex::new(HashMap::new()),
         }
     }

@@ -49,7 +49,9 @@ impl Task for TaskService {
             .lock()
             .expect("containers lock")
             .insert(req.id.clone(), container.clone());
-        self.watch_exit(container, String::new(), pid, rx);
+        if let Some(rx) = rx {
+            self.watch_exit(container, String::new(), pid, rx);
+        }
         log::info!("created {} (pid {pid})", req.id);
         self.events
             .publish(
@@ -81,7 +83,10 @@ impl Task for TaskService {
         let container = self.container(&req.id)?;
         let (pid, rx) = container.lock().await.start(&req.exec_id, &self.runtime).await?;
         if let Some(rx) = rx {
-            self.watch_exit(container, req.exec_id.clone(), pid, rx);
+            // An exec, or an init restored from a checkpoint.
+            self.watch_exit(container.clone(), req.exec_id.clone(), pid, rx);
+        }
+        if !req.exec_id.is_empty() {
             self.events
                 .publish(
                     TASK_EXEC_STARTED_EVENT_TOPIC,
@@ -99,7 +104,7 @@ impl Task for TaskService {
                 container.clone(),
                 self.runtime.clone(),
                 self.events.clone(),
-                &self.namespace,
+                (&self.namespace, &self.containerd),
                 config,
             )
             .await

@@ -6,6 +6,7 @@ use axum::Json;
 
 use crate::api::ErrorBody;
 use crate::client::ClientError;
+use crate::containerd::ContainerdError;
 use crate::StoreError;
 
 /// A refused or failed API call.
@@ -45,6 +46,32 @@ pub enum ApiError {
         /// The version.
         version: u64,
     },
+    /// The version holds no filesystem snapshot to start a sandbox from.
+    #[error("version {version} of sandbox {id} has no filesystem snapshot: fork a full checkpoint")]
+    NoFsSnapshot {
+        /// The sandbox.
+        id: String,
+        /// The version.
+        version: u64,
+    },
+    /// A sandbox with this id exists already.
+    #[error("sandbox {id} exists already")]
+    SandboxExists {
+        /// The id.
+        id: String,
+    },
+    /// containerd refused or failed.
+    #[error(transparent)]
+    Containerd(#[from] ContainerdError),
+    /// A filesystem backend operation failed.
+    #[error("files of sandbox {id}: {source}")]
+    Fs {
+        /// The sandbox.
+        id: String,
+        /// What the backend said.
+        #[source]
+        source: crab_snapshotter::Error,
+    },
     /// The version store refused or failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -82,7 +109,13 @@ impl ApiError {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::UnknownSandbox { .. } => StatusCode::NOT_FOUND,
             ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
-            ApiError::NoFsBackend { .. } | ApiError::NoProcessImage { .. } => StatusCode::CONFLICT,
+            ApiError::NoFsBackend { .. }
+            | ApiError::NoProcessImage { .. }
+            | ApiError::NoFsSnapshot { .. }
+            | ApiError::SandboxExists { .. } => StatusCode::CONFLICT,
+            ApiError::Containerd(ContainerdError::Unforkable { .. }) => StatusCode::CONFLICT,
+            ApiError::Containerd(_) => StatusCode::BAD_GATEWAY,
+            ApiError::Fs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Store(e) => match e {
                 StoreError::InvalidSandboxId { .. } => StatusCode::BAD_REQUEST,
                 StoreError::UnknownSandbox { .. }

@@ -6,16 +6,19 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::Json;
-use crab_snapshotter::{BackendKind, SnapshotName};
+use std::path::PathBuf;
+
+use crab_snapshotter::{BackendKind, Location, SnapshotName};
 use serde::de::DeserializeOwned;
 
 use super::{ApiError, Daemon};
 use crate::api::{
-    CheckpointReport, CheckpointRequest, FsTarget, Registration, RemovalReport, RollbackReport,
-    RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimRestore, ShimRestored, VersionSel,
-    VersionView,
+    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, FsTarget, Registration, RemovalReport,
+    RollbackReport, RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimRestore,
+    ShimRestored, VersionSel, VersionView,
 };
 use crate::client::UnixClient;
+use crate::containerd::Containerd;
 use crate::{Capture, Class, FsSnapshot, NewVersion, SandboxId, StoreError};
 
 type Reply<T> = Result<Json<T>, ApiError>;
@@ -119,8 +122,7 @@ pub async fn checkpoint(
         let needs_fs = matches!(req.class, Class::Fs | Class::Full);
         let fs = if needs_fs {
             let backend = reg.fs_backend.ok_or_else(|| ApiError::NoFsBackend { id: reg.id.clone() })?;
-            let ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis();
-            let name = SnapshotName::new(&format!("c{ms}")).expect("a valid snapshot name");
+            let name = SnapshotName::new(&format!("c{}", unix_ms())).expect("a valid snapshot name");
             Some(FsSnapshot { backend, name })
         } else {
             None
@@ -291,6 +293,103 @@ pub async fn remove_version(
         }))
     })
     .await
+}
+
+/// `POST /v1/sandboxes/{sel}/fork`: a new sandbox, in the same containerd
+/// namespace, from one of this sandbox's versions.
+pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes) -> Reply<ForkReport> {
+    let req: ForkRequest = parse(&body)?;
+    let reg = d.registry.resolve(&sel)?;
+    detached(async move {
+        let busy = d.busy(&reg.id);
+        let _one_at_a_time = busy.lock().await;
+        let started = Instant::now();
+        let sid = SandboxId::new(&reg.id)?;
+        let store = d.store.clone();
+        let version = blocking(move || match req.version {
+            VersionSel::Latest => store.latest_valid(&sid),
+            VersionSel::Number(n) => store.get(&sid, n),
+        })
+        .await?;
+        let number = version.record.version;
+        let images = version.images_dir.ok_or_else(|| ApiError::NoProcessImage {
+            id: reg.id.clone(),
+            version: number,
+        })?;
+        let fs = version.record.fs_snapshot.ok_or_else(|| ApiError::NoFsSnapshot {
+            id: reg.id.clone(),
+            version: number,
+        })?;
+        let new_id = match req.name {
+            Some(name) => name,
+            None => format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000),
+        };
+        SandboxId::new(&new_id)?;
+        if d.registry.resolve(&new_id).is_ok_and(|r| r.id == new_id) {
+            return Err(ApiError::SandboxExists { id: new_id });
+        }
+        let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
+        let made = containerd.create_like(&reg.id, &new_id, &images).await?;
+        // The fork's files: a copy of the version's snapshot as its upper
+        // directory (containerd made it empty).
+        let source_store = d.fs_store(&reg.id);
+        let target = Location::OverlayCopy {
+            upper: made.upper.clone(),
+            store: d.fs_store(&new_id),
+        };
+        let copied = tokio::task::spawn_blocking(move || {
+            if let Err(e) = std::fs::remove_dir(&target_upper(&target)) {
+                tracing::debug!("remove the fork's empty upper directory: {e}");
+            }
+            let backend = crab_snapshotter::OverlayCopyBackend::new(&source_store, &source_store);
+            crab_snapshotter::Backend::clone_to(&backend, &fs.name, &target).map(drop)
+        })
+        .await
+        .map_err(|e| ApiError::Internal {
+            reason: e.to_string(),
+        })?;
+        if let Err(source) = copied {
+            containerd.remove(&made).await;
+            return Err(ApiError::Fs { id: new_id, source });
+        }
+        let pid = match containerd.start(&made).await {
+            Ok(pid) => pid,
+            Err(e) => {
+                containerd.remove(&made).await;
+                return Err(e.into());
+            }
+        };
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            sandbox = reg.id,
+            fork = new_id,
+            version = number,
+            pid,
+            total_ms,
+            "forked"
+        );
+        Ok(Json(ForkReport {
+            id: new_id,
+            pid,
+            version: number,
+            total_ms,
+        }))
+    })
+    .await
+}
+
+fn target_upper(l: &Location) -> PathBuf {
+    match l {
+        Location::OverlayCopy { upper, .. } => upper.clone(),
+        _ => unreachable!("forks copy into an overlay upper directory"),
+    }
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis()
 }
 
 /// Any other path.

@@ -253,6 +253,38 @@ impl Container {
         Ok((pid, rx))
     }
 
+    /// Restores the init of a container created for it (see
+    /// `crab_engine::api::RESTORE_ANNOTATION`): it has no runtime state yet.
+    pub(super) async fn restore_init(
+        &mut self,
+        images: &Path,
+        runtime: &RuntimeClient,
+    ) -> Result<(i32, ExitReceiver)> {
+        check_images(images)?;
+        let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let launch = Launch {
+            work_dir: &self.bundle,
+            stdio: child,
+            unified_cgroup: self.unified_cgroup.as_deref(),
+        };
+        let opts = RestoreOpts {
+            fresh_bundle: Some(self.bundle.clone()),
+            ..Default::default()
+        };
+        let work = self.bundle.join(".crab-criu");
+        let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
+        self.init.pid = pid;
+        self.init.io = Some(pending.finish().await?);
+        self.init.state = ProcessState::Running;
+        self.restart_proxy().await;
+        log::info!(
+            "{}: started from the checkpoint {} as pid {pid}",
+            self.id,
+            images.display()
+        );
+        Ok((pid, rx))
+    }
+
     /// SIGKILLs every process of the container and waits until its cgroup
     /// is empty.
     async fn kill_every_process(&self) -> Result<()> {

@@ -1,0 +1,344 @@
+//! What crabd asks of containerd: a new container and task shaped like an
+//! existing one, whose init is restored from a checkpoint (a fork), and the
+//! cleanup when that fails.
+
+use std::path::{Path, PathBuf};
+
+use containerd_client::services::v1::snapshots::{
+    PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
+};
+use containerd_client::services::v1::{
+    Container, CreateContainerRequest, CreateTaskRequest, DeleteContainerRequest, DeleteTaskRequest,
+    GetContainerRequest, StartRequest,
+};
+use containerd_client::tonic::{Request, Status};
+use containerd_client::types::Mount;
+use containerd_client::{with_namespace, Client};
+
+use crate::api::RESTORE_ANNOTATION;
+
+/// What talking to containerd can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerdError {
+    /// containerd does not answer on its socket.
+    #[error("connect to containerd at {}: {source}", address.display())]
+    Connect {
+        /// Its socket.
+        address: PathBuf,
+        /// Why.
+        #[source]
+        source: containerd_client::tonic::transport::Error,
+    },
+    /// A call was refused.
+    #[error("containerd {call}: {}", status.message())]
+    Call {
+        /// Which call.
+        call: &'static str,
+        /// containerd's answer.
+        status: Status,
+    },
+    /// The source container cannot be copied.
+    #[error("container {id} cannot be forked: {reason}")]
+    Unforkable {
+        /// The container.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A client of one containerd namespace.
+pub struct Containerd {
+    client: Client,
+    namespace: String,
+}
+
+/// A container made for a fork: its id and its writable layer.
+#[derive(Debug)]
+pub struct NewContainer {
+    /// Its id.
+    pub id: String,
+    /// The snapshotter that holds its rootfs.
+    pub snapshotter: String,
+    /// Its rootfs mounts.
+    pub mounts: Vec<Mount>,
+    /// The upper directory of its overlay rootfs.
+    pub upper: PathBuf,
+}
+
+// === impl Containerd ===
+
+impl Containerd {
+    /// Connects to containerd at `address`, for `namespace`.
+    pub async fn connect(address: &Path, namespace: &str) -> Result<Self, ContainerdError> {
+        let client = Client::from_path(address)
+            .await
+            .map_err(|source| ContainerdError::Connect {
+                address: address.to_owned(),
+                source,
+            })?;
+        Ok(Containerd {
+            client,
+            namespace: namespace.to_owned(),
+        })
+    }
+
+    /// Creates container `new_id` like `source` (image, runtime, spec,
+    /// snapshotter) on a fresh writable layer of the same parent, with the
+    /// spec annotated to restore its init from `images`.
+    pub async fn create_like(
+        &self,
+        source: &str,
+        new_id: &str,
+        images: &Path,
+    ) -> Result<NewContainer, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let call = |call| move |status| ContainerdError::Call { call, status };
+        let src = self
+            .client
+            .containers()
+            .get(with_namespace!(
+                GetContainerRequest {
+                    id: source.to_owned()
+                },
+                ns
+            ))
+            .await
+            .map_err(call("get container"))?
+            .into_inner()
+            .container
+            .ok_or_else(|| unforkable(source, "containerd has no record of it"))?;
+        let info = self
+            .client
+            .snapshots()
+            .stat(with_namespace!(
+                StatSnapshotRequest {
+                    snapshotter: src.snapshotter.clone(),
+                    key: src.snapshot_key.clone(),
+                },
+                ns
+            ))
+            .await
+            .map_err(call("stat snapshot"))?
+            .into_inner()
+            .info
+            .ok_or_else(|| unforkable(source, "its snapshot has no record"))?;
+        let mounts = self
+            .client
+            .snapshots()
+            .prepare(with_namespace!(
+                PrepareSnapshotRequest {
+                    snapshotter: src.snapshotter.clone(),
+                    key: new_id.to_owned(),
+                    parent: info.parent.clone(),
+                    ..Default::default()
+                },
+                ns
+            ))
+            .await
+            .map_err(call("prepare snapshot"))?
+            .into_inner()
+            .mounts;
+        let made = NewContainer {
+            id: new_id.to_owned(),
+            snapshotter: src.snapshotter.clone(),
+            upper: match overlay_upper(&mounts) {
+                Some(u) => u,
+                None => {
+                    self.remove_snapshot(&src.snapshotter, new_id).await;
+                    return Err(unforkable(
+                        source,
+                        "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
+                    ));
+                }
+            },
+            mounts,
+        };
+        let spec = match fork_spec(&src, source, new_id, images) {
+            Ok(s) => s,
+            Err(e) => {
+                self.remove_snapshot(&src.snapshotter, new_id).await;
+                return Err(e);
+            }
+        };
+        let mut labels = src.labels.clone();
+        labels.insert("io.crab.forked-from".to_owned(), source.to_owned());
+        let container = Container {
+            id: new_id.to_owned(),
+            labels,
+            image: src.image.clone(),
+            runtime: src.runtime.clone(),
+            spec: Some(spec),
+            snapshotter: src.snapshotter.clone(),
+            snapshot_key: new_id.to_owned(),
+            extensions: src.extensions.clone(),
+            ..Default::default()
+        };
+        if let Err(status) = self
+            .client
+            .containers()
+            .create(with_namespace!(
+                CreateContainerRequest {
+                    container: Some(container)
+                },
+                ns
+            ))
+            .await
+        {
+            self.remove_snapshot(&src.snapshotter, new_id).await;
+            return Err(ContainerdError::Call {
+                call: "create container",
+                status,
+            });
+        }
+        Ok(made)
+    }
+
+    /// Creates and starts the task of `c` (no stdio, like `ctr run -d`);
+    /// returns the init's pid.
+    pub async fn start(&self, c: &NewContainer) -> Result<u32, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let call = |call| move |status| ContainerdError::Call { call, status };
+        self.client
+            .tasks()
+            .create(with_namespace!(
+                CreateTaskRequest {
+                    container_id: c.id.clone(),
+                    rootfs: c.mounts.clone(),
+                    ..Default::default()
+                },
+                ns
+            ))
+            .await
+            .map_err(call("create task"))?;
+        let pid = self
+            .client
+            .tasks()
+            .start(with_namespace!(
+                StartRequest {
+                    container_id: c.id.clone(),
+                    ..Default::default()
+                },
+                ns
+            ))
+            .await
+            .map_err(call("start task"))?
+            .into_inner()
+            .pid;
+        Ok(pid)
+    }
+
+    /// Best-effort removal of what [`Containerd::create_like`] and
+    /// [`Containerd::start`] made.
+    pub async fn remove(&self, c: &NewContainer) {
+        let ns = self.namespace.as_str();
+        let _ = self
+            .client
+            .tasks()
+            .delete(with_namespace!(
+                DeleteTaskRequest {
+                    container_id: c.id.clone()
+                },
+                ns
+            ))
+            .await;
+        let _ = self
+            .client
+            .containers()
+            .delete(with_namespace!(DeleteContainerRequest { id: c.id.clone() }, ns))
+            .await;
+        self.remove_snapshot(&c.snapshotter, &c.id).await;
+    }
+
+    async fn remove_snapshot(&self, snapshotter: &str, key: &str) {
+        let ns = self.namespace.as_str();
+        let _ = self
+            .client
+            .snapshots()
+            .remove(with_namespace!(
+                RemoveSnapshotRequest {
+                    snapshotter: snapshotter.to_owned(),
+                    key: key.to_owned(),
+                },
+                ns
+            ))
+            .await;
+    }
+}
+
+fn unforkable(id: &str, reason: &str) -> ContainerdError {
+    ContainerdError::Unforkable {
+        id: id.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// The upper directory of an overlay rootfs.
+fn overlay_upper(mounts: &[Mount]) -> Option<PathBuf> {
+    match mounts {
+        [m] if m.r#type == "overlay" => m
+            .options
+            .iter()
+            .find_map(|o| o.strip_prefix("upperdir="))
+            .map(PathBuf::from),
+        _ => None,
+    }
+}
+
+/// `src`'s spec for the fork: its own cgroup, and the restore annotation.
+fn fork_spec(
+    src: &Container,
+    source: &str,
+    new_id: &str,
+    images: &Path,
+) -> Result<prost_types::Any, ContainerdError> {
+    let any = src
+        .spec
+        .clone()
+        .ok_or_else(|| unforkable(source, "it has no spec"))?;
+    let mut spec: serde_json::Value = serde_json::from_slice(&any.value)
+        .map_err(|e| unforkable(source, &format!("its spec is not JSON: {e}")))?;
+    let linux = spec
+        .get_mut("linux")
+        .and_then(|l| l.as_object_mut())
+        .ok_or_else(|| unforkable(source, "its spec has no linux section"))?;
+    if let Some(path) = linux.get("cgroupsPath").and_then(|p| p.as_str()) {
+        if !path.contains(source) {
+            return Err(unforkable(
+                source,
+                &format!("its cgroups path {path} does not name it"),
+            ));
+        }
+        let renamed = path.replace(source, new_id);
+        linux.insert("cgroupsPath".to_owned(), renamed.into());
+    }
+    let joined_netns = linux
+        .get("namespaces")
+        .and_then(|n| n.as_array())
+        .is_some_and(|ns| {
+            ns.iter()
+                .any(|n| n["type"] == "network" && n.get("path").is_some())
+        });
+    if joined_netns {
+        return Err(unforkable(
+            source,
+            "it joins a network namespace by path (docker's): the fork would share it",
+        ));
+    }
+    let obj = spec
+        .as_object_mut()
+        .ok_or_else(|| unforkable(source, "its spec is not an object"))?;
+    let annotations = obj
+        .entry("annotations")
+        .or_insert_with(|| serde_json::json!({}))
+        .as_object_mut()
+        .ok_or_else(|| unforkable(source, "its annotations are not an object"))?;
+    annotations.insert(
+        RESTORE_ANNOTATION.to_owned(),
+        images.to_string_lossy().into_owned().into(),
+    );
+    Ok(prost_types::Any {
+        type_url: any.type_url,
+        value: serde_json::to_vec(&spec).expect("a JSON value serializes"),
+    })
+}

@@ -1,0 +1,92 @@
+//! `crabctl fork`: a new sandbox, created in containerd from a version of
+//! another, runs independently of it. Real CRIU, containerd, overlayfs;
+//! needs root: CI runs it as root.
+
+use crab_tests::leftovers::assert_clean;
+use crab_tests::sandbox::{
+    ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
+};
+use crab_tests::{unique, Containerd};
+
+#[test]
+fn fork_runs_independently_of_its_source() {
+    let ctd = Containerd::start();
+    let (id, copy) = ("orig", "copy");
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    assert_eq!(ask(pid, COUNTER, "hit"), "2");
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &unique("w"),
+        id,
+        "sh",
+        "-c",
+        "mkdir -p /data/d && echo one > /data/f1",
+    ]);
+    let files_v1 = tree_digest(pid, "/data");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+
+    let f = crabctl_ok(&ctd, &["fork", id, "1", "--name", copy]);
+    assert_eq!(f["id"], copy);
+    assert_eq!(f["version"], 1);
+    let fpid = f["pid"].as_i64().unwrap() as i32;
+    wait_registered(&ctd, copy);
+    assert_eq!(ctd.task_status(copy).as_deref(), Some("RUNNING"));
+    assert_eq!(ctd.task_pid(copy), Some(fpid));
+    assert!(ctd
+        .ctr_ok(&["container", "ls", "-q"])
+        .lines()
+        .any(|l| l.trim() == copy));
+
+    // The fork has v1's state; the source kept its own.
+    assert_eq!(ask(fpid, STORE, "get a"), "1");
+    assert_eq!(ask(fpid, COUNTER, "hit"), "3");
+    assert_eq!(tree_digest(fpid, "/data"), files_v1);
+    assert_eq!(ask(pid, STORE, "get a"), "2");
+    assert_eq!(ask(pid, COUNTER, "hit"), "3");
+
+    // They diverge: memory, files, execs.
+    assert_eq!(ask(fpid, STORE, "set a 10"), "ok");
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &unique("w"),
+        copy,
+        "sh",
+        "-c",
+        "echo fork > /data/f9",
+    ]);
+    assert_eq!(ask(pid, STORE, "get a"), "2");
+    assert!(!tree_digest(pid, "/data").contains_key("f9"));
+    assert!(tree_digest(fpid, "/data").contains_key("f9"));
+
+    // A fork under a taken name, or of an unknown version, is refused.
+    let e = crabctl_err(&ctd, &["fork", id, "1", "--name", copy]);
+    assert!(e.contains("exists already"), "{e}");
+    let e = crabctl_err(&ctd, &["fork", id, "9"]);
+    assert!(e.contains("has no version 9"), "{e}");
+
+    // A files-only version forks with the process image it reuses (v1's)
+    // and its own files; unnamed forks get a name.
+    ctd.ctr_ok(&["task", "exec", "--exec-id", &unique("w"), id, "sh", "-c", "echo v2 > /data/f2"]);
+    crabctl_ok(&ctd, &["checkpoint", "--fs", id]);
+    let f2 = crabctl_ok(&ctd, &["fork", id, "2"]);
+    let second = f2["id"].as_str().unwrap().to_owned();
+    assert!(second.starts_with("orig-fork2-"), "{second}");
+    let f2pid = f2["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(f2pid, STORE, "get a"), "1");
+    assert!(tree_digest(f2pid, "/data").contains_key("f2"));
+    ctd.remove(&second);
+
+    // Removing the source leaves the fork running.
+    ctd.remove(id);
+    assert_eq!(ask(fpid, STORE, "get a"), "10");
+    assert_eq!(ctd.task_status(copy).as_deref(), Some("RUNNING"));
+    ctd.remove(copy);
+    assert_clean(&ctd.scope(), &[id, copy, &second]);
+}
