@@ -338,7 +338,7 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
             store: d.fs_store(&new_id),
         };
         let copied = tokio::task::spawn_blocking(move || {
-            if let Err(e) = std::fs::remove_dir(&target_upper(&target)) {
+            if let Err(e) = std::fs::remove_dir(target_upper(&target)) {
                 tracing::debug!("remove the fork's empty upper directory: {e}");
             }
             let backend = crab_snapshotter::OverlayCopyBackend::new(&source_store, &source_store);
