@@ -140,13 +140,13 @@ fn crabctl_json(ctd: &Containerd, args: &[&str]) -> anyhow::Result<serde_json::V
 /// Runs `f` while a thread samples `state_file`; returns the wall time and
 /// how long the file said FROZEN, and `f`'s answer.
 fn timed_frozen(
-    state_file: &PathBuf,
+    state_file: &std::path::Path,
     f: impl FnOnce() -> anyhow::Result<serde_json::Value>,
 ) -> anyhow::Result<(Duration, Duration, serde_json::Value)> {
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
         let stop = stop.clone();
-        let file = state_file.clone();
+        let file = state_file.to_owned();
         std::thread::spawn(move || {
             let mut frozen = Duration::ZERO;
             let mut last = Instant::now();
