@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use crab_engine::api::{
-    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, RemovalReport, RollbackReport,
-    RollbackRequest, SandboxInfo, VersionSel, VersionView,
+    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportReport, RemovalReport,
+    RollbackReport, RollbackRequest, SandboxInfo, VersionSel, VersionView,
 };
 use crab_engine::client::UnixClient;
 use crab_engine::Class;
 use serde::Serialize;
 
+mod progress;
 mod table;
 
 /// Checkpoint, roll back and inspect Crab sandboxes.
@@ -74,6 +75,29 @@ enum Command {
         /// The new sandbox's container id.
         #[arg(long)]
         name: Option<String>,
+    },
+    /// Write a version as one archive, to start it on another host.
+    Export {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+        /// A version number from `crabctl versions`, or `latest`.
+        version: VersionSel,
+        /// The archive to write.
+        file: PathBuf,
+    },
+    /// Start a sandbox from an archive that `crabctl export` wrote.
+    Import {
+        /// The archive.
+        file: PathBuf,
+        /// The new sandbox's container id (default: the exported one's).
+        #[arg(long)]
+        name: Option<String>,
+        /// containerd namespace (default: crabd's `[crabd] namespace`).
+        #[arg(long)]
+        namespace: Option<String>,
+        /// containerd's socket (default: crabd's `[crabd] containerd`).
+        #[arg(long)]
+        containerd: Option<PathBuf>,
     },
     /// Remove a version (and what only it used).
     RmVersion {
@@ -197,6 +221,55 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
                 )
             });
         }
+        Command::Export {
+            sandbox,
+            version,
+            file,
+        } => {
+            let bar = progress::bar(cli.json, "export");
+            let path = format!("{}/{version}/export", sandbox_path(sandbox, "versions"));
+            let n = crabd
+                .download(&path, file, &|n, total| progress::tick(&bar, n, total))
+                .await?;
+            bar.finish_and_clear();
+            let report = serde_json::json!({ "file": file, "bytes": n });
+            print(cli.json, &report, || {
+                format!("wrote {} ({n} bytes)\n", file.display())
+            });
+        }
+        Command::Import {
+            file,
+            name,
+            namespace,
+            containerd,
+        } => {
+            let mut query = Vec::new();
+            if let Some(n) = name {
+                query.push(format!("name={}", escape(n)));
+            }
+            if let Some(n) = namespace {
+                query.push(format!("namespace={}", escape(n)));
+            }
+            if let Some(c) = containerd {
+                query.push(format!("containerd={}", escape(&c.to_string_lossy())));
+            }
+            let bar = progress::bar(cli.json, "import");
+            let r: ImportReport = crabd
+                .upload(&format!("/v1/import?{}", query.join("&")), file, &|n, total| {
+                    progress::tick(&bar, n, total)
+                })
+                .await?;
+            bar.finish_and_clear();
+            print(cli.json, &r, || {
+                format!(
+                    "{} runs from {}: pid {}, {:.1} ms\n",
+                    r.id,
+                    file.display(),
+                    r.pid,
+                    r.total_ms
+                )
+            });
+        }
         Command::RmVersion { sandbox, version } => {
             let r: RemovalReport = crabd
                 .delete(&format!("{}/{version}", sandbox_path(sandbox, "versions")))
@@ -212,14 +285,17 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
 
 /// `/v1/sandboxes/<sel>/<what>`, the selector escaped for a path.
 fn sandbox_path(sel: &str, what: &str) -> String {
-    let escaped: String = sel
-        .bytes()
+    format!("/v1/sandboxes/{}/{what}", escape(sel))
+}
+
+/// `s` percent-encoded for a URL path segment or query value.
+fn escape(s: &str) -> String {
+    s.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
             _ => format!("%{b:02X}"),
         })
-        .collect();
-    format!("/v1/sandboxes/{escaped}/{what}")
+        .collect()
 }
 
 fn class_name(c: Class) -> &'static str {

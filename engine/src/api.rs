@@ -14,6 +14,8 @@
 //! | POST | `/sandboxes/{sel}/rollback` | `RollbackRequest` → `RollbackReport` |
 //! | DELETE | `/sandboxes/{sel}/versions/{version}` | → `RemovalReport` |
 //! | POST | `/sandboxes/{sel}/fork` | `ForkRequest` → `ForkReport` |
+//! | GET | `/sandboxes/{sel}/versions/{version}/export` | → a tar archive (`crate::archive`) |
+//! | POST | `/import?name=&namespace=&containerd=` | a tar archive → `ImportReport` |
 //!
 //! `{sel}` is a sandbox id or a unique prefix of one. Errors answer with a
 //! 4xx/5xx status and an [`ErrorBody`].
@@ -128,6 +130,19 @@ pub struct ForkReport {
     /// The version it was made from.
     pub version: u64,
     /// The whole fork, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// A sandbox made from an archive.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImportReport {
+    /// Its container id.
+    pub id: String,
+    /// Its version holding the archive's state (1 for a new sandbox).
+    pub version: u64,
+    /// Its init's pid on the host.
+    pub pid: u32,
+    /// The whole import, in milliseconds.
     pub total_ms: f64,
 }
 

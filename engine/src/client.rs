@@ -53,6 +53,15 @@ pub enum ClientError {
         /// The server's explanation.
         message: String,
     },
+    /// A local file of the transfer could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Local {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The answer was not the JSON expected.
     #[error("{what} answered with unexpected content: {source}")]
     Decode {
@@ -115,14 +124,7 @@ impl UnixClient {
         path: &str,
         body: Option<&B>,
     ) -> Result<R, ClientError> {
-        let secs = self.timeout.as_secs();
-        match tokio::time::timeout(self.timeout, self.call_once(method, path, body)).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout {
-                what: self.what.clone(),
-                secs,
-            }),
-        }
+        self.limited(self.call_once(method, path, body)).await
     }
 
     async fn call_once<B: Serialize, R: DeserializeOwned>(
@@ -131,23 +133,6 @@ impl UnixClient {
         path: &str,
         body: Option<&B>,
     ) -> Result<R, ClientError> {
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect {
-                what: self.what.clone(),
-                socket: self.socket.clone(),
-                source,
-            })?;
-        let transport = |source| ClientError::Transport {
-            what: self.what.clone(),
-            socket: self.socket.clone(),
-            source,
-        };
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(transport)?;
-        // Ends with the connection, when this call is done.
-        tokio::spawn(conn);
         let bytes = match body {
             Some(b) => serde_json::to_vec(b).expect("API types always serialize"),
             None => Vec::new(),
@@ -158,9 +143,176 @@ impl UnixClient {
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(bytes)))
             .expect("a well-formed request");
-        let resp = sender.send_request(req).await.map_err(transport)?;
+        let resp = self.send(req).await?;
+        let body = self.ok_body(resp).await?;
+        serde_json::from_slice(&body).map_err(|source| ClientError::Decode {
+            what: self.what.clone(),
+            source,
+        })
+    }
+
+    /// `GET path`, streaming the answer into `dst` (written as
+    /// `dst.partial`, renamed when whole); `progress` sees the bytes so far
+    /// and the total when the server said it.
+    pub async fn download(
+        &self,
+        path: &str,
+        dst: &Path,
+        progress: &(dyn Fn(u64, Option<u64>) + Sync),
+    ) -> Result<u64, ClientError> {
+        use tokio::io::AsyncWriteExt;
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(format!("http://crab{path}"))
+            .body(Full::new(Bytes::new()))
+            .expect("a well-formed request");
+        let work = async {
+            let resp = self.send(req).await?;
+            if resp.status() != StatusCode::OK {
+                self.ok_body(resp).await?;
+                unreachable!("ok_body refuses every other status");
+            }
+            let total = resp
+                .headers()
+                .get(hyper::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            let partial = dst.with_extension("partial");
+            let local = |source| ClientError::Local {
+                path: partial.clone(),
+                source,
+            };
+            let mut file = tokio::fs::File::create(&partial).await.map_err(local)?;
+            let mut body = resp.into_body();
+            let mut n = 0u64;
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|source| self.transport(source))?;
+                if let Some(data) = frame.data_ref() {
+                    file.write_all(data).await.map_err(local)?;
+                    n += data.len() as u64;
+                    progress(n, total);
+                }
+            }
+            if total.is_some_and(|t| t != n) {
+                let _ = tokio::fs::remove_file(&partial).await;
+                return Err(ClientError::Refused {
+                    status: 0,
+                    message: format!("{} broke off the transfer after {n} bytes", self.what),
+                });
+            }
+            file.sync_all().await.map_err(local)?;
+            tokio::fs::rename(&partial, dst).await.map_err(local)?;
+            Ok(n)
+        };
+        self.limited(work).await
+    }
+
+    /// `POST path` with the content of `src` as the body, decoding the JSON
+    /// answer; `progress` sees the bytes sent so far and the total.
+    pub async fn upload<R: DeserializeOwned>(
+        &self,
+        path: &str,
+        src: &Path,
+        progress: &(dyn Fn(u64, Option<u64>) + Sync),
+    ) -> Result<R, ClientError> {
+        use http_body_util::StreamBody;
+        use tokio_stream::StreamExt;
+        let local = |source| ClientError::Local {
+            path: src.to_owned(),
+            source,
+        };
+        let file = tokio::fs::File::open(src).await.map_err(local)?;
+        let total = file.metadata().await.map_err(local)?.len();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+        let mut sent = 0u64;
+        let stream = tokio_util::io::ReaderStream::new(file).map(move |chunk| {
+            chunk.map(|b| {
+                sent += b.len() as u64;
+                let _ = tx.send(sent);
+                hyper::body::Frame::data(b)
+            })
+        });
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("http://crab{path}"))
+            .header(hyper::header::CONTENT_LENGTH, total)
+            .header(hyper::header::CONTENT_TYPE, "application/x-tar")
+            .body(StreamBody::new(stream))
+            .expect("a well-formed request");
+        let work = async {
+            let call = async {
+                let resp = self.send(req).await?;
+                let body = self.ok_body(resp).await?;
+                serde_json::from_slice(&body).map_err(|source| ClientError::Decode {
+                    what: self.what.clone(),
+                    source,
+                })
+            };
+            tokio::pin!(call);
+            loop {
+                tokio::select! {
+                    r = &mut call => return r,
+                    Some(n) = rx.recv() => progress(n, Some(total)),
+                }
+            }
+        };
+        self.limited(work).await
+    }
+
+    async fn limited<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, ClientError>>,
+    ) -> Result<T, ClientError> {
+        let secs = self.timeout.as_secs();
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout {
+                what: self.what.clone(),
+                secs,
+            }),
+        }
+    }
+
+    fn transport(&self, source: hyper::Error) -> ClientError {
+        ClientError::Transport {
+            what: self.what.clone(),
+            socket: self.socket.clone(),
+            source,
+        }
+    }
+
+    async fn send<B>(&self, req: Request<B>) -> Result<hyper::Response<hyper::body::Incoming>, ClientError>
+    where
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|source| ClientError::Connect {
+                what: self.what.clone(),
+                socket: self.socket.clone(),
+                source,
+            })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| self.transport(e))?;
+        // Ends with the connection, when this call is done.
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        sender.send_request(req).await.map_err(|e| self.transport(e))
+    }
+
+    /// The whole body of a 200 answer, or the refusal the server explained.
+    async fn ok_body(&self, resp: hyper::Response<hyper::body::Incoming>) -> Result<Bytes, ClientError> {
         let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(transport)?.to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| self.transport(e))?
+            .to_bytes();
         if status != StatusCode::OK {
             let message = serde_json::from_slice::<ErrorBody>(&body)
                 .map(|e| e.error)
@@ -176,9 +328,6 @@ impl UnixClient {
                 message,
             });
         }
-        serde_json::from_slice(&body).map_err(|source| ClientError::Decode {
-            what: self.what.clone(),
-            source,
-        })
+        Ok(body)
     }
 }

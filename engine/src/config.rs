@@ -28,6 +28,10 @@ pub struct CrabdConfig {
     pub autostart: bool,
     /// The crabd binary the shim starts.
     pub binary: PathBuf,
+    /// containerd's socket, where imported sandboxes are created by default.
+    pub containerd: PathBuf,
+    /// The containerd namespace imported sandboxes go to by default.
+    pub namespace: String,
 }
 
 /// What reading the configuration can fail with.

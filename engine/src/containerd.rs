@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::snapshots::{
     PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
 };
@@ -14,6 +15,8 @@ use containerd_client::services::v1::{
 use containerd_client::tonic::{Request, Status};
 use containerd_client::types::Mount;
 use containerd_client::{with_namespace, Client};
+
+use serde::{Deserialize, Serialize};
 
 use crate::api::RESTORE_ANNOTATION;
 
@@ -53,6 +56,30 @@ pub struct Containerd {
     namespace: String,
 }
 
+/// What is copied of a container to make another like it (a fork, or an
+/// import on another host); it travels in export archives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerTemplate {
+    /// The container it was taken from.
+    pub id: String,
+    /// Its image reference.
+    pub image: String,
+    /// Its runtime's name.
+    pub runtime: String,
+    /// The snapshotter holding its layers.
+    pub snapshotter: String,
+    /// The parent of its writable layer (the image's top layer, by chain id,
+    /// the same on every containerd that unpacked the image).
+    pub parent: String,
+    /// Its OCI runtime spec.
+    pub spec: serde_json::Value,
+    /// Its labels.
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// The type URL containerd stores OCI specs under.
+const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
+
 /// A container made for a fork: its id and its writable layer.
 #[derive(Debug)]
 pub struct NewContainer {
@@ -83,15 +110,9 @@ impl Containerd {
         })
     }
 
-    /// Creates container `new_id` like `source` (image, runtime, spec,
-    /// snapshotter) on a fresh writable layer of the same parent, with the
-    /// spec annotated to restore its init from `images`.
-    pub async fn create_like(
-        &self,
-        source: &str,
-        new_id: &str,
-        images: &Path,
-    ) -> Result<NewContainer, ContainerdError> {
+    /// What a copy of container `source` needs: image, runtime, spec,
+    /// snapshotter and the parent of its writable layer.
+    pub async fn template(&self, source: &str) -> Result<ContainerTemplate, ContainerdError> {
         let ns = self.namespace.as_str();
         let call = |call| move |status| ContainerdError::Call { call, status };
         let src = self
@@ -123,55 +144,75 @@ impl Containerd {
             .into_inner()
             .info
             .ok_or_else(|| unforkable(source, "its snapshot has no record"))?;
+        let any = src.spec.ok_or_else(|| unforkable(source, "it has no spec"))?;
+        let spec = serde_json::from_slice(&any.value)
+            .map_err(|e| unforkable(source, &format!("its spec is not JSON: {e}")))?;
+        Ok(ContainerTemplate {
+            id: source.to_owned(),
+            image: src.image,
+            runtime: src.runtime.map(|r| r.name).unwrap_or_default(),
+            snapshotter: src.snapshotter,
+            parent: info.parent,
+            spec,
+            labels: src.labels.into_iter().collect(),
+        })
+    }
+
+    /// Creates container `new_id` from `t` on a fresh writable layer of the
+    /// same parent, with the spec annotated to restore its init from `images`.
+    pub async fn create_from(
+        &self,
+        t: &ContainerTemplate,
+        new_id: &str,
+        images: &Path,
+    ) -> Result<NewContainer, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let spec = fork_spec(t, new_id, images)?;
         let mounts = self
             .client
             .snapshots()
             .prepare(with_namespace!(
                 PrepareSnapshotRequest {
-                    snapshotter: src.snapshotter.clone(),
+                    snapshotter: t.snapshotter.clone(),
                     key: new_id.to_owned(),
-                    parent: info.parent.clone(),
+                    parent: t.parent.clone(),
                     ..Default::default()
                 },
                 ns
             ))
             .await
-            .map_err(call("prepare snapshot"))?
+            .map_err(|status| ContainerdError::Call {
+                call: "prepare snapshot",
+                status,
+            })?
             .into_inner()
             .mounts;
+        let Some(upper) = overlay_upper(&mounts) else {
+            self.remove_snapshot(&t.snapshotter, new_id).await;
+            return Err(unforkable(
+                &t.id,
+                "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
+            ));
+        };
         let made = NewContainer {
             id: new_id.to_owned(),
-            snapshotter: src.snapshotter.clone(),
-            upper: match overlay_upper(&mounts) {
-                Some(u) => u,
-                None => {
-                    self.remove_snapshot(&src.snapshotter, new_id).await;
-                    return Err(unforkable(
-                        source,
-                        "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
-                    ));
-                }
-            },
+            snapshotter: t.snapshotter.clone(),
+            upper,
             mounts,
         };
-        let spec = match fork_spec(&src, source, new_id, images) {
-            Ok(s) => s,
-            Err(e) => {
-                self.remove_snapshot(&src.snapshotter, new_id).await;
-                return Err(e);
-            }
-        };
-        let mut labels = src.labels.clone();
-        labels.insert("io.crab.forked-from".to_owned(), source.to_owned());
+        let mut labels: std::collections::HashMap<String, String> = t.labels.clone().into_iter().collect();
+        labels.insert("io.crab.forked-from".to_owned(), t.id.clone());
         let container = Container {
             id: new_id.to_owned(),
             labels,
-            image: src.image.clone(),
-            runtime: src.runtime.clone(),
+            image: t.image.clone(),
+            runtime: Some(Runtime {
+                name: t.runtime.clone(),
+                options: None,
+            }),
             spec: Some(spec),
-            snapshotter: src.snapshotter.clone(),
+            snapshotter: t.snapshotter.clone(),
             snapshot_key: new_id.to_owned(),
-            extensions: src.extensions.clone(),
             ..Default::default()
         };
         if let Err(status) = self
@@ -185,7 +226,7 @@ impl Containerd {
             ))
             .await
         {
-            self.remove_snapshot(&src.snapshotter, new_id).await;
+            self.remove_snapshot(&t.snapshotter, new_id).await;
             return Err(ContainerdError::Call {
                 call: "create container",
                 status,
@@ -285,19 +326,15 @@ fn overlay_upper(mounts: &[Mount]) -> Option<PathBuf> {
     }
 }
 
-/// `src`'s spec for the fork: its own cgroup, and the restore annotation.
+/// The template's spec for a new container: its own cgroup, and the
+/// restore annotation.
 fn fork_spec(
-    src: &Container,
-    source: &str,
+    t: &ContainerTemplate,
     new_id: &str,
     images: &Path,
 ) -> Result<prost_types::Any, ContainerdError> {
-    let any = src
-        .spec
-        .clone()
-        .ok_or_else(|| unforkable(source, "it has no spec"))?;
-    let mut spec: serde_json::Value = serde_json::from_slice(&any.value)
-        .map_err(|e| unforkable(source, &format!("its spec is not JSON: {e}")))?;
+    let source = t.id.as_str();
+    let mut spec = t.spec.clone();
     let linux = spec
         .get_mut("linux")
         .and_then(|l| l.as_object_mut())
@@ -322,7 +359,7 @@ fn fork_spec(
     if joined_netns {
         return Err(unforkable(
             source,
-            "it joins a network namespace by path (docker's): the fork would share it",
+            "it joins a network namespace by path (docker's): the copy would share it",
         ));
     }
     let obj = spec
@@ -338,7 +375,7 @@ fn fork_spec(
         images.to_string_lossy().into_owned().into(),
     );
     Ok(prost_types::Any {
-        type_url: any.type_url,
+        type_url: SPEC_TYPE_URL.to_owned(),
         value: serde_json::to_vec(&spec).expect("a JSON value serializes"),
     })
 }

@@ -21,6 +21,7 @@ use crate::{StoreError, VersionStore};
 mod error;
 mod registry;
 mod routes;
+mod transfer;
 
 pub use error::ApiError;
 pub use registry::Registry;
@@ -75,6 +76,13 @@ impl Daemon {
             path: dir,
             source,
         })?;
+        // Transfers a previous crabd did not finish.
+        let staging = config.root.join("staging");
+        if let Err(e) = std::fs::remove_dir_all(&staging) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %staging.display(), "clear staging: {e}");
+            }
+        }
         Ok(Daemon {
             config,
             store,
@@ -93,6 +101,22 @@ impl Daemon {
         self.config.root.join("fs").join(id)
     }
 
+    /// A fresh staging directory for a transfer (`<root>/staging/…`).
+    fn staging(&self, kind: &str) -> Result<PathBuf, ApiError> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = self
+            .config
+            .root
+            .join("staging")
+            .join(format!("{kind}-{}-{n}", routes::unix_ms()));
+        std::fs::create_dir_all(&dir).map_err(|source| ApiError::Io {
+            op: "create a staging directory",
+            source,
+        })?;
+        Ok(dir)
+    }
+
     /// The API's routes.
     pub fn router(self: Arc<Self>) -> Router {
         Router::new()
@@ -102,6 +126,11 @@ impl Daemon {
             .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
             .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
             .route("/v1/sandboxes/{sel}/fork", post(routes::fork))
+            .route(
+                "/v1/sandboxes/{sel}/versions/{version}/export",
+                get(transfer::export),
+            )
+            .route("/v1/import", post(transfer::import))
             .route(
                 "/v1/sandboxes/{sel}/versions/{version}",
                 delete(routes::remove_version),

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod archive;
 pub mod client;
 pub mod config;
 pub mod containerd;

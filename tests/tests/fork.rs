@@ -73,7 +73,16 @@ fn fork_runs_independently_of_its_source() {
 
     // A files-only version forks with the process image it reuses (v1's)
     // and its own files; unnamed forks get a name.
-    ctd.ctr_ok(&["task", "exec", "--exec-id", &unique("w"), id, "sh", "-c", "echo v2 > /data/f2"]);
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &unique("w"),
+        id,
+        "sh",
+        "-c",
+        "echo v2 > /data/f2",
+    ]);
     crabctl_ok(&ctd, &["checkpoint", "--fs", id]);
     let f2 = crabctl_ok(&ctd, &["fork", id, "2"]);
     let second = f2["id"].as_str().unwrap().to_owned();

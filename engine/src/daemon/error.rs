@@ -72,6 +72,9 @@ pub enum ApiError {
         #[source]
         source: crab_snapshotter::Error,
     },
+    /// An archive to import is truncated, tampered with or invalid.
+    #[error(transparent)]
+    Archive(crate::archive::ArchiveError),
     /// The version store refused or failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -116,6 +119,8 @@ impl ApiError {
             ApiError::Containerd(ContainerdError::Unforkable { .. }) => StatusCode::CONFLICT,
             ApiError::Containerd(_) => StatusCode::BAD_GATEWAY,
             ApiError::Fs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Archive(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Store(e) => match e {
                 StoreError::InvalidSandboxId { .. } => StatusCode::BAD_REQUEST,
                 StoreError::UnknownSandbox { .. }

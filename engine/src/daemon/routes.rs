@@ -31,7 +31,7 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 
 /// Runs `work` on its own task, so that a caller hanging up does not cut it
 /// short, and blocking store calls off the reactor where they are marked.
-async fn detached<T: Send + 'static>(
+pub(super) async fn detached<T: Send + 'static>(
     work: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::spawn(work).await.map_err(|e| ApiError::Internal {
@@ -39,7 +39,7 @@ async fn detached<T: Send + 'static>(
     })?
 }
 
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
@@ -329,36 +329,9 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
             return Err(ApiError::SandboxExists { id: new_id });
         }
         let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
-        let made = containerd.create_like(&reg.id, &new_id, &images).await?;
-        // The fork's files: a copy of the version's snapshot as its upper
-        // directory (containerd made it empty).
-        let source_store = d.fs_store(&reg.id);
-        let target = Location::OverlayCopy {
-            upper: made.upper.clone(),
-            store: d.fs_store(&new_id),
-        };
-        let copied = tokio::task::spawn_blocking(move || {
-            if let Err(e) = std::fs::remove_dir(target_upper(&target)) {
-                tracing::debug!("remove the fork's empty upper directory: {e}");
-            }
-            let backend = crab_snapshotter::OverlayCopyBackend::new(&source_store, &source_store);
-            crab_snapshotter::Backend::clone_to(&backend, &fs.name, &target).map(drop)
-        })
-        .await
-        .map_err(|e| ApiError::Internal {
-            reason: e.to_string(),
-        })?;
-        if let Err(source) = copied {
-            containerd.remove(&made).await;
-            return Err(ApiError::Fs { id: new_id, source });
-        }
-        let pid = match containerd.start(&made).await {
-            Ok(pid) => pid,
-            Err(e) => {
-                containerd.remove(&made).await;
-                return Err(e.into());
-            }
-        };
+        let template = containerd.template(&reg.id).await?;
+        let files = (d.fs_store(&reg.id), fs.name);
+        let pid = start_copy(&d, &containerd, &template, &new_id, &images, files).await?;
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
             sandbox = reg.id,
@@ -378,14 +351,53 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
     .await
 }
 
-fn target_upper(l: &Location) -> PathBuf {
-    match l {
-        Location::OverlayCopy { upper, .. } => upper.clone(),
-        _ => unreachable!("forks copy into an overlay upper directory"),
+/// Creates sandbox `new_id` in `containerd` from `template`: its files a
+/// copy of snapshot `files.1` of the store `files.0`, its init restored
+/// from `images` when the shim starts it. Nothing is left if it fails.
+pub(super) async fn start_copy(
+    d: &Daemon,
+    containerd: &Containerd,
+    template: &crate::containerd::ContainerTemplate,
+    new_id: &str,
+    images: &std::path::Path,
+    files: (PathBuf, SnapshotName),
+) -> Result<u32, ApiError> {
+    let made = containerd.create_from(template, new_id, images).await?;
+    let (source_store, name) = files;
+    let upper = made.upper.clone();
+    let target = Location::OverlayCopy {
+        upper: made.upper.clone(),
+        store: d.fs_store(new_id),
+    };
+    let copied = tokio::task::spawn_blocking(move || {
+        // containerd made the upper directory; the copy makes it anew.
+        if let Err(e) = std::fs::remove_dir(&upper) {
+            tracing::debug!("remove the new, empty upper directory: {e}");
+        }
+        let backend = crab_snapshotter::OverlayCopyBackend::new(&source_store, &source_store);
+        crab_snapshotter::Backend::clone_to(&backend, &name, &target).map(drop)
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        reason: e.to_string(),
+    })?;
+    if let Err(source) = copied {
+        containerd.remove(&made).await;
+        return Err(ApiError::Fs {
+            id: new_id.to_owned(),
+            source,
+        });
+    }
+    match containerd.start(&made).await {
+        Ok(pid) => Ok(pid),
+        Err(e) => {
+            containerd.remove(&made).await;
+            Err(e.into())
+        }
     }
 }
 
-fn unix_ms() -> u128 {
+pub(super) fn unix_ms() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()

@@ -1,0 +1,333 @@
+//! Export archives: one version of a sandbox, self-describing, so that it
+//! can start on another host.
+//!
+//! An archive is a tar stream:
+//!
+//! ```text
+//! images/<file>...     the version's CRIU image files
+//! fs.stream            its filesystem snapshot (the backend's export stream)
+//! crab-export.json     the manifest, last: what the members are, with sizes
+//!                      and sha256, the version's record, and the container
+//!                      template (image, runtime, spec, snapshotter, parent)
+//! ```
+//!
+//! Unpacking writes members into a staging directory while hashing them,
+//! and accepts the archive only if the manifest arrived and every member
+//! matches it (and no other member exists): a truncated or tampered archive
+//! is refused before anything is used.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use crab_snapshotter::SnapshotName;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::containerd::ContainerTemplate;
+use crate::{ImageFile, VersionRecord};
+
+/// The manifest's member name.
+pub const MANIFEST: &str = "crab-export.json";
+/// The filesystem stream's member name.
+pub const FS_STREAM: &str = "fs.stream";
+const FORMAT: u32 = 1;
+
+/// What an archive holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The archive format (1).
+    pub format: u32,
+    /// The version as its source sandbox recorded it.
+    pub version: VersionRecord,
+    /// How to make the container on the importing host.
+    pub container: ContainerTemplate,
+    /// The filesystem snapshot's name and stream.
+    pub fs: FsMember,
+    /// The process image's files (the record's, or the reused image's).
+    pub images: Vec<ImageFile>,
+}
+
+/// The filesystem stream of an archive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsMember {
+    /// The snapshot's name.
+    pub name: SnapshotName,
+    /// The stream's size.
+    pub bytes: u64,
+    /// The stream's sha256, lower-case hex.
+    pub sha256: String,
+}
+
+/// What packing or unpacking can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    /// The archive ended early or is not a tar stream.
+    #[error("the archive is truncated or not a crab export: {reason}")]
+    Truncated {
+        /// What was missing.
+        reason: String,
+    },
+    /// A member differs from the manifest, or should not be there.
+    #[error("the archive was tampered with: {reason}")]
+    Tampered {
+        /// What differs.
+        reason: String,
+    },
+    /// The manifest is not one this crabd reads.
+    #[error("the archive's manifest is invalid: {reason}")]
+    Invalid {
+        /// Why.
+        reason: String,
+    },
+    /// Reading or writing failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was done.
+        op: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// An unpacked, verified archive in a staging directory.
+#[derive(Debug)]
+pub struct Unpacked {
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// The directory holding the image files.
+    pub images_dir: PathBuf,
+    /// The filesystem stream.
+    pub fs_stream: PathBuf,
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ArchiveError + 'a {
+    move |source| ArchiveError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Writes an archive to `out`: the image files of `images_dir`, the
+/// filesystem stream in file `fs_stream`, then the manifest.
+pub fn pack(
+    out: impl Write,
+    version: &VersionRecord,
+    container: &ContainerTemplate,
+    images_dir: &Path,
+    images: &[ImageFile],
+    fs_name: &SnapshotName,
+    fs_stream: &Path,
+) -> Result<(), ArchiveError> {
+    let mut tar = tar::Builder::new(out);
+    for f in images {
+        let path = images_dir.join(&f.path);
+        tar.append_path_with_name(&path, format!("images/{}", f.path))
+            .map_err(io("add", &path))?;
+    }
+    let (bytes, sha256) = hash_file(fs_stream)?;
+    tar.append_path_with_name(fs_stream, FS_STREAM)
+        .map_err(io("add", fs_stream))?;
+    let manifest = Manifest {
+        format: FORMAT,
+        version: version.clone(),
+        container: container.clone(),
+        fs: FsMember {
+            name: fs_name.clone(),
+            bytes,
+            sha256,
+        },
+        images: images.to_vec(),
+    };
+    let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
+    let mut header = tar::Header::new_gnu();
+    header.set_size(json.len() as u64);
+    header.set_mode(0o600);
+    header.set_cksum();
+    tar.append_data(&mut header, MANIFEST, json.as_slice())
+        .map_err(io("add", Path::new(MANIFEST)))?;
+    tar.into_inner()
+        .and_then(|mut w| w.flush())
+        .map_err(io("finish", Path::new("archive")))
+}
+
+/// Unpacks `input` into `staging` (which must be empty or absent) and
+/// verifies it.
+pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError> {
+    std::fs::create_dir_all(staging.join("images")).map_err(io("create", staging))?;
+    let mut seen: BTreeMap<String, (u64, String)> = BTreeMap::new();
+    let mut manifest_bytes = None;
+    let mut archive = tar::Archive::new(input);
+    let truncated = |e: std::io::Error| ArchiveError::Truncated {
+        reason: e.to_string(),
+    };
+    for entry in archive.entries().map_err(truncated)? {
+        let mut entry = entry.map_err(truncated)?;
+        let name = entry.path().map_err(truncated)?.to_string_lossy().into_owned();
+        if !entry.header().entry_type().is_file() {
+            return Err(ArchiveError::Tampered {
+                reason: format!("{name} is not a regular file"),
+            });
+        }
+        if name == MANIFEST {
+            let mut bytes = Vec::new();
+            entry.read_to_end(&mut bytes).map_err(truncated)?;
+            manifest_bytes = Some(bytes);
+            continue;
+        }
+        let dest = member_path(staging, &name)?;
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(io("create", parent))?;
+        }
+        let file = File::create(&dest).map_err(io("create", &dest))?;
+        let mut w = HashingWriter::new(file);
+        std::io::copy(&mut entry, &mut w).map_err(truncated)?;
+        w.inner.sync_all().map_err(io("sync", &dest))?;
+        seen.insert(name, (w.bytes, hex(w.hasher.finalize())));
+    }
+    let bytes = manifest_bytes.ok_or_else(|| ArchiveError::Truncated {
+        reason: format!("no {MANIFEST} at its end"),
+    })?;
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| ArchiveError::Invalid {
+        reason: e.to_string(),
+    })?;
+    if manifest.format != FORMAT {
+        return Err(ArchiveError::Invalid {
+            reason: format!("format {} (this crabd reads {FORMAT})", manifest.format),
+        });
+    }
+    let mut expected: BTreeMap<String, (u64, String)> = manifest
+        .images
+        .iter()
+        .map(|f| (format!("images/{}", f.path), (f.bytes, f.sha256.clone())))
+        .collect();
+    expected.insert(
+        FS_STREAM.to_owned(),
+        (manifest.fs.bytes, manifest.fs.sha256.clone()),
+    );
+    for (name, want) in &expected {
+        match seen.get(name) {
+            None => {
+                return Err(ArchiveError::Tampered {
+                    reason: format!("{name} is missing"),
+                })
+            }
+            Some(got) if got != want => {
+                return Err(ArchiveError::Tampered {
+                    reason: format!("{name} differs from its checksum"),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(extra) = seen.keys().find(|k| !expected.contains_key(*k)) {
+        return Err(ArchiveError::Tampered {
+            reason: format!("{extra} is not in the manifest"),
+        });
+    }
+    Ok(Unpacked {
+        manifest,
+        images_dir: staging.join("images"),
+        fs_stream: staging.join(FS_STREAM),
+    })
+}
+
+/// Where member `name` goes under `staging`: `fs.stream`, or a plain
+/// relative path under `images/`.
+fn member_path(staging: &Path, name: &str) -> Result<PathBuf, ArchiveError> {
+    if name == FS_STREAM {
+        return Ok(staging.join(FS_STREAM));
+    }
+    let rel = name
+        .strip_prefix("images/")
+        .ok_or_else(|| ArchiveError::Tampered {
+            reason: format!("unexpected member {name}"),
+        })?;
+    let plain = !rel.is_empty()
+        && Path::new(rel)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    if !plain {
+        return Err(ArchiveError::Tampered {
+            reason: format!("member {name} leaves its directory"),
+        });
+    }
+    Ok(staging.join("images").join(rel))
+}
+
+/// Size and sha256 of a file.
+pub fn hash_file(path: &Path) -> Result<(u64, String), ArchiveError> {
+    let mut f = File::open(path).map_err(io("open", path))?;
+    let mut w = HashingWriter::new(std::io::sink());
+    std::io::copy(&mut f, &mut w).map_err(io("read", path))?;
+    Ok((w.bytes, hex(w.hasher.finalize())))
+}
+
+/// A writer that hashes and counts what passes through it.
+pub struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl<W: Write> HashingWriter<W> {
+    /// Wraps `inner`.
+    pub fn new(inner: W) -> Self {
+        HashingWriter {
+            inner,
+            hasher: Sha256::new(),
+            bytes: 0,
+        }
+    }
+
+    /// The size and sha256 written so far, and the inner writer.
+    pub fn finish(self) -> (W, u64, String) {
+        (self.inner, self.bytes, hex(self.hasher.finalize()))
+    }
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn hex(digest: impl AsRef<[u8]>) -> String {
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_paths_stay_inside() {
+        let s = Path::new("/stage");
+        assert_eq!(
+            member_path(s, "images/pages-1.img").unwrap(),
+            s.join("images/pages-1.img")
+        );
+        assert_eq!(member_path(s, FS_STREAM).unwrap(), s.join(FS_STREAM));
+        for bad in [
+            "images/../x",
+            "/etc/passwd",
+            "images/",
+            "other",
+            "images//abs/../..",
+        ] {
+            assert!(member_path(s, bad).is_err(), "{bad}");
+        }
+    }
+}

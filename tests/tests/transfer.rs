@@ -1,0 +1,98 @@
+//! `crabctl export` on one containerd and `crabctl import` on another (its
+//! own root, its own crabd): the sandbox runs there with the same state.
+//! Truncated and tampered archives are refused. Needs root: CI runs it as root.
+
+use crab_tests::image::python_sdk_archive;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::sandbox::{
+    ask, crabctl, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
+};
+use crab_tests::{unique, wait_until, Containerd};
+
+#[test]
+fn export_then_import_on_another_containerd() {
+    let a = Containerd::start();
+    let id = "mover";
+    let pid = run_stateful(&a, id);
+    wait_registered(&a, id);
+    assert_eq!(ask(pid, STORE, "set a 7"), "ok");
+    assert_eq!(ask(pid, COUNTER, "hit"), "2");
+    a.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &unique("w"),
+        id,
+        "sh",
+        "-c",
+        "mkdir -p /data/x && echo moved > /data/x/f",
+    ]);
+    let files = tree_digest(pid, "/data");
+    crabctl_ok(&a, &["checkpoint", id]);
+    let file = a.dir.join("mover.tar");
+    let out = crabctl_ok(&a, &["export", id, "1", &file.to_string_lossy()]);
+    assert!(out["bytes"].as_u64().unwrap() > 1 << 20, "{out}");
+
+    // A second containerd with its own root, the image, and its own crabd.
+    let b = Containerd::start();
+    b.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    let mut crabd = std::process::Command::new(crab_tests::bin_dir().join("crabd"))
+        .env("CRAB_CONFIG", b.crab_config())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(20, || crabctl(&b, &["ps"]).status.success().then_some(())).expect("crabd of b");
+    let target = [
+        "--namespace",
+        &b.namespace,
+        "--containerd",
+        &b.address().to_string_lossy(),
+    ]
+    .map(str::to_owned);
+
+    // Broken archives are refused and leave nothing.
+    let bytes = std::fs::read(&file).unwrap();
+    let truncated = a.dir.join("truncated.tar");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let mut args = vec!["import".to_owned(), truncated.to_string_lossy().into_owned()];
+    args.extend(target.iter().cloned());
+    let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("truncated"), "{e}");
+    let mut tampered_bytes = bytes.clone();
+    let mid = tampered_bytes.len() / 2;
+    tampered_bytes[mid] ^= 0x5a;
+    let tampered = a.dir.join("tampered.tar");
+    std::fs::write(&tampered, &tampered_bytes).unwrap();
+    args[1] = tampered.to_string_lossy().into_owned();
+    let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("tampered") || e.contains("truncated"), "{e}");
+    assert_eq!(crabctl_ok(&b, &["ps"]), serde_json::json!([]));
+
+    // The whole archive: the sandbox runs on b with a's state at v1.
+    args[1] = file.to_string_lossy().into_owned();
+    let out = crabctl(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["id"], id);
+    let bpid = r["pid"].as_i64().unwrap() as i32;
+    wait_registered(&b, id);
+    assert_eq!(b.task_status(id).as_deref(), Some("RUNNING"));
+    assert_eq!(ask(bpid, STORE, "get a"), "7");
+    assert_eq!(ask(bpid, COUNTER, "hit"), "3");
+    assert_eq!(tree_digest(bpid, "/data"), files);
+    let versions = crabctl_ok(&b, &["versions", id]);
+    assert_eq!(versions.as_array().unwrap().len(), 1);
+
+    // The source runs on; a second import under the same name is refused.
+    assert_eq!(ask(pid, STORE, "get a"), "7");
+    let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("exists already"), "{e}");
+
+    a.remove(id);
+    b.remove(id);
+    assert_clean(&a.scope(), &[id]);
+    assert_clean(&b.scope(), &[id]);
+    let _ = crabd.kill();
+    let _ = crabd.wait();
+}
