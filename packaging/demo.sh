@@ -13,6 +13,13 @@ cleanup() {
   sleep 0.3
   ctr -a "$work/c.sock" task delete demo >/dev/null 2>&1 || true
   ctr -a "$work/c.sock" container rm demo >/dev/null 2>&1 || true
+  for c in $(ctr -a "$work/c.sock" container ls -q 2>/dev/null); do
+    ctr -a "$work/c.sock" task kill -s SIGKILL "$c" >/dev/null 2>&1 || true
+    sleep 0.3
+    ctr -a "$work/c.sock" task delete "$c" >/dev/null 2>&1 || true
+    ctr -a "$work/c.sock" container rm "$c" >/dev/null 2>&1 || true
+  done
+  [ -f "$work/crabd/crabd.pid" ] && kill "$(cat "$work/crabd/crabd.pid")" 2>/dev/null || true
   [ -n "$ctd_pid" ] && kill "$ctd_pid" 2>/dev/null && wait "$ctd_pid" 2>/dev/null || true
   umount -R "$work/root" 2>/dev/null || true
   rm -rf "$work"
@@ -27,8 +34,10 @@ state = "$work/state"
 [grpc]
   address = "$work/c.sock"
 CFG
-# Embedded defaults, except that transcripts stay in the demo's directory.
-printf '[shim.proxy]\ntranscript_dir = "%s/transcripts"\n' "$work" >"$work/crab.toml"
+# Embedded defaults, except that transcripts, crabd's socket and its versions
+# stay in the demo's directory.
+printf '[shim.proxy]\ntranscript_dir = "%s/transcripts"\n[crabd]\nsocket = "%s/crabd.sock"\nroot = "%s/crabd"\n' \
+  "$work" "$work" "$work" >"$work/crab.toml"
 CRAB_CONFIG=$work/crab.toml PATH=$bin:$PATH containerd --config "$work/config.toml" >"$work/containerd.log" 2>&1 &
 ctd_pid=$!
 for _ in $(seq 100); do ctr -a "$work/c.sock" version >/dev/null 2>&1 && break; sleep 0.1; done
@@ -57,4 +66,25 @@ $C task metrics demo | head -8
 say "the agent's LLM proxy, injected into the sandbox's own network namespace"
 $C task exec --exec-id env demo sh -c 'echo "OPENAI_BASE_URL=$OPENAI_BASE_URL ANTHROPIC_BASE_URL=$ANTHROPIC_BASE_URL"; netstat -ltn 2>/dev/null | grep 7878 || true'
 
-say "done: containerd, the sandbox and every file are removed on exit"
+say "checkpoint, change, roll back: the shell's counter (memory) and its file come back"
+CRABCTL="$bin/crabctl --socket $work/crabd.sock"
+$C task kill -s SIGKILL demo >/dev/null; sleep 0.5; $C task delete demo >/dev/null; $C container rm demo >/dev/null
+$C run -d --runtime io.containerd.crab.v2 docker.io/crab/busybox:demo demo \
+  sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done'
+for _ in $(seq 50); do $CRABCTL ps 2>/dev/null | grep -q demo && break; sleep 0.1; done
+$CRABCTL ps
+$CRABCTL checkpoint demo
+echo "at the checkpoint: $($C task exec --exec-id n1 demo cat /tmp/n)"
+sleep 1
+echo "a second later:    $($C task exec --exec-id n2 demo cat /tmp/n)"
+$CRABCTL rollback demo 1
+echo "rolled back:       $($C task exec --exec-id n3 demo cat /tmp/n)"
+$CRABCTL versions demo
+
+say "fork version 1: a second sandbox runs on from the same state"
+$CRABCTL fork demo 1 --name demo-fork
+sleep 0.5
+echo "fork counts from:  $($C task exec --exec-id n4 demo-fork cat /tmp/n)"
+$C task ls
+
+say "done: containerd, crabd, the sandboxes and every file are removed on exit"

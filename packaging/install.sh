@@ -15,14 +15,19 @@ if [ ! -x "$bin" ]; then
 fi
 install -D -m 0755 "$bin" "$PREFIX/bin/containerd-shim-crab-v2"
 install -D -m 0755 "$top/target/release/containerd-crab-snapshotter" "$PREFIX/bin/containerd-crab-snapshotter"
+# crabd is started by the first shim that needs it ([crabd] autostart), or
+# by its systemd unit; crabctl is the user's command.
+install -D -m 0755 "$top/target/release/crabd" "$PREFIX/bin/crabd"
+install -D -m 0755 "$top/target/release/crabctl" "$PREFIX/bin/crabctl"
 if [ -d /etc/systemd/system ]; then
   install -D -m 0644 "$here/systemd/containerd-crab-snapshotter.service" /etc/systemd/system/containerd-crab-snapshotter.service
+  install -D -m 0644 "$here/systemd/crabd.service" /etc/systemd/system/crabd.service
 fi
 if [ ! -e /etc/crab/crab.toml ]; then
   install -D -m 0644 "$here/crab.toml" /etc/crab/crab.toml
 fi
 cat <<MSG
-installed $PREFIX/bin/containerd-shim-crab-v2 and /etc/crab/crab.toml
+installed $PREFIX/bin/{containerd-shim-crab-v2,crabd,crabctl} and /etc/crab/crab.toml
 
   ctr:        ctr run --runtime io.containerd.crab.v2 IMAGE ID CMD...
   docker:     docker run --runtime io.containerd.crab.v2 IMAGE CMD...
@@ -34,4 +39,6 @@ installed $PREFIX/bin/containerd-shim-crab-v2 and /etc/crab/crab.toml
               $here/containerd/snapshotter.toml into containerd's config,
               systemctl enable --now containerd-crab-snapshotter, then:
               ctr run --snapshotter crabzfs ...
+  checkpoints: crabctl ps | checkpoint ID | versions ID | rollback ID N |
+              fork ID N | export ID N FILE | import FILE
 MSG
