@@ -49,8 +49,9 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     let rss = rss_mib(ctd.task_pid("ck-crab").context("crab pid")?);
     wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
 
-    // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore]
-    let mut s: [Vec<Duration>; 6] = Default::default();
+    // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore,
+    //  restore in the shim, of which the undo checkpoint, restore with --no-undo]
+    let mut s: [Vec<Duration>; 9] = Default::default();
     for i in 0..runs {
         let (total, frozen, _) = timed_frozen(&freezer_state(&ctd, "ck-runc"), || {
             let out = ctd.ctr(&["task", "checkpoint", "ck-runc"]);
@@ -77,8 +78,14 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
             .context("frozen_ms in crabctl's report")?;
         s[4].push(Duration::from_secs_f64(own / 1e3));
         let t = Instant::now();
-        crabctl_json(&ctd, &["rollback", "ck-crab", "latest"])?;
+        let r = crabctl_json(&ctd, &["rollback", "ck-crab", "latest"])?;
         s[5].push(t.elapsed());
+        let ms_of = |k: &str| Duration::from_secs_f64(r[k].as_f64().unwrap_or(0.0) / 1e3);
+        s[6].push(ms_of("restore_ms"));
+        s[7].push(ms_of("undo_ms"));
+        let t = Instant::now();
+        crabctl_json(&ctd, &["rollback", "--no-undo", "ck-crab", "latest"])?;
+        s[8].push(t.elapsed());
         eprintln!("run {}/{runs} done", i + 1);
     }
 
@@ -101,7 +108,7 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
             );
         }
     };
-    let [mut rt, mut rf, mut ct, mut cf, mut co, mut cr] = s;
+    let [mut rt, mut rf, mut ct, mut cf, mut co, mut cr, mut cs, mut cu, mut cn] = s;
     row("full checkpoint, wall", &mut rt, &mut ct);
     row("frozen (sampled freezer.state)", &mut rf, &mut cf);
     println!(
@@ -122,6 +129,26 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
         "-",
         ms(percentile(&mut cr, 90.0))
     );
+    println!(
+        "{:<40} {:>12} {:>12}",
+        "  of which in the shim p50",
+        "-",
+        ms(percentile(&mut cs, 50.0))
+    );
+    println!(
+        "{:<40} {:>12} {:>12}",
+        "  of which the undo checkpoint p50",
+        "-",
+        ms(percentile(&mut cu, 50.0))
+    );
+    for p in [50.0, 90.0] {
+        println!(
+            "{:<40} {:>12} {:>12}",
+            format!("restore --no-undo (wall) p{p:.0}"),
+            "-",
+            ms(percentile(&mut cn, p))
+        );
+    }
     println!("targets: frozen crab/runc <= 1.2; restore < 1000 ms (runc: containerd 1.6 has no restore of a running task to compare)");
     for id in ["ck-runc", "ck-crab"] {
         ctd.remove(id);

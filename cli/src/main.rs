@@ -65,6 +65,10 @@ enum Command {
         sandbox: String,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
+        /// Skip the undo checkpoint: faster, but a failed restore then
+        /// loses the sandbox's processes instead of putting it back.
+        #[arg(long)]
+        no_undo: bool,
     },
     /// Start a new sandbox from a version; both then run independently.
     Fork {
@@ -186,13 +190,16 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
                 table::render(&["VERSION", "CLASS", "IMAGE", "FS", "CREATED_MS", "STATUS"], rows)
             });
         }
-        Command::Rollback { sandbox, version } => {
-            let r: RollbackReport = crabd
-                .post(
-                    &sandbox_path(sandbox, "rollback"),
-                    &RollbackRequest { version: *version },
-                )
-                .await?;
+        Command::Rollback {
+            sandbox,
+            version,
+            no_undo,
+        } => {
+            let req = RollbackRequest {
+                version: *version,
+                undo: !no_undo,
+            };
+            let r: RollbackReport = crabd.post(&sandbox_path(sandbox, "rollback"), &req).await?;
             print(cli.json, &r, || {
                 format!(
                     "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",

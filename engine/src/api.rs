@@ -96,6 +96,9 @@ pub enum VersionSel {
 pub struct RollbackRequest {
     /// The version to go back to.
     pub version: VersionSel,
+    /// Take an undo checkpoint first (see [`ShimRestore::undo`]).
+    #[serde(default = "yes")]
+    pub undo: bool,
 }
 
 /// What a rollback did.
@@ -107,6 +110,8 @@ pub struct RollbackReport {
     pub pid: i32,
     /// The restore in the shim, in milliseconds.
     pub restore_ms: f64,
+    /// Of which the undo checkpoint, in milliseconds.
+    pub undo_ms: f64,
     /// The whole rollback, verification included, in milliseconds.
     pub total_ms: f64,
 }
@@ -207,6 +212,15 @@ pub struct ShimRestore {
     pub images_dir: PathBuf,
     /// The filesystem snapshot to roll back to first, if any.
     pub fs: Option<FsTarget>,
+    /// Take an undo checkpoint first, so that a failed restore puts the
+    /// sandbox back as it was (without it, a failed restore loses the
+    /// sandbox's processes).
+    #[serde(default = "yes")]
+    pub undo: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A shim's answer to `POST /restore`.
@@ -214,8 +228,11 @@ pub struct ShimRestore {
 pub struct ShimRestored {
     /// The restored init's pid on the host.
     pub pid: i32,
-    /// How long the restore took, in milliseconds.
+    /// How long the restore took, in milliseconds (the undo checkpoint
+    /// included).
     pub restore_ms: f64,
+    /// Of which the undo checkpoint (the way back if the restore failed).
+    pub undo_ms: f64,
 }
 
 // === impl VersionSel ===

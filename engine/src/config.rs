@@ -22,6 +22,8 @@ pub struct CrabdConfig {
     pub root: PathBuf,
     /// How long a shim's checkpoint or restore may take, in seconds.
     pub shim_timeout_secs: u64,
+    /// Versions kept per sandbox after each checkpoint (0: all).
+    pub keep_versions: usize,
     /// Whether shims register (read by the shim).
     pub register: bool,
     /// Whether shims start crabd (read by the shim).

@@ -51,6 +51,8 @@ pub struct ShimConfig {
     pub log_level: String,
     /// Deadline of one forked runtime operation, in seconds.
     pub runtime_timeout_secs: u64,
+    /// The CRIU binary (a bare name is looked up on `PATH`).
+    pub criu: PathBuf,
     /// The sandbox's LLM proxy.
     pub proxy: ProxyShimConfig,
 }

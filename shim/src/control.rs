@@ -196,6 +196,7 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
             None => Ok(ShimRestored {
                 pid,
                 restore_ms: restored.restore_ms,
+                undo_ms: restored.undo_ms,
             }),
             Some(e) => Err(Error::RestoreUndone {
                 source: Box::new(e),

@@ -42,6 +42,9 @@ struct Cli {
     /// File that receives the error message on failure.
     #[arg(long)]
     log: PathBuf,
+    /// The CRIU binary.
+    #[arg(long, default_value = "criu")]
+    criu: PathBuf,
     #[command(subcommand)]
     op: Op,
 }
@@ -215,6 +218,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             criu::dump(
                 &c,
                 &criu::DumpOpts {
+                    criu: &cli.criu,
                     image_path,
                     work_path: work_path.as_deref(),
                     leave_running: !*exit,
@@ -261,6 +265,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             let pid = criu::restore(
                 &mut c,
                 &criu::RestoreOpts {
+                    criu: &cli.criu,
                     image_path,
                     work_path,
                     tcp_established: *tcp_established,

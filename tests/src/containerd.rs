@@ -52,7 +52,7 @@ impl Containerd {
             .and_then(|p| std::fs::read_to_string(p).ok())
             .unwrap_or_default();
         let crab_toml = dir.join("crab.toml");
-        std::fs::write(&crab_toml, format!("{theirs}\n{}", crabd_table(&dir))).expect("write crab.toml");
+        std::fs::write(&crab_toml, with_own_crabd(&theirs, &dir)).expect("write crab.toml");
         env.push(("CRAB_CONFIG".to_owned(), crab_toml.to_string_lossy().into_owned()));
         let mut c = Containerd {
             namespace: unique("ns"),
@@ -258,10 +258,18 @@ impl Drop for Containerd {
     }
 }
 
-/// The `[crabd]` table of a test containerd: its own socket and root.
-fn crabd_table(dir: &Path) -> String {
-    format!(
-        "[crabd]\nsocket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\n",
+/// `toml` with the `[crabd]` socket and root of a test containerd (in its
+/// directory), added to the caller's `[crabd]` table if it has one.
+fn with_own_crabd(toml: &str, dir: &Path) -> String {
+    let keys = format!(
+        "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\n",
         d = dir.display()
-    )
+    );
+    match toml.find("[crabd]\n") {
+        Some(at) => {
+            let end = at + "[crabd]\n".len();
+            format!("{}{keys}{}", &toml[..end], &toml[end..])
+        }
+        None => format!("{toml}\n[crabd]\n{keys}"),
+    }
 }

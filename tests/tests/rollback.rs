@@ -58,8 +58,14 @@ fn rollback_restores_memory_servers_and_files() {
     // Twice, with an exec in between: a restored sandbox restores again.
     let mut pid = pid;
     for round in 0..2 {
-        // Prefix selection works.
-        let r = crabctl_ok(&ctd, &["rollback", "r", "1"]);
+        // Prefix selection works; the second round skips the undo checkpoint.
+        let args: &[&str] = if round == 0 {
+            &["rollback", "r", "1"]
+        } else {
+            &["rollback", "--no-undo", "r", "1"]
+        };
+        let r = crabctl_ok(&ctd, args);
+        assert_eq!(r["undo_ms"].as_f64().unwrap() > 0.0, round == 0);
         assert_eq!(r["version"], 1);
         pid = r["pid"].as_i64().unwrap() as i32;
         assert_eq!(ctd.task_pid(id), Some(pid), "containerd sees the restored init");
@@ -306,4 +312,40 @@ fn failed_restore_puts_the_sandbox_back() {
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
+}
+
+#[test]
+fn retention_keeps_the_newest_versions() {
+    let config = std::env::temp_dir().join(crab_tests::unique("crab-keep"));
+    std::fs::write(&config, "[crabd]\nkeep_versions = 2\n").unwrap();
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    let id = "keep";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    for v in 1..=4 {
+        assert_eq!(ask(pid, STORE, &format!("set a {v}")), "ok");
+        crabctl_ok(&ctd, &["checkpoint", id]);
+    }
+    let list = crabctl_ok(&ctd, &["versions", id]);
+    let numbers: Vec<i64> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["version"].as_i64())
+        .collect();
+    assert_eq!(numbers, vec![3, 4]);
+    // Only the kept versions' file snapshots stay.
+    let snapshots = std::fs::read_dir(ctd.crabd_root().join("fs").join(id))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".meta"))
+        .count();
+    assert_eq!(snapshots, 2);
+    let e = crabctl_err(&ctd, &["rollback", id, "1"]);
+    assert!(e.contains("has no version 1"), "{e}");
+    let r = crabctl_ok(&ctd, &["rollback", id, "3"]);
+    assert_eq!(ask(r["pid"].as_i64().unwrap() as i32, STORE, "get a"), "3");
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    let _ = std::fs::remove_file(&config);
 }

@@ -167,6 +167,14 @@ pub async fn checkpoint(
         };
         let version = blocking(move || pending.publish()).await?;
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        if d.config.keep_versions > 0 {
+            let store = d.store.clone();
+            let keep = d.config.keep_versions;
+            match blocking(move || store.retain(&sid, keep)).await {
+                Ok(removal) => destroy_unused(&d, &reg.id, &removal),
+                Err(e) => tracing::warn!(sandbox = reg.id, "retention: {e}"),
+            }
+        }
         tracing::info!(sandbox = reg.id, version = version.version, class = ?version.class, frozen_ms, total_ms, "checkpoint published");
         Ok(Json(CheckpointReport {
             version,
@@ -219,6 +227,7 @@ pub async fn rollback(
             version: number,
         })?;
         let call = ShimRestore {
+            undo: req.undo,
             images_dir,
             fs: version.record.fs_snapshot.map(|f| FsTarget {
                 name: f.name,
@@ -248,6 +257,7 @@ pub async fn rollback(
             version: number,
             pid: done.pid,
             restore_ms: done.restore_ms,
+            undo_ms: done.undo_ms,
             total_ms,
         }))
     })
@@ -275,19 +285,7 @@ pub async fn remove_version(
         let sid = SandboxId::new(&reg.id)?;
         let store = d.store.clone();
         let removal = blocking(move || store.remove_version(&sid, n)).await?;
-        // Snapshots no version uses any more: the copies crabd keeps go
-        // too (the upper directory is not touched by a destroy).
-        let store_dir = d.fs_store(&reg.id);
-        for snap in removal
-            .unused_snapshots
-            .iter()
-            .filter(|s| s.backend == BackendKind::OverlayCopy)
-        {
-            let backend = crab_snapshotter::OverlayCopyBackend::new(&store_dir, &store_dir);
-            if let Err(e) = crab_snapshotter::Backend::destroy(&backend, &snap.name) {
-                tracing::warn!(snapshot = %snap.name, "remove unused snapshot: {e}");
-            }
-        }
+        destroy_unused(&d, &reg.id, &removal);
         Ok(Json(RemovalReport {
             removed: removal.versions,
         }))
@@ -402,6 +400,22 @@ pub(super) fn unix_ms() -> u128 {
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis()
+}
+
+/// Destroys the file snapshots of sandbox `id` that `removal` left unused
+/// (the copies crabd keeps; the live upper directory is not touched).
+fn destroy_unused(d: &Daemon, id: &str, removal: &crate::Removal) {
+    let store_dir = d.fs_store(id);
+    for snap in removal
+        .unused_snapshots
+        .iter()
+        .filter(|s| s.backend == BackendKind::OverlayCopy)
+    {
+        let backend = crab_snapshotter::OverlayCopyBackend::new(&store_dir, &store_dir);
+        if let Err(e) = crab_snapshotter::Backend::destroy(&backend, &snap.name) {
+            tracing::warn!(snapshot = %snap.name, "remove unused snapshot: {e}");
+        }
+    }
 }
 
 /// Any other path.

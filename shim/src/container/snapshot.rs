@@ -24,6 +24,8 @@ pub struct Restored {
     pub rx: ExitReceiver,
     /// How long it took, in milliseconds.
     pub restore_ms: f64,
+    /// Of which the undo checkpoint.
+    pub undo_ms: f64,
     /// Set when the restore failed and the sandbox was put back as it was.
     pub failure: Option<Error>,
 }
@@ -152,15 +154,20 @@ impl Container {
 
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
-        let undo_fs = req.fs.as_ref().map(|t| FsTarget {
+        let undo_fs = req.fs.as_ref().filter(|_| req.undo).map(|t| FsTarget {
             name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
             store: t.store.clone(),
         });
-        let undo = ShimCheckpoint {
-            images_dir: Some(undo_dir.clone()),
-            fs: undo_fs.clone(),
-        };
-        self.engine_checkpoint(&undo, runtime).await?;
+        let mut undo_ms = 0.0;
+        if req.undo {
+            let undo_started = Instant::now();
+            let undo = ShimCheckpoint {
+                images_dir: Some(undo_dir.clone()),
+                fs: undo_fs.clone(),
+            };
+            self.engine_checkpoint(&undo, runtime).await?;
+            undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
+        }
         let undo_fs = match &undo_fs {
             Some(t) => Some((self.fs_location(t)?, t.name.clone())),
             None => None,
@@ -168,6 +175,13 @@ impl Container {
 
         let (pid, rx, failure) = match self.replace_processes(&req.images_dir, target_fs, runtime).await {
             Ok((pid, rx)) => (pid, rx, None),
+            Err(failed) if !req.undo => {
+                return Err(Error::RestoreLost {
+                    id: self.id.clone(),
+                    restore: failed.to_string(),
+                    undo: "no undo checkpoint was asked for".to_owned(),
+                })
+            }
             Err(failed) => {
                 log::error!("{}: restore failed, putting the sandbox back: {failed}", self.id);
                 match self.replace_processes(&undo_dir, undo_fs.clone(), runtime).await {
@@ -196,6 +210,7 @@ impl Container {
             pid,
             rx,
             restore_ms,
+            undo_ms,
             failure,
         })
     }

@@ -21,6 +21,7 @@ pub use crate::io::ChildStdio as Stdio;
 /// Runs libcontainer operations in helper processes.
 pub struct RuntimeClient {
     exe: PathBuf,
+    criu: PathBuf,
     root: PathBuf,
     timeout: Duration,
     exits: Arc<ExitRouter>,
@@ -70,6 +71,7 @@ impl RuntimeClient {
     pub fn new(exe: PathBuf, root: PathBuf, timeout: Duration, exits: Arc<ExitRouter>) -> Self {
         RuntimeClient {
             exe,
+            criu: PathBuf::from("criu"),
             root,
             timeout,
             exits,
@@ -170,6 +172,12 @@ impl RuntimeClient {
         self.invoke("delete", id, work_dir, args, Stdio::null()).await
     }
 
+    /// Runs CRIU from `path` (a bare name is looked up on `PATH`).
+    pub fn with_criu(mut self, path: PathBuf) -> Self {
+        self.criu = path;
+        self
+    }
+
     /// libcontainer's state root.
     pub fn root(&self) -> &Path {
         &self.root
@@ -236,6 +244,8 @@ impl RuntimeClient {
             .arg(&self.root)
             .arg("--log")
             .arg(&log)
+            .arg("--criu")
+            .arg(&self.criu)
             .args(args)
             .current_dir(work_dir);
         match stdio {

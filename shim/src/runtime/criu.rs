@@ -34,14 +34,17 @@ pub const DESCRIPTORS: &str = "descriptors.json";
 const DUMP_LOG: &str = "dump.log";
 const RESTORE_LOG: &str = "restore.log";
 
-/// The CRIU binary: `CRAB_CRIU` or `criu` on `PATH`.
-fn criu() -> Result<Criu> {
-    let path = std::env::var("CRAB_CRIU").unwrap_or_else(|_| "criu".to_owned());
+/// A CRIU client of binary `path` (`[shim] criu`; a bare name is looked
+/// up on `PATH`).
+fn criu(path: &Path) -> Result<Criu> {
+    let path = path.to_string_lossy().into_owned();
     Criu::new_with_criu_path(path.clone()).with_context(|| format!("start CRIU ({path})"))
 }
 
 /// How to dump.
 pub struct DumpOpts<'a> {
+    /// The CRIU binary.
+    pub criu: &'a Path,
     /// Where the images go (created if missing).
     pub image_path: &'a Path,
     /// CRIU's work directory (logs), if not the image directory.
@@ -76,7 +79,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     )
     .context("write descriptors.json")?;
 
-    let mut criu = criu()?;
+    let mut criu = criu(opts.criu)?;
     let images =
         File::open(opts.image_path).with_context(|| format!("open {}", opts.image_path.display()))?;
     criu.set_images_dir_fd(images.as_raw_fd());
@@ -120,6 +123,8 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
 
 /// What a restore needs besides the images.
 pub struct RestoreOpts<'a> {
+    /// The CRIU binary.
+    pub criu: &'a Path,
     /// The images.
     pub image_path: &'a Path,
     /// CRIU's work directory (logs).
@@ -150,7 +155,7 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     )
     .context("parse descriptors.json")?;
 
-    let mut criu = criu()?;
+    let mut criu = criu(opts.criu)?;
     let images =
         File::open(opts.image_path).with_context(|| format!("open {}", opts.image_path.display()))?;
     criu.set_images_dir_fd(images.as_raw_fd());
