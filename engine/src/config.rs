@@ -1,4 +1,6 @@
-//! The `[crabd]` table of `crab.toml`, over the embedded defaults.
+//! `crab.toml`, the configuration every Crab component reads, over the
+//! embedded defaults (`packaging/crab.toml`): the loader every component
+//! uses, and crabd's own `[crabd]` table.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -40,7 +42,7 @@ pub struct CrabdConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file exists but cannot be read.
-    #[error("read {}: {source}", path.display())]
+    #[error("cannot read config {}: {source}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
@@ -48,8 +50,8 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is not valid TOML or has wrong keys in `[crabd]`.
-    #[error("parse {}: {source}", path.display())]
+    /// The file is not valid TOML, or a table has unknown keys or wrong types.
+    #[error("invalid config {}: {source}", path.display())]
     Parse {
         /// The file.
         path: PathBuf,
@@ -73,10 +75,7 @@ impl CrabdConfig {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load() -> Result<Self, ConfigError> {
-        let path = std::env::var_os(CONFIG_ENV)
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
-        Self::load_from(&path)
+        Self::load_from(&config_path())
     }
 
     /// Reads `path` over the embedded defaults.
@@ -84,38 +83,65 @@ impl CrabdConfig {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load_from(path: &Path) -> Result<Self, ConfigError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(source) => {
-                return Err(ConfigError::Read {
-                    path: path.to_owned(),
-                    source,
-                })
-            }
-        };
-        let parse = |text: &str| -> Result<CrabdConfig, toml::de::Error> {
-            let mut base: toml::Table = toml::from_str(EMBEDDED)?;
-            let over: toml::Table = toml::from_str(text)?;
-            if let (Some(toml::Value::Table(b)), Some(toml::Value::Table(o))) =
-                (base.get_mut("crabd"), over.get("crabd"))
-            {
-                for (k, v) in o {
-                    b.insert(k.clone(), v.clone());
-                }
-            }
-            let file: File = toml::Value::Table(base).try_into()?;
-            Ok(file.crabd)
-        };
-        parse(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source,
-        })
+        load::<File>(path).map(|f| f.crabd)
     }
 
     /// How long a shim's checkpoint or restore may take.
     pub fn shim_timeout(&self) -> Duration {
         Duration::from_secs(self.shim_timeout_secs)
+    }
+}
+
+/// The configuration file's path: `$CRAB_CONFIG`, or [`DEFAULT_CONFIG_PATH`].
+pub fn config_path() -> PathBuf {
+    std::env::var_os(CONFIG_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH))
+}
+
+/// Reads `path` (a missing file is an empty one) over the embedded
+/// `packaging/crab.toml` and deserializes the merged whole as `T`, each
+/// component taking the tables it knows.
+///
+/// # Errors
+/// The file exists but cannot be read, or the merge does not parse as `T`.
+pub fn load<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    parse(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Parses `text` as overrides of the embedded defaults, as `T`.
+///
+/// # Errors
+/// `text` is not TOML, or the merge does not parse as `T`.
+pub fn parse<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, toml::de::Error> {
+    let mut merged: toml::Table = toml::from_str(EMBEDDED)?;
+    let overrides: toml::Table = toml::from_str(text)?;
+    merge(&mut merged, overrides);
+    toml::Value::Table(merged).try_into()
+}
+
+/// Deep-merges `over` into `base`: tables merge key by key, values replace.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
     }
 }
 

@@ -10,12 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-/// Where the configuration is read from when `$CRAB_CONFIG` is unset.
-pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
-/// Environment variable that overrides [`DEFAULT_CONFIG_PATH`].
-pub const CONFIG_ENV: &str = "CRAB_CONFIG";
-
-const EMBEDDED: &str = include_str!("../../packaging/crab.toml");
+pub use crab_engine::config::{CONFIG_ENV, DEFAULT_CONFIG_PATH};
 
 /// The whole configuration file, as the shim reads it. Every component
 /// reads its own table (`[snapshotter]` belongs to the snapshotter); within
@@ -93,28 +88,7 @@ pub struct ProxyShimConfig {
     pub hold_timeout: u64,
 }
 
-/// Why the configuration could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file exists but could not be read.
-    #[error("cannot read config {path}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// What the OS said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML or has unknown keys or wrong types.
-    #[error("invalid config {path}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// Where and why parsing failed.
-        #[source]
-        source: toml::de::Error,
-    },
-}
+pub use crab_engine::config::ConfigError;
 
 // === impl Config ===
 
@@ -125,10 +99,7 @@ impl Config {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load() -> Result<Self, ConfigError> {
-        let path = std::env::var_os(CONFIG_ENV)
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
-        Self::load_from(&path)
+        Self::load_from(&crab_engine::config::config_path())
     }
 
     /// Reads `path` over the embedded defaults; a missing file gives the defaults.
@@ -136,28 +107,12 @@ impl Config {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load_from(path: &Path) -> Result<Self, ConfigError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(source) => {
-                return Err(ConfigError::Read {
-                    path: path.to_owned(),
-                    source,
-                })
-            }
-        };
-        Self::parse(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source,
-        })
+        crab_engine::config::load(path)
     }
 
-    /// Parses `text` as overrides of the embedded defaults.
+    #[cfg(test)]
     fn parse(text: &str) -> Result<Self, toml::de::Error> {
-        let mut merged: toml::Table = toml::from_str(EMBEDDED)?;
-        let overrides: toml::Table = toml::from_str(text)?;
-        merge(&mut merged, overrides);
-        Config::deserialize(toml::Value::Table(merged))
+        crab_engine::config::parse(text)
     }
 }
 
@@ -165,18 +120,6 @@ impl ShimConfig {
     /// Deadline of one forked runtime operation.
     pub fn runtime_timeout(&self) -> Duration {
         Duration::from_secs(self.runtime_timeout_secs)
-    }
-}
-
-/// Deep-merges `over` into `base`: tables merge key by key, values replace.
-fn merge(base: &mut toml::Table, over: toml::Table) {
-    for (key, value) in over {
-        match (base.get_mut(&key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
-            (_, value) => {
-                base.insert(key, value);
-            }
-        }
     }
 }
 

@@ -214,18 +214,8 @@ pub async fn rollback(
         let busy = d.busy(&reg.id);
         let _one_at_a_time = busy.lock().await;
         let started = Instant::now();
-        let sid = SandboxId::new(&reg.id)?;
-        let store = d.store.clone();
-        let version = blocking(move || match req.version {
-            VersionSel::Latest => store.latest_valid(&sid),
-            VersionSel::Number(n) => store.get(&sid, n),
-        })
-        .await?;
+        let (version, images_dir) = restorable(&d, &reg.id, req.version).await?;
         let number = version.record.version;
-        let images_dir = version.images_dir.ok_or_else(|| ApiError::NoProcessImage {
-            id: reg.id.clone(),
-            version: number,
-        })?;
         let call = ShimRestore {
             undo: req.undo,
             images_dir,
@@ -302,18 +292,8 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
         let busy = d.busy(&reg.id);
         let _one_at_a_time = busy.lock().await;
         let started = Instant::now();
-        let sid = SandboxId::new(&reg.id)?;
-        let store = d.store.clone();
-        let version = blocking(move || match req.version {
-            VersionSel::Latest => store.latest_valid(&sid),
-            VersionSel::Number(n) => store.get(&sid, n),
-        })
-        .await?;
+        let (version, images) = restorable(&d, &reg.id, req.version).await?;
         let number = version.record.version;
-        let images = version.images_dir.ok_or_else(|| ApiError::NoProcessImage {
-            id: reg.id.clone(),
-            version: number,
-        })?;
         let fs = version.record.fs_snapshot.ok_or_else(|| ApiError::NoFsSnapshot {
             id: reg.id.clone(),
             version: number,
@@ -400,6 +380,30 @@ pub(super) fn unix_ms() -> u128 {
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis()
+}
+
+/// Version `which` of sandbox `id`, verified (checksums, image hashes), and
+/// the directory of the process image it restores.
+pub(super) async fn restorable(
+    d: &Daemon,
+    id: &str,
+    which: VersionSel,
+) -> Result<(crate::Version, PathBuf), ApiError> {
+    let sid = SandboxId::new(id)?;
+    let store = d.store.clone();
+    let version = blocking(move || match which {
+        VersionSel::Latest => store.latest_valid(&sid),
+        VersionSel::Number(n) => store.get(&sid, n),
+    })
+    .await?;
+    let images = version
+        .images_dir
+        .clone()
+        .ok_or_else(|| ApiError::NoProcessImage {
+            id: id.to_owned(),
+            version: version.record.version,
+        })?;
+    Ok((version, images))
 }
 
 /// Destroys the file snapshots of sandbox `id` that `removal` left unused

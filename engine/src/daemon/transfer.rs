@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt;
 
-use super::routes::{blocking, start_copy};
+use super::routes::{blocking, restorable, start_copy};
 use super::{ApiError, Daemon};
 use crate::api::{ImportReport, VersionSel};
 use crate::archive::{self, ArchiveError};
@@ -35,18 +35,8 @@ pub async fn export(
     let file = super::routes::detached(async move {
         let busy = d.busy(&reg.id);
         let _one_at_a_time = busy.lock().await;
-        let sid = SandboxId::new(&reg.id)?;
-        let store = d.store.clone();
-        let v = blocking(move || match which {
-            VersionSel::Latest => store.latest_valid(&sid),
-            VersionSel::Number(n) => store.get(&sid, n),
-        })
-        .await?;
+        let (v, images_dir) = restorable(&d, &reg.id, which).await?;
         let number = v.record.version;
-        let images_dir = v.images_dir.clone().ok_or_else(|| ApiError::NoProcessImage {
-            id: reg.id.clone(),
-            version: number,
-        })?;
         let fs = v
             .record
             .fs_snapshot
