@@ -28,6 +28,9 @@ pub struct CrabdConfig {
     pub autostart: bool,
     /// The crabd binary the shim starts.
     pub binary: PathBuf,
+    /// Port of the host listener on 127.0.0.1 for agents outside their
+    /// sandbox (`/s/<sandbox>/…`); 0 disables it.
+    pub proxy_port: u16,
 }
 
 /// What reading the configuration can fail with.
