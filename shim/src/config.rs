@@ -89,6 +89,9 @@ pub struct ProxyShimConfig {
     pub upstream_total_timeout: u64,
     /// Longest hold of an answer, seconds.
     pub hold_timeout: u64,
+    /// Whether each turn end asks crabd for a checkpoint (and holds the
+    /// turn's answer until its version is published).
+    pub checkpoint_on_turn: bool,
 }
 
 /// Why the configuration could not be read.

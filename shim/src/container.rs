@@ -112,10 +112,14 @@ impl Container {
             proxy_plan: None,
             rootfs_mounts: req.rootfs.to_vec(),
         };
-        let plan = match proxy.config.enabled {
+        let mut plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };
+        if let Some(plan) = &mut plan {
+            // Beside the control socket (validated id: a safe file name).
+            plan.host_socket = Some(runtime.root().join(".ctl").join(format!("{}.proxy.sock", c.id)));
+        }
         match c.create_init(req, root.as_deref(), runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
@@ -124,7 +128,10 @@ impl Container {
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
-                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config).await {
+                    let hook = sandbox_proxy::turn_hook(proxy.config, &crate::service::config().crabd);
+                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config, hook)
+                        .await
+                    {
                         Ok(p) => c.proxy = Some(p),
                         Err(e) => log::error!("{}: no LLM proxy: {e}", c.id),
                     }
@@ -422,6 +429,11 @@ impl Container {
                 log::warn!("remove cgroup {}: {e}", cg.display());
             }
         }
+    }
+
+    /// The host-side socket of the sandbox's LLM proxy, if it runs.
+    pub fn proxy_socket(&self) -> Option<PathBuf> {
+        self.proxy.as_ref()?.host_socket().map(Path::to_owned)
     }
 
     /// The init (empty id) or an exec.

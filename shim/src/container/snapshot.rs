@@ -315,7 +315,8 @@ impl Container {
             p.stop().await;
         }
         let config = &crate::service::config().shim.proxy;
-        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config).await {
+        let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
+        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
             Err(e) => log::error!("{}: no LLM proxy after restore: {e}", self.id),
         }
