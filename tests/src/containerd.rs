@@ -258,10 +258,18 @@ impl Drop for Containerd {
     }
 }
 
-/// The `[crabd]` table of a test containerd: its own socket and root.
+/// The `[crabd]` table of a test containerd: its own socket, root and host
+/// listener port (tests run in parallel, each with its own crabd).
 fn crabd_table(dir: &Path) -> String {
     format!(
-        "[crabd]\nsocket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\n",
-        d = dir.display()
+        "[crabd]\nsocket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n",
+        d = dir.display(),
+        port = free_port()
     )
+}
+
+/// A port on 127.0.0.1 that nothing listened on a moment ago.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
 }
