@@ -125,7 +125,8 @@ fi
 # against a crab container through crabd's host listener
 # (tests/tests/mini_swe_agent.rs), in a venv of its own (it needs Python 3.10+).
 MINI_VENV=${MINI_VENV:-/opt/crab/mini-venv}
-if ! "$MINI_VENV/bin/python3" -c 'import minisweagent, litellm' 2>/dev/null; then
+# (Found, not imported: importing them writes config and reaches the network.)
+if ! "$MINI_VENV/bin/python3" -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("minisweagent", "litellm"))))' 2>/dev/null; then
   log "installing mini-swe-agent into $MINI_VENV"
   /usr/bin/python3 -m venv "$MINI_VENV" 2>/dev/null || python3 -m venv "$MINI_VENV"
   "$MINI_VENV/bin/pip" install -q --disable-pip-version-check 'mini-swe-agent>=2.4,<3'

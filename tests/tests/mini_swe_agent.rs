@@ -62,6 +62,7 @@ fn mini_swe_agent_completes_a_task_through_the_host_listener() {
         .env("DOCKER_HOST", d.host())
         .env("PATH", path_with_crab())
         .env("HOME", &base)
+        .env("MSWEA_GLOBAL_CONFIG_DIR", base.join("mini-config"))
         .env_remove("OPENAI_API_KEY")
         .env_remove("OPENAI_BASE_URL")
         .env_remove("http_proxy")
