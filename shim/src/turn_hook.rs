@@ -54,13 +54,18 @@ impl TurnHook for EngineHook {
                 );
                 Ok(())
             }
-            Err(
-                e @ (ClientError::Connect { .. }
-                | ClientError::Transport { .. }
-                | ClientError::Timeout { .. }),
-            ) => Err(HookError::Unavailable { source: Box::new(e) }),
-            Err(e @ (ClientError::Refused { .. } | ClientError::Decode { .. })) => {
-                Err(HookError::CheckpointFailed { source: Box::new(e) })
+            Err(e) => {
+                // The proxy's own tracing has no subscriber in the shim: say
+                // it here, in containerd's log, once per failed turn.
+                log::warn!("{sandbox}: turn {turn} has no version, its answer is released: {e}");
+                match e {
+                    ClientError::Connect { .. }
+                    | ClientError::Transport { .. }
+                    | ClientError::Timeout { .. } => Err(HookError::Unavailable { source: Box::new(e) }),
+                    ClientError::Refused { .. } | ClientError::Decode { .. } => {
+                        Err(HookError::CheckpointFailed { source: Box::new(e) })
+                    }
+                }
             }
         }
     }

@@ -3,6 +3,7 @@
 //! sandbox's proxy in its shim, so turns, transcript and gate are the
 //! sandbox's; with `checkpoint_on_turn`, every turn end becomes a crabd
 //! version before its answer is released. Needs root: CI runs it as root.
+//! The last test runs the agent inside its sandbox with the same hook.
 //!
 //! The agent is the official OpenAI SDK on the host (`fixtures/host_agent.py`,
 //! from the SDK venv of `packaging/install-deps.sh`).
@@ -248,6 +249,64 @@ fn each_turn_end_is_a_version_before_its_answer() {
         .collect();
     assert!(holds.iter().any(|h| *h > 0), "holds {holds:?}");
     eprintln!("holds (us): {holds:?}");
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn in_sandbox_agent_is_never_wedged_by_a_failing_turn_checkpoint() {
+    let llm = ScriptedLlm::scripted(vec![completion("inside")]);
+    let (ctd, base) = containerd("checkpoint_on_turn = true");
+    let id = "insidepx";
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    let post = "wget -qO- --header 'Content-Type: application/json' \
+                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    // Waits for the shim's registration with crabd (at Start, while the
+    // init already runs), then three turns; the answers land in a file.
+    let script = format!(
+        "while [ ! -e /tmp/go ]; do sleep 0.1; done; \
+         for i in 1 2 3; do {post} >> /tmp/answers; echo >> /tmp/answers; done; \
+         touch /tmp/done; sleep 3600"
+    );
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        id,
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_registered(&ctd, id);
+    let pid = ctd.task_pid(id).expect("running");
+    let root = PathBuf::from(format!("/proc/{pid}/root/tmp"));
+    std::fs::write(root.join("go"), "").unwrap();
+    crab_tests::wait_until(60, || root.join("done").exists().then_some(()))
+        .expect("the agent finished its three turns");
+    let answers = std::fs::read_to_string(root.join("answers")).unwrap();
+    assert_eq!(answers.matches("inside").count(), 3, "{answers}");
+
+    // FIXME: no turn of an agent inside its sandbox gets a version today:
+    // at the turn end its request to the proxy is an established TCP
+    // connection in the sandbox, which CRIU refuses to dump without
+    // `--tcp-established` (and a rollback would then need a policy for
+    // that connection, e.g. CRIU's `--tcp-close`). The gate releases each
+    // answer and records the failure, as it must.
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    assert_eq!(versions, serde_json::json!([]));
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
+    assert_eq!(gates, ["hook_failed"; 3]);
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
