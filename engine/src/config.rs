@@ -126,6 +126,7 @@ mod tests {
         let path = dir.path().join("crab.toml");
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.socket, PathBuf::from("/run/crab/crabd.sock"));
+        assert_eq!(cfg.proxy_port, 7879);
         std::fs::write(&path, "[crabd]\nroot = \"/x\"\n[shim]\nlog_level = \"debug\"\n").unwrap();
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.root, PathBuf::from("/x"));
