@@ -3,7 +3,8 @@
 //! sandbox's proxy in its shim, so turns, transcript and gate are the
 //! sandbox's; with `checkpoint_on_turn`, every turn end becomes a crabd
 //! version before its answer is released. Needs root: CI runs it as root.
-//! The last test runs the agent inside its sandbox with the same hook.
+//! The last test runs the agent inside its sandbox with the same hook, and
+//! rolls back to one of its turns.
 //!
 //! The agent is the official OpenAI SDK on the host (`fixtures/host_agent.py`,
 //! from the SDK venv of `packaging/install-deps.sh`).
@@ -257,8 +258,9 @@ fn each_turn_end_is_a_version_before_its_answer() {
 }
 
 #[test]
-fn in_sandbox_agent_is_never_wedged_by_a_failing_turn_checkpoint() {
-    let llm = ScriptedLlm::scripted(vec![completion("inside")]);
+fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
+    let answers: Vec<String> = (1..=6).map(|i| completion(&format!("answer{i}"))).collect();
+    let llm = ScriptedLlm::scripted(answers);
     let (ctd, base) = containerd("checkpoint_on_turn = true");
     let id = "insidepx";
     let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
@@ -268,7 +270,7 @@ fn in_sandbox_agent_is_never_wedged_by_a_failing_turn_checkpoint() {
     // init already runs), then three turns; the answers land in a file.
     let script = format!(
         "while [ ! -e /tmp/go ]; do sleep 0.1; done; \
-         for i in 1 2 3; do {post} >> /tmp/answers; echo >> /tmp/answers; done; \
+         for i in 1 2 3; do {post} >> /tmp/answers; echo \" rc=$?\" >> /tmp/answers; done; \
          touch /tmp/done; sleep 3600"
     );
     ctd.ctr_ok(&[
@@ -286,27 +288,45 @@ fn in_sandbox_agent_is_never_wedged_by_a_failing_turn_checkpoint() {
     ]);
     wait_registered(&ctd, id);
     let pid = ctd.task_pid(id).expect("running");
-    let root = PathBuf::from(format!("/proc/{pid}/root/tmp"));
-    std::fs::write(root.join("go"), "").unwrap();
-    crab_tests::wait_until(60, || root.join("done").exists().then_some(()))
+    let tmp = |pid: i32| PathBuf::from(format!("/proc/{pid}/root/tmp"));
+    std::fs::write(tmp(pid).join("go"), "").unwrap();
+    crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
         .expect("the agent finished its three turns");
-    let answers = std::fs::read_to_string(root.join("answers")).unwrap();
-    assert_eq!(answers.matches("inside").count(), 3, "{answers}");
+    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
+    for i in 1..=3 {
+        assert!(answers.contains(&format!("answer{i}")), "{answers}");
+    }
 
-    // FIXME: no turn of an agent inside its sandbox gets a version today:
-    // at the turn end its request to the proxy is an established TCP
-    // connection in the sandbox, which CRIU refuses to dump without
-    // `--tcp-established` (and a rollback would then need a policy for
-    // that connection, e.g. CRIU's `--tcp-close`). The gate releases each
-    // answer and records the failure, as it must.
+    // Each turn end is a version, taken while the agent's request to the
+    // proxy was open (CRIU keeps the connection).
     let versions = crabctl_ok(&ctd, &["versions", id]);
-    assert_eq!(versions, serde_json::json!([]));
+    let turns: Vec<u64> = versions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["turn"].as_u64())
+        .collect();
+    assert_eq!(turns, [1, 2, 3]);
     let path = base
         .join("transcripts")
         .join(&ctd.namespace)
         .join(format!("{id}.jsonl"));
     let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
-    assert_eq!(gates, ["hook_failed"; 3]);
+    assert_eq!(gates, ["opened"; 3]);
+
+    // Back to turn 2's end: the files are as they were (one answer), and the
+    // agent, restored mid-request on a connection whose proxy end is gone,
+    // is not wedged: its request fails and it goes on to the end.
+    let r = crabctl_ok(&ctd, &["rollback", id, "2"]);
+    let pid = r["pid"].as_i64().expect("pid") as i32;
+    crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
+        .expect("the restored agent finished");
+    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
+    assert!(answers.starts_with(&completion("answer1")), "{answers}");
+    assert!(
+        !answers.contains("answer2") && !answers.contains("answer3"),
+        "{answers}"
+    );
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);

@@ -118,8 +118,12 @@ impl Container {
             );
         }
         if let Some(images) = &req.images_dir {
+            // An agent inside the sandbox is waiting on its connection to
+            // the proxy at every turn end: CRIU refuses to dump a connected
+            // TCP socket unless told to keep it.
             let opts = CheckpointOpts {
                 work_path: Some(self.bundle.join(".crab-criu")),
+                tcp_established: true,
                 ..Default::default()
             };
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
@@ -244,9 +248,13 @@ impl Container {
             unified_cgroup: self.unified_cgroup.as_deref(),
         };
         let work = self.bundle.join(".crab-criu");
-        let (pid, rx) = runtime
-            .restore(&self.id, images, &work, &RestoreOpts::default(), launch)
-            .await?;
+        // Connections were dumped (see `checkpoint_frozen`). One to the
+        // proxy has no peer in the restored network namespace: the agent's
+        // next read or write on it fails, and its SDK retries on a new one.
+        let opts = RestoreOpts {
+            tcp_established: true,
+        };
+        let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         self.restart_proxy().await;
