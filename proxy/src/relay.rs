@@ -38,6 +38,25 @@ pub trait SandboxSockets: Send + Sync + 'static {
 ///
 /// Unknown sandboxes get 404, malformed paths 400, a sandbox whose socket
 /// does not answer 502, each with the proxy's JSON error body.
+///
+/// ```no_run
+/// # async fn demo() -> std::io::Result<()> {
+/// use std::path::PathBuf;
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use crab_proxy::{serve_relay, SandboxId, SandboxSockets};
+/// use tokio_util::sync::CancellationToken;
+///
+/// struct One;
+/// impl SandboxSockets for One {
+///     fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
+///         (id.as_str() == "sb1").then(|| PathBuf::from("/run/crab/runtime/default/.ctl/sb1.proxy.sock"))
+///     }
+/// }
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:7879").await?;
+/// serve_relay(listener, Arc::new(One), Duration::from_secs(30), CancellationToken::new()).await;
+/// # Ok(()) }
+/// ```
 pub async fn serve_relay(
     listener: TcpListener,
     sockets: Arc<dyn SandboxSockets>,
