@@ -121,6 +121,17 @@ if ! "$SDK_VENV/bin/python3" -c 'import openai, anthropic' 2>/dev/null; then
   "$SDK_VENV/bin/pip" install -q --disable-pip-version-check 'openai>=1.40,<3' 'anthropic>=0.34,<1'
 fi
 
+# mini-swe-agent, an unmodified agent the integration tests run on the host
+# against a crab container through crabd's host listener
+# (tests/tests/mini_swe_agent.rs), in a venv of its own (it needs Python 3.10+).
+MINI_VENV=${MINI_VENV:-/opt/crab/mini-venv}
+# (Found, not imported: importing them writes config and reaches the network.)
+if ! "$MINI_VENV/bin/python3" -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("minisweagent", "litellm"))))' 2>/dev/null; then
+  log "installing mini-swe-agent into $MINI_VENV"
+  /usr/bin/python3 -m venv "$MINI_VENV" 2>/dev/null || python3 -m venv "$MINI_VENV"
+  "$MINI_VENV/bin/pip" install -q --disable-pip-version-check 'mini-swe-agent>=2.4,<3'
+fi
+
 # Mounts that BPF and tests use.
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf || true
 mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing || true

@@ -4,19 +4,24 @@
 //! Self-contained: an in-process scripted upstream (hyper) and the proxy on
 //! its host listener, one sandbox per client (each client is one sequential
 //! agent), a turn-end hook that returns at once, transcripts fsynced to a
-//! temporary directory. Every request is a turn end
+//! temporary directory. A third column is crabd's host relay: the same
+//! sandboxes, each served on its own unix socket as a shim serves it, behind
+//! `serve_relay` (one more hop and one unix connection per request). Every request is a turn end
 //! (`POST /v1/chat/completions`): non-streaming latency, and time to first
 //! byte of a streaming answer, at 1 and 64 concurrent clients. Direct and
 //! proxied runs alternate per round so that machine noise hits both.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
 use crab_proxy::{
-    serve_host, Limits, NoopHook, Proxy, ProxyConfig, SandboxId, Timeouts, TurnEndRules, Upstreams,
+    serve_host, serve_relay, serve_sandbox, Limits, NoopHook, Proxy, ProxyConfig, SandboxId, SandboxSockets,
+    Timeouts, TurnEndRules, Upstreams,
 };
 use http_body_util::{channel::Channel, combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
@@ -36,6 +41,17 @@ enum Target {
     Direct,
     /// The proxy's host listener, one sandbox per client.
     Proxy,
+    /// crabd's host relay to each sandbox's unix socket.
+    Relay,
+}
+
+/// The sandboxes' unix sockets, by id (crabd's registry in the real thing).
+struct Sockets(HashMap<String, PathBuf>);
+
+impl SandboxSockets for Sockets {
+    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
+        self.0.get(id.as_str()).cloned()
+    }
 }
 
 const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}"#;
@@ -74,12 +90,27 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
         transcript_dir: dir.clone(),
     };
     let proxy = Proxy::new(config, Arc::new(NoopHook))?;
+    let mut sockets = HashMap::new();
+    std::fs::create_dir_all(&dir)?;
     for idx in 0..64 {
-        proxy.add_sandbox(SandboxId::new(format!("bench{idx}"))?).await?;
+        let id = format!("bench{idx}");
+        let sandbox = proxy.add_sandbox(SandboxId::new(id.clone())?).await?;
+        let socket = dir.join(format!("{id}.proxy.sock"));
+        let unix = tokio::net::UnixListener::bind(&socket)?;
+        tokio::spawn(serve_sandbox(unix, sandbox, shutdown.clone()));
+        sockets.insert(id, socket);
     }
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxied = format!("http://{}", listener.local_addr()?);
     tokio::spawn(serve_host(listener, proxy, shutdown.clone()));
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let relayed = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(serve_relay(
+        listener,
+        Arc::new(Sockets(sockets)),
+        Duration::from_secs(10),
+        shutdown.clone(),
+    ));
 
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
@@ -94,23 +125,26 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
         dir.display()
     );
     println!(
-        "{:<42} {:>10} {:>10} {:>12} {:>8}",
-        "figure", "direct", "proxy", "added (ms)", "ratio"
+        "{:<42} {:>10} {:>10} {:>12} {:>8} {:>10} {:>12}",
+        "figure", "direct", "proxy", "added (ms)", "ratio", "relay", "added (ms)"
     );
     for clients in [1usize, 64] {
         for stream in [false, true] {
             let mut direct = Vec::new();
             let mut via = Vec::new();
+            let mut relay = Vec::new();
             let per_client = (requests / clients).max(1);
             let rounds = 4;
             for round in 0..=rounds {
                 let n = (per_client / rounds).max(1);
                 let d = load(&client, &upstream, Target::Direct, clients, n, stream, think).await?;
                 let p = load(&client, &proxied, Target::Proxy, clients, n, stream, think).await?;
+                let r = load(&client, &relayed, Target::Relay, clients, n, stream, think).await?;
                 // Round 0 warms connections and caches.
                 if round > 0 {
                     direct.extend(d);
                     via.extend(p);
+                    relay.extend(r);
                 }
             }
             let what = if stream {
@@ -121,13 +155,16 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
             for p in [50.0, 99.0] {
                 let d = percentile(&mut direct, p);
                 let v = percentile(&mut via, p);
+                let r = percentile(&mut relay, p);
                 println!(
-                    "{:<42} {:>10} {:>10} {:>12} {:>8.2}",
+                    "{:<42} {:>10} {:>10} {:>12} {:>8.2} {:>10} {:>12}",
                     format!("{what} p{p:.0}, {clients} client(s) (ms)"),
                     ms(d),
                     ms(v),
                     ms(v.saturating_sub(d)),
-                    v.as_secs_f64() / d.as_secs_f64().max(1e-9)
+                    v.as_secs_f64() / d.as_secs_f64().max(1e-9),
+                    ms(r),
+                    ms(r.saturating_sub(d)),
                 );
             }
         }
@@ -152,7 +189,7 @@ async fn load(
     for idx in 0..clients {
         let client = client.clone();
         let url = match target {
-            Target::Proxy => format!("{base}/s/bench{idx}/v1/chat/completions"),
+            Target::Proxy | Target::Relay => format!("{base}/s/bench{idx}/v1/chat/completions"),
             Target::Direct => format!("{base}/v1/chat/completions"),
         };
         tasks.spawn(async move {

@@ -103,6 +103,12 @@ enum Command {
         #[arg(long)]
         containerd: Option<PathBuf>,
     },
+    /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
+    /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
+    ProxyUrl {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+    },
     /// Remove a version (and what only it used).
     RmVersion {
         /// Container id, or a unique prefix of one.
@@ -130,7 +136,34 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+enum RunError {
+    /// crabd refused or could not be reached.
+    #[error(transparent)]
+    Crabd(#[from] crab_engine::client::ClientError),
+    /// The sandbox has no URL on the host listener.
+    #[error("sandbox {sandbox} has no proxy URL: {}", if *has_proxy {
+        "crabd's host listener is off ([crabd] proxy_port = 0) or could not bind its port (see crabd's log)"
+    } else {
+        "it has no LLM proxy (it shares the host's network, or [shim.proxy] enabled = false)"
+    })]
+    NoProxyUrl {
+        /// The sandbox.
+        sandbox: String,
+        /// Whether its shim serves a proxy at all.
+        has_proxy: bool,
+    },
+}
+
+/// What `proxy-url` prints.
+#[derive(Serialize)]
+struct ProxyUrl {
+    sandbox: String,
+    url: String,
+}
+
+async fn run(cli: &Cli) -> Result<(), RunError> {
     let crabd = UnixClient::new(&cli.socket, "crabd", Duration::from_secs(cli.timeout));
     match &cli.command {
         Command::Ps => {
@@ -170,6 +203,7 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
                 let rows = list.iter().map(|v| match &v.record {
                     Some(r) => vec![
                         r.version.to_string(),
+                        r.turn.map_or("-".to_owned(), |t| t.to_string()),
                         class_name(r.class).to_owned(),
                         r.process_image.map_or("-".to_owned(), |p| p.to_string()),
                         r.fs_snapshot
@@ -181,14 +215,32 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
                     None => vec![
                         "?".to_owned(),
                         "?".to_owned(),
+                        "?".to_owned(),
                         "-".to_owned(),
                         "-".to_owned(),
                         "-".to_owned(),
                         v.defect.clone().unwrap_or_default(),
                     ],
                 });
-                table::render(&["VERSION", "CLASS", "IMAGE", "FS", "CREATED_MS", "STATUS"], rows)
+                table::render(
+                    &["VERSION", "TURN", "CLASS", "IMAGE", "FS", "CREATED_MS", "STATUS"],
+                    rows,
+                )
             });
+        }
+        Command::ProxyUrl { sandbox } => {
+            let info: SandboxInfo = crabd.get(&sandbox_path(sandbox, "")).await?;
+            let Some(url) = info.proxy_url.clone() else {
+                return Err(RunError::NoProxyUrl {
+                    sandbox: info.registration.id,
+                    has_proxy: info.registration.proxy.is_some(),
+                });
+            };
+            let out = ProxyUrl {
+                sandbox: info.registration.id,
+                url,
+            };
+            print(cli.json, &out, || format!("{}\n", out.url));
         }
         Command::Rollback {
             sandbox,
@@ -290,9 +342,13 @@ async fn run(cli: &Cli) -> Result<(), crab_engine::client::ClientError> {
     Ok(())
 }
 
-/// `/v1/sandboxes/<sel>/<what>`, the selector escaped for a path.
+/// `/v1/sandboxes/<sel>/<what>` (`/v1/sandboxes/<sel>` for an empty
+/// `what`), the selector escaped for a path.
 fn sandbox_path(sel: &str, what: &str) -> String {
-    format!("/v1/sandboxes/{}/{what}", escape(sel))
+    match what {
+        "" => format!("/v1/sandboxes/{}", escape(sel)),
+        _ => format!("/v1/sandboxes/{}/{what}", escape(sel)),
+    }
 }
 
 /// `s` percent-encoded for a URL path segment or query value.

@@ -8,8 +8,10 @@
 //! |---|---|---|
 //! | GET | `/sandboxes` | → `[SandboxInfo]` |
 //! | POST | `/sandboxes` | `Registration` → `SandboxInfo` (a shim registers) |
+//! | GET | `/sandboxes/{sel}` | → `SandboxInfo` |
 //! | DELETE | `/sandboxes/{id}` | → `{}` (a shim unregisters; versions stay) |
 //! | POST | `/sandboxes/{sel}/checkpoint` | `CheckpointRequest` → `CheckpointReport` |
+//! | POST | `/sandboxes/{sel}/turns` | `TurnEnd` → `CheckpointReport` (a shim's proxy: a turn ended) |
 //! | GET | `/sandboxes/{sel}/versions` | → `[VersionView]` |
 //! | POST | `/sandboxes/{sel}/rollback` | `RollbackRequest` → `RollbackReport` |
 //! | DELETE | `/sandboxes/{sel}/versions/{version}` | → `RemovalReport` |
@@ -19,6 +21,11 @@
 //!
 //! `{sel}` is a sandbox id or a unique prefix of one. Errors answer with a
 //! 4xx/5xx status and an [`ErrorBody`].
+//!
+//! crabd also serves agents that run outside their sandbox, on TCP
+//! `127.0.0.1:[crabd] proxy_port`: `/s/<id>/…` is relayed to the unix socket
+//! on which the sandbox's shim serves its LLM proxy
+//! ([`Registration::proxy`]); [`SandboxInfo::proxy_url`] is that base URL.
 //!
 //! A shim's routes: `POST /checkpoint` (`ShimCheckpoint` →
 //! `ShimCheckpointed`) and `POST /restore` (`ShimRestore` → `ShimRestored`).
@@ -50,6 +57,11 @@ pub struct Registration {
     pub pid: i32,
     /// The filesystem backend that can snapshot its rootfs, if one can.
     pub fs_backend: Option<BackendKind>,
+    /// The unix socket on which the shim serves the sandbox's LLM proxy on
+    /// the host, if the sandbox has a proxy (crabd relays its host listener
+    /// there).
+    #[serde(default)]
+    pub proxy: Option<PathBuf>,
 }
 
 /// A sandbox as `crabctl ps` lists it.
@@ -62,6 +74,19 @@ pub struct SandboxInfo {
     pub versions: usize,
     /// Its newest version number, if any.
     pub latest: Option<u64>,
+    /// The base URL of its LLM proxy on crabd's host listener
+    /// (`http://127.0.0.1:PORT/s/<id>`), when both exist.
+    pub proxy_url: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{sel}/turns`: the sandbox's proxy saw a turn end and
+/// holds the turn's answer until crabd has made the turn safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnEnd {
+    /// The turn that ended (from 1, per sandbox).
+    pub turn: u64,
+    /// How many turns of the transcript belong to the turn's version.
+    pub transcript_turns: u64,
 }
 
 /// `POST /v1/sandboxes/{sel}/checkpoint`.

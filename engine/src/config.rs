@@ -36,6 +36,9 @@ pub struct CrabdConfig {
     pub containerd: PathBuf,
     /// The containerd namespace imported sandboxes go to by default.
     pub namespace: String,
+    /// Port of the host listener on 127.0.0.1 for agents outside their
+    /// sandbox (`/s/<sandbox>/…`); 0 disables it.
+    pub proxy_port: u16,
 }
 
 /// What reading the configuration can fail with.
@@ -155,6 +158,7 @@ mod tests {
         let path = dir.path().join("crab.toml");
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.socket, PathBuf::from("/run/crab/crabd.sock"));
+        assert_eq!(cfg.proxy_port, 7879);
         std::fs::write(&path, "[crabd]\nroot = \"/x\"\n[shim]\nlog_level = \"debug\"\n").unwrap();
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.root, PathBuf::from("/x"));

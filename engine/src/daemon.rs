@@ -3,6 +3,10 @@
 //! register, and turns checkpoint and rollback requests into calls to each
 //! sandbox's shim and versions in the [`VersionStore`].
 //!
+//! It also runs the host listener for agents outside their sandbox
+//! (`host_listener`), and makes each turn end that a shim's proxy reports
+//! into a version (`turns`).
+//!
 //! One operation per sandbox runs at a time; sandboxes do not wait for each
 //! other. Work on a sandbox runs to its end even if the caller hangs up, so a
 //! version is either published whole or not at all.
@@ -19,9 +23,11 @@ use crate::config::CrabdConfig;
 use crate::{StoreError, VersionStore};
 
 mod error;
+mod host_listener;
 mod registry;
 mod routes;
 mod transfer;
+mod turns;
 
 pub use error::ApiError;
 pub use registry::Registry;
@@ -59,6 +65,8 @@ pub struct Daemon {
     store: VersionStore,
     registry: Registry,
     busy: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The port the host listener is bound to, if it runs.
+    proxy_port: Option<u16>,
 }
 
 // === impl Daemon ===
@@ -88,6 +96,7 @@ impl Daemon {
             store,
             registry,
             busy: parking_lot::Mutex::new(HashMap::new()),
+            proxy_port: None,
         })
     }
 
@@ -121,8 +130,12 @@ impl Daemon {
     pub fn router(self: Arc<Self>) -> Router {
         Router::new()
             .route("/v1/sandboxes", get(routes::list).post(routes::register))
-            .route("/v1/sandboxes/{sel}", delete(routes::unregister))
+            .route(
+                "/v1/sandboxes/{sel}",
+                get(routes::show).delete(routes::unregister),
+            )
             .route("/v1/sandboxes/{sel}/checkpoint", post(routes::checkpoint))
+            .route("/v1/sandboxes/{sel}/turns", post(turns::turn_ended))
             .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
             .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
             .route("/v1/sandboxes/{sel}/fork", post(routes::fork))
@@ -146,8 +159,14 @@ impl Daemon {
 /// [`DaemonError`] when it cannot start.
 pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let socket = config.socket.clone();
-    let daemon = Arc::new(Daemon::open(config)?);
+    let mut daemon = Daemon::open(config)?;
     let listener = bind(&socket).await?;
+    let host = host_listener::bind(daemon.config.proxy_port).await;
+    daemon.proxy_port = host.as_ref().map(|(_, port)| *port);
+    let daemon = Arc::new(daemon);
+    let stop_host = tokio_util::sync::CancellationToken::new();
+    let host_task =
+        host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
     let pid_file = daemon.config.root.join("crabd.pid");
     if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
         tracing::warn!(path = %pid_file.display(), "write pid file: {e}");
@@ -162,6 +181,10 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
             path: socket.clone(),
             source,
         });
+    stop_host.cancel();
+    if let Some(task) = host_task {
+        let _ = task.await;
+    }
     let _ = std::fs::remove_file(&socket);
     let _ = std::fs::remove_file(&pid_file);
     tracing::info!("crabd stopped");

@@ -39,6 +39,26 @@ pub enum Error {
         /// The id given.
         sandbox: String,
     },
+    /// The relay could not connect to a sandbox's proxy socket (its shim
+    /// is gone or not serving).
+    #[error("the proxy of sandbox {sandbox} does not answer")]
+    SandboxUnreachable {
+        /// The sandbox.
+        sandbox: String,
+        /// What connect said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The relay's exchange with a sandbox's proxy socket broke before the
+    /// response head.
+    #[error("the exchange with the proxy of sandbox {sandbox} failed")]
+    SandboxExchange {
+        /// The sandbox.
+        sandbox: String,
+        /// What hyper said.
+        #[source]
+        source: hyper::Error,
+    },
     /// A host-listener path is not `/s/<sandbox>/…`.
     #[error("path {path:?} does not start with /s/<sandbox>/")]
     NotASandboxPath {
@@ -69,6 +89,8 @@ impl Error {
             Self::UnknownSandbox { .. } => "crab_unknown_sandbox",
             Self::SandboxExists { .. } => "crab_sandbox_exists",
             Self::NotASandboxPath { .. } => "crab_not_a_sandbox_path",
+            Self::SandboxUnreachable { .. } => "crab_sandbox_unreachable",
+            Self::SandboxExchange { .. } => "crab_sandbox_exchange_failed",
             Self::Request(RequestError::TooLarge { .. }) => "crab_request_too_large",
             Self::Request(RequestError::BodyRead { .. }) => "crab_request_body_read",
             Self::Upstream(UpstreamError::Unreachable { .. }) => "crab_upstream_unreachable",
@@ -93,7 +115,9 @@ impl Error {
             Self::Upstream(UpstreamError::HeaderTimeout { .. } | UpstreamError::TotalTimeout { .. }) => {
                 StatusCode::GATEWAY_TIMEOUT
             }
-            Self::Upstream(_) => StatusCode::BAD_GATEWAY,
+            Self::Upstream(_) | Self::SandboxUnreachable { .. } | Self::SandboxExchange { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             Self::Config(_) | Self::Transcript(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

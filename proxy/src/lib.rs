@@ -12,8 +12,12 @@
 //! transcript (see [`transcript`] for the format and the durability rule).
 //!
 //! Public face: [`Proxy`] (registry, [`Proxy::add_sandbox`]), [`Sandbox`]
-//! (stats, replay, its tower service), [`serve_sandbox`] and [`serve_host`]
-//! (listeners), [`TurnHook`], [`ProxyConfig`], [`Error`].
+//! (stats, replay, its tower service), [`serve_sandbox`] (on any
+//! [`Listener`]: a sandbox's TCP loopback or its host-side unix socket),
+//! [`serve_host`] (every sandbox of one [`Proxy`] under `/s/<sandbox>/…`),
+//! [`serve_relay`] (crabd's host listener: `/s/<sandbox>/…` relayed to each
+//! sandbox's unix socket, found through [`SandboxSockets`]), [`TurnHook`],
+//! [`ProxyConfig`], [`Error`].
 //!
 //! Turn rules in detail: the k-th main-loop request of a sandbox ends turn k
 //! (from 1); a request refused before forwarding (413) is no turn; a
@@ -38,6 +42,7 @@ mod hook;
 mod id;
 mod limit;
 mod proxy;
+mod relay;
 mod replay;
 mod route;
 mod sandbox;
@@ -55,10 +60,11 @@ pub use hook::{HookError, NoopHook, TurnHook};
 pub use id::{InvalidSandboxId, SandboxId};
 pub use limit::RequestError;
 pub use proxy::Proxy;
+pub use relay::{serve_relay, SandboxSockets};
 pub use replay::{canonical, ReplayError};
 pub use route::{Api, InvalidRoutePattern, Provider, Route, RoutePattern, TurnEndRules};
 pub use sandbox::{Sandbox, SandboxService};
-pub use server::{serve_host, serve_sandbox, split_host_path};
+pub use server::{serve_host, serve_sandbox, split_host_path, Listener};
 pub use stats::{SandboxStats, TurnHold};
 pub use upstream::{StreamError, UpstreamError};
 

@@ -1,6 +1,7 @@
 //! Listeners: a sandbox's own listener (the shim binds it in the sandbox's
-//! network namespace and hands it over) and the host listener, where
-//! `/s/<sandbox>/…` routes to that sandbox with the prefix stripped.
+//! network namespace and hands it over, or a unix socket on the host that
+//! crabd relays to) and the host listener, where `/s/<sandbox>/…` routes to
+//! that sandbox with the prefix stripped.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,16 +15,47 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 
 use crate::{Error, Proxy, ProxyBody, Sandbox, SandboxId};
 
+/// A bound listener the proxy can serve: TCP (a sandbox's loopback, the
+/// host) or a unix socket (a sandbox's host-side socket).
+pub trait Listener: Send + 'static {
+    /// An accepted connection.
+    type Stream: AsyncRead + AsyncWrite + Send + Unpin + 'static;
+
+    /// Accepts the next connection; returns it and the peer, for logs.
+    fn accept(&self) -> impl Future<Output = std::io::Result<(Self::Stream, String)>> + Send;
+}
+
+impl Listener for TcpListener {
+    type Stream = tokio::net::TcpStream;
+
+    async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
+        let (stream, peer) = TcpListener::accept(self).await?;
+        // Small SSE chunks must not wait for Nagle.
+        let _ = stream.set_nodelay(true);
+        Ok((stream, peer.to_string()))
+    }
+}
+
+impl Listener for UnixListener {
+    type Stream = tokio::net::UnixStream;
+
+    async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
+        let (stream, _) = UnixListener::accept(self).await?;
+        Ok((stream, "unix".to_owned()))
+    }
+}
+
 /// Serves `sandbox` on `listener` until `shutdown` is cancelled; then stops
 /// accepting, drops open connections and returns once their tasks ended.
-pub async fn serve_sandbox(listener: TcpListener, sandbox: Sandbox, shutdown: CancellationToken) {
+pub async fn serve_sandbox<L: Listener>(listener: L, sandbox: Sandbox, shutdown: CancellationToken) {
     let header_timeout = sandbox.shared_header_timeout();
     let service = sandbox.service();
     accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
@@ -58,12 +90,13 @@ pub fn split_host_path(path_and_query: &str) -> Result<(SandboxId, String), Erro
     Ok((id, tail))
 }
 
-async fn accept_loop<S>(
-    listener: TcpListener,
+pub(crate) async fn accept_loop<L, S>(
+    listener: L,
     header_timeout: Duration,
     shutdown: CancellationToken,
     make: impl Fn() -> S,
 ) where
+    L: Listener,
     S: Service<Request<Incoming>, Response = Response<ProxyBody>, Error = Infallible>
         + Clone
         + Send
@@ -85,7 +118,6 @@ async fn accept_loop<S>(
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(make());
         let shutdown = shutdown.clone();
         tracker.spawn(async move {

@@ -222,7 +222,7 @@ impl Body for TeeBody {
             }
             Poll::Ready(Some(Err(error))) => {
                 let end = match error {
-                    StreamError::Upstream { .. } => StreamEnd::UpstreamError,
+                    StreamError::Upstream { .. } | StreamError::Sandbox { .. } => StreamEnd::UpstreamError,
                     StreamError::IdleTimeout { .. } => StreamEnd::IdleTimeout,
                     StreamError::TotalTimeout { .. } => StreamEnd::TotalTimeout,
                 };

@@ -79,6 +79,13 @@ pub enum StreamError {
         #[source]
         source: hyper::Error,
     },
+    /// The body from a sandbox's proxy socket broke off (host relay).
+    #[error("sandbox proxy body failed")]
+    Sandbox {
+        /// What hyper said.
+        #[source]
+        source: hyper::Error,
+    },
     /// The upstream went silent for longer than the idle deadline.
     #[error("upstream body idle for {after:?}")]
     IdleTimeout {

@@ -86,6 +86,9 @@ pub struct ProxyShimConfig {
     pub upstream_total_timeout: u64,
     /// Longest hold of an answer, seconds.
     pub hold_timeout: u64,
+    /// Whether each turn end asks crabd for a checkpoint (and holds the
+    /// turn's answer until its version is published).
+    pub checkpoint_on_turn: bool,
 }
 
 pub use crab_engine::config::ConfigError;
@@ -149,5 +152,6 @@ mod tests {
     fn missing_file_gives_defaults() {
         let cfg = Config::load_from(Path::new("/nonexistent/crab.toml")).unwrap();
         assert_eq!(cfg.shim.runtime_timeout(), Duration::from_secs(60));
+        assert!(!cfg.shim.proxy.checkpoint_on_turn, "turn checkpoints are opt-in");
     }
 }

@@ -125,10 +125,14 @@ impl Container {
                 call: "restore of a container with a terminal",
             });
         }
-        let plan = match proxy.config.enabled {
+        let mut plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };
+        if let Some(plan) = &mut plan {
+            // Beside the control socket (validated id: a safe file name).
+            plan.host_socket = Some(runtime.root().join(".ctl").join(format!("{}.proxy.sock", c.id)));
+        }
         if c.pending_restore.is_some() {
             // The init is restored at Start; its proxy starts then, in the
             // restored network namespace.
@@ -152,7 +156,10 @@ impl Container {
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
-                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config).await {
+                    let hook = sandbox_proxy::turn_hook(proxy.config, &crate::service::config().crabd);
+                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config, hook)
+                        .await
+                    {
                         Ok(p) => c.proxy = Some(p),
                         Err(e) => log::error!("{}: no LLM proxy: {e}", c.id),
                     }
@@ -460,6 +467,11 @@ impl Container {
                 log::warn!("remove cgroup {}: {e}", cg.display());
             }
         }
+    }
+
+    /// The host-side socket of the sandbox's LLM proxy, if it runs.
+    pub fn proxy_socket(&self) -> Option<PathBuf> {
+        self.proxy.as_ref()?.host_socket().map(Path::to_owned)
     }
 
     /// The init (empty id) or an exec.

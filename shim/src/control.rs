@@ -53,9 +53,9 @@ impl Control {
         (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
     ) -> std::io::Result<Control> {
-        let (id, pid, fs_backend) = {
+        let (id, pid, fs_backend, proxy) = {
             let c = container.lock().await;
-            (c.id.clone(), c.init.pid, c.fs_backend())
+            (c.id.clone(), c.init.pid, c.fs_backend(), c.proxy_socket())
         };
         let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
         std::fs::create_dir_all(socket.parent().expect("a socket path has a parent"))?;
@@ -90,6 +90,7 @@ impl Control {
                 control: socket,
                 pid,
                 fs_backend,
+                proxy,
             };
             match register(&client, &reg, config).await {
                 Ok(()) => control.crabd = Some((client, id)),

@@ -30,6 +30,7 @@ mod runtime;
 mod sandbox_proxy;
 mod service;
 mod task;
+mod turn_hook;
 
 pub use config::Config;
 pub use error::Error;

@@ -5,6 +5,12 @@
 //! An agent whose spec already sets a variable keeps its service: that value
 //! becomes the sandbox's upstream. Sandboxes that share the host's network
 //! namespace get no proxy (one port cannot serve them all).
+//!
+//! The same sandbox is also served on a root-only unix socket on the host
+//! (`<runtime root>/.ctl/<id>.proxy.sock`), which crabd's host listener
+//! relays to for agents that run outside the sandbox: one turn counter, one
+//! transcript, one gate, whichever way the agent comes in. The gate's hook is
+//! crabd (`crate::turn_hook`) when `checkpoint_on_turn` is set.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -12,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crab_proxy::{
-    Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, Upstreams,
+    Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, TurnHook, Upstreams,
 };
 use serde_json::Value;
 use tokio::task::JoinHandle;
@@ -26,6 +32,8 @@ pub struct SandboxProxy {
     sandbox: Sandbox,
     shutdown: CancellationToken,
     task: JoinHandle<()>,
+    /// The host-side socket and its server, if it could be bound.
+    host: Option<(PathBuf, JoinHandle<()>)>,
 }
 
 /// What Create decided before the container existed.
@@ -34,6 +42,8 @@ pub struct ProxyPlan {
     upstreams: (String, String),
     /// The variables (`NAME=value`) that point SDKs at the proxy.
     pub env: Vec<String>,
+    /// Where to serve the sandbox on the host (for crabd's host listener).
+    pub host_socket: Option<PathBuf>,
 }
 
 /// Points the agent's SDKs at the proxy in the bundle's `config.json`
@@ -113,18 +123,21 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
     Ok(Some(ProxyPlan {
         upstreams: (openai, anthropic),
         env: injected,
+        host_socket: None,
     }))
 }
 
 impl SandboxProxy {
     /// Opens the listener in the network namespace of `pid` and serves the
-    /// sandbox `id` of containerd namespace `namespace`.
+    /// sandbox `id` of containerd namespace `namespace` there and on the
+    /// plan's host socket; `hook` is called at each turn end.
     pub async fn start(
         namespace: &str,
         id: &str,
         pid: i32,
         plan: ProxyPlan,
         cfg: &ProxyShimConfig,
+        hook: Arc<dyn TurnHook>,
     ) -> Result<Self> {
         let port = cfg.port;
         // setns changes only the calling thread: a thread of its own, which
@@ -175,8 +188,7 @@ impl SandboxProxy {
             id: id.to_owned(),
             reason: e.to_string(),
         };
-        // No engine yet: every turn is safe at once.
-        let proxy = Proxy::new(config, Arc::new(NoopHook)).map_err(proxy_error)?;
+        let proxy = Proxy::new(config, hook).map_err(proxy_error)?;
         let sid = SandboxId::new(id).map_err(|e| Error::Proxy {
             id: id.to_owned(),
             reason: e.to_string(),
@@ -189,18 +201,57 @@ impl SandboxProxy {
             shutdown.clone(),
         ));
         log::info!("{id}: LLM proxy on 127.0.0.1:{port} in the sandbox");
+        // The sandbox runs without the host socket if it cannot be bound:
+        // only agents outside the sandbox miss it, and the log says why.
+        let host = match &plan.host_socket {
+            Some(path) => match bind_host_socket(path) {
+                Ok(listener) => {
+                    let serve = crab_proxy::serve_sandbox(listener, sandbox.clone(), shutdown.clone());
+                    log::info!("{id}: LLM proxy on {} for crabd's host listener", path.display());
+                    Some((path.clone(), tokio::spawn(serve)))
+                }
+                Err(e) => {
+                    log::warn!("{id}: no host socket {}: {e}", path.display());
+                    None
+                }
+            },
+            None => None,
+        };
         Ok(SandboxProxy {
             sandbox,
             shutdown,
             task,
+            host,
         })
     }
 
-    /// Stops serving and flushes the transcript.
+    /// The host-side socket, if the sandbox is served there.
+    pub fn host_socket(&self) -> Option<&Path> {
+        self.host.as_ref().map(|(path, _)| path.as_path())
+    }
+
+    /// Stops serving (both listeners), flushes the transcript and removes
+    /// the host socket.
     pub async fn stop(self) {
         self.shutdown.cancel();
         self.sandbox.shutdown().await;
         let _ = self.task.await;
+        if let Some((path, task)) = self.host {
+            let _ = task.await;
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The hook of a sandbox's gate: crabd's checkpoint of each turn when
+/// `checkpoint_on_turn` is set and shims register with crabd, otherwise none.
+pub fn turn_hook(cfg: &ProxyShimConfig, crabd: &crate::config::CrabdShimConfig) -> Arc<dyn TurnHook> {
+    if cfg.checkpoint_on_turn && crabd.register {
+        let limit = Duration::from_secs(cfg.hold_timeout);
+        Arc::new(crate::turn_hook::EngineHook::new(&crabd.socket, limit))
+    } else {
+        // Every turn is safe at once.
+        Arc::new(NoopHook)
     }
 }
 
@@ -255,6 +306,22 @@ fn private_netns(spec: &Value) -> bool {
             matches!((theirs, ours), (Ok(a), Ok(b)) if a != b)
         }
     }
+}
+
+/// Binds the root-only host socket at `path` (a stale one is replaced).
+fn bind_host_socket(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
 }
 
 fn bind_in_netns(pid: i32, port: u16) -> std::io::Result<std::net::TcpListener> {

@@ -149,6 +149,12 @@ impl Shim for Service {
                 let _ = std::fs::remove_file(path);
             }
         }
+        // Nor its control socket and its proxy's host socket (crabd's
+        // registration stays: crabd answers for a sandbox whose shim is gone).
+        let ctl = runtime.root().join(".ctl");
+        for name in [format!("{}.sock", self.id), format!("{}.proxy.sock", self.id)] {
+            let _ = std::fs::remove_file(ctl.join(name));
+        }
         Ok(DeleteResponse {
             pid: 0,
             exit_status: 128 + libc::SIGKILL as u32,

@@ -258,12 +258,14 @@ impl Drop for Containerd {
     }
 }
 
-/// `toml` with the `[crabd]` socket and root of a test containerd (in its
-/// directory), added to the caller's `[crabd]` table if it has one.
+/// `toml` with the `[crabd]` socket, root and host listener port of a test
+/// containerd (tests run in parallel, each with its own crabd), added to the
+/// caller's `[crabd]` table if it has one.
 fn with_own_crabd(toml: &str, dir: &Path) -> String {
     let keys = format!(
-        "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\n",
-        d = dir.display()
+        "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n",
+        d = dir.display(),
+        port = free_port()
     );
     match toml.find("[crabd]\n") {
         Some(at) => {
@@ -272,4 +274,10 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
         }
         None => format!("{toml}\n[crabd]\n{keys}"),
     }
+}
+
+/// A port on 127.0.0.1 that nothing listened on a moment ago.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
 }

@@ -29,11 +29,17 @@ pub struct Dockerd {
 impl Dockerd {
     /// Starts containerd and dockerd, and loads the busybox image.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`Dockerd::start`], with `env` in its containerd's environment
+    /// (which the shims inherit), e.g. a `CRAB_CONFIG`.
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
         let lock = File::create("/tmp/crab-tests-dockerd.lock").expect("create lock file");
         let lock = Flock::lock(lock, FlockArg::LockExclusive)
             .map_err(|(_, e)| e)
             .expect("lock");
-        let containerd = Containerd::start();
+        let containerd = Containerd::start_full("", env);
         let dir = PathBuf::from(format!("/tmp/{}", unique("crabdk")));
         std::fs::create_dir_all(&dir).expect("create dockerd dir");
         let daemon_json = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../packaging/docker/daemon.json");
@@ -69,12 +75,15 @@ impl Dockerd {
         d
     }
 
+    /// Its API address, as `DOCKER_HOST` takes it.
+    pub fn host(&self) -> String {
+        format!("unix://{}/d.sock", self.dir.display())
+    }
+
     /// A `docker` command against this daemon.
     pub fn docker_cmd(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new("docker");
-        cmd.arg("-H")
-            .arg(format!("unix://{}/d.sock", self.dir.display()))
-            .args(args);
+        cmd.arg("-H").arg(self.host()).args(args);
         cmd
     }
 

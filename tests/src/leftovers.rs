@@ -7,6 +7,9 @@ use std::process::Command;
 
 use crate::wait_until;
 
+/// The shim's default state directory (`[shim] state_dir`).
+const STATE_DIR: &str = "/run/crab/runtime";
+
 /// Where one client's containers leave traces.
 pub struct Scope {
     /// containerd's socket.
@@ -55,6 +58,17 @@ fn leftovers(scope: &Scope, ids: &[&str]) -> Vec<String> {
         let sock = shim_socket(&addr, &scope.namespace, id);
         if sock.exists() {
             left.push(format!("shim socket {}", sock.display()));
+        }
+        // The control socket and the proxy's host socket, under the default
+        // state directory (which tests keep).
+        let ctl = Path::new(STATE_DIR).join(&scope.namespace).join(".ctl");
+        for sock in [
+            ctl.join(format!("{id}.sock")),
+            ctl.join(format!("{id}.proxy.sock")),
+        ] {
+            if sock.exists() {
+                left.push(format!("socket {}", sock.display()));
+            }
         }
     }
     for root in cgroup_roots() {

@@ -1,6 +1,7 @@
 //! A scripted upstream LLM for tests: an HTTP/1.1 server on the host's
-//! loopback that answers every POST with a fixed chat completion and every
-//! GET with an empty model list, and records what it was asked.
+//! loopback that answers every POST with a fixed chat completion (or the
+//! next one of a script; as an SSE stream when the request asks to stream)
+//! and every GET with an empty model list, and records what it was asked.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -13,20 +14,38 @@ pub struct ScriptedLlm {
     seen: Arc<Mutex<Vec<String>>>,
 }
 
+/// The answers to successive POSTs; the last one repeats.
+struct Script {
+    answers: Vec<String>,
+    n_posts: usize,
+}
+
 /// The answer to every POST.
 pub const ANSWER: &str = r#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"scripted answer"},"finish_reason":"stop"}]}"#;
 
 impl ScriptedLlm {
-    /// Starts the server on an ephemeral port.
+    /// Starts the server on an ephemeral port; every POST gets [`ANSWER`].
     pub fn start() -> Self {
+        Self::scripted(vec![ANSWER.to_owned()])
+    }
+
+    /// Starts the server; the k-th POST gets `answers[k]` (the last one
+    /// for every POST after), each a chat completion JSON object.
+    ///
+    /// # Panics
+    /// If `answers` is empty.
+    pub fn scripted(answers: Vec<String>) -> Self {
+        assert!(!answers.is_empty(), "a script needs an answer");
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind scripted LLM");
         let port = listener.local_addr().expect("local addr").port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
+        let script = Arc::new(Mutex::new(Script { answers, n_posts: 0 }));
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let log = log.clone();
-                std::thread::spawn(move || serve(stream, &log));
+                let script = script.clone();
+                std::thread::spawn(move || serve(stream, &log, &script));
             }
         });
         ScriptedLlm { port, seen }
@@ -38,7 +57,45 @@ impl ScriptedLlm {
     }
 }
 
-fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>) {
+/// A complete chat completion whose message says `content`.
+pub fn completion(content: &str) -> String {
+    serde_json::json!({
+        "id": "chatcmpl-crab", "object": "chat.completion", "created": 0, "model": "crab-scripted",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    })
+    .to_string()
+}
+
+/// A complete chat completion that calls the tool `bash` with `command`.
+pub fn bash_call(call_id: &str, command: &str) -> String {
+    let arguments = serde_json::json!({ "command": command }).to_string();
+    serde_json::json!({
+        "id": "chatcmpl-crab", "object": "chat.completion", "created": 0, "model": "crab-scripted",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "bash", "arguments": arguments}}
+        ]}, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    })
+    .to_string()
+}
+
+/// `answer` (a chat completion) as an SSE stream of one chunk per choice.
+fn as_stream(answer: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(answer).unwrap_or_default();
+    let content = v["choices"][0]["message"]["content"].clone();
+    let chunk = serde_json::json!({
+        "id": "chatcmpl-crab", "object": "chat.completion.chunk", "created": 0, "model": "crab-scripted",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": content}, "finish_reason": null}]
+    });
+    let last = serde_json::json!({
+        "id": "chatcmpl-crab", "object": "chat.completion.chunk", "created": 0, "model": "crab-scripted",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    });
+    format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n")
+}
+
+fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>, script: &Mutex<Script>) {
     let mut reader = BufReader::new(stream.try_clone().expect("clone stream"));
     let mut writer = stream;
     loop {
@@ -66,14 +123,23 @@ fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>) {
         if reader.read_exact(&mut body).is_err() {
             return;
         }
-        let answer = if request.starts_with("POST") {
-            ANSWER
+        let streaming = serde_json::from_slice::<serde_json::Value>(&body)
+            .is_ok_and(|v| v["stream"] == serde_json::Value::Bool(true));
+        let (answer, content_type) = if request.starts_with("POST") {
+            let mut script = script.lock().expect("lock");
+            let idx = script.n_posts.min(script.answers.len() - 1);
+            script.n_posts += 1;
+            let answer = script.answers[idx].clone();
+            match streaming {
+                true => (as_stream(&answer), "text/event-stream"),
+                false => (answer, "application/json"),
+            }
         } else {
-            r#"{"data":[]}"#
+            (r#"{"data":[]}"#.to_owned(), "application/json")
         };
         log.lock().expect("lock").push(request);
         let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
             answer.len()
         );
         if writer

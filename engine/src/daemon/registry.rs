@@ -72,6 +72,11 @@ impl Registry {
         known
     }
 
+    /// The sandbox whose id is exactly `id`.
+    pub fn get(&self, id: &str) -> Option<Registration> {
+        self.sandboxes.lock().get(id).cloned()
+    }
+
     /// Every registration, by id.
     pub fn all(&self) -> Vec<Registration> {
         self.sandboxes.lock().values().cloned().collect()

@@ -15,15 +15,15 @@ use super::{ApiError, Daemon};
 use crate::api::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, FsTarget, Registration, RemovalReport,
     RollbackReport, RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimRestore,
-    ShimRestored, VersionSel, VersionView,
+    ShimRestored, TurnEnd, VersionSel, VersionView,
 };
 use crate::client::UnixClient;
 use crate::containerd::Containerd;
 use crate::{Capture, Class, FsSnapshot, NewVersion, SandboxId, StoreError};
 
-type Reply<T> = Result<Json<T>, ApiError>;
+pub(super) type Reply<T> = Result<Json<T>, ApiError>;
 
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+pub(super) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest {
         reason: e.to_string(),
     })
@@ -63,8 +63,13 @@ fn info(d: &Daemon, registration: Registration) -> SandboxInfo {
         .ok()
         .and_then(|sid| d.store.versions(&sid).ok())
         .unwrap_or_default();
+    let proxy_url = registration
+        .proxy
+        .as_ref()
+        .and_then(|_| d.proxy_url(&registration.id));
     SandboxInfo {
         registration,
+        proxy_url,
         versions: versions.len(),
         latest: versions
             .iter()
@@ -77,6 +82,12 @@ fn info(d: &Daemon, registration: Registration) -> SandboxInfo {
 pub async fn list(State(d): State<Arc<Daemon>>) -> Reply<Vec<SandboxInfo>> {
     let all = d.registry.all();
     Ok(Json(all.into_iter().map(|r| info(&d, r)).collect()))
+}
+
+/// `GET /v1/sandboxes/{sel}`.
+pub async fn show(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<SandboxInfo> {
+    let reg = d.registry.resolve(&sel)?;
+    Ok(Json(info(&d, reg)))
 }
 
 /// `POST /v1/sandboxes`: a shim registers its sandbox.
@@ -114,75 +125,88 @@ pub async fn checkpoint(
 ) -> Reply<CheckpointReport> {
     let req: CheckpointRequest = parse(&body)?;
     let reg = d.registry.resolve(&sel)?;
-    detached(async move {
-        let busy = d.busy(&reg.id);
-        let _one_at_a_time = busy.lock().await;
-        let started = Instant::now();
-        let sid = SandboxId::new(&reg.id)?;
-        let needs_fs = matches!(req.class, Class::Fs | Class::Full);
-        let fs = if needs_fs {
-            let backend = reg.fs_backend.ok_or_else(|| ApiError::NoFsBackend { id: reg.id.clone() })?;
-            let name = SnapshotName::new(&format!("c{}", unix_ms())).expect("a valid snapshot name");
-            Some(FsSnapshot { backend, name })
-        } else {
-            None
+    detached(async move { take_checkpoint(&d, reg, req.class, None).await.map(Json) }).await
+}
+
+/// Makes a version of `reg`'s sandbox as `class` asks, one operation per
+/// sandbox at a time: a manifest line only (`none`), or a checkpoint by the
+/// shim (freeze, snapshot files, dump processes, thaw), then publishes it.
+/// `turn` is the turn end it belongs to, if a turn's proxy asked.
+pub(super) async fn take_checkpoint(
+    d: &Arc<Daemon>,
+    reg: Registration,
+    class: Class,
+    turn: Option<TurnEnd>,
+) -> Result<CheckpointReport, ApiError> {
+    let busy = d.busy(&reg.id);
+    let _one_at_a_time = busy.lock().await;
+    let started = Instant::now();
+    let sid = SandboxId::new(&reg.id)?;
+    let needs_fs = matches!(class, Class::Fs | Class::Full);
+    let fs = if needs_fs {
+        let backend = reg
+            .fs_backend
+            .ok_or_else(|| ApiError::NoFsBackend { id: reg.id.clone() })?;
+        let name = SnapshotName::new(&format!("c{}", unix_ms())).expect("a valid snapshot name");
+        Some(FsSnapshot { backend, name })
+    } else {
+        None
+    };
+    let capture = match (class, fs.clone()) {
+        (Class::Fs, Some(f)) => Capture::Fs(f),
+        (Class::Full, Some(f)) => Capture::Full(f),
+        (Class::Proc, _) => Capture::Proc,
+        _ => Capture::Nothing,
+    };
+    let store = d.store.clone();
+    let sid2 = sid.clone();
+    let pending = blocking(move || {
+        store.begin_version(
+            &sid2,
+            NewVersion {
+                turn: turn.map(|t| t.turn),
+                transcript_turns: turn.map_or(0, |t| t.transcript_turns),
+                capture,
+            },
+        )
+    })
+    .await?;
+    let frozen_ms = if class == Class::None {
+        0.0
+    } else {
+        let call = ShimCheckpoint {
+            images_dir: pending.images_dir().map(ToOwned::to_owned),
+            fs: fs.map(|f| FsTarget {
+                name: f.name,
+                store: d.fs_store(&reg.id),
+            }),
         };
-        let capture = match (req.class, fs.clone()) {
-            (Class::Fs, Some(f)) => Capture::Fs(f),
-            (Class::Full, Some(f)) => Capture::Full(f),
-            (Class::Proc, _) => Capture::Proc,
-            _ => Capture::Nothing,
-        };
-        let store = d.store.clone();
-        let sid2 = sid.clone();
-        let pending = blocking(move || {
-            store.begin_version(
-                &sid2,
-                NewVersion {
-                    turn: None,
-                    transcript_turns: 0,
-                    capture,
-                },
-            )
-        })
-        .await?;
-        let frozen_ms = if req.class == Class::None {
-            0.0
-        } else {
-            let call = ShimCheckpoint {
-                images_dir: pending.images_dir().map(ToOwned::to_owned),
-                fs: fs.map(|f| FsTarget {
-                    name: f.name,
-                    store: d.fs_store(&reg.id),
-                }),
-            };
-            let done: ShimCheckpointed = shim(&d, &reg)
+        let done: ShimCheckpointed =
+            shim(d, &reg)
                 .post("/checkpoint", &call)
                 .await
                 .map_err(|source| ApiError::Shim {
                     id: reg.id.clone(),
                     source,
                 })?;
-            done.frozen_ms
-        };
-        let version = blocking(move || pending.publish()).await?;
-        let total_ms = started.elapsed().as_secs_f64() * 1e3;
-        if d.config.keep_versions > 0 {
-            let store = d.store.clone();
-            let keep = d.config.keep_versions;
-            match blocking(move || store.retain(&sid, keep)).await {
-                Ok(removal) => destroy_unused(&d, &reg.id, &removal),
-                Err(e) => tracing::warn!(sandbox = reg.id, "retention: {e}"),
-            }
+        done.frozen_ms
+    };
+    let version = blocking(move || pending.publish()).await?;
+    let total_ms = started.elapsed().as_secs_f64() * 1e3;
+    if d.config.keep_versions > 0 {
+        let store = d.store.clone();
+        let keep = d.config.keep_versions;
+        match blocking(move || store.retain(&sid, keep)).await {
+            Ok(removal) => destroy_unused(d, &reg.id, &removal),
+            Err(e) => tracing::warn!(sandbox = reg.id, "retention: {e}"),
         }
-        tracing::info!(sandbox = reg.id, version = version.version, class = ?version.class, frozen_ms, total_ms, "checkpoint published");
-        Ok(Json(CheckpointReport {
-            version,
-            frozen_ms,
-            total_ms,
-        }))
+    }
+    tracing::info!(sandbox = reg.id, version = version.version, turn = version.turn, class = ?version.class, frozen_ms, total_ms, "checkpoint published");
+    Ok(CheckpointReport {
+        version,
+        frozen_ms,
+        total_ms,
     })
-    .await
 }
 
 /// `GET /v1/sandboxes/{sel}/versions`.

@@ -120,8 +120,12 @@ impl Container {
             );
         }
         if let Some(images) = &req.images_dir {
+            // An agent inside the sandbox is waiting on its connection to
+            // the proxy at every turn end: CRIU refuses to dump a connected
+            // TCP socket unless told to keep it.
             let opts = CheckpointOpts {
                 work_path: Some(self.bundle.join(".crab-criu")),
+                tcp_established: true,
                 ..Default::default()
             };
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
@@ -259,9 +263,14 @@ impl Container {
             unified_cgroup: self.unified_cgroup.as_deref(),
         };
         let work = self.bundle.join(".crab-criu");
-        let (pid, rx) = runtime
-            .restore(&self.id, images, &work, &RestoreOpts::default(), launch)
-            .await?;
+        // Connections were dumped (see `checkpoint_frozen`). One to the
+        // proxy has no peer in the restored network namespace: the agent's
+        // next read or write on it fails, and its SDK retries on a new one.
+        let opts = RestoreOpts {
+            tcp_established: true,
+            ..Default::default()
+        };
+        let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         self.restart_proxy().await;
@@ -283,8 +292,8 @@ impl Container {
             unified_cgroup: self.unified_cgroup.as_deref(),
         };
         let opts = RestoreOpts {
+            tcp_established: true,
             fresh_bundle: Some(self.bundle.clone()),
-            ..Default::default()
         };
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
@@ -362,7 +371,8 @@ impl Container {
             p.stop().await;
         }
         let config = &crate::service::config().shim.proxy;
-        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config).await {
+        let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
+        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
             Err(e) => log::error!("{}: no LLM proxy after restore: {e}", self.id),
         }

@@ -1,0 +1,118 @@
+//! The host relay (crabd's host listener): `/s/<sandbox>/…` reaches the
+//! sandbox served on its unix socket, turns and streams included; unknown
+//! sandboxes, dead sockets and bad paths get clear answers.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crab_proxy::{SandboxId, SandboxSockets};
+use support::{chat_body, Harness};
+use tokio_util::sync::CancellationToken;
+
+/// A fixed table of sockets, as crabd's registry would give them.
+struct Table(HashMap<String, PathBuf>);
+
+impl SandboxSockets for Table {
+    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
+        self.0.get(id.as_str()).cloned()
+    }
+}
+
+#[tokio::test]
+async fn relays_turns_and_streams_to_the_sandbox_socket() {
+    let h = Harness::plain().await;
+    let socket = h.dir.path().join("sb1.proxy.sock");
+    let unix = tokio::net::UnixListener::bind(&socket).expect("bind unix");
+    let shutdown = CancellationToken::new();
+    let sandbox_server = tokio::spawn(crab_proxy::serve_sandbox(
+        unix,
+        h.sandbox.clone(),
+        shutdown.clone(),
+    ));
+    let table = Table(HashMap::from([
+        ("sb1".to_owned(), socket),
+        ("dead".to_owned(), h.dir.path().join("nothing.sock")),
+    ]));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let host = format!("http://{}", listener.local_addr().expect("addr"));
+    let relay = tokio::spawn(crab_proxy::serve_relay(
+        listener,
+        Arc::new(table),
+        Duration::from_secs(5),
+        shutdown.clone(),
+    ));
+    let post = |url: String, body: serde_json::Value| {
+        h.client
+            .post(url)
+            .header("authorization", "Bearer sk-secret")
+            .header("content-type", "application/json")
+            .body(body.to_string())
+    };
+
+    // A non-streaming turn, an auxiliary request, a stream chunk by chunk.
+    let resp = post(
+        format!("{host}/s/sb1/v1/chat/completions?x=1"),
+        chat_body("gpt-test", false),
+    )
+    .send()
+    .await
+    .expect("send");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-upstream"], "scripted");
+    let models = h
+        .client
+        .get(format!("{host}/s/sb1/v1/models"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(models.status(), 200);
+    let mut stream = post(
+        format!("{host}/s/sb1/v1/chat/completions"),
+        chat_body("gated", true),
+    )
+    .send()
+    .await
+    .expect("send");
+    // The upstream holds the rest until `release`: the first chunk must
+    // already have crossed both hops.
+    let first = stream.chunk().await.expect("chunk").expect("first chunk");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    h.upstream.release();
+    while stream.chunk().await.expect("chunk").is_some() {}
+
+    let seen = h.upstream.seen();
+    assert_eq!(
+        seen[0].path, "/v1/chat/completions?x=1",
+        "prefix stripped, query kept"
+    );
+    assert_eq!(seen[0].headers["authorization"], "Bearer sk-secret");
+    assert_eq!(h.sandbox.last_turn(), 2, "the model list is no turn");
+    assert_eq!(h.hook.calls.lock().len(), 2);
+    assert_eq!(h.turns().await.len(), 2);
+
+    for (path, status, code) in [
+        ("/s/nope/v1/chat/completions", 404, "crab_unknown_sandbox"),
+        ("/s/dead/v1/chat/completions", 502, "crab_sandbox_unreachable"),
+        ("/s/..%2f/v1/chat/completions", 400, "crab_invalid_sandbox_id"),
+        ("/v1/chat/completions", 400, "crab_not_a_sandbox_path"),
+    ] {
+        let resp = post(format!("{host}{path}"), chat_body("gpt-test", false))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), status, "{path}");
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(body["error"]["type"], code, "{path}");
+    }
+    shutdown.cancel();
+    for task in [relay, sandbox_server] {
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("server stops")
+            .expect("join");
+    }
+}

@@ -1,0 +1,335 @@
+//! Agents outside their sandbox: crabd's host listener relays
+//! `http://127.0.0.1:PORT/s/<sandbox>/…` (`crabctl proxy-url`) to the
+//! sandbox's proxy in its shim, so turns, transcript and gate are the
+//! sandbox's; with `checkpoint_on_turn`, every turn end becomes a crabd
+//! version before its answer is released. Needs root: CI runs it as root.
+//! The last test runs the agent inside its sandbox with the same hook, and
+//! rolls back to one of its turns.
+//!
+//! The agent is the official OpenAI SDK on the host (`fixtures/host_agent.py`,
+//! from the SDK venv of `packaging/install-deps.sh`).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use crab_tests::image::BUSYBOX;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::llm::{completion, ScriptedLlm};
+use crab_tests::sandbox::{crabctl_err, crabctl_ok, wait_registered};
+use crab_tests::{Containerd, CRAB};
+use serde_json::Value;
+
+/// containerd whose shims read `extra` (a `[shim.proxy]` table body) and
+/// write transcripts into a directory of the test's.
+fn containerd(extra: &str) -> (Containerd, PathBuf) {
+    let base = std::env::temp_dir().join(crab_tests::unique("crabhp"));
+    std::fs::create_dir_all(&base).unwrap();
+    let config = base.join("crab.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[shim.proxy]\ntranscript_dir = \"{}\"\n{extra}\n",
+            base.join("transcripts").display()
+        ),
+    )
+    .unwrap();
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    (ctd, base)
+}
+
+/// Runs busybox `sleep` as crab sandbox `id` whose agent's upstream is `llm`.
+fn run_sandbox(ctd: &Containerd, llm: &ScriptedLlm, id: &str) {
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        id,
+        "sleep",
+        "3600",
+    ]);
+    wait_registered(ctd, id);
+}
+
+fn sdk_python() -> PathBuf {
+    let python = PathBuf::from("/opt/crab/sdk-venv/bin/python3");
+    assert!(
+        python.exists(),
+        "{} missing: run packaging/install-deps.sh",
+        python.display()
+    );
+    python
+}
+
+/// Runs the host agent against `url` for `n_turns`; returns its answers.
+fn host_agent(url: &str, n_turns: u32, extras: bool) -> Vec<Value> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/host_agent.py");
+    let mut cmd = std::process::Command::new(sdk_python());
+    cmd.arg(script).arg(url).arg(n_turns.to_string());
+    if extras {
+        cmd.arg("--stream-and-models");
+    }
+    let out = cmd
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("http_proxy")
+        .env_remove("HTTP_PROXY")
+        .output()
+        .expect("run the host agent");
+    assert!(
+        out.status.success(),
+        "host agent failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).expect("the agent prints JSON");
+    got["answers"].as_array().expect("answers").clone()
+}
+
+/// The turn records of a transcript.
+fn turn_records(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "turn")
+        .collect()
+}
+
+/// `GET path` on 127.0.0.1:`port` with a raw HTTP/1.1 request: the status
+/// and the body.
+fn raw_get(port: u16, path: &str) -> (u16, Value) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(s, "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").expect("send");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("read");
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+fn port_of(url: &str) -> u16 {
+    let rest = url.strip_prefix("http://127.0.0.1:").expect("a loopback URL");
+    rest.split('/')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a port")
+}
+
+#[test]
+fn host_agent_reaches_its_sandbox_through_crabd() {
+    let llm = ScriptedLlm::scripted(vec![completion("one"), completion("two"), completion("three")]);
+    let (ctd, base) = containerd("");
+    let id = "hostpx";
+    run_sandbox(&ctd, &llm, id);
+
+    // The URL names the exact id, also when asked by prefix.
+    let shown = crabctl_ok(&ctd, &["proxy-url", "hostp"]);
+    assert_eq!(shown["sandbox"], id);
+    let url = shown["url"].as_str().expect("url").to_owned();
+    assert!(url.ends_with(&format!("/s/{id}")), "{url}");
+    let port = port_of(&url);
+
+    // Non-streaming, streaming, a model list (no turn), non-streaming.
+    let answers = host_agent(&url, 3, true);
+    assert_eq!(
+        answers,
+        [
+            Value::from("one"),
+            Value::from("two"),
+            serde_json::json!([]),
+            Value::from("three")
+        ]
+    );
+    assert_eq!(
+        llm.seen(),
+        [
+            "POST /v1/chat/completions",
+            "POST /v1/chat/completions",
+            "GET /v1/models",
+            "POST /v1/chat/completions"
+        ]
+    );
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    let turns = turn_records(&path);
+    let numbers: Vec<u64> = turns.iter().filter_map(|t| t["turn"].as_u64()).collect();
+    assert_eq!(numbers, [1, 2, 3], "every turn of the host agent");
+    let raw = std::fs::read_to_string(&path).unwrap();
+    assert!(raw.contains("go on 1"), "requests recorded");
+    assert!(
+        !raw.contains("sk-crab-host-secret"),
+        "the API key is never written"
+    );
+
+    // Bad input gets clear answers.
+    let (status, body) = raw_get(port, "/s/nope/v1/models");
+    assert_eq!(
+        (status, &body["error"]["type"]),
+        (404, &Value::from("crab_unknown_sandbox"))
+    );
+    let (status, body) = raw_get(port, "/s/hostp/v1/models");
+    assert_eq!(status, 404, "no prefixes on the host listener: {body}");
+    let (status, body) = raw_get(port, "/v1/models");
+    assert_eq!(
+        (status, &body["error"]["type"]),
+        (400, &Value::from("crab_not_a_sandbox_path"))
+    );
+    let err = crabctl_err(&ctd, &["proxy-url", "nope"]);
+    assert!(err.contains("nope"), "{err}");
+
+    // Removed: the socket is gone and the sandbox unknown.
+    let ps = crabctl_ok(&ctd, &["ps"]);
+    let socket = ps[0]["proxy"]
+        .as_str()
+        .expect("a registered proxy socket")
+        .to_owned();
+    assert!(Path::new(&socket).exists(), "{socket}");
+    ctd.remove(id);
+    assert!(!Path::new(&socket).exists(), "{socket} left behind");
+    assert_eq!(raw_get(port, &format!("/s/{id}/v1/models")).0, 404);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn each_turn_end_is_a_version_before_its_answer() {
+    let llm = ScriptedLlm::scripted(vec![completion("a"), completion("b"), completion("c")]);
+    let (ctd, base) = containerd("checkpoint_on_turn = true");
+    let id = "turnpx";
+    run_sandbox(&ctd, &llm, id);
+    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
+        .as_str()
+        .expect("url")
+        .to_owned();
+
+    let answers = host_agent(&url, 3, false);
+    assert_eq!(answers, ["a", "b", "c"]);
+
+    // One full version per turn end, numbered by its turn; the conversation
+    // that belongs to turn N is turns 1..N-1.
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    let versions = versions.as_array().expect("a list");
+    let got: Vec<(u64, u64, &str, u64)> = versions
+        .iter()
+        .map(|v| {
+            assert!(v["defect"].is_null(), "{v}");
+            assert!(v["process_image"].is_u64(), "a process image: {v}");
+            (
+                v["version"].as_u64().unwrap(),
+                v["turn"].as_u64().unwrap(),
+                v["class"].as_str().unwrap(),
+                v["transcript_turns"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, [(1, 1, "full", 0), (2, 2, "full", 1), (3, 3, "full", 2)]);
+
+    // The gate opened for every turn, each hold recorded; the upstream
+    // answers at once, so answers waited for their checkpoints.
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    let turns = turn_records(&path);
+    assert_eq!(turns.len(), 3);
+    let holds: Vec<u64> = turns
+        .iter()
+        .map(|t| {
+            assert_eq!(t["gate"], "opened", "{t}");
+            t["timing"]["hold_us"].as_u64().expect("hold recorded")
+        })
+        .collect();
+    assert!(holds.iter().any(|h| *h > 0), "holds {holds:?}");
+    eprintln!("holds (us): {holds:?}");
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
+    let answers: Vec<String> = (1..=6).map(|i| completion(&format!("answer{i}"))).collect();
+    let llm = ScriptedLlm::scripted(answers);
+    let (ctd, base) = containerd("checkpoint_on_turn = true");
+    let id = "insidepx";
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    let post = "wget -qO- --header 'Content-Type: application/json' \
+                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    // Waits for the shim's registration with crabd (at Start, while the
+    // init already runs), then three turns; the answers land in a file.
+    let script = format!(
+        "while [ ! -e /tmp/go ]; do sleep 0.1; done; \
+         for i in 1 2 3; do {post} >> /tmp/answers; echo \" rc=$?\" >> /tmp/answers; done; \
+         touch /tmp/done; sleep 3600"
+    );
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        id,
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_registered(&ctd, id);
+    let pid = ctd.task_pid(id).expect("running");
+    let tmp = |pid: i32| PathBuf::from(format!("/proc/{pid}/root/tmp"));
+    std::fs::write(tmp(pid).join("go"), "").unwrap();
+    crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
+        .expect("the agent finished its three turns");
+    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
+    for i in 1..=3 {
+        assert!(answers.contains(&format!("answer{i}")), "{answers}");
+    }
+
+    // Each turn end is a version, taken while the agent's request to the
+    // proxy was open (CRIU keeps the connection).
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    let turns: Vec<u64> = versions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["turn"].as_u64())
+        .collect();
+    assert_eq!(turns, [1, 2, 3]);
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
+    assert_eq!(gates, ["opened"; 3]);
+
+    // Back to turn 2's end: the files are as they were (one answer), and the
+    // agent, restored mid-request on a connection whose proxy end is gone,
+    // is not wedged: its request fails and it goes on to the end.
+    let r = crabctl_ok(&ctd, &["rollback", id, "2"]);
+    let pid = r["pid"].as_i64().expect("pid") as i32;
+    crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
+        .expect("the restored agent finished");
+    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
+    assert!(answers.starts_with(&completion("answer1")), "{answers}");
+    assert!(
+        !answers.contains("answer2") && !answers.contains("answer3"),
+        "{answers}"
+    );
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}
