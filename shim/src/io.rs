@@ -104,7 +104,9 @@ pub async fn prepare(paths: &StdioPaths, console_dir: &Path) -> Result<(ChildStd
     }
     let mut io = ProcessIo::default();
     let stdin = if paths.stdin.is_empty() {
-        None
+        // A pipe with no writer reads as EOF, like /dev/null (see `output`).
+        let (r, _closed) = os_pipe()?;
+        Some(r)
     } else {
         let (r, w) = os_pipe()?;
         let w = pipe::Sender::from_owned_fd(w).map_err(Error::io("stdin pipe"))?;
@@ -248,7 +250,13 @@ async fn futures_join(handles: Vec<JoinHandle<()>>) {
 
 async fn output(uri: &str, io: &mut ProcessIo) -> Result<Option<OwnedFd>> {
     if uri.is_empty() {
-        return Ok(None);
+        // No destination: a pipe the shim drains, not the host's /dev/null,
+        // which CRIU cannot place in the container's mounts at a dump.
+        let (r, w) = os_pipe()?;
+        let r = pipe::Receiver::from_owned_fd(r).map_err(Error::io("output pipe"))?;
+        io.outputs
+            .push(tokio::spawn(copy(r, Box::new(tokio::io::sink()))));
+        return Ok(Some(w));
     }
     if let Some(path) = uri.strip_prefix("file://") {
         return Ok(Some(open_log_file(path)?));

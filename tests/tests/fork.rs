@@ -92,6 +92,26 @@ fn fork_runs_independently_of_its_source() {
     assert!(tree_digest(f2pid, "/data").contains_key("f2"));
     ctd.remove(&second);
 
+    // A fork checkpoints like any sandbox; a version of another sandbox (a
+    // manifest line copied from the source) is refused.
+    let c1 = crabctl_ok(&ctd, &["checkpoint", copy]);
+    assert_eq!(c1["version"]["version"], 1);
+    let manifests = ctd.crabd_root().join("sandboxes");
+    let theirs = std::fs::read_to_string(manifests.join(id).join("versions.log")).unwrap();
+    let foreign = theirs.lines().last().unwrap().to_owned();
+    let ours = manifests.join(copy).join("versions.log");
+    let mut text = std::fs::read_to_string(&ours).unwrap();
+    text.push_str(&foreign);
+    text.push('\n');
+    std::fs::write(&ours, text).unwrap();
+    let e = crabctl_err(&ctd, &["rollback", copy, "2"]);
+    assert!(e.contains("belongs to sandbox orig"), "{e}");
+    assert_eq!(
+        ask(fpid, STORE, "get a"),
+        "10",
+        "the refused rollback left the fork alone"
+    );
+
     // Removing the source leaves the fork running.
     ctd.remove(id);
     assert_eq!(ask(fpid, STORE, "get a"), "10");

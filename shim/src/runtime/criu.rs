@@ -170,12 +170,20 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();
     for (n, target) in descriptors.iter().enumerate() {
-        if target.starts_with("pipe:") {
-            let fd = inheritable(n as RawFd)?;
-            criu.add_inherit_fd(fd.as_raw_fd(), target.clone())
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            keep.push(fd);
-        }
+        // A pipe is known by its inode; the host's /dev/null by its path
+        // from the root, without the slash. Left to CRIU, /dev/null would
+        // be reopened on a mount of CRIU's own, which the next dump cannot
+        // find ("Can't lookup mount"): the restored init must hold the
+        // host's, as a created one does.
+        let key = match target.as_str() {
+            t if t.starts_with("pipe:") => t.to_owned(),
+            "/dev/null" => "dev/null".to_owned(),
+            _ => continue,
+        };
+        let fd = inheritable(n as RawFd)?;
+        criu.add_inherit_fd(fd.as_raw_fd(), key)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        keep.push(fd);
     }
     if let Some(path) = joined_netns(&spec) {
         let ns = File::open(&path).with_context(|| format!("open {}", path.display()))?;
