@@ -149,6 +149,11 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
             ms(percentile(&mut cn, p))
         );
     }
+    println!(
+        "note: CRIU thaws the freezer once it has seized the tasks (they stay stopped under ptrace),\n\
+         so the sampled figure undercounts crab's pause; crab's own measure (freeze to thaw in the\n\
+         shim) is the time its processes could not run. runc's is containerd's pause window."
+    );
     println!("targets: frozen crab/runc <= 1.2; restore < 1000 ms (runc: containerd 1.6 has no restore of a running task to compare)");
     for id in ["ck-runc", "ck-crab"] {
         ctd.remove(id);
