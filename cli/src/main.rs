@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use crab_engine::api::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportReport, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, VersionSel, VersionView,
+    RollbackReport, RollbackRequest, SandboxInfo, TurnReport, VersionSel, VersionView,
 };
 use crab_engine::client::UnixClient;
 use crab_engine::Class;
@@ -69,6 +69,17 @@ enum Command {
         /// loses the sandbox's processes instead of putting it back.
         #[arg(long)]
         no_undo: bool,
+    },
+    /// End a sandbox's current turn by hand and print what it changed
+    /// (`none`, `fs`, `proc` or `full`, and why).
+    Turn {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
+    },
+    /// Print each turn report of a sandbox as its turns end (until Ctrl-C).
+    Watch {
+        /// Container id, or a unique prefix of one.
+        sandbox: String,
     },
     /// Start a new sandbox from a version; both then run independently.
     Fork {
@@ -259,6 +270,22 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 )
             });
         }
+        Command::Turn { sandbox } => {
+            let r: TurnReport = crabd.post(&sandbox_path(sandbox, "turn"), &()).await?;
+            print(cli.json, &r, || turn_line(&r));
+        }
+        Command::Watch { sandbox } => {
+            let json = cli.json;
+            crabd
+                .lines(&sandbox_path(sandbox, "watch"), |line| {
+                    match serde_json::from_str::<TurnReport>(line) {
+                        Ok(r) if !json => print!("{}", turn_line(&r)),
+                        _ => println!("{line}"),
+                    }
+                    true
+                })
+                .await?;
+        }
         Command::Fork {
             sandbox,
             version,
@@ -359,6 +386,12 @@ fn escape(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// One line per turn report: turn, class, and the reasons in short.
+fn turn_line(r: &TurnReport) -> String {
+    let reasons: Vec<String> = r.reasons.iter().map(|v| v.to_string()).collect();
+    format!("turn {} {}: {}\n", r.turn, class_name(r.class), reasons.join(" "))
 }
 
 fn class_name(c: Class) -> &'static str {

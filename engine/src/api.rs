@@ -16,6 +16,8 @@
 //! | POST | `/sandboxes/{sel}/rollback` | `RollbackRequest` → `RollbackReport` |
 //! | DELETE | `/sandboxes/{sel}/versions/{version}` | → `RemovalReport` |
 //! | POST | `/sandboxes/{sel}/fork` | `ForkRequest` → `ForkReport` |
+//! | POST | `/sandboxes/{sel}/turn` | → `TurnReport` (ends the inspector's turn by hand) |
+//! | GET | `/sandboxes/{sel}/watch` | → `TurnReport`s as JSON lines, as turns end |
 //! | GET | `/sandboxes/{sel}/versions/{version}/export` | → a tar archive (`crate::archive`) |
 //! | POST | `/import?name=&namespace=&containerd=` | a tar archive → `ImportReport` |
 //!
@@ -62,6 +64,25 @@ pub struct Registration {
     /// there).
     #[serde(default)]
     pub proxy: Option<PathBuf>,
+    /// The sandbox's cgroup directory in the unified (v2) hierarchy, by
+    /// which the inspector follows its tasks.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
+}
+
+/// What a turn of a sandbox changed, as the inspector saw it
+/// (`crabctl turn`, `crabctl watch`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnReport {
+    /// The sandbox.
+    pub sandbox: String,
+    /// The inspector's turn number for the sandbox, from 1.
+    pub turn: u64,
+    /// What recovery needs of the turn: `none`, `fs`, `proc` or `full`.
+    pub class: Class,
+    /// Why (a bounded sample: changed paths, started or exited processes,
+    /// or why the inspector could not vouch for the turn).
+    pub reasons: Vec<serde_json::Value>,
 }
 
 /// A sandbox as `crabctl ps` lists it.

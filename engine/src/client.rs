@@ -259,6 +259,36 @@ impl UnixClient {
         self.limited(work).await
     }
 
+    /// `GET path`, handing each line of the streamed answer to `on_line`
+    /// until the server ends it or `on_line` returns false. No time limit:
+    /// a watch runs as long as its caller wants.
+    pub async fn lines(&self, path: &str, mut on_line: impl FnMut(&str) -> bool) -> Result<(), ClientError> {
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(format!("http://crab{path}"))
+            .body(Full::new(Bytes::new()))
+            .expect("a well-formed request");
+        let resp = self.send(req).await?;
+        if resp.status() != StatusCode::OK {
+            self.ok_body(resp).await?;
+            unreachable!("ok_body refuses every other status");
+        }
+        let mut body = resp.into_body();
+        let mut pending: Vec<u8> = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|source| self.transport(source))?;
+            let Some(data) = frame.data_ref() else { continue };
+            pending.extend_from_slice(data);
+            while let Some(at) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=at).collect();
+                if !on_line(String::from_utf8_lossy(&line[..at]).as_ref()) {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn limited<T>(
         &self,
         work: impl std::future::Future<Output = Result<T, ClientError>>,

@@ -24,12 +24,14 @@ use crate::{StoreError, VersionStore};
 
 mod error;
 mod host_listener;
+mod inspect;
 mod registry;
 mod routes;
 mod transfer;
 mod turns;
 
 pub use error::ApiError;
+pub use inspect::{Inspection, TurnInspector};
 pub use registry::Registry;
 
 /// Why crabd could not start or stopped.
@@ -67,6 +69,8 @@ pub struct Daemon {
     busy: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The port the host listener is bound to, if it runs.
     proxy_port: Option<u16>,
+    /// Turn classes from the inspector.
+    inspection: Inspection,
 }
 
 // === impl Daemon ===
@@ -97,7 +101,18 @@ impl Daemon {
             registry,
             busy: parking_lot::Mutex::new(HashMap::new()),
             proxy_port: None,
+            inspection: Inspection::new(None),
         })
+    }
+
+    /// Classifies turns with `inspector`, and follows the registered
+    /// sandboxes with it.
+    pub fn with_inspector(mut self, inspector: Box<dyn TurnInspector>) -> Self {
+        self.inspection = Inspection::new(Some(inspector));
+        for reg in self.registry.all() {
+            self.inspection.register(&reg.id, reg.cgroup.as_deref());
+        }
+        self
     }
 
     /// The lock that keeps a sandbox's operations one at a time.
@@ -139,6 +154,8 @@ impl Daemon {
             .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
             .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
             .route("/v1/sandboxes/{sel}/fork", post(routes::fork))
+            .route("/v1/sandboxes/{sel}/turn", post(inspect::turn))
+            .route("/v1/sandboxes/{sel}/watch", get(inspect::watch))
             .route(
                 "/v1/sandboxes/{sel}/versions/{version}/export",
                 get(transfer::export),

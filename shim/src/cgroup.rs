@@ -25,6 +25,12 @@ pub fn unified_cgroup(cgroups_path: &Path) -> Option<PathBuf> {
     Some(mount.join(relative(cgroups_path)))
 }
 
+/// The container's cgroup directory in the unified (v2) hierarchy, on v2
+/// and v1-hybrid hosts alike (what the inspector keys sandboxes by).
+pub fn cgroup2_dir(cgroups_path: &Path) -> Option<PathBuf> {
+    Some(unified_mount()?.join(relative(cgroups_path)))
+}
+
 /// Removes the container's unified cgroup; gone already is fine.
 ///
 /// The kernel refuses while a process is inside, which cannot happen here:

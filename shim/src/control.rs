@@ -53,9 +53,15 @@ impl Control {
         (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
     ) -> std::io::Result<Control> {
-        let (id, pid, fs_backend, proxy) = {
+        let (id, pid, fs_backend, proxy, cgroup) = {
             let c = container.lock().await;
-            (c.id.clone(), c.init.pid, c.fs_backend(), c.proxy_socket())
+            (
+                c.id.clone(),
+                c.init.pid,
+                c.fs_backend(),
+                c.proxy_socket(),
+                crate::cgroup::cgroup2_dir(&c.cgroups_path),
+            )
         };
         let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
         std::fs::create_dir_all(socket.parent().expect("a socket path has a parent"))?;
@@ -90,6 +96,7 @@ impl Control {
                 control: socket,
                 pid,
                 fs_backend,
+                cgroup,
                 proxy,
             };
             match register(&client, &reg, config).await {

@@ -75,6 +75,9 @@ pub enum ApiError {
     /// An archive to import is truncated, tampered with or invalid.
     #[error(transparent)]
     Archive(crate::archive::ArchiveError),
+    /// No inspector is loaded (it needs BPF, root, and `[crabd] inspector`).
+    #[error("no inspector is loaded in crabd (see its log): turns cannot be classified")]
+    NoInspector,
     /// The version store refused or failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -119,6 +122,7 @@ impl ApiError {
             ApiError::Containerd(ContainerdError::Unforkable { .. }) => StatusCode::CONFLICT,
             ApiError::Containerd(_) => StatusCode::BAD_GATEWAY,
             ApiError::Fs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::NoInspector => StatusCode::CONFLICT,
             ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Archive(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Store(e) => match e {

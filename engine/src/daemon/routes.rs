@@ -99,6 +99,7 @@ pub async fn register(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<Sandbo
         Err(e) => return Err(e.into()),
     }
     d.registry.insert(reg.clone())?;
+    d.inspection.register(&reg.id, reg.cgroup.as_deref());
     tracing::info!(
         sandbox = reg.id,
         namespace = reg.namespace,
@@ -113,6 +114,7 @@ pub async fn unregister(State(d): State<Arc<Daemon>>, Path(id): Path<String>) ->
     if !d.registry.remove(&id) {
         return Err(ApiError::UnknownSandbox { sel: id });
     }
+    d.inspection.unregister(&id);
     tracing::info!(sandbox = id, "unregistered");
     Ok(Json(serde_json::json!({})))
 }

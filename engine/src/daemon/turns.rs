@@ -1,6 +1,7 @@
 //! Turn ends: a sandbox's proxy (in its shim) reports that turn N ended and
-//! holds that turn's answer until crabd answers. crabd decides the turn's
-//! class and makes its version; the answer releases the agent.
+//! holds that turn's answer until crabd answers. crabd asks the inspector
+//! for the turn's class (`daemon::inspect`), makes a version of that class
+//! (a manifest line only for `none`), and the answer releases the agent.
 
 use std::sync::Arc;
 
@@ -11,8 +12,7 @@ use tracing::Instrument;
 
 use super::routes::{detached, parse, take_checkpoint, Reply};
 use super::Daemon;
-use crate::api::{CheckpointReport, Registration, TurnEnd};
-use crate::Class;
+use crate::api::{CheckpointReport, TurnEnd};
 
 /// `POST /v1/sandboxes/{sel}/turns`: returns once the turn's version is
 /// published (or refuses; the proxy then releases the answer anyway and
@@ -27,19 +27,17 @@ pub async fn turn_ended(
     let span = tracing::info_span!("turn", sandbox = reg.id, turn = end.turn);
     detached(
         async move {
-            let class = classify(&reg, &end);
-            take_checkpoint(&d, reg, class, Some(end)).await.map(Json)
+            let d2 = d.clone();
+            let id = reg.id.clone();
+            let report = tokio::task::spawn_blocking(move || d2.inspection.turn_end(&id))
+                .await
+                .map_err(|e| super::ApiError::Internal {
+                    reason: e.to_string(),
+                })?;
+            tracing::info!(class = ?report.class, reasons = report.reasons.len(), "turn classified");
+            take_checkpoint(&d, reg, report.class, Some(end)).await.map(Json)
         }
         .instrument(span),
     )
     .await
-}
-
-/// The class of the turn that just ended.
-///
-/// The seam for the inspector: it will answer `none`, `fs`, `proc` or
-/// `full` from what the sandbox's processes did during the turn. Until it
-/// exists every turn is `full`, the answer that never loses work.
-fn classify(_reg: &Registration, _end: &TurnEnd) -> Class {
-    Class::Full
 }

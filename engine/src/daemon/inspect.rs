@@ -1,0 +1,149 @@
+//! Turn classes from the inspector: crabd registers each sandbox's cgroup
+//! with it, asks it at each turn end what changed, and tells watchers.
+//!
+//! [`TurnInspector`] is what crabd needs of an inspector; the eBPF one
+//! (crate `crab-inspector`) implements it. Without one, every turn is
+//! `full`, the class that never loses work, and says so.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path as UrlPath, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use tokio::sync::broadcast;
+
+use super::{ApiError, Daemon};
+use crate::api::TurnReport;
+use crate::Class;
+
+/// What crabd asks of an inspector.
+pub trait TurnInspector: Send + Sync {
+    /// Starts following sandbox `sandbox`, whose tasks are in `cgroup`.
+    fn register(&self, sandbox: &str, cgroup: &Path) -> Result<(), String>;
+    /// Stops following sandbox `sandbox`.
+    fn unregister(&self, sandbox: &str);
+    /// Ends the sandbox's current turn: what it changed, and a reset.
+    fn turn_end(&self, sandbox: &str) -> Result<TurnReport, String>;
+}
+
+/// The inspector (if one is loaded) and the watchers of its reports.
+pub struct Inspection {
+    inspector: Option<Box<dyn TurnInspector>>,
+    reports: broadcast::Sender<TurnReport>,
+}
+
+// === impl Inspection ===
+
+impl Inspection {
+    /// Inspection through `inspector`, or none.
+    pub fn new(inspector: Option<Box<dyn TurnInspector>>) -> Self {
+        Inspection {
+            inspector,
+            reports: broadcast::channel(256).0,
+        }
+    }
+
+    /// Follows a registered sandbox (logged when it cannot: its turns are
+    /// then `full`).
+    pub fn register(&self, sandbox: &str, cgroup: Option<&Path>) {
+        let (Some(i), Some(cgroup)) = (&self.inspector, cgroup) else {
+            return;
+        };
+        if let Err(e) = i.register(sandbox, cgroup) {
+            tracing::warn!(sandbox, "inspector: {e}; its turns will be full");
+        }
+    }
+
+    /// Stops following a sandbox.
+    pub fn unregister(&self, sandbox: &str) {
+        if let Some(i) = &self.inspector {
+            i.unregister(sandbox);
+        }
+    }
+
+    /// Ends the sandbox's turn: its report, also sent to watchers. When no
+    /// inspector can answer, the class is `full` and the reason says why.
+    pub fn turn_end(&self, sandbox: &str) -> TurnReport {
+        let report = match &self.inspector {
+            Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| full(sandbox, &e)),
+            None => full(sandbox, "no inspector is loaded"),
+        };
+        let _ = self.reports.send(report.clone());
+        report
+    }
+
+    /// Whether an inspector is loaded.
+    pub fn loaded(&self) -> bool {
+        self.inspector.is_some()
+    }
+}
+
+impl std::fmt::Debug for Inspection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inspection")
+            .field("loaded", &self.loaded())
+            .finish()
+    }
+}
+
+fn full(sandbox: &str, why: &str) -> TurnReport {
+    TurnReport {
+        sandbox: sandbox.to_owned(),
+        turn: 0,
+        class: Class::Full,
+        reasons: vec![serde_json::json!({ "kind": "unknown", "why": why })],
+    }
+}
+
+/// `POST /v1/sandboxes/{sel}/turn`: ends the sandbox's current turn by
+/// hand and answers its report (no version is made).
+pub async fn turn(
+    State(d): State<Arc<Daemon>>,
+    UrlPath(sel): UrlPath<String>,
+) -> Result<Json<TurnReport>, ApiError> {
+    let reg = d.registry.resolve(&sel)?;
+    if !d.inspection.loaded() {
+        return Err(ApiError::NoInspector);
+    }
+    let d2 = d.clone();
+    let report = tokio::task::spawn_blocking(move || d2.inspection.turn_end(&reg.id))
+        .await
+        .map_err(|e| ApiError::Internal {
+            reason: e.to_string(),
+        })?;
+    Ok(Json(report))
+}
+
+/// `GET /v1/sandboxes/{sel}/watch`: the sandbox's turn reports as JSON
+/// lines, as its turns end, until the caller hangs up.
+pub async fn watch(
+    State(d): State<Arc<Daemon>>,
+    UrlPath(sel): UrlPath<String>,
+) -> Result<Response, ApiError> {
+    let reg = d.registry.resolve(&sel)?;
+    let id = reg.id;
+    let stream =
+        tokio_stream::wrappers::BroadcastStream::new(d.inspection.reports.subscribe()).filter_map(move |r| {
+            let line = match r {
+                Ok(report) if report.sandbox == id => {
+                    let mut line = serde_json::to_vec(&report).expect("a report serializes");
+                    line.push(b'\n');
+                    Some(Ok::<_, std::io::Error>(line))
+                }
+                // Too slow a watcher misses reports; it is told how many.
+                Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
+                    Some(Ok(format!("{{\"lagged\":{n}}}\n").into_bytes()))
+                }
+                Ok(_) => None,
+            };
+            std::future::ready(line)
+        });
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
