@@ -1,0 +1,121 @@
+//! The inspector on plain processes in a cgroup of their own (real BPF, no
+//! container): the basic signals and the "when unsure, full" rules. Needs
+//! root: CI runs it as root.
+
+#[path = "support/sandbox.rs"]
+mod sandbox;
+
+use crab_inspector::{Class, Reason};
+use sandbox::{inspector, TestCgroup};
+
+fn work_dir() -> tempdir::Dir {
+    tempdir::Dir::new()
+}
+
+mod tempdir {
+    /// A scratch directory on the host's root filesystem, removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            let p = std::env::temp_dir().join(crab_tests::unique("crab-insp-work-"));
+            std::fs::create_dir_all(&p).expect("create work dir");
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn basic_signals() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let w = &work.0;
+    insp.register("basic", &cg.dir).expect("register");
+
+    let step = |script: &str, expected: Class| {
+        let out = cg.run(w, script);
+        assert!(out.status.success(), "{script}: {out:?}");
+        let report = insp.turn_end("basic").expect("turn end");
+        assert_eq!(report.class, expected, "{script}: {report:#?}");
+        report
+    };
+    step("true", Class::None);
+    step("ls -la; cat /etc/passwd > /dev/null; echo hi", Class::None);
+    let r = step("echo data > a.txt", Class::Fs);
+    assert!(
+        r.reasons.contains(&Reason::Changed { path: "a.txt".into() }),
+        "{r:#?}"
+    );
+    step("echo tmp > t; rm t", Class::None);
+    step("mkdir d; touch d/x; rm -r d", Class::None);
+    step("t=$(mktemp -p .); echo x > $t; rm $t", Class::None);
+    step("echo more >> a.txt", Class::Fs);
+    step("rm a.txt", Class::Fs);
+    step("echo x > /proc/self/comm; echo y > /dev/null", Class::None);
+    let pidfile = format!("/dev/shm/{}", crab_tests::unique("crab-insp-pid"));
+    step(
+        &format!("sleep 1000 > /dev/null 2>&1 & echo $! > {pidfile}"),
+        Class::Proc,
+    );
+    step("true", Class::None);
+    step(&format!("kill $(cat {pidfile}); rm {pidfile}"), Class::Proc);
+    step("true", Class::None);
+
+    insp.unregister("basic").expect("unregister");
+}
+
+#[test]
+fn persistent_shell_and_noise() {
+    let insp = inspector(&["sh"], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let w = &work.0;
+    std::fs::create_dir(w.join("sub")).expect("mkdir");
+    let mut sh = cg.shell(w);
+    sh.run("true");
+    insp.register("shell", &cg.dir).expect("register");
+    insp.turn_end("shell").expect("turn end");
+
+    // A noisy shell running a read-only command: none.
+    sh.run("ls > /dev/null");
+    assert_eq!(insp.turn_end("shell").expect("turn").class, Class::None);
+    // Its cd still counts.
+    sh.run("cd sub");
+    let r = insp.turn_end("shell").expect("turn");
+    assert_eq!(r.class, Class::Proc, "{r:#?}");
+    assert!(matches!(r.reasons[0], Reason::Chdir { pid, .. } if pid == sh.pid()));
+    sh.run("echo x > f");
+    assert_eq!(insp.turn_end("shell").expect("turn").class, Class::Fs);
+
+    insp.unregister("shell").expect("unregister");
+}
+
+/// A ring buffer of 4 KiB pages that nobody drains during the turn: the
+/// records of 200 new files cannot fit, and the turn is full with the reason.
+#[test]
+fn ring_overflow_is_full() {
+    let insp = inspector(&[], 4096, false);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    insp.register("overflow", &cg.dir).expect("register");
+    let out = cg.run(
+        &work.0,
+        "i=0; while [ $i -lt 200 ]; do echo > f$i; i=$((i+1)); done",
+    );
+    assert!(out.status.success());
+    let r = insp.turn_end("overflow").expect("turn end");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert!(
+        matches!(&r.reasons[0], Reason::Unsure { why } if why.contains("ring buffer was full")),
+        "{r:#?}"
+    );
+    // The next turn is accounted again.
+    cg.run(&work.0, "true");
+    assert_eq!(insp.turn_end("overflow").expect("turn").class, Class::None);
+    insp.unregister("overflow").expect("unregister");
+}
