@@ -101,6 +101,8 @@ struct crab_event {
 	__u64 dir2_ino;
 	__u32 mode;		/* object inode mode, when known */
 	__u32 flags;		/* open flags, renameat2 flags */
+	__u32 mntns;		/* the task's mount namespace (inode number) */
+	__u32 pad;
 	char comm[CRAB_COMM_LEN];
 	char name[CRAB_NAME_LEN];
 	char name2[CRAB_NAME_LEN];
@@ -110,6 +112,6 @@ struct crab_event {
 _Static_assert(sizeof(struct crab_ctl) == 16, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
 _Static_assert(sizeof(struct crab_task) == 16, "crab_task");
-_Static_assert(sizeof(struct crab_event) == 624, "crab_event");
+_Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

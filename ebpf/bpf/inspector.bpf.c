@@ -226,6 +226,9 @@ static __always_inline struct crab_event *reserve(__u64 cg, __u64 gen, __u32 kin
 	e->dir2_ino = 0;
 	e->mode = 0;
 	e->flags = 0;
+	e->pad = 0;
+	struct task_struct *task = (void *)bpf_get_current_task();
+	e->mntns = BPF_CORE_READ(task, nsproxy, mnt_ns, ns.inum);
 	bpf_get_current_comm(e->comm, sizeof(e->comm));
 	e->name[0] = 0;
 	e->name2[0] = 0;

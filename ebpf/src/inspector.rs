@@ -75,6 +75,8 @@ struct Shared {
 
 struct State {
     maps: Maps,
+    /// The host's mount namespaces (records from them are not sandbox files).
+    host: Ignore,
     links: Vec<PathBuf>,
     sandboxes: HashMap<u64, Sandbox>,
     names: HashMap<String, u64>,
@@ -152,6 +154,10 @@ impl Inspector {
             config,
             state: Mutex::new(State {
                 maps,
+                host: Ignore {
+                    devs: HashSet::new(),
+                    host_mntns: host_mount_namespaces(),
+                },
                 links: loaded.links,
                 sandboxes: HashMap::new(),
                 names: HashMap::new(),
@@ -379,6 +385,7 @@ impl Inspector {
             if let Some(&pid) = pids.first() {
                 sb.ignore = Some(Ignore {
                     devs: procs::interface_devs(pid),
+                    host_mntns: HashSet::new(),
                 });
             }
         }
@@ -476,7 +483,12 @@ impl Drop for Inspector {
 
 /// Moves every committed record from the ring into its sandbox's ledger.
 fn drain(state: &mut State) {
-    let State { maps, sandboxes, .. } = state;
+    let State {
+        maps,
+        sandboxes,
+        host,
+        ..
+    } = state;
     while let Some(item) = maps.events.next() {
         let Some(ev) = Event::parse(&item) else {
             continue;
@@ -489,8 +501,8 @@ fn drain(state: &mut State) {
             continue; // before registration, or a turn already ended as unsure
         }
         match sb.boundary {
-            Some(b) if ev.seq >= b => sb.next.apply(&ev),
-            _ => sb.current.apply(&ev),
+            Some(b) if ev.seq >= b => sb.next.apply(&ev, host),
+            _ => sb.current.apply(&ev, host),
         }
     }
 }
@@ -508,6 +520,16 @@ fn drain_loop(shared: &Shared, stop: &AtomicBool, ring_fd: OwnedFd) {
             }
         }
     }
+}
+
+/// The mount namespaces of this process and of the host's init.
+fn host_mount_namespaces() -> HashSet<u32> {
+    use std::os::unix::fs::MetadataExt;
+    ["/proc/self/ns/mnt", "/proc/1/ns/mnt"]
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.ino() as u32)
+        .collect()
 }
 
 /// Takes the pin directory for this process: one owner drains the ring.

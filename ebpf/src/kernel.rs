@@ -53,6 +53,8 @@ pub(crate) struct Event {
     pub dir2_ino: u64,
     pub mode: u32,
     pub flags: u32,
+    pub mntns: u32,
+    pub pad: u32,
     pub comm: [u8; COMM_LEN],
     pub name: [u8; NAME_LEN],
     pub name2: [u8; NAME_LEN],
@@ -61,9 +63,9 @@ pub(crate) struct Event {
 const _: () = assert!(size_of::<Ctl>() == 16);
 const _: () = assert!(size_of::<Stats>() == 32);
 const _: () = assert!(size_of::<Task>() == 16);
-const _: () = assert!(size_of::<Event>() == 624);
-const _: () = assert!(std::mem::offset_of!(Event, comm) == 96);
-const _: () = assert!(std::mem::offset_of!(Event, name2) == 368);
+const _: () = assert!(size_of::<Event>() == 632);
+const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
+const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);
 
 // SAFETY: repr(C) structs of integers and byte arrays with no padding (the
 // sizes above equal the sum of their fields), so every bit pattern is valid.

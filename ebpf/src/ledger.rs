@@ -46,6 +46,12 @@ pub(crate) struct FsVerdict {
 /// Which records are not filesystem state.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Ignore {
+    /// Mount namespaces of the host (the inspector's own and init's):
+    /// a runtime helper that joined the sandbox's cgroup but still sees
+    /// the host's filesystem (writing a pid file in its bundle) changes
+    /// nothing inside the sandbox. Processes of the sandbox never share
+    /// the host's mount namespace.
+    pub host_mntns: HashSet<u32>,
     /// User-space device numbers of the sandbox's `/dev`, `/proc`, `/sys`
     /// and similar mounts.
     pub devs: HashSet<u64>,
@@ -68,8 +74,12 @@ struct PathFate {
 
 impl Ledger {
     /// Adds one record.
-    pub(crate) fn apply(&mut self, ev: &Event) {
+    pub(crate) fn apply(&mut self, ev: &Event, ignore: &Ignore) {
         self.n_events += 1;
+        let fs_record = matches!(ev.kind, kind::CREATE | kind::TRUNC | kind::WRITE | kind::PATH);
+        if fs_record && ignore.host_mntns.contains(&ev.mntns) {
+            return;
+        }
         let first = || key(ev.dir_dev, ev.dir_ino, &ev.name);
         let second = || key(ev.dir2_dev, ev.dir2_ino, &ev.name2);
         match ev.kind {
@@ -155,7 +165,7 @@ impl Ledger {
         let mut changed: Vec<String> = self
             .paths
             .iter()
-            .filter(|(k, f)| !(f.pre_absent && !f.present) && !ignore.covers(k))
+            .filter(|(k, f)| (!f.pre_absent || f.present) && !ignore.covers(k))
             .map(|(k, _)| k.name.clone())
             .collect();
         let mut written = Vec::new();

@@ -107,7 +107,7 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
         .find(|a| a.ends_with("bpf") || a.parent().is_none())
         .unwrap_or(Path::new("/sys/fs/bpf"));
     let mounted = nix::sys::statfs::statfs(root)
-        .map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+        .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
         .unwrap_or(false);
     if mounted {
         return Ok(());

@@ -2,11 +2,14 @@
 //! container): the basic signals and the "when unsure, full" rules. Needs
 //! root: CI runs it as root.
 
-#[path = "support/sandbox.rs"]
-mod sandbox;
+#[path = "support/cgroup.rs"]
+mod cgroup;
+#[path = "support/inspector.rs"]
+mod inspector;
 
+use cgroup::TestCgroup;
 use crab_inspector::{Class, Reason};
-use sandbox::{inspector, TestCgroup};
+use inspector::inspector;
 
 fn work_dir() -> tempdir::Dir {
     tempdir::Dir::new()

@@ -20,6 +20,8 @@ fn ev(i: usize, kind: u32, op: u32, name: &str, name2: &str) -> Event {
         dir2_ino: 7,
         mode: 0o100644,
         flags: 0,
+        mntns: 0,
+        pad: 0,
         comm: [0; COMM_LEN],
         name: [0; NAME_LEN],
         name2: [0; NAME_LEN],
@@ -62,7 +64,7 @@ fn check(steps: &[Step], expected: &[&str]) {
             Step::Path(o, n) => ev(i, kind::PATH, o, n, ""),
             Step::Path2(o, a, b) => ev(i, kind::PATH, o, a, b),
         };
-        l.apply(&e);
+        l.apply(&e, &Ignore::default());
     }
     let v = l.fs_verdict(&Ignore::default());
     assert_eq!(v.changed, expected);
@@ -134,11 +136,15 @@ fn names_are_normalized() {
 #[test]
 fn kernel_interfaces_are_not_state() {
     let mut l = Ledger::default();
-    l.apply(&ev(0, kind::PATH, op::ATTR, "/proc/self/attr", ""));
-    l.apply(&ev(1, kind::CREATE, 0, "/dev/shm/x", ""));
-    l.apply(&ev(2, kind::WRITE, 0, "null", ""));
     let ignore = Ignore {
         devs: [user_dev(1 << 20)].into_iter().collect(),
+        host_mntns: [99].into_iter().collect(),
     };
+    l.apply(&ev(0, kind::PATH, op::ATTR, "/proc/self/attr", ""), &ignore);
+    l.apply(&ev(1, kind::CREATE, 0, "/dev/shm/x", ""), &ignore);
+    l.apply(&ev(2, kind::WRITE, 0, "null", ""), &ignore);
+    let mut from_host = ev(3, kind::CREATE, 0, "/run/bundle/x.pid", "");
+    from_host.mntns = 99;
+    l.apply(&from_host, &ignore);
     assert_eq!(l.fs_verdict(&ignore), FsVerdict::default());
 }

@@ -1,53 +1,12 @@
-//! Test helpers: a private inspector (its own pin directory, unloaded at the
-//! end) and plain unified cgroups with shells in them.
+//! Test helper: plain unified cgroups with shells in them (each process in
+//! a mount namespace of its own, like a sandbox's).
 
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
-use crab_inspector::{unified_mount, Inspector, InspectorConfig};
-
-/// A private inspector, its pins under `/sys/fs/bpf/crab-test-<unique>`,
-/// unloaded (pins removed) on drop, also when the test fails.
-pub struct TestInspector {
-    inspector: Option<Inspector>,
-    pin_dir: PathBuf,
-}
-
-impl std::ops::Deref for TestInspector {
-    type Target = Inspector;
-    fn deref(&self) -> &Inspector {
-        self.inspector.as_ref().expect("present until drop")
-    }
-}
-
-impl Drop for TestInspector {
-    fn drop(&mut self) {
-        if let Some(i) = self.inspector.take() {
-            let _ = i.unload();
-        }
-        let _ = std::fs::remove_dir_all(&self.pin_dir);
-    }
-}
-
-/// Loads a private inspector.
-pub fn inspector(noisy: &[&str], ring_bytes: u32, background: bool) -> TestInspector {
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
-    let config = InspectorConfig {
-        pin_dir: pin_dir.clone(),
-        ring_bytes,
-        noisy_comms: noisy.iter().map(|s| s.to_string()).collect(),
-        drain_timeout: Duration::from_millis(200),
-        max_reasons: 64,
-        background_drain: background,
-    };
-    TestInspector {
-        inspector: Some(Inspector::load(config).expect("load the inspector (needs root)")),
-        pin_dir,
-    }
-}
+use crab_inspector::unified_mount;
 
 /// A unified cgroup of its own, removed on drop (after its processes die).
 pub struct TestCgroup {
@@ -68,13 +27,10 @@ impl TestCgroup {
         let procs = self.dir.join("cgroup.procs");
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c").arg(script).current_dir(cwd);
-        // SAFETY: the closure only calls async-signal-safe functions (open,
-        // write, close via std::fs on a pre-computed path) between fork and exec.
+        // SAFETY: the closure only makes system calls (open, write, close,
+        // unshare) on data prepared before the fork; it allocates nothing.
         unsafe {
-            cmd.pre_exec(move || {
-                std::fs::write(&procs, b"0")?;
-                Ok(())
-            });
+            cmd.pre_exec(move || enter(&procs));
         }
         cmd.output().expect("run sh")
     }
@@ -89,15 +45,21 @@ impl TestCgroup {
             .stderr(Stdio::null());
         // SAFETY: as in `run`.
         unsafe {
-            cmd.pre_exec(move || {
-                std::fs::write(&procs, b"0")?;
-                Ok(())
-            });
+            cmd.pre_exec(move || enter(&procs));
         }
         Shell {
             child: cmd.spawn().expect("spawn sh"),
         }
     }
+}
+
+/// Joins the cgroup and a mount namespace of its own, like a sandbox's
+/// process (the inspector ignores file records from the host's mount
+/// namespace: they come from runtime helpers, not from the sandbox).
+fn enter(procs: &Path) -> std::io::Result<()> {
+    std::fs::write(procs, b"0")?;
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+    Ok(())
 }
 
 impl Drop for TestCgroup {
