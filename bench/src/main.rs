@@ -9,6 +9,7 @@
 use clap::{Parser, Subcommand};
 
 mod fs;
+mod inspector;
 mod proxy;
 mod runtime;
 mod stats;
@@ -41,6 +42,17 @@ enum Bench {
         #[arg(long, default_value_t = 50)]
         turns: usize,
     },
+    /// The inspector: turn-end decision latency (p50/p99) for turns of
+    /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
+    /// sandbox with the programs attached vs detached.
+    Inspector {
+        /// Measured turns per kind.
+        #[arg(long, default_value_t = 100)]
+        turns: usize,
+        /// Workload runs per mode (attached, detached).
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+    },
     /// Latency the LLM proxy adds (p50/p99, non-streaming and streaming
     /// time to first byte, 1 and 64 clients) beside calling the upstream directly.
     Proxy {
@@ -57,6 +69,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
+        Bench::Inspector { turns, reps } => inspector::run(turns, reps),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))
         }

@@ -55,15 +55,15 @@ struct crab_stats {
 	__u64 n_unsure;		/* operations the inspector cannot follow */
 };
 
-/* Per-task state (key: tid). */
+/* Per-task state (key: tid), and the arguments of a tracked syscall kept
+ * from sys_enter to sys_exit (in the entry the enter program already looked
+ * up, so following a call costs no extra map update). */
 struct crab_task {
 	__u64 born_gen;		/* generation the task entered the sandbox in; 0 = before registration */
 	__u64 active_gen;	/* last generation the task made a syscall in */
-};
-
-/* Arguments of a tracked syscall, kept from sys_enter to sys_exit (key: tid). */
-struct crab_stash {
-	__s64 nr;
+	__u64 cgroup;		/* the sandbox, at the tracked call's entry */
+	__u64 gen;		/* the generation, at the tracked call's entry */
+	__s64 nr;		/* the tracked call in flight, or -1 */
 	__u64 args[6];
 };
 
@@ -111,7 +111,7 @@ struct crab_event {
 /* The loader's Rust mirrors assert the same sizes. */
 _Static_assert(sizeof(struct crab_ctl) == 16, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
-_Static_assert(sizeof(struct crab_task) == 16, "crab_task");
+_Static_assert(sizeof(struct crab_task) == 88, "crab_task");
 _Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

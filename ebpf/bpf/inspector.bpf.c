@@ -137,14 +137,6 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_tasks SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__type(key, __u32);
-	__type(value, struct crab_stash);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} crab_stash SEC(".maps");
-
 /* LRU: an evicted entry only costs a duplicate record (or a born inode
  * looking pre-existing, i.e. a false positive), never a missed change. */
 struct {
@@ -235,6 +227,16 @@ static __always_inline struct crab_event *reserve(__u64 cg, __u64 gen, __u32 kin
 	return e;
 }
 
+/* Commits a record. The reader is woken only once the ring is a quarter
+ * full: it polls on a timer otherwise, and a wakeup per record would cost
+ * every file a context switch. */
+static __always_inline void submit(struct crab_event *e)
+{
+	__u64 avail = bpf_ringbuf_query(&crab_events, BPF_RB_AVAIL_DATA);
+	__u64 size = bpf_ringbuf_query(&crab_events, BPF_RB_RING_SIZE);
+	bpf_ringbuf_submit(e, avail > size / 4 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+}
+
 static __always_inline struct file *fd_file(struct task_struct *t, long fd)
 {
 	if (fd < 0)
@@ -320,7 +322,7 @@ static __always_inline struct crab_task *task_entry(__u64 cg, __u64 pt)
 	if (t)
 		return t;
 	__u32 tgid = pt >> 32;
-	struct crab_task fresh = {};
+	struct crab_task fresh = { .nr = -1 };
 	struct crab_task *leader = bpf_map_lookup_elem(&crab_tasks, &tgid);
 	if (leader)
 		fresh.born_gen = leader->born_gen;
@@ -339,6 +341,73 @@ static __always_inline int current_is_noisy(void)
 }
 
 /* Whether sys_exit needs this call's arguments. */
+/* Whether sys_enter looks at this call at all (before reading its
+ * arguments, which costs a probe read each). */
+static __always_inline int tracked_nr(long nr)
+{
+	switch (nr) {
+	case NR_open:
+	case NR_openat:
+	case NR_openat2:
+	case NR_mmap:
+	case NR_creat:
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_splice:
+	case NR_copy_file_range:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+	case NR_truncate:
+	case NR_chdir:
+	case NR_fchdir:
+	case NR_rename:
+	case NR_renameat:
+	case NR_renameat2:
+	case NR_mkdir:
+	case NR_mkdirat:
+	case NR_rmdir:
+	case NR_unlink:
+	case NR_unlinkat:
+	case NR_link:
+	case NR_linkat:
+	case NR_symlink:
+	case NR_symlinkat:
+	case NR_mknod:
+	case NR_mknodat:
+	case NR_chmod:
+	case NR_fchmodat:
+	case NR_fchmodat2:
+	case NR_chown:
+	case NR_lchown:
+	case NR_fchownat:
+	case NR_utime:
+	case NR_utimes:
+	case NR_futimesat:
+	case NR_utimensat:
+	case NR_setxattr:
+	case NR_lsetxattr:
+	case NR_removexattr:
+	case NR_lremovexattr:
+	case NR_setxattrat:
+	case NR_removexattrat:
+	case NR_ptrace:
+	case NR_process_vm_writev:
+	case NR_io_uring_setup:
+	case NR_io_uring_enter:
+	case NR_io_uring_register:
+		return 1;
+	}
+	return 0;
+}
+
 static __always_inline int tracked(long nr, unsigned long *args)
 {
 	switch (nr) {
@@ -411,8 +480,57 @@ static __always_inline int tracked(long nr, unsigned long *args)
 	return 0;
 }
 
-SEC("tracepoint/raw_syscalls/sys_enter")
-int crab_sys_enter(struct trace_event_raw_sys_enter *ctx)
+/* Which argument holds the descriptor a content or metadata change goes
+ * through (0, 2 or 4), or -1 for other calls. */
+static __always_inline int fd_change_idx(long nr)
+{
+	switch (nr) {
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+		return 0;
+	case NR_splice:
+	case NR_copy_file_range:
+		return 2;
+	case NR_mmap:
+		return 4;
+	}
+	return -1;
+}
+
+/* Whether a change through fd may need a record: the object holds
+ * filesystem state and was neither born nor reported this turn. Checked at
+ * entry so that writes to pipes, terminals, /dev/null and files already
+ * reported cost no stash and no exit work. */
+static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
+{
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct file *f = fd_file(task, fd);
+	if (!f)
+		return 1; /* let the exit decide */
+	struct inode *inode = BPF_CORE_READ(f, f_inode);
+	__u32 mode;
+	if (!inode || !state_bearing(inode, &mode))
+		return 0;
+	struct crab_inode_key key = { .cgroup = cg };
+	inode_id(inode, &key.dev, &key.ino);
+	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
+	return !(st && st->gen == gen);
+}
+
+/* Raw tracepoints: no perf record is built for the call, which makes the
+ * host-wide cost of a filtered-out syscall one helper call and one lookup. */
+SEC("raw_tracepoint/sys_enter")
+int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 {
 	__u64 cg;
 	struct crab_ctl *ctl = current_sandbox(&cg);
@@ -428,22 +546,44 @@ int crab_sys_enter(struct trace_event_raw_sys_enter *ctx)
 		if (t->born_gen != gen && !current_is_noisy()) {
 			struct crab_event *e = reserve(cg, gen, CRAB_EV_ACTIVE);
 			if (e)
-				bpf_ringbuf_submit(e, 0);
+				submit(e);
 		}
 	}
-	struct crab_stash s = { .nr = ctx->id };
-	/* One load per field: the verifier rejects a ctx pointer moved by a loop. */
-	s.args[0] = ctx->args[0];
-	s.args[1] = ctx->args[1];
-	s.args[2] = ctx->args[2];
-	s.args[3] = ctx->args[3];
-	s.args[4] = ctx->args[4];
-	s.args[5] = ctx->args[5];
-	if (!tracked(s.nr, (unsigned long *)s.args))
+	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
+	__u64 *raw = (__u64 *)ctx;
+	long nr = raw[1];
+	t->nr = -1;
+	if (!tracked_nr(nr))
 		return 0;
-	__u32 tid = (__u32)pt;
-	if (bpf_map_update_elem(&crab_stash, &tid, &s, BPF_ANY))
-		count(cg, 0);
+	struct pt_regs *regs = (struct pt_regs *)raw[0];
+	unsigned long args[6];
+	/* A change through a descriptor: look at the descriptor first, and read
+	 * the other arguments only when the call may need a record. */
+	int fd_idx = fd_change_idx(nr);
+	if (fd_idx >= 0) {
+		long fd = fd_idx == 0 ? BPF_CORE_READ(regs, di)
+			: fd_idx == 2 ? BPF_CORE_READ(regs, dx) : BPF_CORE_READ(regs, r8);
+		if (!fd_change_worth(cg, gen, fd))
+			return 0;
+	}
+	/* The x86_64 syscall convention: di, si, dx, r10, r8, r9. */
+	args[0] = BPF_CORE_READ(regs, di);
+	args[1] = BPF_CORE_READ(regs, si);
+	args[2] = BPF_CORE_READ(regs, dx);
+	args[3] = BPF_CORE_READ(regs, r10);
+	args[4] = BPF_CORE_READ(regs, r8);
+	args[5] = BPF_CORE_READ(regs, r9);
+	if (!tracked(nr, args))
+		return 0;
+	t->cgroup = cg;
+	t->gen = gen;
+	t->args[0] = args[0];
+	t->args[1] = args[1];
+	t->args[2] = args[2];
+	t->args[3] = args[3];
+	t->args[4] = args[4];
+	t->args[5] = args[5];
+	t->nr = nr;
 	return 0;
 }
 
@@ -473,7 +613,7 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd)
 	e->mode = mode;
 	const unsigned char *name = BPF_CORE_READ(f, f_path.dentry, d_name.name);
 	bpf_probe_read_kernel_str(e->name, sizeof(e->name), name);
-	bpf_ringbuf_submit(e, 0);
+	submit(e);
 	return 0;
 }
 
@@ -538,7 +678,7 @@ static __noinline int on_open_req(struct path_req *r)
 	if (parent)
 		inode_id(parent, &e->dir2_dev, &e->dir2_ino);
 	bpf_probe_read_kernel_str(e->name2, sizeof(e->name2), BPF_CORE_READ(d, d_name.name));
-	bpf_ringbuf_submit(e, 0);
+	submit(e);
 	return 0;
 }
 
@@ -569,7 +709,7 @@ static __noinline int on_path_req(struct path_req *r)
 		bpf_probe_read_user_str(e->name2, sizeof(e->name2), (void *)r->name2);
 		base_dir(task, r->dirfd2, e->name2[0], &e->dir2_dev, &e->dir2_ino);
 	}
-	bpf_ringbuf_submit(e, 0);
+	submit(e);
 	return 0;
 }
 
@@ -602,39 +742,41 @@ static __noinline int on_proc(__u64 cg, __u64 gen, __u32 kind, unsigned long nam
 		return 0;
 	if (name)
 		bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)name);
-	bpf_ringbuf_submit(e, 0);
+	submit(e);
 	return 0;
 }
 
-SEC("tracepoint/raw_syscalls/sys_exit")
-int crab_sys_exit(struct trace_event_raw_sys_exit *ctx)
+SEC("raw_tracepoint/sys_exit")
+int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 {
-	__u64 cg;
-	struct crab_ctl *ctl = current_sandbox(&cg);
-	if (!ctl)
+	/* Most calls are not followed: tell them by number before any lookup
+	 * (this runs for every syscall of every task on the host). */
+	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
+	if (!tracked_nr(BPF_CORE_READ(regs, orig_ax)))
 		return 0;
-	__u64 gen = ctl->gen;
-	__u64 pt = bpf_get_current_pid_tgid();
-	__u32 tid = (__u32)pt;
-	struct crab_stash *sp = bpf_map_lookup_elem(&crab_stash, &tid);
-	if (!sp)
+	/* Only tasks of registered sandboxes have entries. */
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (!t || t->nr < 0)
 		return 0;
-	struct crab_stash s = *sp;
-	bpf_map_delete_elem(&crab_stash, &tid);
-	if (ctx->ret < 0)
+	struct crab_task s = *t;
+	t->nr = -1;
+	long ret = (long)((__u64 *)ctx)[1];
+	if (ret < 0)
 		return 0;
+	__u64 cg = s.cgroup, gen = s.gen;
 	unsigned long *a = (unsigned long *)s.args;
 	switch (s.nr) {
 	case NR_open:
-		return on_open(cg, gen, ctx->ret, AT_FDCWD, a[0], a[1]);
+		return on_open(cg, gen, ret, AT_FDCWD, a[0], a[1]);
 	case NR_creat:
-		return on_open(cg, gen, ctx->ret, AT_FDCWD, a[0], O_CREAT | O_TRUNC | 1);
+		return on_open(cg, gen, ret, AT_FDCWD, a[0], O_CREAT | O_TRUNC | 1);
 	case NR_openat:
-		return on_open(cg, gen, ctx->ret, a[0], a[1], a[2]);
+		return on_open(cg, gen, ret, a[0], a[1], a[2]);
 	case NR_openat2: {
 		__u64 flags = 0;
 		bpf_probe_read_user(&flags, sizeof(flags), (void *)a[2]);
-		return on_open(cg, gen, ctx->ret, a[0], a[1], flags);
+		return on_open(cg, gen, ret, a[0], a[1], flags);
 	}
 	case NR_write:
 	case NR_pwrite64:
@@ -711,8 +853,7 @@ int crab_sys_exit(struct trace_event_raw_sys_exit *ctx)
 		return on_attr(cg, gen, a[0], a[1]);
 	case NR_chdir:
 	case NR_fchdir: {
-		struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
-		if (is_born(t, gen))
+		if (is_born(&s, gen))
 			return 0;
 		return on_proc(cg, gen, CRAB_EV_CWD, s.nr == NR_chdir ? a[0] : 0);
 	}
@@ -725,7 +866,7 @@ int crab_sys_exit(struct trace_event_raw_sys_exit *ctx)
 		struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
 		if (e) {
 			e->op = s.nr;
-			bpf_ringbuf_submit(e, 0);
+			submit(e);
 		}
 		return 0;
 	}
@@ -741,7 +882,7 @@ int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
 	if (!ctl)
 		return 0;
 	__u32 child = ctx->child_pid;
-	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen };
+	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
 	if (bpf_map_update_elem(&crab_tasks, &child, &t, BPF_ANY))
 		count(cg, 0);
 	return 0;
@@ -757,7 +898,7 @@ int crab_attach(struct cgroup_attach_args *ctx)
 	if (!ctl)
 		return 0;
 	__u32 pid = ctx->pid;
-	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen };
+	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
 	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))
 		count(cg, 0);
 	return 0;
@@ -792,6 +933,5 @@ int crab_exit(void *ctx)
 			on_proc(cg, gen, CRAB_EV_EXIT, 0);
 	}
 	bpf_map_delete_elem(&crab_tasks, &tid);
-	bpf_map_delete_elem(&crab_stash, &tid);
 	return 0;
 }

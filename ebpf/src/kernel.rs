@@ -26,12 +26,17 @@ pub(crate) struct Stats {
     pub n_unsure: u64,
 }
 
-/// `struct crab_task`: per-task generations.
+/// `struct crab_task`: per-task generations (and the tracked call in
+/// flight, which user space does not read).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Task {
     pub born_gen: u64,
     pub active_gen: u64,
+    pub cgroup: u64,
+    pub gen: u64,
+    pub nr: i64,
+    pub args: [u64; 6],
 }
 
 /// `struct crab_event`: one ring-buffer record.
@@ -62,7 +67,7 @@ pub(crate) struct Event {
 
 const _: () = assert!(size_of::<Ctl>() == 16);
 const _: () = assert!(size_of::<Stats>() == 32);
-const _: () = assert!(size_of::<Task>() == 16);
+const _: () = assert!(size_of::<Task>() == 88);
 const _: () = assert!(size_of::<Event>() == 632);
 const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
 const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);

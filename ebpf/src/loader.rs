@@ -15,7 +15,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, Map, MapData, RingBuf};
-use aya::programs::{links::FdLink, TracePoint};
+use aya::programs::{links::FdLink, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
 use crate::error::{Error, Result};
@@ -24,10 +24,11 @@ use crate::kernel::{Ctl, Stats, Task, COMM_LEN};
 /// The compiled programs (empty when clang was missing at build time).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
 
-/// (program, tracepoint category, tracepoint name).
+/// (program, tracepoint category, tracepoint name); an empty category is
+/// a raw tracepoint.
 const PROGRAMS: [(&str, &str, &str); 6] = [
-    ("crab_sys_enter", "raw_syscalls", "sys_enter"),
-    ("crab_sys_exit", "raw_syscalls", "sys_exit"),
+    ("crab_sys_enter", "", "sys_enter"),
+    ("crab_sys_exit", "", "sys_exit"),
     ("crab_fork", "sched", "sched_process_fork"),
     ("crab_exec", "sched", "sched_process_exec"),
     ("crab_exit", "sched", "sched_process_exit"),
@@ -149,18 +150,23 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
 }
 
 fn attach(ebpf: &mut Ebpf, name: &'static str, category: &str, tp: &str, pin: &Path) -> Result<()> {
-    let program: &mut TracePoint = ebpf
-        .program_mut(name)
-        .and_then(|p| p.try_into().ok())
-        .ok_or(Error::MissingProgram { name })?;
     let program_err = |source| Error::Program { name, source };
-    program.load().map_err(program_err)?;
-    let id = program.attach(category, tp).map_err(program_err)?;
-    let link = program.take_link(id).map_err(program_err)?;
-    let fd_link = FdLink::try_from(link).map_err(|source| Error::PinnedLink {
-        path: pin.to_owned(),
-        source,
-    })?;
+    let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
+    let fd_link: FdLink = if category.is_empty() {
+        let program: &mut RawTracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let id = program.attach(tp).map_err(program_err)?;
+        program.take_link(id).map_err(program_err)?.into()
+    } else {
+        let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let id = program.attach(category, tp).map_err(program_err)?;
+        let link = program.take_link(id).map_err(program_err)?;
+        FdLink::try_from(link).map_err(|source| Error::PinnedLink {
+            path: pin.to_owned(),
+            source,
+        })?
+    };
     // A stale pin of a half-finished earlier load: the new link replaces it.
     let _ = std::fs::remove_file(pin);
     let pinned = fd_link.pin(pin).map_err(|source| Error::Pin {

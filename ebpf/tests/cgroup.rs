@@ -61,8 +61,12 @@ fn basic_signals() {
     step("rm a.txt", Class::Fs);
     step("echo x > /proc/self/comm; echo y > /dev/null", Class::None);
     let pidfile = format!("/dev/shm/{}", crab_tests::unique("crab-insp-pid"));
+    // Waits until sleep sleeps: its start-up would otherwise run into the next turn.
     step(
-        &format!("sleep 1000 > /dev/null 2>&1 & echo $! > {pidfile}"),
+        &format!(
+            "sleep 1000 > /dev/null 2>&1 & echo $! > {pidfile}; \
+             until [ \"$(cat /proc/$!/comm)\" = sleep ] && grep -q 'State:.S' /proc/$!/status; do :; done"
+        ),
         Class::Proc,
     );
     step("true", Class::None);
