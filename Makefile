@@ -28,6 +28,7 @@ test: deps lint build
 bench: deps release
 	target/release/crab-bench runtime
 	target/release/crab-bench fs
+	target/release/crab-bench inspector
 
 install: release
 	packaging/install.sh

@@ -138,8 +138,9 @@ impl Inspector {
                 return Err(Error::CommTooLong { comm: comm.clone() });
             }
         }
-        let loaded = loader::load_or_reuse(&config.pin_dir, config.ring_bytes)?;
+        loader::prepare(&config.pin_dir)?;
         let owner = lock_owner(&config.pin_dir)?;
+        let loaded = loader::load_or_reuse(&config.pin_dir, config.ring_bytes)?;
         let mut maps = loaded.maps;
         set_noisy(&mut maps, &config.noisy_comms)?;
         let ring_fd: OwnedFd = loader::ring_fd(&maps)
@@ -409,6 +410,29 @@ impl Inspector {
             }
         }
 
+        // A long-lived process that ran may have stored into a shared
+        // writable file mapping made in an earlier turn: no system call
+        // shows that, so its mapped files count as changed.
+        let ran: HashSet<u32> = proc_reasons
+            .iter()
+            .filter_map(|r| match r {
+                Reason::Ran { pid, .. } => Some(*pid),
+                _ => None,
+            })
+            .collect();
+        let mut shared = Vec::new();
+        for &pid in &pids {
+            if !ran.contains(&pid) {
+                continue;
+            }
+            for m in procs::mappings(pid) {
+                let ignored = sb.ignore.as_ref().is_some_and(|i| i.devs.contains(&m.dev));
+                if m.shared_writable && !ignored {
+                    shared.push(Reason::Changed { path: m.path });
+                }
+            }
+        }
+        let fs = fs || !shared.is_empty();
         let proc = !proc_reasons.is_empty() || !mapped.is_empty();
         let class = if !unsure.is_empty() || !mapped.is_empty() {
             Class::Full
@@ -420,6 +444,7 @@ impl Inspector {
             .map(|why| Reason::Unsure { why })
             .chain(mapped)
             .chain(proc_reasons)
+            .chain(shared)
             .chain(verdict.changed.into_iter().map(|path| Reason::Changed { path }))
             .collect();
         if class == Class::Full && reasons.iter().any(|r| matches!(r, Reason::Unsure { .. })) {

@@ -52,14 +52,24 @@ pub(crate) struct Loaded {
     pub links: Vec<PathBuf>,
 }
 
-/// Loads the programs under `pin_dir`, or reuses those a previous owner of
-/// the same build pinned there. `ring_bytes` sizes the ring buffer of a new
-/// load (a power of two, a multiple of the page size).
-pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
+/// Mounts bpffs if needed and makes `pin_dir`, so that it can be locked
+/// before anything is loaded into it.
+pub(crate) fn prepare(pin_dir: &Path) -> Result<()> {
     if OBJECT.is_empty() {
         return Err(Error::NotBuilt);
     }
     ensure_bpffs(pin_dir)?;
+    std::fs::create_dir_all(pin_dir).map_err(|source| Error::Io {
+        op: "create",
+        path: pin_dir.to_owned(),
+        source,
+    })
+}
+
+/// Loads the programs under `pin_dir`, or reuses those a previous owner of
+/// the same build pinned there. `ring_bytes` sizes the ring buffer of a new
+/// load (a power of two, a multiple of the page size).
+pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
     let build = pin_dir.join(build_id());
     std::fs::create_dir_all(&build).map_err(|source| Error::Io {
         op: "create",

@@ -40,6 +40,8 @@ pub(crate) struct Mapping {
     pub ino: u64,
     /// The file was unlinked or replaced since it was mapped.
     pub deleted: bool,
+    /// A shared writable mapping: stores into it change the file.
+    pub shared_writable: bool,
     pub path: String,
 }
 
@@ -55,7 +57,7 @@ pub(crate) fn mappings(pid: u32) -> Vec<Mapping> {
 fn parse_map_line(line: &str) -> Option<Mapping> {
     // address perms offset dev inode [path]
     let mut fields = line.splitn(6, ' ');
-    let (_addr, _perms, _off) = (fields.next()?, fields.next()?, fields.next()?);
+    let (_addr, perms, _off) = (fields.next()?, fields.next()?, fields.next()?);
     let dev = fields.next()?;
     let ino: u64 = fields.next()?.parse().ok()?;
     let path = fields.next().unwrap_or("").trim_start();
@@ -73,6 +75,7 @@ fn parse_map_line(line: &str) -> Option<Mapping> {
         dev: libc::makedev(major, minor),
         ino,
         deleted,
+        shared_writable: perms.get(1..2) == Some("w") && perms.ends_with('s'),
         path: path.to_owned(),
     })
 }
@@ -107,11 +110,11 @@ mod tests {
         assert_eq!(parse_stat("garbage"), None);
     }
 
-    fn check(line: &str, expected: Option<(u64, u64, bool, &str)>) {
-        let got = parse_map_line(line).map(|m| (m.dev, m.ino, m.deleted, m.path));
+    fn check(line: &str, expected: Option<(u64, u64, bool, bool, &str)>) {
+        let got = parse_map_line(line).map(|m| (m.dev, m.ino, m.deleted, m.shared_writable, m.path));
         assert_eq!(
             got,
-            expected.map(|(d, i, del, p)| (d, i, del, p.to_owned())),
+            expected.map(|(d, i, del, sw, p)| (d, i, del, sw, p.to_owned())),
             "{line}"
         );
     }
@@ -120,11 +123,15 @@ mod tests {
     fn map_lines_parse() {
         check(
             "7f00-7f01 r-xp 00000000 00:2f 1234                       /usr/lib/libc.so.6",
-            Some((libc::makedev(0, 0x2f), 1234, false, "/usr/lib/libc.so.6")),
+            Some((libc::makedev(0, 0x2f), 1234, false, false, "/usr/lib/libc.so.6")),
         );
         check(
             "7f00-7f01 r--p 00000000 fd:01 99 /work/lib.so (deleted)",
-            Some((libc::makedev(0xfd, 1), 99, true, "/work/lib.so")),
+            Some((libc::makedev(0xfd, 1), 99, true, false, "/work/lib.so")),
+        );
+        check(
+            "7f00-7f01 rw-s 00000000 00:2f 7 /work/db.sqlite-shm",
+            Some((libc::makedev(0, 0x2f), 7, false, true, "/work/db.sqlite-shm")),
         );
         check("7f00-7f01 rw-p 00000000 00:00 0 [heap]", None);
         check("7f00-7f01 rw-s 00000000 00:01 5 /memfd:x (deleted)", None);
