@@ -126,3 +126,69 @@ fn ring_overflow_is_full() {
     assert_eq!(insp.turn_end("overflow").expect("turn").class, Class::None);
     insp.unregister("overflow").expect("unregister");
 }
+
+/// A new owner of the same pin directory reuses the pinned programs and
+/// maps: the sandbox's kernel state survives, the interrupted turn is full
+/// (its start is unknown), the next one is exact. Removed pins (detached
+/// programs) make turns full too.
+#[test]
+fn restart_reuses_pinned_programs() {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use crab_inspector::{Inspector, InspectorConfig};
+
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
+    let config = InspectorConfig {
+        pin_dir: pin_dir.clone(),
+        ring_bytes: 1 << 20,
+        noisy_comms: Vec::new(),
+        drain_timeout: Duration::from_millis(200),
+        max_reasons: 8,
+        background_drain: true,
+    };
+    // Removes the pins whatever happens below.
+    struct Pins(PathBuf);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _pins = Pins(pin_dir.clone());
+    let cg = TestCgroup::new();
+    let work = work_dir();
+
+    let first = Inspector::load(config.clone()).expect("load");
+    assert!(matches!(
+        Inspector::load(config.clone()),
+        Err(crab_inspector::Error::Busy { .. })
+    ));
+    first.register("r", &cg.dir).expect("register");
+    cg.run(&work.0, "echo x > kept");
+    assert_eq!(first.turn_end("r").expect("turn").class, Class::Fs);
+    cg.run(&work.0, "echo y > during-restart");
+    drop(first); // the owner "crashes": no unregister, no unload
+
+    let second = Inspector::load(config.clone()).expect("reload");
+    let cg_id = second.register("r", &cg.dir).expect("register again");
+    assert_eq!(cg_id, crab_inspector::cgroup_id(&cg.dir).expect("id"));
+    let r = second.turn_end("r").expect("turn");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert_eq!(r.turn, 2, "turn numbers go on: {r:#?}");
+    assert!(matches!(&r.reasons[0], Reason::Unsure { why } if why.contains("restarted")));
+    cg.run(&work.0, "cat kept > /dev/null");
+    assert_eq!(second.turn_end("r").expect("turn").class, Class::None);
+
+    // Someone removes the pins: the programs are gone, the answer is full.
+    let build = std::fs::read_dir(&pin_dir)
+        .expect("pin dir")
+        .flatten()
+        .next()
+        .expect("a build dir")
+        .path();
+    std::fs::remove_file(build.join("link_crab_sys_enter")).expect("remove a link pin");
+    let r = second.turn_end("r").expect("turn");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    second.unregister("r").expect("unregister");
+    second.unload().expect("unload");
+}
