@@ -15,9 +15,11 @@ enum crab_kind {
 	CRAB_EV_CREATE = 1,   /* open() created the file at (dir, name) */
 	CRAB_EV_TRUNC = 2,    /* open(O_TRUNC) of an existing file at (dir, name) */
 	CRAB_EV_WRITE = 3,    /* first content/metadata change this turn of an inode
-			       * that existed before the turn (fd-based) */
+			       * that existed before the turn (fd-based; op is the
+			       * syscall number, every shared writable mmap is one) */
 	CRAB_EV_PATH = 4,     /* a path-based mutation, see enum crab_op */
-	CRAB_EV_ACTIVE = 5,   /* a long-lived task ran (first syscall this turn) */
+	CRAB_EV_ACTIVE = 5,   /* a long-lived task ran (first syscall this turn);
+			       * op is 1 when its comm is noisy */
 	CRAB_EV_CWD = 6,      /* a long-lived task changed its working directory */
 	CRAB_EV_EXEC = 7,     /* a long-lived task exec'd */
 	CRAB_EV_EXIT = 8,     /* a long-lived process exited */
@@ -39,6 +41,12 @@ enum crab_op {
 	CRAB_OP_TRUNCATE = 10,	/* truncate(path) */
 	CRAB_OP_RENAME_NOREPLACE = 11, /* like RENAME, name2 did not exist */
 };
+
+/* Slots of the sandbox prefilter (crab_slots): slot = cgroup id & (N - 1)
+ * holds the registered cgroup id, 0 when none, CRAB_SLOT_SHARED when two
+ * registered sandboxes share the slot (then the hash map decides). */
+#define CRAB_SLOTS 4096
+#define CRAB_SLOT_SHARED 0xffffffffffffffffULL
 
 /* Per-sandbox control, written by user space only (key: cgroup id). */
 struct crab_ctl {

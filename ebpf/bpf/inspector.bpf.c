@@ -147,6 +147,34 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_inodes SEC(".maps");
 
+/* The prefilter of sys_enter: an array lookup (inlined by the verifier)
+ * that tells most tasks outside every sandbox from the ones inside. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CRAB_SLOTS);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_slots SEC(".maps");
+
+/* Followed calls in flight on the host: while none is, sys_exit returns at
+ * once for every task. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_inflight SEC(".maps");
+
+static __always_inline void inflight_done(void)
+{
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (inflight)
+		__sync_fetch_and_add(inflight, -1);
+}
+
 /* Commands (task comm) whose own running is not a process change. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -532,8 +560,12 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
 SEC("raw_tracepoint/sys_enter")
 int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 {
-	__u64 cg;
-	struct crab_ctl *ctl = current_sandbox(&cg);
+	__u64 cg = bpf_get_current_cgroup_id();
+	__u32 slot = cg & (CRAB_SLOTS - 1);
+	__u64 *owner = bpf_map_lookup_elem(&crab_slots, &slot);
+	if (!owner || (*owner != cg && *owner != CRAB_SLOT_SHARED))
+		return 0;
+	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
 	if (!ctl)
 		return 0;
 	__u64 gen = ctl->gen;
@@ -543,15 +575,22 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 		return 0;
 	if (t->active_gen != gen) {
 		t->active_gen = gen;
-		if (t->born_gen != gen && !current_is_noisy()) {
+		if (t->born_gen != gen) {
+			/* Noisy tasks are reported too, marked: their running is
+			 * no process change, but it may store into a shared file
+			 * mapping. */
 			struct crab_event *e = reserve(cg, gen, CRAB_EV_ACTIVE);
-			if (e)
+			if (e) {
+				e->op = current_is_noisy();
 				submit(e);
+			}
 		}
 	}
 	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
 	__u64 *raw = (__u64 *)ctx;
 	long nr = raw[1];
+	if (t->nr >= 0)
+		inflight_done(); /* an exit that never came: keep the count true */
 	t->nr = -1;
 	if (!tracked_nr(nr))
 		return 0;
@@ -563,7 +602,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	if (fd_idx >= 0) {
 		long fd = fd_idx == 0 ? BPF_CORE_READ(regs, di)
 			: fd_idx == 2 ? BPF_CORE_READ(regs, dx) : BPF_CORE_READ(regs, r8);
-		if (!fd_change_worth(cg, gen, fd))
+		if (nr != NR_mmap && !fd_change_worth(cg, gen, fd))
 			return 0;
 	}
 	/* The x86_64 syscall convention: di, si, dx, r10, r8, r9. */
@@ -584,11 +623,15 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	t->args[4] = args[4];
 	t->args[5] = args[5];
 	t->nr = nr;
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (inflight)
+		__sync_fetch_and_add(inflight, 1);
 	return 0;
 }
 
 /* A content or metadata change through a file descriptor. */
-static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd)
+static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 {
 	struct task_struct *task = (void *)bpf_get_current_task();
 	struct file *f = fd_file(task, fd);
@@ -601,8 +644,10 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd)
 	struct crab_inode_key key = { .cgroup = cg };
 	inode_id(inode, &key.dev, &key.ino);
 	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
-	if (st && st->gen == gen)
-		return 0; /* born this turn, or already reported */
+	/* Born this turn, or already reported; a shared writable mapping is
+	 * always reported: user space remembers who holds one. */
+	if (st && st->gen == gen && nr != NR_mmap)
+		return 0;
 	struct crab_inode_state fresh = { .gen = gen, .flags = CRAB_INODE_WRITTEN };
 	bpf_map_update_elem(&crab_inodes, &key, &fresh, BPF_ANY);
 	struct crab_event *e = reserve(cg, gen, CRAB_EV_WRITE);
@@ -611,6 +656,7 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd)
 	e->dev = key.dev;
 	e->ino = key.ino;
 	e->mode = mode;
+	e->op = nr;
 	const unsigned char *name = BPF_CORE_READ(f, f_path.dentry, d_name.name);
 	bpf_probe_read_kernel_str(e->name, sizeof(e->name), name);
 	submit(e);
@@ -731,7 +777,7 @@ static __always_inline int on_attr(__u64 cg, __u64 gen, long dirfd, unsigned lon
 	if (name)
 		bpf_probe_read_user(&first, 1, (void *)name);
 	if (!first)
-		return on_fd_change(cg, gen, dirfd);
+		return on_fd_change(cg, gen, dirfd, -1);
 	return on_path(cg, gen, CRAB_OP_ATTR, dirfd, name, 0, 0, 0);
 }
 
@@ -749,8 +795,13 @@ static __noinline int on_proc(__u64 cg, __u64 gen, __u32 kind, unsigned long nam
 SEC("raw_tracepoint/sys_exit")
 int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 {
-	/* Most calls are not followed: tell them by number before any lookup
-	 * (this runs for every syscall of every task on the host). */
+	/* This runs for every syscall of every task on the host: return at
+	 * once while no followed call is in flight, and tell the others by
+	 * number before any hash lookup. */
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (!inflight || *inflight == 0)
+		return 0;
 	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
 	if (!tracked_nr(BPF_CORE_READ(regs, orig_ax)))
 		return 0;
@@ -761,6 +812,7 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		return 0;
 	struct crab_task s = *t;
 	t->nr = -1;
+	__sync_fetch_and_add(inflight, -1);
 	long ret = (long)((__u64 *)ctx)[1];
 	if (ret < 0)
 		return 0;
@@ -790,12 +842,12 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case NR_fchown:
 	case NR_fsetxattr:
 	case NR_fremovexattr:
-		return on_fd_change(cg, gen, a[0]);
+		return on_fd_change(cg, gen, a[0], s.nr);
 	case NR_splice:
 	case NR_copy_file_range:
-		return on_fd_change(cg, gen, a[2]);
+		return on_fd_change(cg, gen, a[2], s.nr);
 	case NR_mmap:
-		return on_fd_change(cg, gen, a[4]);
+		return on_fd_change(cg, gen, a[4], s.nr);
 	case NR_truncate:
 		return on_path(cg, gen, CRAB_OP_TRUNCATE, AT_FDCWD, a[0], 0, 0, 0);
 	case NR_rename:
@@ -932,6 +984,9 @@ int crab_exit(void *ctx)
 		if (!is_born(t, gen))
 			on_proc(cg, gen, CRAB_EV_EXIT, 0);
 	}
+	struct crab_task *left = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (left && left->nr >= 0)
+		inflight_done();
 	bpf_map_delete_elem(&crab_tasks, &tid);
 	return 0;
 }

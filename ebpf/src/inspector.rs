@@ -14,7 +14,7 @@ use nix::fcntl::{Flock, FlockArg};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::kernel::{comm_key, Ctl, Event, Stats};
+use crate::kernel::{comm_key, Ctl, Event, Stats, SLOTS, SLOT_SHARED};
 use crate::ledger::{Ignore, Ledger};
 use crate::loader::{self, Maps};
 use crate::procs;
@@ -105,6 +105,11 @@ struct Sandbox {
     ignore: Option<Ignore>,
     /// Deleted-file mappings already seen, (dev, ino).
     deleted_maps: HashSet<(u64, u64)>,
+    /// Processes known to hold shared writable file mappings → the files.
+    /// A long-lived process that runs or exits while holding one may have
+    /// stored into it (no system call shows that), so the files count as
+    /// changed; the knowledge outlives the turn that made the mapping.
+    shared_maps: HashMap<u32, Vec<String>>,
 }
 
 impl InspectorConfig {
@@ -225,6 +230,7 @@ impl Inspector {
         if existing.is_none() {
             state.maps.ctl.insert(cg, ctl, 0).map_err(map_err("crab_ctl"))?;
         }
+        sync_slot(&mut state.maps, cg)?;
         log::info!(
             "inspector: sandbox {sandbox} registered (cgroup {cg}, turn {}{})",
             ctl.turn + 1,
@@ -251,6 +257,10 @@ impl Inspector {
                 restarted: existing.is_some(),
                 ignore: None,
                 deleted_maps: HashSet::new(),
+                shared_maps: shared_writable_maps(
+                    &procs::members(cgroup_dir, "cgroup.procs"),
+                    &Ignore::default(),
+                ),
             },
         );
         Ok(cg)
@@ -270,6 +280,7 @@ impl Inspector {
         // ctl first: once it is gone the programs stop touching stats.
         let _ = state.maps.ctl.remove(&cg);
         let _ = state.maps.stats.remove(&cg);
+        sync_slot(&mut state.maps, cg)?;
         log::info!("inspector: sandbox {sandbox} unregistered");
         Ok(())
     }
@@ -410,28 +421,42 @@ impl Inspector {
             }
         }
 
-        // A long-lived process that ran may have stored into a shared
-        // writable file mapping made in an earlier turn: no system call
-        // shows that, so its mapped files count as changed.
-        let ran: HashSet<u32> = proc_reasons
-            .iter()
-            .filter_map(|r| match r {
-                Reason::Ran { pid, .. } => Some(*pid),
-                _ => None,
-            })
-            .collect();
-        let mut shared = Vec::new();
-        for &pid in &pids {
-            if !ran.contains(&pid) {
-                continue;
+        // A long-lived process that ran or exited may have stored into a
+        // shared writable file mapping, made in this turn or an earlier one.
+        let mut touched: HashSet<u32> = sb.current.noisy_ran.clone();
+        for r in &proc_reasons {
+            if let Reason::Ran { pid, .. } | Reason::Exited { pid, .. } = r {
+                touched.insert(*pid);
             }
-            for m in procs::mappings(pid) {
-                let ignored = sb.ignore.as_ref().is_some_and(|i| i.devs.contains(&m.dev));
-                if m.shared_writable && !ignored {
-                    shared.push(Reason::Changed { path: m.path });
+        }
+        let no_ignore = Ignore::default();
+        let ignore = sb.ignore.as_ref().unwrap_or(&no_ignore);
+        for (pid, dev, name) in &sb.current.shared_mapped {
+            if !ignore.devs.contains(dev) {
+                sb.shared_maps.entry(*pid).or_default().push(name.clone());
+            }
+        }
+        let mut shared = Vec::new();
+        for pid in &touched {
+            if let Some(paths) = sb.shared_maps.get(pid) {
+                shared.extend(paths.iter().map(|p| Reason::Changed { path: p.clone() }));
+            }
+        }
+        // What they hold now (gone for the exited ones).
+        let now = shared_writable_maps(&touched.iter().copied().collect::<Vec<_>>(), ignore);
+        for pid in &touched {
+            match now.get(pid) {
+                Some(paths) => {
+                    shared.extend(paths.iter().map(|p| Reason::Changed { path: p.clone() }));
+                    sb.shared_maps.insert(*pid, paths.clone());
+                }
+                None => {
+                    sb.shared_maps.remove(pid);
                 }
             }
         }
+        shared.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        shared.dedup();
         let fs = fs || !shared.is_empty();
         let proc = !proc_reasons.is_empty() || !mapped.is_empty();
         let class = if !unsure.is_empty() || !mapped.is_empty() {
@@ -547,6 +572,22 @@ fn drain_loop(shared: &Shared, stop: &AtomicBool, ring_fd: OwnedFd) {
     }
 }
 
+/// The shared writable file mappings of `pids`, by pid (pids with none are
+/// left out), except those on the sandbox's kernel-interface mounts
+/// (`/dev/shm` is not filesystem state).
+fn shared_writable_maps(pids: &[u32], ignore: &Ignore) -> HashMap<u32, Vec<String>> {
+    pids.iter()
+        .filter_map(|&pid| {
+            let paths: Vec<String> = procs::mappings(pid)
+                .into_iter()
+                .filter(|m| m.shared_writable && !ignore.devs.contains(&m.dev))
+                .map(|m| m.path)
+                .collect();
+            (!paths.is_empty()).then_some((pid, paths))
+        })
+        .collect()
+}
+
 /// The mount namespaces of this process and of the host's init.
 fn host_mount_namespaces() -> HashSet<u32> {
     use std::os::unix::fs::MetadataExt;
@@ -574,6 +615,29 @@ fn lock_owner(pin_dir: &Path) -> Result<Flock<File>> {
             source: other.into(),
         },
     })
+}
+
+/// Sets the prefilter slot of `cg` from the sandboxes the kernel follows:
+/// their id, 0 for none, `SLOT_SHARED` for several.
+fn sync_slot(maps: &mut Maps, cg: u64) -> Result<()> {
+    let slot = cg & (SLOTS - 1);
+    let owners: Vec<u64> = maps
+        .ctl
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| k & (SLOTS - 1) == slot)
+        .collect();
+    let value = match owners.as_slice() {
+        [] => 0,
+        [one] => *one,
+        _ => SLOT_SHARED,
+    };
+    maps.slots
+        .set(slot as u32, value, 0)
+        .map_err(|source| Error::Map {
+            name: "crab_slots",
+            source,
+        })
 }
 
 fn set_noisy(maps: &mut Maps, comms: &[String]) -> Result<()> {

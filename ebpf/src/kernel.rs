@@ -3,6 +3,11 @@
 
 use std::mem::size_of;
 
+/// Slots of the sandbox prefilter (`CRAB_SLOTS`).
+pub(crate) const SLOTS: u64 = 4096;
+/// A slot two registered sandboxes share (`CRAB_SLOT_SHARED`).
+pub(crate) const SLOT_SHARED: u64 = u64::MAX;
+
 /// Longest name a record carries (bytes, NUL included).
 pub(crate) const NAME_LEN: usize = 256;
 /// Length of a task's command name (`comm`).
@@ -92,6 +97,9 @@ pub(crate) mod kind {
     pub const EXIT: u32 = 8;
     pub const UNSURE: u32 = 9;
 }
+
+/// x86_64 `mmap`: a WRITE record with this `op` is a shared writable mapping.
+pub(crate) const NR_MMAP: u32 = 9;
 
 /// `enum crab_op`.
 pub(crate) mod op {

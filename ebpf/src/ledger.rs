@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::kernel::{c_str, kind, op, user_dev, Event};
+use crate::kernel::{c_str, kind, op, user_dev, Event, NR_MMAP};
 use crate::report::Reason;
 
 /// One turn's records, digested.
@@ -30,6 +30,12 @@ pub(crate) struct Ledger {
     proc_seen: HashSet<(u32, u32)>,
     /// Operations the inspector cannot follow (io_uring, ptrace, …).
     unsure: Vec<String>,
+    /// Shared writable file mappings made this turn: (pid, user-space
+    /// device, file name).
+    pub shared_mapped: Vec<(u32, u64, String)>,
+    /// Long-lived noisy processes that ran (no process change by
+    /// themselves, but they may store into a shared mapping).
+    pub noisy_ran: HashSet<u32>,
     /// Records applied.
     pub n_events: u64,
 }
@@ -94,7 +100,11 @@ impl Ledger {
                 self.written.insert((user_dev(ev.dev), ev.ino), name);
             }
             kind::WRITE => {
-                self.written.insert((user_dev(ev.dev), ev.ino), c_str(&ev.name));
+                let name = c_str(&ev.name);
+                if ev.op == NR_MMAP {
+                    self.shared_mapped.push((ev.pid, user_dev(ev.dev), name.clone()));
+                }
+                self.written.insert((user_dev(ev.dev), ev.ino), name);
             }
             kind::PATH => match ev.op {
                 op::UNLINK | op::RMDIR => self.touch(first(), false, false),
@@ -111,6 +121,9 @@ impl Ledger {
                 op::ATTR | op::TRUNCATE => self.touch(first(), false, true),
                 other => self.unsure.push(format!("unknown path operation {other}")),
             },
+            kind::ACTIVE if ev.op == 1 => {
+                self.noisy_ran.insert(ev.pid);
+            }
             kind::ACTIVE => self.proc(ev, |pid, comm| Reason::Ran { pid, comm }),
             kind::CWD => self.proc(ev, |pid, comm| Reason::Chdir { pid, comm }),
             kind::EXEC => self.proc(ev, |pid, comm| Reason::Execed { pid, comm }),

@@ -14,7 +14,7 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, Map, MapData, RingBuf};
+use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use aya::programs::{links::FdLink, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
@@ -43,6 +43,7 @@ pub(crate) struct Maps {
     pub stats: HashMap<MapData, u64, Stats>,
     pub tasks: HashMap<MapData, u32, Task>,
     pub noisy: HashMap<MapData, [u8; COMM_LEN], u8>,
+    pub slots: Array<MapData, u64>,
     pub events: RingBuf<MapData>,
 }
 
@@ -155,6 +156,7 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
         stats: take(&mut ebpf, "crab_stats")?,
         tasks: take(&mut ebpf, "crab_tasks")?,
         noisy: take(&mut ebpf, "crab_noisy")?,
+        slots: take(&mut ebpf, "crab_slots")?,
         events: take(&mut ebpf, "crab_events")?,
     })
 }
@@ -210,6 +212,7 @@ fn reuse_maps(build: &Path) -> Result<Maps> {
         stats: open(build, "crab_stats")?,
         tasks: open(build, "crab_tasks")?,
         noisy: open(build, "crab_noisy")?,
+        slots: open(build, "crab_slots")?,
         events: open(build, "crab_events")?,
     })
 }
