@@ -61,6 +61,13 @@ fn basic_signals() {
     step("rm a.txt", Class::Fs);
     step("echo x > /proc/self/comm; echo y > /dev/null", Class::None);
     let pidfile = format!("/dev/shm/{}", crab_tests::unique("crab-insp-pid"));
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _pidfile = Remove(pidfile.clone());
     // Waits until sleep sleeps: its start-up would otherwise run into the next turn.
     step(
         &format!(

@@ -40,8 +40,11 @@ pub fn inspector(noisy: &[&str], ring_bytes: u32, background: bool) -> TestInspe
         max_reasons: 64,
         background_drain: background,
     };
-    TestInspector {
-        inspector: Some(Inspector::load(config).expect("load the inspector (needs root)")),
+    // The guard first: a failed load leaves a pin directory too.
+    let mut guard = TestInspector {
+        inspector: None,
         pin_dir,
-    }
+    };
+    guard.inspector = Some(Inspector::load(config).expect("load the inspector (needs root)"));
+    guard
 }
