@@ -29,6 +29,7 @@ base_pkgs=(
   containerd runc iptables zfs-fuse btrfs-progs
   clang llvm libbpf-dev bpftool protobuf-compiler libseccomp-dev pkg-config
   busybox-static debootstrap iproute2 procps psmisc curl ca-certificates
+  git gcc libc6-dev sqlite3
   python3 python3-pip python3-venv jq util-linux e2fsprogs
 )
 

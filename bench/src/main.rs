@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 mod checkpoint;
 mod fs;
+mod inspector;
 mod proxy;
 mod runtime;
 mod stats;
@@ -53,6 +54,17 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         runs: usize,
     },
+    /// The inspector: turn-end decision latency (p50/p99) for turns of
+    /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
+    /// sandbox with the programs attached vs detached.
+    Inspector {
+        /// Measured turns per kind.
+        #[arg(long, default_value_t = 100)]
+        turns: usize,
+        /// Workload runs per mode (attached, detached).
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+    },
     /// Latency the LLM proxy adds (p50/p99, non-streaming and streaming
     /// time to first byte, 1 and 64 clients) beside calling the upstream directly.
     Proxy {
@@ -70,6 +82,7 @@ fn main() -> anyhow::Result<()> {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
         Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
+        Bench::Inspector { turns, reps } => inspector::run(turns, reps),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))
         }

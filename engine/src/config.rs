@@ -26,6 +26,13 @@ pub struct CrabdConfig {
     pub shim_timeout_secs: u64,
     /// Versions kept per sandbox after each checkpoint (0: all).
     pub keep_versions: usize,
+    /// Whether crabd loads the eBPF inspector to classify turns.
+    pub inspector: bool,
+    /// Where the inspector's programs and maps are pinned (bpffs).
+    pub inspector_pin_dir: PathBuf,
+    /// Processes (by comm) whose memory churn is not a change worth
+    /// saving; their exec, fork, exit and cwd changes still count.
+    pub noisy_comms: Vec<String>,
     /// Whether shims register (read by the shim).
     pub register: bool,
     /// Whether shims start crabd (read by the shim).

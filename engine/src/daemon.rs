@@ -178,6 +178,9 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let socket = config.socket.clone();
     let mut daemon = Daemon::open(config)?;
     let listener = bind(&socket).await?;
+    if let Some(i) = inspect::load(&daemon.config) {
+        daemon = daemon.with_inspector(i);
+    }
     let host = host_listener::bind(daemon.config.proxy_port).await;
     daemon.proxy_port = host.as_ref().map(|(_, port)| *port);
     let daemon = Arc::new(daemon);

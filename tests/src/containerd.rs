@@ -248,6 +248,7 @@ impl Drop for Containerd {
         }
         self.stop();
         self.stop_crabd();
+        let _ = std::fs::remove_dir_all(pin_dir(&self.dir));
         let _ = nix::mount::umount2(
             &self.dir.join("root/io.containerd.snapshotter.v1.overlayfs") as &Path,
             nix::mount::MntFlags::MNT_DETACH,
@@ -258,14 +259,33 @@ impl Drop for Containerd {
     }
 }
 
+/// Where a test crabd pins its inspector (bpffs).
+fn pin_dir(dir: &Path) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    PathBuf::from(format!("/sys/fs/bpf/crab-test-{name}"))
+}
+
 /// `toml` with the `[crabd]` socket, root and host listener port of a test
 /// containerd (tests run in parallel, each with its own crabd), added to the
 /// caller's `[crabd]` table if it has one.
 fn with_own_crabd(toml: &str, dir: &Path) -> String {
+    // The inspector only where a test asks for it (each loaded inspector
+    // puts every syscall of the host through a tracepoint), pinned in a
+    // directory of its own that drop removes.
+    let inspector = if toml.contains("inspector =") {
+        String::new()
+    } else {
+        "inspector = false\n".to_owned()
+    };
     let keys = format!(
-        "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n",
+        "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n\
+         inspector_pin_dir = \"{pins}\"\n{inspector}",
         d = dir.display(),
-        port = free_port()
+        port = free_port(),
+        pins = pin_dir(dir).display(),
     );
     match toml.find("[crabd]\n") {
         Some(at) => {

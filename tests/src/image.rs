@@ -77,3 +77,45 @@ pub fn python_sdk_archive() -> &'static PathBuf {
         path
     })
 }
+
+/// The image reference of the development sandbox: busybox plus `lib`,
+/// `lib64` and `usr` mount points, for containers that bind the host's
+/// `/usr` read-only (`--mount type=bind,src=/usr,dst=/usr,options=rbind:ro`)
+/// and so get its git, gcc, python3, sqlite3 and coreutils.
+pub const DEVBOX: &str = "docker.io/crab/devbox:test";
+
+/// The OCI archive of [`DEVBOX`], built once (`fixtures/mkdevbox.sh`).
+pub fn devbox_archive() -> &'static PathBuf {
+    static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
+    ARCHIVE.get_or_init(|| {
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            include_str!("../fixtures/mkimage.sh").hash(&mut h);
+            include_str!("../fixtures/mkdevbox.sh").hash(&mut h);
+            h.finish()
+        };
+        let path = crate::bin_dir().join(format!("crab-test-devbox-{hash:016x}.tar"));
+        if !path.exists() {
+            let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+            let layer = path.with_extension(format!("layer{}", std::process::id()));
+            crate::ok(
+                Command::new(fixtures.join("mkdevbox.sh"))
+                    .arg(&layer)
+                    .output()
+                    .expect("run mkdevbox.sh"),
+            );
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let out = Command::new(fixtures.join("mkimage.sh"))
+                .arg(&tmp)
+                .arg(DEVBOX)
+                .arg(&layer)
+                .output()
+                .expect("run mkimage.sh");
+            let _ = std::fs::remove_dir_all(&layer);
+            crate::ok(out);
+            std::fs::rename(&tmp, &path).expect("publish image archive");
+        }
+        path
+    })
+}

@@ -89,6 +89,61 @@ impl std::fmt::Debug for Inspection {
     }
 }
 
+// The eBPF inspector (crate `crab-inspector`).
+impl TurnInspector for crab_inspector::Inspector {
+    fn register(&self, sandbox: &str, cgroup: &Path) -> Result<(), String> {
+        crab_inspector::Inspector::register(self, sandbox, cgroup)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    fn unregister(&self, sandbox: &str) {
+        if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox) {
+            tracing::debug!(sandbox, "inspector unregister: {e}");
+        }
+    }
+
+    fn turn_end(&self, sandbox: &str) -> Result<TurnReport, String> {
+        let r = crab_inspector::Inspector::turn_end(self, sandbox).map_err(|e| e.to_string())?;
+        let class = match r.class {
+            crab_inspector::Class::None => Class::None,
+            crab_inspector::Class::Fs => Class::Fs,
+            crab_inspector::Class::Proc => Class::Proc,
+            crab_inspector::Class::Full => Class::Full,
+        };
+        Ok(TurnReport {
+            sandbox: sandbox.to_owned(),
+            turn: r.turn,
+            class,
+            reasons: r
+                .reasons
+                .iter()
+                .map(|reason| serde_json::to_value(reason).expect("a reason serializes"))
+                .collect(),
+        })
+    }
+}
+
+/// Loads the eBPF inspector as `[crabd]` says; `None` (logged) when it is
+/// off or cannot load here (no BPF, not root, another crabd owns the pins).
+pub fn load(config: &crate::config::CrabdConfig) -> Option<Box<dyn TurnInspector>> {
+    if !config.inspector {
+        return None;
+    }
+    let mut ic = crab_inspector::InspectorConfig::host(config.noisy_comms.clone());
+    ic.pin_dir = config.inspector_pin_dir.clone();
+    match crab_inspector::Inspector::load(ic) {
+        Ok(i) => {
+            tracing::info!(pins = %config.inspector_pin_dir.display(), "inspector loaded");
+            Some(Box::new(i))
+        }
+        Err(e) => {
+            tracing::error!("inspector not loaded, every turn will be full: {e}");
+            None
+        }
+    }
+}
+
 fn full(sandbox: &str, why: &str) -> TurnReport {
     TurnReport {
         sandbox: sandbox.to_owned(),

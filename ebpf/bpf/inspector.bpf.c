@@ -1,0 +1,992 @@
+// SPDX-License-Identifier: (Apache-2.0 OR GPL-2.0)
+/*
+ * The inspector's kernel side: tracepoints only (raw_syscalls, sched,
+ * cgroup), filtered first by the current task's unified cgroup id, so a task
+ * outside every registered sandbox costs one helper call and one hash lookup
+ * per syscall entry and exit.
+ *
+ * Per sandbox the programs keep monotonic counters (crab_stats) and stream
+ * path-bearing records on one ring buffer (crab_events), each with a
+ * per-sandbox sequence number, so user space can tell it has every record up
+ * to a turn boundary, and how many the ring had no room for. Per inode they
+ * deduplicate writes within a turn (crab_inodes), so a turn of a million
+ * writes to one file streams one record.
+ *
+ * A turn is a generation number in crab_ctl that user space bumps at each
+ * turn end; a task is long-lived when it entered the sandbox in an earlier
+ * generation (or before the sandbox was registered).
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include "crab_events.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define AT_FDCWD -100
+#define AT_REMOVEDIR 0x200
+#define O_ACCMODE 3
+#define O_CREAT 0100
+#define O_TRUNC 01000
+#define FMODE_CREATED 0x100000
+#define MAP_SHARED 0x01
+#define PROT_WRITE 0x2
+#define RENAME_NOREPLACE 1
+#define RENAME_EXCHANGE 2
+#define S_IFMT 0170000
+#define S_IFREG 0100000
+#define S_IFDIR 0040000
+#define S_IFLNK 0120000
+
+/* x86_64 syscall numbers of the calls the inspector follows. */
+#define NR_write 1
+#define NR_open 2
+#define NR_mmap 9
+#define NR_pwrite64 18
+#define NR_writev 20
+#define NR_sendfile 40
+#define NR_truncate 76
+#define NR_ftruncate 77
+#define NR_chdir 80
+#define NR_fchdir 81
+#define NR_rename 82
+#define NR_mkdir 83
+#define NR_rmdir 84
+#define NR_creat 85
+#define NR_link 86
+#define NR_unlink 87
+#define NR_symlink 88
+#define NR_chmod 90
+#define NR_fchmod 91
+#define NR_chown 92
+#define NR_fchown 93
+#define NR_lchown 94
+#define NR_ptrace 101
+#define NR_utime 132
+#define NR_mknod 133
+#define NR_setxattr 188
+#define NR_lsetxattr 189
+#define NR_fsetxattr 190
+#define NR_removexattr 197
+#define NR_lremovexattr 198
+#define NR_fremovexattr 199
+#define NR_utimes 235
+#define NR_openat 257
+#define NR_mkdirat 258
+#define NR_mknodat 259
+#define NR_fchownat 260
+#define NR_futimesat 261
+#define NR_unlinkat 263
+#define NR_renameat 264
+#define NR_linkat 265
+#define NR_symlinkat 266
+#define NR_fchmodat 268
+#define NR_splice 275
+#define NR_utimensat 280
+#define NR_fallocate 285
+#define NR_pwritev 296
+#define NR_process_vm_writev 311
+#define NR_renameat2 316
+#define NR_copy_file_range 326
+#define NR_pwritev2 328
+#define NR_io_uring_setup 425
+#define NR_io_uring_enter 426
+#define NR_io_uring_register 427
+#define NR_openat2 437
+#define NR_fchmodat2 452
+#define NR_setxattrat 463
+#define NR_removexattrat 466
+
+/* Filesystem magics whose objects are not sandbox state. */
+#define PROC_SUPER_MAGIC 0x9fa0
+#define SYSFS_MAGIC 0x62656572
+#define DEVPTS_SUPER_MAGIC 0x1cd1
+#define CGROUP_SUPER_MAGIC 0x27e0eb
+#define CGROUP2_SUPER_MAGIC 0x63677270
+#define DEBUGFS_MAGIC 0x64626720
+#define TRACEFS_MAGIC 0x74726163
+#define BPF_FS_MAGIC 0xcafe4a11
+#define SECURITYFS_MAGIC 0x73636673
+#define PIPEFS_MAGIC 0x50495045
+#define SOCKFS_MAGIC 0x534F434B
+#define ANON_INODE_FS_MAGIC 0x09041934
+#define NSFS_MAGIC 0x6e736673
+#define MQUEUE_MAGIC 0x19800202
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct crab_ctl);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_ctl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct crab_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct crab_task);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_tasks SEC(".maps");
+
+/* LRU: an evicted entry only costs a duplicate record (or a born inode
+ * looking pre-existing, i.e. a false positive), never a missed change. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct crab_inode_key);
+	__type(value, struct crab_inode_state);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_inodes SEC(".maps");
+
+/* The prefilter of sys_enter: an array lookup (inlined by the verifier)
+ * that tells most tasks outside every sandbox from the ones inside. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CRAB_SLOTS);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_slots SEC(".maps");
+
+/* Followed calls in flight on the host: while none is, sys_exit returns at
+ * once for every task. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_inflight SEC(".maps");
+
+static __always_inline void inflight_done(void)
+{
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (inflight)
+		__sync_fetch_and_add(inflight, -1);
+}
+
+/* Commands (task comm) whose own running is not a process change. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, char[CRAB_COMM_LEN]);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_noisy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 8 << 20);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} crab_events SEC(".maps");
+
+/* cgroup:cgroup_attach_task, laid out by its tracefs format. */
+struct cgroup_attach_args {
+	__u64 common;
+	int dst_root;
+	int dst_level;
+	__u64 dst_id;
+	int pid;
+};
+
+/* The sandbox the current task is in, or NULL. */
+static __always_inline struct crab_ctl *current_sandbox(__u64 *cg)
+{
+	*cg = bpf_get_current_cgroup_id();
+	return bpf_map_lookup_elem(&crab_ctl, cg);
+}
+
+static __always_inline void count(__u64 cg, int which)
+{
+	struct crab_stats *st = bpf_map_lookup_elem(&crab_stats, &cg);
+	if (!st)
+		return;
+	if (which == 0)
+		__sync_fetch_and_add(&st->n_lost, 1);
+	else
+		__sync_fetch_and_add(&st->n_unsure, 1);
+}
+
+/* Reserves a record with the sandbox's next sequence number; counts a drop
+ * when the ring is full. */
+static __always_inline struct crab_event *reserve(__u64 cg, __u64 gen, __u32 kind)
+{
+	struct crab_stats *st = bpf_map_lookup_elem(&crab_stats, &cg);
+	if (!st)
+		return NULL;
+	__u64 seq = __sync_fetch_and_add(&st->seq, 1);
+	struct crab_event *e = bpf_ringbuf_reserve(&crab_events, sizeof(*e), 0);
+	if (!e) {
+		__sync_fetch_and_add(&st->n_dropped, 1);
+		return NULL;
+	}
+	__u64 pt = bpf_get_current_pid_tgid();
+	e->cgroup = cg;
+	e->seq = seq;
+	e->gen = gen;
+	e->kind = kind;
+	e->op = 0;
+	e->pid = pt >> 32;
+	e->tid = (__u32)pt;
+	e->dev = 0;
+	e->ino = 0;
+	e->dir_dev = 0;
+	e->dir_ino = 0;
+	e->dir2_dev = 0;
+	e->dir2_ino = 0;
+	e->mode = 0;
+	e->flags = 0;
+	e->pad = 0;
+	struct task_struct *task = (void *)bpf_get_current_task();
+	e->mntns = BPF_CORE_READ(task, nsproxy, mnt_ns, ns.inum);
+	bpf_get_current_comm(e->comm, sizeof(e->comm));
+	e->name[0] = 0;
+	e->name2[0] = 0;
+	return e;
+}
+
+/* Commits a record. The reader is woken only once the ring is a quarter
+ * full: it polls on a timer otherwise, and a wakeup per record would cost
+ * every file a context switch. */
+static __always_inline void submit(struct crab_event *e)
+{
+	__u64 avail = bpf_ringbuf_query(&crab_events, BPF_RB_AVAIL_DATA);
+	__u64 size = bpf_ringbuf_query(&crab_events, BPF_RB_RING_SIZE);
+	bpf_ringbuf_submit(e, avail > size / 4 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+}
+
+static __always_inline struct file *fd_file(struct task_struct *t, long fd)
+{
+	if (fd < 0)
+		return NULL;
+	struct files_struct *files = BPF_CORE_READ(t, files);
+	struct fdtable *fdt = BPF_CORE_READ(files, fdt);
+	unsigned int max = BPF_CORE_READ(fdt, max_fds);
+	if ((unsigned long)fd >= max)
+		return NULL;
+	struct file **fds = BPF_CORE_READ(fdt, fd);
+	struct file *f = NULL;
+	bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]);
+	return f;
+}
+
+/* Whether an inode can hold sandbox filesystem state: a regular file,
+ * directory or symlink on a filesystem that is not a kernel interface. */
+static __always_inline int state_bearing(struct inode *inode, __u32 *mode_out)
+{
+	__u32 mode = BPF_CORE_READ(inode, i_mode);
+	__u32 fmt = mode & S_IFMT;
+	*mode_out = mode;
+	if (fmt != S_IFREG && fmt != S_IFDIR && fmt != S_IFLNK)
+		return 0;
+	unsigned long magic = BPF_CORE_READ(inode, i_sb, s_magic);
+	switch (magic) {
+	case PROC_SUPER_MAGIC:
+	case SYSFS_MAGIC:
+	case DEVPTS_SUPER_MAGIC:
+	case CGROUP_SUPER_MAGIC:
+	case CGROUP2_SUPER_MAGIC:
+	case DEBUGFS_MAGIC:
+	case TRACEFS_MAGIC:
+	case BPF_FS_MAGIC:
+	case SECURITYFS_MAGIC:
+	case PIPEFS_MAGIC:
+	case SOCKFS_MAGIC:
+	case ANON_INODE_FS_MAGIC:
+	case NSFS_MAGIC:
+	case MQUEUE_MAGIC:
+		return 0;
+	}
+	return 1;
+}
+
+static __always_inline void inode_id(struct inode *inode, __u64 *dev, __u64 *ino)
+{
+	*ino = BPF_CORE_READ(inode, i_ino);
+	*dev = BPF_CORE_READ(inode, i_sb, s_dev);
+}
+
+/* The directory a name is resolved from: the root for an absolute name, the
+ * working directory for AT_FDCWD, else the directory behind dirfd. */
+static __always_inline void base_dir(struct task_struct *t, long dirfd, char first,
+				     __u64 *dev, __u64 *ino)
+{
+	struct inode *inode = NULL;
+	if (first == '/') {
+		inode = BPF_CORE_READ(t, fs, root.dentry, d_inode);
+	} else if ((int)dirfd == AT_FDCWD) {
+		inode = BPF_CORE_READ(t, fs, pwd.dentry, d_inode);
+	} else {
+		struct file *f = fd_file(t, dirfd);
+		if (f)
+			inode = BPF_CORE_READ(f, f_inode);
+	}
+	if (inode)
+		inode_id(inode, dev, ino);
+}
+
+static __always_inline int is_born(struct crab_task *t, __u64 gen)
+{
+	return t && t->born_gen == gen;
+}
+
+/* The task's entry, created on its first syscall in the sandbox. A thread
+ * without an entry takes its leader's birth; a task with neither entered
+ * before registration (long-lived). */
+static __always_inline struct crab_task *task_entry(__u64 cg, __u64 pt)
+{
+	__u32 tid = (__u32)pt;
+	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (t)
+		return t;
+	__u32 tgid = pt >> 32;
+	struct crab_task fresh = { .nr = -1 };
+	struct crab_task *leader = bpf_map_lookup_elem(&crab_tasks, &tgid);
+	if (leader)
+		fresh.born_gen = leader->born_gen;
+	if (bpf_map_update_elem(&crab_tasks, &tid, &fresh, BPF_NOEXIST)) {
+		count(cg, 0);
+		return NULL;
+	}
+	return bpf_map_lookup_elem(&crab_tasks, &tid);
+}
+
+static __always_inline int current_is_noisy(void)
+{
+	char comm[CRAB_COMM_LEN] = {};
+	bpf_get_current_comm(comm, sizeof(comm));
+	return bpf_map_lookup_elem(&crab_noisy, comm) != NULL;
+}
+
+/* Whether sys_exit needs this call's arguments. */
+/* Whether sys_enter looks at this call at all (before reading its
+ * arguments, which costs a probe read each). */
+static __always_inline int tracked_nr(long nr)
+{
+	switch (nr) {
+	case NR_open:
+	case NR_openat:
+	case NR_openat2:
+	case NR_mmap:
+	case NR_creat:
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_splice:
+	case NR_copy_file_range:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+	case NR_truncate:
+	case NR_chdir:
+	case NR_fchdir:
+	case NR_rename:
+	case NR_renameat:
+	case NR_renameat2:
+	case NR_mkdir:
+	case NR_mkdirat:
+	case NR_rmdir:
+	case NR_unlink:
+	case NR_unlinkat:
+	case NR_link:
+	case NR_linkat:
+	case NR_symlink:
+	case NR_symlinkat:
+	case NR_mknod:
+	case NR_mknodat:
+	case NR_chmod:
+	case NR_fchmodat:
+	case NR_fchmodat2:
+	case NR_chown:
+	case NR_lchown:
+	case NR_fchownat:
+	case NR_utime:
+	case NR_utimes:
+	case NR_futimesat:
+	case NR_utimensat:
+	case NR_setxattr:
+	case NR_lsetxattr:
+	case NR_removexattr:
+	case NR_lremovexattr:
+	case NR_setxattrat:
+	case NR_removexattrat:
+	case NR_ptrace:
+	case NR_process_vm_writev:
+	case NR_io_uring_setup:
+	case NR_io_uring_enter:
+	case NR_io_uring_register:
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline int tracked(long nr, unsigned long *args)
+{
+	switch (nr) {
+	case NR_open:
+		return (args[1] & (O_CREAT | O_TRUNC)) != 0;
+	case NR_openat:
+		return (args[2] & (O_CREAT | O_TRUNC)) != 0;
+	case NR_openat2: {
+		__u64 flags = 0;
+		bpf_probe_read_user(&flags, sizeof(flags), (void *)args[2]);
+		return (flags & (O_CREAT | O_TRUNC)) != 0;
+	}
+	case NR_mmap:
+		return (args[3] & MAP_SHARED) && (args[2] & PROT_WRITE) && (long)args[4] >= 0;
+	case NR_creat:
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_splice:
+	case NR_copy_file_range:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+	case NR_truncate:
+	case NR_chdir:
+	case NR_fchdir:
+	case NR_rename:
+	case NR_renameat:
+	case NR_renameat2:
+	case NR_mkdir:
+	case NR_mkdirat:
+	case NR_rmdir:
+	case NR_unlink:
+	case NR_unlinkat:
+	case NR_link:
+	case NR_linkat:
+	case NR_symlink:
+	case NR_symlinkat:
+	case NR_mknod:
+	case NR_mknodat:
+	case NR_chmod:
+	case NR_fchmodat:
+	case NR_fchmodat2:
+	case NR_chown:
+	case NR_lchown:
+	case NR_fchownat:
+	case NR_utime:
+	case NR_utimes:
+	case NR_futimesat:
+	case NR_utimensat:
+	case NR_setxattr:
+	case NR_lsetxattr:
+	case NR_removexattr:
+	case NR_lremovexattr:
+	case NR_setxattrat:
+	case NR_removexattrat:
+	case NR_ptrace:
+	case NR_process_vm_writev:
+	case NR_io_uring_setup:
+	case NR_io_uring_enter:
+	case NR_io_uring_register:
+		return 1;
+	}
+	return 0;
+}
+
+/* Which argument holds the descriptor a content or metadata change goes
+ * through (0, 2 or 4), or -1 for other calls. */
+static __always_inline int fd_change_idx(long nr)
+{
+	switch (nr) {
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+		return 0;
+	case NR_splice:
+	case NR_copy_file_range:
+		return 2;
+	case NR_mmap:
+		return 4;
+	}
+	return -1;
+}
+
+/* Whether a change through fd may need a record: the object holds
+ * filesystem state and was neither born nor reported this turn. Checked at
+ * entry so that writes to pipes, terminals, /dev/null and files already
+ * reported cost no stash and no exit work. */
+static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
+{
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct file *f = fd_file(task, fd);
+	if (!f)
+		return 1; /* let the exit decide */
+	struct inode *inode = BPF_CORE_READ(f, f_inode);
+	__u32 mode;
+	if (!inode || !state_bearing(inode, &mode))
+		return 0;
+	struct crab_inode_key key = { .cgroup = cg };
+	inode_id(inode, &key.dev, &key.ino);
+	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
+	return !(st && st->gen == gen);
+}
+
+/* Raw tracepoints: no perf record is built for the call, which makes the
+ * host-wide cost of a filtered-out syscall one helper call and one lookup. */
+SEC("raw_tracepoint/sys_enter")
+int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
+{
+	__u64 cg = bpf_get_current_cgroup_id();
+	__u32 slot = cg & (CRAB_SLOTS - 1);
+	__u64 *owner = bpf_map_lookup_elem(&crab_slots, &slot);
+	if (!owner || (*owner != cg && *owner != CRAB_SLOT_SHARED))
+		return 0;
+	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
+	if (!ctl)
+		return 0;
+	__u64 gen = ctl->gen;
+	__u64 pt = bpf_get_current_pid_tgid();
+	struct crab_task *t = task_entry(cg, pt);
+	if (!t)
+		return 0;
+	if (t->active_gen != gen) {
+		t->active_gen = gen;
+		if (t->born_gen != gen) {
+			/* Noisy tasks are reported too, marked: their running is
+			 * no process change, but it may store into a shared file
+			 * mapping. */
+			struct crab_event *e = reserve(cg, gen, CRAB_EV_ACTIVE);
+			if (e) {
+				e->op = current_is_noisy();
+				submit(e);
+			}
+		}
+	}
+	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
+	__u64 *raw = (__u64 *)ctx;
+	long nr = raw[1];
+	if (t->nr >= 0)
+		inflight_done(); /* an exit that never came: keep the count true */
+	t->nr = -1;
+	if (!tracked_nr(nr))
+		return 0;
+	struct pt_regs *regs = (struct pt_regs *)raw[0];
+	unsigned long args[6];
+	/* A change through a descriptor: look at the descriptor first, and read
+	 * the other arguments only when the call may need a record. */
+	int fd_idx = fd_change_idx(nr);
+	if (fd_idx >= 0) {
+		long fd = fd_idx == 0 ? BPF_CORE_READ(regs, di)
+			: fd_idx == 2 ? BPF_CORE_READ(regs, dx) : BPF_CORE_READ(regs, r8);
+		if (nr != NR_mmap && !fd_change_worth(cg, gen, fd))
+			return 0;
+	}
+	/* The x86_64 syscall convention: di, si, dx, r10, r8, r9. */
+	args[0] = BPF_CORE_READ(regs, di);
+	args[1] = BPF_CORE_READ(regs, si);
+	args[2] = BPF_CORE_READ(regs, dx);
+	args[3] = BPF_CORE_READ(regs, r10);
+	args[4] = BPF_CORE_READ(regs, r8);
+	args[5] = BPF_CORE_READ(regs, r9);
+	if (!tracked(nr, args))
+		return 0;
+	t->cgroup = cg;
+	t->gen = gen;
+	t->args[0] = args[0];
+	t->args[1] = args[1];
+	t->args[2] = args[2];
+	t->args[3] = args[3];
+	t->args[4] = args[4];
+	t->args[5] = args[5];
+	t->nr = nr;
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (inflight)
+		__sync_fetch_and_add(inflight, 1);
+	return 0;
+}
+
+/* A content or metadata change through a file descriptor. */
+static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
+{
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct file *f = fd_file(task, fd);
+	if (!f)
+		return 0;
+	struct inode *inode = BPF_CORE_READ(f, f_inode);
+	__u32 mode;
+	if (!inode || !state_bearing(inode, &mode))
+		return 0;
+	struct crab_inode_key key = { .cgroup = cg };
+	inode_id(inode, &key.dev, &key.ino);
+	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
+	/* Born this turn, or already reported; a shared writable mapping is
+	 * always reported: user space remembers who holds one. */
+	if (st && st->gen == gen && nr != NR_mmap)
+		return 0;
+	struct crab_inode_state fresh = { .gen = gen, .flags = CRAB_INODE_WRITTEN };
+	bpf_map_update_elem(&crab_inodes, &key, &fresh, BPF_ANY);
+	struct crab_event *e = reserve(cg, gen, CRAB_EV_WRITE);
+	if (!e)
+		return 0;
+	e->dev = key.dev;
+	e->ino = key.ino;
+	e->mode = mode;
+	e->op = nr;
+	const unsigned char *name = BPF_CORE_READ(f, f_path.dentry, d_name.name);
+	bpf_probe_read_kernel_str(e->name, sizeof(e->name), name);
+	submit(e);
+	return 0;
+}
+
+/* The arguments of a path mutation (BPF functions take at most five
+ * arguments, hence a struct). */
+struct path_req {
+	__u64 cg;
+	__u64 gen;
+	__u32 op;
+	__u32 flags;
+	long dirfd;
+	unsigned long name;
+	long dirfd2;
+	unsigned long name2;
+};
+
+/* open() with O_CREAT or O_TRUNC returned fd (in dirfd2; flags in name2). */
+static __noinline int on_open_req(struct path_req *r)
+{
+	__u64 cg = r->cg, gen = r->gen;
+	long fd = r->dirfd2, dirfd = r->dirfd;
+	unsigned long name = r->name;
+	__u64 flags = r->name2;
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct file *f = fd_file(task, fd);
+	if (!f)
+		return 0;
+	struct inode *inode = BPF_CORE_READ(f, f_inode);
+	__u32 mode;
+	if (!inode || !state_bearing(inode, &mode))
+		return 0;
+	__u32 fmode = BPF_CORE_READ(f, f_mode);
+	int created = (fmode & FMODE_CREATED) != 0;
+	if (!created && !(flags & O_TRUNC))
+		return 0;
+	struct crab_inode_key key = { .cgroup = cg };
+	inode_id(inode, &key.dev, &key.ino);
+	if (!created) {
+		/* Truncating a file born this turn changes nothing lasting. */
+		struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
+		if (st && st->gen == gen && (st->flags & CRAB_INODE_BORN))
+			return 0;
+	}
+	struct crab_inode_state fresh = {
+		.gen = gen,
+		.flags = created ? CRAB_INODE_BORN : CRAB_INODE_WRITTEN,
+	};
+	bpf_map_update_elem(&crab_inodes, &key, &fresh, BPF_ANY);
+	struct crab_event *e = reserve(cg, gen, created ? CRAB_EV_CREATE : CRAB_EV_TRUNC);
+	if (!e)
+		return 0;
+	e->dev = key.dev;
+	e->ino = key.ino;
+	e->mode = mode;
+	e->flags = flags;
+	bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)name);
+	base_dir(task, dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
+	/* The canonical spelling too: parent directory and last component, so
+	 * a removal by (dirfd, basename) matches a creation by "dir/name". */
+	struct dentry *d = BPF_CORE_READ(f, f_path.dentry);
+	struct inode *parent = BPF_CORE_READ(d, d_parent, d_inode);
+	if (parent)
+		inode_id(parent, &e->dir2_dev, &e->dir2_ino);
+	bpf_probe_read_kernel_str(e->name2, sizeof(e->name2), BPF_CORE_READ(d, d_name.name));
+	submit(e);
+	return 0;
+}
+
+static __always_inline int on_open(__u64 cg, __u64 gen, long fd, long dirfd, unsigned long name,
+				   __u64 flags)
+{
+	struct path_req r = {
+		.cg = cg, .gen = gen, .dirfd = dirfd, .name = name, .dirfd2 = fd, .name2 = flags,
+	};
+	return on_open_req(&r);
+}
+
+/* A mutation named by path(s): (dirfd, name) and optionally (dirfd2, name2). */
+static __noinline int on_path_req(struct path_req *r)
+{
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct crab_event *e = reserve(r->cg, r->gen, CRAB_EV_PATH);
+	if (!e)
+		return 0;
+	e->op = r->op;
+	e->flags = r->flags;
+	if (r->name) {
+		bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)r->name);
+		if (r->op != CRAB_OP_SYMLINK)
+			base_dir(task, r->dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
+	}
+	if (r->name2) {
+		bpf_probe_read_user_str(e->name2, sizeof(e->name2), (void *)r->name2);
+		base_dir(task, r->dirfd2, e->name2[0], &e->dir2_dev, &e->dir2_ino);
+	}
+	submit(e);
+	return 0;
+}
+
+static __always_inline int on_path(__u64 cg, __u64 gen, __u32 op, long dirfd, unsigned long name,
+				   long dirfd2, unsigned long name2, __u32 flags)
+{
+	struct path_req r = {
+		.cg = cg, .gen = gen, .op = op, .flags = flags,
+		.dirfd = dirfd, .name = name, .dirfd2 = dirfd2, .name2 = name2,
+	};
+	return on_path_req(&r);
+}
+
+/* An attribute change by path, or through dirfd when the path is empty or
+ * NULL (AT_EMPTY_PATH, utimensat(fd, NULL)). */
+static __always_inline int on_attr(__u64 cg, __u64 gen, long dirfd, unsigned long name)
+{
+	char first = 0;
+	if (name)
+		bpf_probe_read_user(&first, 1, (void *)name);
+	if (!first)
+		return on_fd_change(cg, gen, dirfd, -1);
+	return on_path(cg, gen, CRAB_OP_ATTR, dirfd, name, 0, 0, 0);
+}
+
+static __noinline int on_proc(__u64 cg, __u64 gen, __u32 kind, unsigned long name)
+{
+	struct crab_event *e = reserve(cg, gen, kind);
+	if (!e)
+		return 0;
+	if (name)
+		bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)name);
+	submit(e);
+	return 0;
+}
+
+SEC("raw_tracepoint/sys_exit")
+int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
+{
+	/* This runs for every syscall of every task on the host: return at
+	 * once while no followed call is in flight, and tell the others by
+	 * number before any hash lookup. */
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (!inflight || *inflight == 0)
+		return 0;
+	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
+	if (!tracked_nr(BPF_CORE_READ(regs, orig_ax)))
+		return 0;
+	/* Only tasks of registered sandboxes have entries. */
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (!t || t->nr < 0)
+		return 0;
+	struct crab_task s = *t;
+	t->nr = -1;
+	__sync_fetch_and_add(inflight, -1);
+	long ret = (long)((__u64 *)ctx)[1];
+	if (ret < 0)
+		return 0;
+	__u64 cg = s.cgroup, gen = s.gen;
+	unsigned long *a = (unsigned long *)s.args;
+	switch (s.nr) {
+	case NR_open:
+		return on_open(cg, gen, ret, AT_FDCWD, a[0], a[1]);
+	case NR_creat:
+		return on_open(cg, gen, ret, AT_FDCWD, a[0], O_CREAT | O_TRUNC | 1);
+	case NR_openat:
+		return on_open(cg, gen, ret, a[0], a[1], a[2]);
+	case NR_openat2: {
+		__u64 flags = 0;
+		bpf_probe_read_user(&flags, sizeof(flags), (void *)a[2]);
+		return on_open(cg, gen, ret, a[0], a[1], flags);
+	}
+	case NR_write:
+	case NR_pwrite64:
+	case NR_writev:
+	case NR_pwritev:
+	case NR_pwritev2:
+	case NR_sendfile:
+	case NR_ftruncate:
+	case NR_fallocate:
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+		return on_fd_change(cg, gen, a[0], s.nr);
+	case NR_splice:
+	case NR_copy_file_range:
+		return on_fd_change(cg, gen, a[2], s.nr);
+	case NR_mmap:
+		return on_fd_change(cg, gen, a[4], s.nr);
+	case NR_truncate:
+		return on_path(cg, gen, CRAB_OP_TRUNCATE, AT_FDCWD, a[0], 0, 0, 0);
+	case NR_rename:
+		return on_path(cg, gen, CRAB_OP_RENAME, AT_FDCWD, a[0], AT_FDCWD, a[1], 0);
+	case NR_renameat:
+		return on_path(cg, gen, CRAB_OP_RENAME, a[0], a[1], a[2], a[3], 0);
+	case NR_renameat2: {
+		__u32 op = CRAB_OP_RENAME;
+		if (a[4] & RENAME_EXCHANGE)
+			op = CRAB_OP_EXCHANGE;
+		else if (a[4] & RENAME_NOREPLACE)
+			op = CRAB_OP_RENAME_NOREPLACE;
+		return on_path(cg, gen, op, a[0], a[1], a[2], a[3], a[4]);
+	}
+	case NR_mkdir:
+		return on_path(cg, gen, CRAB_OP_MKDIR, AT_FDCWD, a[0], 0, 0, 0);
+	case NR_mkdirat:
+		return on_path(cg, gen, CRAB_OP_MKDIR, a[0], a[1], 0, 0, 0);
+	case NR_mknod:
+		return on_path(cg, gen, CRAB_OP_MKNOD, AT_FDCWD, a[0], 0, 0, a[1]);
+	case NR_mknodat:
+		return on_path(cg, gen, CRAB_OP_MKNOD, a[0], a[1], 0, 0, a[2]);
+	case NR_rmdir:
+		return on_path(cg, gen, CRAB_OP_RMDIR, AT_FDCWD, a[0], 0, 0, 0);
+	case NR_unlink:
+		return on_path(cg, gen, CRAB_OP_UNLINK, AT_FDCWD, a[0], 0, 0, 0);
+	case NR_unlinkat:
+		return on_path(cg, gen, (a[2] & AT_REMOVEDIR) ? CRAB_OP_RMDIR : CRAB_OP_UNLINK,
+			       a[0], a[1], 0, 0, 0);
+	case NR_link:
+		return on_path(cg, gen, CRAB_OP_LINK, AT_FDCWD, a[0], AT_FDCWD, a[1], 0);
+	case NR_linkat:
+		return on_path(cg, gen, CRAB_OP_LINK, a[0], a[1], a[2], a[3], 0);
+	case NR_symlink:
+		return on_path(cg, gen, CRAB_OP_SYMLINK, 0, a[0], AT_FDCWD, a[1], 0);
+	case NR_symlinkat:
+		return on_path(cg, gen, CRAB_OP_SYMLINK, 0, a[0], a[1], a[2], 0);
+	case NR_chmod:
+	case NR_chown:
+	case NR_lchown:
+	case NR_utime:
+	case NR_utimes:
+	case NR_setxattr:
+	case NR_lsetxattr:
+	case NR_removexattr:
+	case NR_lremovexattr:
+		return on_attr(cg, gen, AT_FDCWD, a[0]);
+	case NR_fchmodat:
+	case NR_fchmodat2:
+	case NR_fchownat:
+	case NR_futimesat:
+	case NR_utimensat:
+	case NR_setxattrat:
+	case NR_removexattrat:
+		return on_attr(cg, gen, a[0], a[1]);
+	case NR_chdir:
+	case NR_fchdir: {
+		if (is_born(&s, gen))
+			return 0;
+		return on_proc(cg, gen, CRAB_EV_CWD, s.nr == NR_chdir ? a[0] : 0);
+	}
+	case NR_ptrace:
+	case NR_process_vm_writev:
+	case NR_io_uring_setup:
+	case NR_io_uring_enter:
+	case NR_io_uring_register: {
+		count(cg, 1);
+		struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
+		if (e) {
+			e->op = s.nr;
+			submit(e);
+		}
+		return 0;
+	}
+	}
+	return 0;
+}
+
+SEC("tracepoint/sched/sched_process_fork")
+int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
+{
+	__u64 cg;
+	struct crab_ctl *ctl = current_sandbox(&cg);
+	if (!ctl)
+		return 0;
+	__u32 child = ctx->child_pid;
+	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
+	if (bpf_map_update_elem(&crab_tasks, &child, &t, BPF_ANY))
+		count(cg, 0);
+	return 0;
+}
+
+SEC("tracepoint/cgroup/cgroup_attach_task")
+int crab_attach(struct cgroup_attach_args *ctx)
+{
+	if (ctx->dst_root != 0)
+		return 0; /* a v1 hierarchy: its ids are another namespace */
+	__u64 cg = ctx->dst_id;
+	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
+	if (!ctl)
+		return 0;
+	__u32 pid = ctx->pid;
+	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
+	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))
+		count(cg, 0);
+	return 0;
+}
+
+SEC("tracepoint/sched/sched_process_exec")
+int crab_exec(void *ctx)
+{
+	__u64 cg;
+	struct crab_ctl *ctl = current_sandbox(&cg);
+	if (!ctl)
+		return 0;
+	__u64 gen = ctl->gen;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (is_born(t, gen))
+		return 0;
+	return on_proc(cg, gen, CRAB_EV_EXEC, 0);
+}
+
+SEC("tracepoint/sched/sched_process_exit")
+int crab_exit(void *ctx)
+{
+	__u64 pt = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pt;
+	__u64 cg;
+	struct crab_ctl *ctl = current_sandbox(&cg);
+	if (ctl && tid == (pt >> 32)) {
+		__u64 gen = ctl->gen;
+		struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+		if (!is_born(t, gen))
+			on_proc(cg, gen, CRAB_EV_EXIT, 0);
+	}
+	struct crab_task *left = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (left && left->nr >= 0)
+		inflight_done();
+	bpf_map_delete_elem(&crab_tasks, &tid);
+	return 0;
+}

@@ -1,0 +1,248 @@
+//! Loading the programs once per host and finding them again.
+//!
+//! Everything lives under `<pin_dir>/<build>/`, where `<build>` is a hash of
+//! the compiled object: the maps (pinned by name, `LIBBPF_PIN_BY_NAME`) and
+//! one `link_<program>` per attached tracepoint. A later owner with the same
+//! build finds the links and reuses maps and programs as they are, so a
+//! restart of the owner loses no kernel state. A different build replaces
+//! them: its own directory is made, and older builds' directories are
+//! removed, which detaches their programs.
+//!
+//! Invariant: pinned objects live as long as the host (or until a newer
+//! build replaces them); nothing removes them when the owner exits.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
+use aya::programs::{links::FdLink, RawTracePoint, TracePoint};
+use aya::{Ebpf, EbpfLoader};
+
+use crate::error::{Error, Result};
+use crate::kernel::{Ctl, Stats, Task, COMM_LEN};
+
+/// The compiled programs (empty when clang was missing at build time).
+static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
+
+/// (program, tracepoint category, tracepoint name); an empty category is
+/// a raw tracepoint.
+const PROGRAMS: [(&str, &str, &str); 6] = [
+    ("crab_sys_enter", "", "sys_enter"),
+    ("crab_sys_exit", "", "sys_exit"),
+    ("crab_fork", "sched", "sched_process_fork"),
+    ("crab_exec", "sched", "sched_process_exec"),
+    ("crab_exit", "sched", "sched_process_exit"),
+    ("crab_attach", "cgroup", "cgroup_attach_task"),
+];
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+/// The maps user space reads and writes.
+pub(crate) struct Maps {
+    pub ctl: HashMap<MapData, u64, Ctl>,
+    pub stats: HashMap<MapData, u64, Stats>,
+    pub tasks: HashMap<MapData, u32, Task>,
+    pub noisy: HashMap<MapData, [u8; COMM_LEN], u8>,
+    pub slots: Array<MapData, u64>,
+    pub events: RingBuf<MapData>,
+}
+
+/// Loaded (or found) programs: their maps and where their links are pinned.
+pub(crate) struct Loaded {
+    pub maps: Maps,
+    pub links: Vec<PathBuf>,
+}
+
+/// Mounts bpffs if needed and makes `pin_dir`, so that it can be locked
+/// before anything is loaded into it.
+pub(crate) fn prepare(pin_dir: &Path) -> Result<()> {
+    if OBJECT.is_empty() {
+        return Err(Error::NotBuilt);
+    }
+    ensure_bpffs(pin_dir)?;
+    std::fs::create_dir_all(pin_dir).map_err(|source| Error::Io {
+        op: "create",
+        path: pin_dir.to_owned(),
+        source,
+    })
+}
+
+/// Loads the programs under `pin_dir`, or reuses those a previous owner of
+/// the same build pinned there. `ring_bytes` sizes the ring buffer of a new
+/// load (a power of two, a multiple of the page size).
+pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
+    let build = pin_dir.join(build_id());
+    std::fs::create_dir_all(&build).map_err(|source| Error::Io {
+        op: "create",
+        path: build.clone(),
+        source,
+    })?;
+    let links: Vec<PathBuf> = PROGRAMS
+        .iter()
+        .map(|(name, _, _)| build.join(format!("link_{name}")))
+        .collect();
+    let maps = if links.iter().all(|l| l.exists()) {
+        log::info!("inspector: reusing pinned programs in {}", build.display());
+        reuse_maps(&build)?
+    } else {
+        log::info!("inspector: loading programs into {}", build.display());
+        load_fresh(&build, ring_bytes, &links)?
+    };
+    remove_other_builds(pin_dir, &build)?;
+    Ok(Loaded { maps, links })
+}
+
+/// Removes everything pinned under `pin_dir`, which detaches the programs.
+pub(crate) fn unpin_all(pin_dir: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(pin_dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+            op: "remove",
+            path: pin_dir.to_owned(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn build_id() -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    OBJECT.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// Mounts bpffs on the pin directory's bpffs root (`/sys/fs/bpf`) when the
+/// host has not.
+fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
+    let root = pin_dir
+        .ancestors()
+        .find(|a| a.ends_with("bpf") || a.parent().is_none())
+        .unwrap_or(Path::new("/sys/fs/bpf"));
+    let mounted = nix::sys::statfs::statfs(root)
+        .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
+        .unwrap_or(false);
+    if mounted {
+        return Ok(());
+    }
+    std::fs::create_dir_all(root).map_err(|source| Error::Io {
+        op: "create",
+        path: root.to_owned(),
+        source,
+    })?;
+    nix::mount::mount(
+        Some("bpf"),
+        root,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|source| Error::MountBpffs {
+        path: root.to_owned(),
+        source,
+    })
+}
+
+fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> {
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(build)
+        .map_max_entries("crab_events", ring_bytes)
+        .load(OBJECT)
+        .map_err(Error::Load)?;
+    for ((name, category, tracepoint), pin) in PROGRAMS.iter().zip(links) {
+        attach(&mut ebpf, name, category, tracepoint, pin)?;
+    }
+    Ok(Maps {
+        ctl: take(&mut ebpf, "crab_ctl")?,
+        stats: take(&mut ebpf, "crab_stats")?,
+        tasks: take(&mut ebpf, "crab_tasks")?,
+        noisy: take(&mut ebpf, "crab_noisy")?,
+        slots: take(&mut ebpf, "crab_slots")?,
+        events: take(&mut ebpf, "crab_events")?,
+    })
+}
+
+fn attach(ebpf: &mut Ebpf, name: &'static str, category: &str, tp: &str, pin: &Path) -> Result<()> {
+    let program_err = |source| Error::Program { name, source };
+    let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
+    let fd_link: FdLink = if category.is_empty() {
+        let program: &mut RawTracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let id = program.attach(tp).map_err(program_err)?;
+        program.take_link(id).map_err(program_err)?.into()
+    } else {
+        let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let id = program.attach(category, tp).map_err(program_err)?;
+        let link = program.take_link(id).map_err(program_err)?;
+        FdLink::try_from(link).map_err(|source| Error::PinnedLink {
+            path: pin.to_owned(),
+            source,
+        })?
+    };
+    // A stale pin of a half-finished earlier load: the new link replaces it.
+    let _ = std::fs::remove_file(pin);
+    let pinned = fd_link.pin(pin).map_err(|source| Error::Pin {
+        path: pin.to_owned(),
+        source,
+    })?;
+    // Dropping the handle closes our fd; the pin keeps the link attached.
+    drop(pinned);
+    Ok(())
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T>
+where
+    T: TryFrom<Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(Error::MissingMap { name })?;
+    T::try_from(map).map_err(|source| Error::Map { name, source })
+}
+
+fn reuse_maps(build: &Path) -> Result<Maps> {
+    fn open<T>(build: &Path, name: &'static str) -> Result<T>
+    where
+        T: TryFrom<Map, Error = aya::maps::MapError>,
+    {
+        let err = |source| Error::Map { name, source };
+        let data = MapData::from_pin(build.join(name)).map_err(err)?;
+        T::try_from(Map::from_map_data(data).map_err(err)?).map_err(err)
+    }
+    Ok(Maps {
+        ctl: open(build, "crab_ctl")?,
+        stats: open(build, "crab_stats")?,
+        tasks: open(build, "crab_tasks")?,
+        noisy: open(build, "crab_noisy")?,
+        slots: open(build, "crab_slots")?,
+        events: open(build, "crab_events")?,
+    })
+}
+
+fn remove_other_builds(pin_dir: &Path, keep: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(pin_dir).map_err(|source| Error::Io {
+        op: "list",
+        path: pin_dir.to_owned(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path != keep {
+            log::info!(
+                "inspector: removing programs of another build, {}",
+                path.display()
+            );
+            unpin_all(&path)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether every pinned link is still there (someone may have removed the
+/// pins, detaching the programs).
+pub(crate) fn links_present(links: &[PathBuf]) -> bool {
+    links.iter().all(|l| l.exists())
+}
+
+/// The ring buffer's fd, for poll(2).
+pub(crate) fn ring_fd(maps: &Maps) -> std::os::fd::BorrowedFd<'_> {
+    maps.events.as_fd()
+}

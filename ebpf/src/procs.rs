@@ -1,0 +1,139 @@
+//! What user space reads about a sandbox's processes at a turn end: the
+//! cgroup's members, a task's run state, the files a process maps, and the
+//! devices of the sandbox's kernel-interface mounts.
+
+use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+/// Host pids (or tids, for `cgroup.threads`) listed in a cgroup file.
+/// A cgroup that is gone lists nothing.
+pub(crate) fn members(cgroup_dir: &Path, file: &str) -> Vec<u32> {
+    std::fs::read_to_string(cgroup_dir.join(file))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// A task's state letter and command name from `/proc/<tid>/stat`.
+pub(crate) fn task_state(tid: u32) -> Option<(char, String)> {
+    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?;
+    parse_stat(&stat)
+}
+
+fn parse_stat(stat: &str) -> Option<(char, String)> {
+    // "pid (comm) S …": comm may hold spaces and parentheses; it ends at
+    // the last ')'.
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_owned();
+    let state = stat.get(close + 1..)?.trim_start().chars().next()?;
+    Some((state, comm))
+}
+
+/// A file mapping of a process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Mapping {
+    /// User-space device number.
+    pub dev: u64,
+    pub ino: u64,
+    /// The file was unlinked or replaced since it was mapped.
+    pub deleted: bool,
+    /// A shared writable mapping: stores into it change the file.
+    pub shared_writable: bool,
+    pub path: String,
+}
+
+/// The file mappings of `pid` (empty when it is gone).
+pub(crate) fn mappings(pid: u32) -> Vec<Mapping> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(parse_map_line)
+        .collect()
+}
+
+fn parse_map_line(line: &str) -> Option<Mapping> {
+    // address perms offset dev inode [path]
+    let mut fields = line.splitn(6, ' ');
+    let (_addr, perms, _off) = (fields.next()?, fields.next()?, fields.next()?);
+    let dev = fields.next()?;
+    let ino: u64 = fields.next()?.parse().ok()?;
+    let path = fields.next().unwrap_or("").trim_start();
+    if ino == 0 || !path.starts_with('/') || path.starts_with("/memfd:") {
+        return None;
+    }
+    let (major, minor) = dev.split_once(':')?;
+    let major = u32::from_str_radix(major, 16).ok()?;
+    let minor = u32::from_str_radix(minor, 16).ok()?;
+    let (path, deleted) = match path.strip_suffix(" (deleted)") {
+        Some(p) => (p, true),
+        None => (path, false),
+    };
+    Some(Mapping {
+        dev: libc::makedev(major, minor),
+        ino,
+        deleted,
+        shared_writable: perms.get(1..2) == Some("w") && perms.ends_with('s'),
+        path: path.to_owned(),
+    })
+}
+
+/// Devices of the sandbox's mounts that hold no filesystem state (`/dev`,
+/// `/dev/shm`, `/dev/pts`, `/dev/mqueue`, `/proc`, `/sys`), seen through
+/// the root of `pid`. A mount point that shares the root's device is not
+/// a separate mount and is left out.
+pub(crate) fn interface_devs(pid: u32) -> HashSet<u64> {
+    let root = format!("/proc/{pid}/root");
+    let Ok(root_dev) = std::fs::metadata(&root).map(|m| m.dev()) else {
+        return HashSet::new();
+    };
+    ["dev", "dev/shm", "dev/pts", "dev/mqueue", "proc", "sys"]
+        .iter()
+        .filter_map(|p| std::fs::metadata(format!("{root}/{p}")).ok())
+        .map(|m| m.dev())
+        .filter(|&d| d != root_dev)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_parse() {
+        assert_eq!(
+            parse_stat("42 (a (b) c) R 1 2 3"),
+            Some(('R', "a (b) c".to_owned()))
+        );
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    fn check(line: &str, expected: Option<(u64, u64, bool, bool, &str)>) {
+        let got = parse_map_line(line).map(|m| (m.dev, m.ino, m.deleted, m.shared_writable, m.path));
+        assert_eq!(
+            got,
+            expected.map(|(d, i, del, sw, p)| (d, i, del, sw, p.to_owned())),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn map_lines_parse() {
+        check(
+            "7f00-7f01 r-xp 00000000 00:2f 1234                       /usr/lib/libc.so.6",
+            Some((libc::makedev(0, 0x2f), 1234, false, false, "/usr/lib/libc.so.6")),
+        );
+        check(
+            "7f00-7f01 r--p 00000000 fd:01 99 /work/lib.so (deleted)",
+            Some((libc::makedev(0xfd, 1), 99, true, false, "/work/lib.so")),
+        );
+        check(
+            "7f00-7f01 rw-s 00000000 00:2f 7 /work/db.sqlite-shm",
+            Some((libc::makedev(0, 0x2f), 7, false, true, "/work/db.sqlite-shm")),
+        );
+        check("7f00-7f01 rw-p 00000000 00:00 0 [heap]", None);
+        check("7f00-7f01 rw-s 00000000 00:01 5 /memfd:x (deleted)", None);
+    }
+}

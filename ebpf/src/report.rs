@@ -1,0 +1,189 @@
+//! What a turn end answers: the class of the turn and a bounded sample of
+//! the reasons for it.
+
+use serde::{Deserialize, Serialize};
+
+/// What a turn's net, lasting effects need to be recoverable.
+///
+/// Ordered by cost: `Full` is `Fs` and `Proc` together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    /// Nothing changed: the previous version stands.
+    None,
+    /// Only the filesystem changed.
+    Fs,
+    /// Only processes changed (started, exited, ran, changed directory).
+    Proc,
+    /// Both, or the inspector cannot tell.
+    Full,
+}
+
+/// Why a turn got its class. A report carries a bounded sample of these.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Reason {
+    /// A path was created, written, removed, renamed or re-permissioned and
+    /// the change outlived the turn.
+    Changed {
+        /// The path as the sandbox's process named it.
+        path: String,
+    },
+    /// A process started during the turn and is still running.
+    Started {
+        /// Host pid.
+        pid: u32,
+        /// Command name.
+        comm: String,
+    },
+    /// A process that was alive at the last turn end exited.
+    Exited {
+        /// Host pid.
+        pid: u32,
+        /// Command name.
+        comm: String,
+    },
+    /// A process that was alive at the last turn end ran (made a system
+    /// call, or was running at the turn end), so its memory may differ.
+    Ran {
+        /// Host pid.
+        pid: u32,
+        /// Command name.
+        comm: String,
+    },
+    /// A process that was alive at the last turn end executed a new program.
+    Execed {
+        /// Host pid.
+        pid: u32,
+        /// Command name after the exec.
+        comm: String,
+    },
+    /// A process that was alive at the last turn end changed its working
+    /// directory.
+    Chdir {
+        /// Host pid.
+        pid: u32,
+        /// Command name.
+        comm: String,
+    },
+    /// A file that a live process has mapped was written or replaced: the
+    /// old process image would not restore against the new file.
+    MappedFileChanged {
+        /// Host pid of a process that maps it.
+        pid: u32,
+        /// The mapped path as the process sees it.
+        path: String,
+    },
+    /// The inspector cannot vouch for the turn (lost records, a full map,
+    /// operations it does not follow, a restart); the class is `full`.
+    Unsure {
+        /// What went wrong, for people.
+        why: String,
+    },
+}
+
+/// The answer for one ended turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnReport {
+    /// The turn's number in its sandbox, from 1.
+    pub turn: u64,
+    /// What the turn needs saved.
+    pub class: Class,
+    /// A bounded sample of why (empty for `none`).
+    pub reasons: Vec<Reason>,
+    /// How many reasons there were in all (`reasons` holds the first ones).
+    pub n_reasons: usize,
+}
+
+impl Class {
+    /// The class of a turn that changed the filesystem (`fs`) and/or
+    /// processes (`proc`).
+    pub fn of(fs: bool, proc: bool) -> Class {
+        match (fs, proc) {
+            (false, false) => Class::None,
+            (true, false) => Class::Fs,
+            (false, true) => Class::Proc,
+            (true, true) => Class::Full,
+        }
+    }
+
+    /// Whether a version of this class must snapshot the filesystem.
+    pub fn needs_fs(self) -> bool {
+        matches!(self, Class::Fs | Class::Full)
+    }
+
+    /// Whether a version of this class must dump processes.
+    pub fn needs_proc(self) -> bool {
+        matches!(self, Class::Proc | Class::Full)
+    }
+
+    /// Whether saving `self` also saves everything `other` needs.
+    pub fn covers(self, other: Class) -> bool {
+        (self.needs_fs() || !other.needs_fs()) && (self.needs_proc() || !other.needs_proc())
+    }
+}
+
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Class::None => "none",
+            Class::Fs => "fs",
+            Class::Proc => "proc",
+            Class::Full => "full",
+        })
+    }
+}
+
+impl std::str::FromStr for Class {
+    type Err = UnknownClass;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Class::None),
+            "fs" => Ok(Class::Fs),
+            "proc" => Ok(Class::Proc),
+            "full" => Ok(Class::Full),
+            _ => Err(UnknownClass { name: s.to_owned() }),
+        }
+    }
+}
+
+/// A class name that is not `none`, `fs`, `proc` or `full`.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown turn class {name:?} (expected none, fs, proc or full)")]
+pub struct UnknownClass {
+    /// The name given.
+    pub name: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(fs: bool, proc: bool, json: &str) {
+        let class = Class::of(fs, proc);
+        assert_eq!(serde_json::to_string(&class).unwrap(), json);
+        assert_eq!(json.trim_matches('"').parse::<Class>().unwrap(), class);
+        assert_eq!(class.needs_fs(), fs);
+        assert_eq!(class.needs_proc(), proc);
+    }
+
+    #[test]
+    fn classes_serialize_lowercase_and_compose() {
+        check(false, false, "\"none\"");
+        check(true, false, "\"fs\"");
+        check(false, true, "\"proc\"");
+        check(true, true, "\"full\"");
+        assert!(Class::Full.covers(Class::Fs));
+        assert!(!Class::Fs.covers(Class::Proc));
+    }
+
+    #[test]
+    fn reasons_are_tagged() {
+        let r = Reason::Changed { path: "/a".into() };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"kind":"changed","path":"/a"}"#
+        );
+    }
+}

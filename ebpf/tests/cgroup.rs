@@ -1,0 +1,201 @@
+//! The inspector on plain processes in a cgroup of their own (real BPF, no
+//! container): the basic signals and the "when unsure, full" rules. Needs
+//! root: CI runs it as root.
+
+#[path = "support/cgroup.rs"]
+mod cgroup;
+#[path = "support/inspector.rs"]
+mod inspector;
+
+use cgroup::TestCgroup;
+use crab_inspector::{Class, Reason};
+use inspector::inspector;
+
+fn work_dir() -> tempdir::Dir {
+    tempdir::Dir::new()
+}
+
+mod tempdir {
+    /// A scratch directory on the host's root filesystem, removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            let p = std::env::temp_dir().join(crab_tests::unique("crab-insp-work-"));
+            std::fs::create_dir_all(&p).expect("create work dir");
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn basic_signals() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let w = &work.0;
+    insp.register("basic", &cg.dir).expect("register");
+
+    let step = |script: &str, expected: Class| {
+        let out = cg.run(w, script);
+        assert!(out.status.success(), "{script}: {out:?}");
+        let report = insp.turn_end("basic").expect("turn end");
+        assert_eq!(report.class, expected, "{script}: {report:#?}");
+        report
+    };
+    step("true", Class::None);
+    step("ls -la; cat /etc/passwd > /dev/null; echo hi", Class::None);
+    let r = step("echo data > a.txt", Class::Fs);
+    assert!(
+        r.reasons.contains(&Reason::Changed { path: "a.txt".into() }),
+        "{r:#?}"
+    );
+    step("echo tmp > t; rm t", Class::None);
+    step("mkdir d; touch d/x; rm -r d", Class::None);
+    step("t=$(mktemp -p .); echo x > $t; rm $t", Class::None);
+    step("echo more >> a.txt", Class::Fs);
+    step("rm a.txt", Class::Fs);
+    step("echo x > /proc/self/comm; echo y > /dev/null", Class::None);
+    let pidfile = format!("/dev/shm/{}", crab_tests::unique("crab-insp-pid"));
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _pidfile = Remove(pidfile.clone());
+    // Waits until sleep sleeps: its start-up would otherwise run into the next turn.
+    step(
+        &format!(
+            "sleep 1000 > /dev/null 2>&1 & echo $! > {pidfile}; \
+             until [ \"$(cat /proc/$!/comm)\" = sleep ] && grep -q 'State:.S' /proc/$!/status; do :; done"
+        ),
+        Class::Proc,
+    );
+    step("true", Class::None);
+    step(&format!("kill $(cat {pidfile}); rm {pidfile}"), Class::Proc);
+    step("true", Class::None);
+
+    insp.unregister("basic").expect("unregister");
+}
+
+#[test]
+fn persistent_shell_and_noise() {
+    let insp = inspector(&["sh"], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let w = &work.0;
+    std::fs::create_dir(w.join("sub")).expect("mkdir");
+    let mut sh = cg.shell(w);
+    sh.run("true");
+    insp.register("shell", &cg.dir).expect("register");
+    insp.turn_end("shell").expect("turn end");
+
+    // A noisy shell running a read-only command: none.
+    sh.run("ls > /dev/null");
+    assert_eq!(insp.turn_end("shell").expect("turn").class, Class::None);
+    // Its cd still counts.
+    sh.run("cd sub");
+    let r = insp.turn_end("shell").expect("turn");
+    assert_eq!(r.class, Class::Proc, "{r:#?}");
+    assert!(matches!(r.reasons[0], Reason::Chdir { pid, .. } if pid == sh.pid()));
+    sh.run("echo x > f");
+    assert_eq!(insp.turn_end("shell").expect("turn").class, Class::Fs);
+
+    insp.unregister("shell").expect("unregister");
+}
+
+/// A ring buffer of 4 KiB pages that nobody drains during the turn: the
+/// records of 200 new files cannot fit, and the turn is full with the reason.
+#[test]
+fn ring_overflow_is_full() {
+    let insp = inspector(&[], 4096, false);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    insp.register("overflow", &cg.dir).expect("register");
+    let out = cg.run(
+        &work.0,
+        "i=0; while [ $i -lt 200 ]; do echo > f$i; i=$((i+1)); done",
+    );
+    assert!(out.status.success());
+    let r = insp.turn_end("overflow").expect("turn end");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert!(
+        matches!(&r.reasons[0], Reason::Unsure { why } if why.contains("ring buffer was full")),
+        "{r:#?}"
+    );
+    // The next turn is accounted again.
+    cg.run(&work.0, "true");
+    assert_eq!(insp.turn_end("overflow").expect("turn").class, Class::None);
+    insp.unregister("overflow").expect("unregister");
+}
+
+/// A new owner of the same pin directory reuses the pinned programs and
+/// maps: the sandbox's kernel state survives, the interrupted turn is full
+/// (its start is unknown), the next one is exact. Removed pins (detached
+/// programs) make turns full too.
+#[test]
+fn restart_reuses_pinned_programs() {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use crab_inspector::{Inspector, InspectorConfig};
+
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
+    let config = InspectorConfig {
+        pin_dir: pin_dir.clone(),
+        ring_bytes: 1 << 20,
+        noisy_comms: Vec::new(),
+        drain_timeout: Duration::from_millis(200),
+        max_reasons: 8,
+        background_drain: true,
+    };
+    // Removes the pins whatever happens below.
+    struct Pins(PathBuf);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _pins = Pins(pin_dir.clone());
+    let cg = TestCgroup::new();
+    let work = work_dir();
+
+    let first = Inspector::load(config.clone()).expect("load");
+    assert!(matches!(
+        Inspector::load(config.clone()),
+        Err(crab_inspector::Error::Busy { .. })
+    ));
+    first.register("r", &cg.dir).expect("register");
+    cg.run(&work.0, "echo x > kept");
+    assert_eq!(first.turn_end("r").expect("turn").class, Class::Fs);
+    cg.run(&work.0, "echo y > during-restart");
+    drop(first); // the owner "crashes": no unregister, no unload
+
+    let second = Inspector::load(config.clone()).expect("reload");
+    let cg_id = second.register("r", &cg.dir).expect("register again");
+    assert_eq!(cg_id, crab_inspector::cgroup_id(&cg.dir).expect("id"));
+    let r = second.turn_end("r").expect("turn");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert_eq!(r.turn, 2, "turn numbers go on: {r:#?}");
+    assert!(matches!(&r.reasons[0], Reason::Unsure { why } if why.contains("restarted")));
+    cg.run(&work.0, "cat kept > /dev/null");
+    assert_eq!(second.turn_end("r").expect("turn").class, Class::None);
+
+    // Someone removes the pins: the programs are gone, the answer is full.
+    let build = std::fs::read_dir(&pin_dir)
+        .expect("pin dir")
+        .flatten()
+        .next()
+        .expect("a build dir")
+        .path();
+    std::fs::remove_file(build.join("link_crab_sys_enter")).expect("remove a link pin");
+    let r = second.turn_end("r").expect("turn");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    second.unregister("r").expect("unregister");
+    second.unload().expect("unload");
+}
