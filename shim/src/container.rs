@@ -48,6 +48,8 @@ pub struct Container {
     proxy_plan: Option<(String, ProxyPlan)>,
     /// The rootfs mounts containerd asked for (remounted after a rollback).
     rootfs_mounts: Vec<containerd_shim::protos::api::Mount>,
+    /// The ZFS dataset of a rootfs that crabzfs bind-mounts.
+    zfs_dataset: Option<String>,
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
     pending_restore: Option<PathBuf>,
@@ -114,12 +116,14 @@ impl Container {
             proxy_env: Vec::new(),
             proxy_plan: None,
             rootfs_mounts: req.rootfs.to_vec(),
+            zfs_dataset: None,
             pending_restore: spec
                 .annotations()
                 .as_ref()
                 .and_then(|a| a.get(crab_engine::api::RESTORE_ANNOTATION))
                 .map(PathBuf::from),
         };
+        c.zfs_dataset = c.find_zfs_dataset(runtime).await;
         if c.pending_restore.is_some() && c.init.stdio.terminal {
             return Err(Error::Unsupported {
                 call: "restore of a container with a terminal",

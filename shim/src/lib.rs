@@ -21,6 +21,7 @@ mod container;
 mod control;
 mod error;
 mod exits;
+mod fsop;
 mod io;
 mod metrics;
 mod netns;

@@ -120,6 +120,14 @@ enum Op {
         bundle: Option<PathBuf>,
         id: String,
     },
+    /// Run a filesystem backend operation (JSON `FsOp`); its answer, if it
+    /// has one, goes to `--out`.
+    Fs {
+        #[arg(long)]
+        request: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Remove a container's state and cgroups; `--force` kills it first.
     Delete {
         #[arg(long)]
@@ -273,6 +281,12 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             )?;
             std::fs::write(pid_file, pid.to_string())
                 .with_context(|| format!("write {}", pid_file.display()))?;
+        }
+        Op::Fs { request, out } => {
+            let op: crate::fsop::FsOp = serde_json::from_str(request).context("parse the fs request")?;
+            let answer = op.run()?;
+            std::fs::write(out, answer.unwrap_or_default())
+                .with_context(|| format!("write {}", out.display()))?;
         }
         Op::Delete { force, id } => match load(&cli.root, id) {
             Ok(mut c) => c.delete(*force)?,

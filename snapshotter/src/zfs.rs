@@ -53,6 +53,17 @@ impl ZfsBackend {
         })
     }
 
+    /// The dataset mounted at `mountpoint`, if one is (how a rootfs that
+    /// a ZFS snapshotter bind-mounts is recognised). Runs `zfs list`; no
+    /// `zfs` command, no pool or no daemon is no dataset.
+    pub fn dataset_at(mountpoint: &std::path::Path) -> Option<String> {
+        let out = run(ZFS, &["list", "-H", "-o", "name,mountpoint", "-t", "filesystem"]).ok()?;
+        out.lines()
+            .filter_map(|l| l.split_once('\t'))
+            .find(|(_, mp)| std::path::Path::new(mp) == mountpoint)
+            .map(|(name, _)| name.to_owned())
+    }
+
     /// Creates `dataset` (and missing parents) and returns its backend.
     pub fn create(dataset: &str) -> Result<Self> {
         let b = ZfsBackend::new(dataset)?;

@@ -10,6 +10,7 @@ use crab_snapshotter::{BackendKind, Location, SnapshotName};
 
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
+use crate::fsop::FsOp;
 use crate::io;
 use crate::process::ProcessState;
 use crate::runtime::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
@@ -46,6 +47,9 @@ const KILL_LIMIT: Duration = Duration::from_secs(10);
 impl Container {
     /// The filesystem backend that can snapshot this container's rootfs.
     pub fn fs_backend(&self) -> Option<BackendKind> {
+        if self.zfs_dataset.is_some() {
+            return Some(BackendKind::Zfs);
+        }
         self.overlay_upper().ok().map(|_| BackendKind::OverlayCopy)
     }
 
@@ -68,7 +72,47 @@ impl Container {
         }
     }
 
+    /// Runs a filesystem operation: in the helper when it runs commands
+    /// (the shim's reaper would take their statuses), else here.
+    async fn fs(&self, op: FsOp, runtime: &RuntimeClient) -> Result<Option<String>> {
+        if op.forks() {
+            return runtime.fs(&self.id, &self.bundle, &op).await;
+        }
+        let id = self.id.clone();
+        tokio::task::spawn_blocking(move || op.run())
+            .await
+            .map_err(|e| Error::io("filesystem operation")(std::io::Error::other(e)))?
+            .map_err(|source| Error::Snapshot { id, source })
+    }
+
+    /// The ZFS dataset of a bind-mounted rootfs (crabzfs's), if it is one.
+    pub(super) async fn find_zfs_dataset(&self, runtime: &RuntimeClient) -> Option<String> {
+        let [m] = self.rootfs_mounts.as_slice() else {
+            return None;
+        };
+        if m.type_ != "bind" {
+            return None;
+        }
+        let op = FsOp::ZfsDatasetAt {
+            mountpoint: PathBuf::from(&m.source),
+        };
+        match self.fs(op, runtime).await {
+            Ok(found) => found.filter(|d| !d.is_empty()),
+            Err(e) => {
+                log::debug!("{}: no ZFS dataset for its rootfs: {e}", self.id);
+                None
+            }
+        }
+    }
+
+    /// Where the backend finds the container's files: its ZFS dataset (a
+    /// crabzfs rootfs), or its overlay upper directory and crabd's store.
     fn fs_location(&self, target: &FsTarget) -> Result<Location> {
+        if let Some(dataset) = &self.zfs_dataset {
+            return Ok(Location::Zfs {
+                dataset: dataset.clone(),
+            });
+        }
         Ok(Location::OverlayCopy {
             upper: self.overlay_upper()?,
             store: target.store.clone(),
@@ -103,21 +147,17 @@ impl Container {
     ) -> Result<Option<FsSnapshot>> {
         let mut fs = None;
         if let (Some(target), Some(location)) = (&req.fs, location) {
+            let backend = location.kind();
             let name = target.name.clone();
-            let id = self.id.clone();
-            fs = Some(
-                tokio::task::spawn_blocking(move || {
-                    let backend = crab_snapshotter::open(&location)?;
-                    backend.snapshot(&name)?;
-                    Ok(FsSnapshot {
-                        backend: BackendKind::OverlayCopy,
-                        name,
-                    })
-                })
-                .await
-                .map_err(|e| Error::io("filesystem snapshot")(std::io::Error::other(e)))?
-                .map_err(|source| Error::Snapshot { id, source })?,
-            );
+            self.fs(
+                FsOp::Snapshot {
+                    location,
+                    name: name.clone(),
+                },
+                runtime,
+            )
+            .await?;
+            fs = Some(FsSnapshot { backend, name });
         }
         if let Some(images) = &req.images_dir {
             // An agent inside the sandbox is waiting on its connection to
@@ -152,7 +192,7 @@ impl Container {
         }
         check_images(&req.images_dir)?;
         let target_fs = match &req.fs {
-            Some(target) => Some(self.existing_snapshot(target).await?),
+            Some(target) => Some(self.existing_snapshot(target, runtime).await?),
             None => None,
         };
 
@@ -202,9 +242,7 @@ impl Container {
         };
         let _ = std::fs::remove_dir_all(&undo_dir);
         if let Some((location, name)) = undo_fs {
-            let destroyed =
-                tokio::task::spawn_blocking(move || crab_snapshotter::open(&location)?.destroy(&name)).await;
-            if let Ok(Err(e)) = destroyed {
+            if let Err(e) = self.fs(FsOp::Destroy { location, name }, runtime).await {
                 log::warn!("{}: remove the undo snapshot: {e}", self.id);
             }
         }
@@ -220,18 +258,17 @@ impl Container {
     }
 
     /// The location of an existing snapshot `target`, or why it is not there.
-    async fn existing_snapshot(&self, target: &FsTarget) -> Result<(Location, SnapshotName)> {
+    async fn existing_snapshot(
+        &self,
+        target: &FsTarget,
+        runtime: &RuntimeClient,
+    ) -> Result<(Location, SnapshotName)> {
         let location = self.fs_location(target)?;
-        let name = target.name.clone();
-        let id = self.id.clone();
-        let probe = location.clone();
-        let exists = tokio::task::spawn_blocking(move || {
-            let backend = crab_snapshotter::open(&probe)?;
-            backend.list().map(|l| l.iter().any(|s| s.name == name))
-        })
-        .await
-        .map_err(|e| Error::io("list snapshots")(std::io::Error::other(e)))?
-        .map_err(|source| Error::Snapshot { id, source })?;
+        let op = FsOp::Has {
+            location: location.clone(),
+            name: target.name.clone(),
+        };
+        let exists = self.fs(op, runtime).await?.as_deref() == Some("yes");
         if !exists {
             return Err(Error::InvalidCheckpoint {
                 path: target.store.clone(),
@@ -254,7 +291,7 @@ impl Container {
             io.drain(Duration::from_millis(200)).await;
         }
         if let Some((location, name)) = fs {
-            self.rollback_rootfs(location, name).await?;
+            self.rollback_rootfs(location, name, runtime).await?;
         }
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
@@ -338,18 +375,18 @@ impl Container {
     async fn rollback_rootfs(
         &mut self,
         location: Location,
-        name: crab_snapshotter::SnapshotName,
+        name: SnapshotName,
+        runtime: &RuntimeClient,
     ) -> Result<()> {
         let rootfs = self.bundle.join("rootfs");
         super::unmount(&rootfs).map_err(|source| Error::Mount {
             id: self.id.clone(),
             source,
         })?;
-        let id = self.id.clone();
-        let rolled = tokio::task::spawn_blocking(move || crab_snapshotter::open(&location)?.rollback(&name))
+        let rolled = self
+            .fs(FsOp::Rollback { location, name }, runtime)
             .await
-            .map_err(|e| Error::io("filesystem rollback")(std::io::Error::other(e)))?
-            .map_err(|source| Error::Snapshot { id, source });
+            .map(drop);
         for m in &self.rootfs_mounts {
             containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
                 .await

@@ -162,6 +162,26 @@ impl RuntimeClient {
         self.launch("restore", id, &mut args, launch).await
     }
 
+    /// Runs filesystem operation `op` for container `id` in a helper (it
+    /// runs commands); returns its answer, if it has one.
+    pub async fn fs(&self, id: &str, work_dir: &Path, op: &crate::fsop::FsOp) -> Result<Option<String>> {
+        let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
+        let out = work_dir.join(format!(".crab-fs-{n}.out"));
+        let request = serde_json::to_string(op).expect("an fs operation serializes");
+        let args = vec![
+            "fs".into(),
+            "--request".into(),
+            request.into(),
+            "--out".into(),
+            out.clone().into(),
+        ];
+        let done = self.invoke("fs", id, work_dir, args, Stdio::null()).await;
+        let answer = std::fs::read_to_string(&out).ok();
+        let _ = std::fs::remove_file(&out);
+        done?;
+        Ok(answer.filter(|a| !a.is_empty()))
+    }
+
     /// Deletes container `id`'s state and cgroups (`force`: kill it first).
     pub async fn delete(&self, id: &str, work_dir: &Path, force: bool) -> Result<()> {
         let mut args = vec!["delete".into()];
