@@ -46,36 +46,49 @@ pub const PYTHON_SDK: &str = "docker.io/crab/python-sdk:test";
 pub fn python_sdk_archive() -> &'static PathBuf {
     static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
     ARCHIVE.get_or_init(|| {
-        let hash = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            include_str!("../fixtures/mkimage.sh").hash(&mut h);
-            include_str!("../fixtures/mkpython.sh").hash(&mut h);
-            h.finish()
-        };
-        let path = crate::bin_dir().join(format!("crab-test-python-{hash:016x}.tar"));
-        if !path.exists() {
-            let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
-            let layer = path.with_extension(format!("layer{}", std::process::id()));
-            crate::ok(
-                Command::new(fixtures.join("mkpython.sh"))
-                    .arg(&layer)
-                    .output()
-                    .expect("run mkpython.sh"),
-            );
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let out = Command::new(fixtures.join("mkimage.sh"))
-                .arg(&tmp)
-                .arg(PYTHON_SDK)
+        layered_archive(
+            "python",
+            PYTHON_SDK,
+            "mkpython.sh",
+            include_str!("../fixtures/mkpython.sh"),
+        )
+    })
+}
+
+/// Builds (once per content of the scripts) the archive of busybox plus
+/// the layer that `fixtures/<script>` makes, as image `reference`.
+fn layered_archive(kind: &str, reference: &str, script: &str, script_text: &str) -> PathBuf {
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        include_str!("../fixtures/mkimage.sh").hash(&mut h);
+        script_text.hash(&mut h);
+        h.finish()
+    };
+    let path = crate::bin_dir().join(format!("crab-test-{kind}-{hash:016x}.tar"));
+    if !path.exists() {
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        let layer = path.with_extension(format!("layer{}", std::process::id()));
+        crate::ok(
+            Command::new(fixtures.join(script))
                 .arg(&layer)
                 .output()
-                .expect("run mkimage.sh");
-            let _ = std::fs::remove_dir_all(&layer);
-            crate::ok(out);
-            std::fs::rename(&tmp, &path).expect("publish image archive");
-        }
-        path
-    })
+                .unwrap_or_else(|e| panic!("run {script}: {e}")),
+        );
+        // Concurrent test processes each build their own copy and rename
+        // it into place; rename is atomic, so readers see a whole file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let out = Command::new(fixtures.join("mkimage.sh"))
+            .arg(&tmp)
+            .arg(reference)
+            .arg(&layer)
+            .output()
+            .expect("run mkimage.sh");
+        let _ = std::fs::remove_dir_all(&layer);
+        crate::ok(out);
+        std::fs::rename(&tmp, &path).expect("publish image archive");
+    }
+    path
 }
 
 /// The image reference of the development sandbox: busybox plus `lib`,
@@ -88,34 +101,11 @@ pub const DEVBOX: &str = "docker.io/crab/devbox:test";
 pub fn devbox_archive() -> &'static PathBuf {
     static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
     ARCHIVE.get_or_init(|| {
-        let hash = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            include_str!("../fixtures/mkimage.sh").hash(&mut h);
-            include_str!("../fixtures/mkdevbox.sh").hash(&mut h);
-            h.finish()
-        };
-        let path = crate::bin_dir().join(format!("crab-test-devbox-{hash:016x}.tar"));
-        if !path.exists() {
-            let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
-            let layer = path.with_extension(format!("layer{}", std::process::id()));
-            crate::ok(
-                Command::new(fixtures.join("mkdevbox.sh"))
-                    .arg(&layer)
-                    .output()
-                    .expect("run mkdevbox.sh"),
-            );
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let out = Command::new(fixtures.join("mkimage.sh"))
-                .arg(&tmp)
-                .arg(DEVBOX)
-                .arg(&layer)
-                .output()
-                .expect("run mkimage.sh");
-            let _ = std::fs::remove_dir_all(&layer);
-            crate::ok(out);
-            std::fs::rename(&tmp, &path).expect("publish image archive");
-        }
-        path
+        layered_archive(
+            "devbox",
+            DEVBOX,
+            "mkdevbox.sh",
+            include_str!("../fixtures/mkdevbox.sh"),
+        )
     })
 }
