@@ -68,7 +68,7 @@ $C task exec --exec-id env demo sh -c 'echo "OPENAI_BASE_URL=$OPENAI_BASE_URL AN
 
 say "checkpoint, change, roll back: the shell's counter (memory) and its file come back"
 CRABCTL="$bin/crabctl --socket $work/crabd.sock"
-$C task kill -s SIGKILL demo >/dev/null; sleep 0.5; $C task delete demo >/dev/null; $C container rm demo >/dev/null
+$C task kill -s SIGKILL demo >/dev/null; sleep 0.5; $C task delete demo >/dev/null 2>&1; $C container rm demo >/dev/null
 $C run -d --runtime io.containerd.crab.v2 docker.io/crab/busybox:demo demo \
   sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done'
 for _ in $(seq 50); do $CRABCTL ps 2>/dev/null | grep -q demo && break; sleep 0.1; done
