@@ -31,6 +31,8 @@ use crate::error::{Error, Result};
 pub struct SandboxProxy {
     sandbox: Sandbox,
     shutdown: CancellationToken,
+    /// Stops the listener in the sandbox only (a child of `shutdown`).
+    netns_shutdown: CancellationToken,
     task: JoinHandle<()>,
     /// The host-side socket and its server, if it could be bound.
     host: Option<(PathBuf, JoinHandle<()>)>,
@@ -140,20 +142,7 @@ impl SandboxProxy {
         hook: Arc<dyn TurnHook>,
     ) -> Result<Self> {
         let port = cfg.port;
-        // setns changes only the calling thread: a thread of its own, which
-        // ends right after, so no pooled thread is left in the sandbox.
-        let listener = tokio::task::spawn_blocking(move || {
-            std::thread::spawn(move || bind_in_netns(pid, port))
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("listener thread panicked")))
-        })
-        .await
-        .map_err(|e| Error::io("bind the proxy listener")(std::io::Error::other(e)))?
-        .map_err(Error::io(format!("bind 127.0.0.1:{port} in the sandbox")))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(Error::io("proxy listener"))?;
-        let listener = tokio::net::TcpListener::from_std(listener).map_err(Error::io("proxy listener"))?;
+        let listener = listen_in_sandbox(pid, port).await?;
 
         let dir = cfg.transcript_dir.join(namespace);
         archive_transcript(&dir, id)?;
@@ -195,10 +184,11 @@ impl SandboxProxy {
         })?;
         let sandbox = proxy.add_sandbox(sid).await.map_err(proxy_error)?;
         let shutdown = CancellationToken::new();
+        let netns_shutdown = shutdown.child_token();
         let task = tokio::spawn(crab_proxy::serve_sandbox(
             listener,
             sandbox.clone(),
-            shutdown.clone(),
+            netns_shutdown.clone(),
         ));
         log::info!("{id}: LLM proxy on 127.0.0.1:{port} in the sandbox");
         // The sandbox runs without the host socket if it cannot be bound:
@@ -220,9 +210,26 @@ impl SandboxProxy {
         Ok(SandboxProxy {
             sandbox,
             shutdown,
+            netns_shutdown,
             task,
             host,
         })
+    }
+
+    /// Serves the same sandbox (its turn numbers, transcript and gate) on
+    /// a new listener in the network namespace of `pid`: after a restore,
+    /// which makes a new namespace when the container had its own.
+    pub async fn rebind(&mut self, pid: i32, port: u16) -> Result<()> {
+        let listener = listen_in_sandbox(pid, port).await?;
+        self.netns_shutdown.cancel();
+        let _ = (&mut self.task).await;
+        self.netns_shutdown = self.shutdown.child_token();
+        self.task = tokio::spawn(crab_proxy::serve_sandbox(
+            listener,
+            self.sandbox.clone(),
+            self.netns_shutdown.clone(),
+        ));
+        Ok(())
     }
 
     /// The host-side socket, if the sandbox is served there.
@@ -241,6 +248,24 @@ impl SandboxProxy {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// A listener on 127.0.0.1:`port` in the network namespace of `pid`.
+async fn listen_in_sandbox(pid: i32, port: u16) -> Result<tokio::net::TcpListener> {
+    // setns changes only the calling thread: a thread of its own, which
+    // ends right after, so no pooled thread is left in the sandbox.
+    let listener = tokio::task::spawn_blocking(move || {
+        std::thread::spawn(move || bind_in_netns(pid, port))
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("listener thread panicked")))
+    })
+    .await
+    .map_err(|e| Error::io("bind the proxy listener")(std::io::Error::other(e)))?
+    .map_err(Error::io(format!("bind 127.0.0.1:{port} in the sandbox")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(Error::io("proxy listener"))?;
+    tokio::net::TcpListener::from_std(listener).map_err(Error::io("proxy listener"))
 }
 
 /// The hook of a sandbox's gate: crabd's checkpoint of each turn when

@@ -327,6 +327,19 @@ fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
         !answers.contains("answer2") && !answers.contains("answer3"),
         "{answers}"
     );
+    // The proxy kept its sandbox across the restore (only its listener
+    // moved): one transcript, turns 1-3 still in it, numbers never reused.
+    let numbers: Vec<u64> = turn_records(&path)
+        .iter()
+        .filter_map(|t| t["turn"].as_u64())
+        .collect();
+    assert!(numbers.starts_with(&[1, 2, 3]), "{numbers:?}");
+    let mut sorted = numbers.clone();
+    sorted.dedup();
+    assert_eq!(
+        sorted, numbers,
+        "turn numbers go on after a rollback: {numbers:?}"
+    );
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);

@@ -400,14 +400,21 @@ impl Container {
 
     /// Binds the LLM proxy again in the restored network namespace (CRIU
     /// made a new one when the container had its own).
+    ///
+    /// A running proxy keeps its sandbox (turn numbers go on, one
+    /// transcript); only its listener moves. A sandbox made from a
+    /// checkpoint starts its proxy here.
     async fn restart_proxy(&mut self) {
         let Some((namespace, plan)) = self.proxy_plan.clone() else {
             return;
         };
-        if let Some(p) = self.proxy.take() {
-            p.stop().await;
-        }
         let config = &crate::service::config().shim.proxy;
+        if let Some(p) = &mut self.proxy {
+            if let Err(e) = p.rebind(self.init.pid, config.port).await {
+                log::error!("{}: no LLM proxy listener after restore: {e}", self.id);
+            }
+            return;
+        }
         let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
         match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
