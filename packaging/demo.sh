@@ -7,6 +7,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
 bin=$top/target/release
 work=$(mktemp -d /tmp/crab-demo.XXXXXX)
+# The inspector's BPF objects are pinned for the life of the host; the
+# demo's go in a directory of their own, removed on exit.
+pins=/sys/fs/bpf/$(basename "$work" | tr . -)  # bpffs names take no dots
 ctd_pid=
 cleanup() {
   ctr -a "$work/c.sock" task kill -s SIGKILL demo >/dev/null 2>&1 || true
@@ -19,7 +22,12 @@ cleanup() {
     ctr -a "$work/c.sock" task delete "$c" >/dev/null 2>&1 || true
     ctr -a "$work/c.sock" container rm "$c" >/dev/null 2>&1 || true
   done
-  [ -f "$work/crabd/crabd.pid" ] && kill "$(cat "$work/crabd/crabd.pid")" 2>/dev/null || true
+  if [ -f "$work/crabd/crabd.pid" ]; then
+    crabd_pid=$(cat "$work/crabd/crabd.pid")
+    kill "$crabd_pid" 2>/dev/null || true
+    for _ in $(seq 50); do [ -e "/proc/$crabd_pid/exe" ] || break; sleep 0.1; done
+  fi
+  for _ in $(seq 20); do rm -rf "$pins" 2>/dev/null && break; sleep 0.2; done
   [ -n "$ctd_pid" ] && kill "$ctd_pid" 2>/dev/null && wait "$ctd_pid" 2>/dev/null || true
   umount -R "$work/root" 2>/dev/null || true
   rm -rf "$work"
@@ -36,8 +44,8 @@ state = "$work/state"
 CFG
 # Embedded defaults, except that transcripts, crabd's socket and its versions
 # stay in the demo's directory.
-printf '[shim.proxy]\ntranscript_dir = "%s/transcripts"\n[crabd]\nsocket = "%s/crabd.sock"\nroot = "%s/crabd"\n' \
-  "$work" "$work" "$work" >"$work/crab.toml"
+printf '[shim.proxy]\ntranscript_dir = "%s/transcripts"\n[crabd]\nsocket = "%s/crabd.sock"\nroot = "%s/crabd"\ninspector_pin_dir = "%s"\n' \
+  "$work" "$work" "$work" "$pins" >"$work/crab.toml"
 CRAB_CONFIG=$work/crab.toml PATH=$bin:$PATH containerd --config "$work/config.toml" >"$work/containerd.log" 2>&1 &
 ctd_pid=$!
 for _ in $(seq 100); do ctr -a "$work/c.sock" version >/dev/null 2>&1 && break; sleep 0.1; done
@@ -61,7 +69,8 @@ $C task exec --exec-id look demo sh -c 'echo "inside: $(cat /tmp/now)"; cat /pro
 $C task ps demo
 $C task pause demo && $C task ls
 $C task resume demo && $C task ls
-$C task metrics demo | head -8
+$C task metrics demo >"$work/metrics"
+head -8 "$work/metrics"
 
 say "the agent's LLM proxy, injected into the sandbox's own network namespace"
 $C task exec --exec-id env demo sh -c 'echo "OPENAI_BASE_URL=$OPENAI_BASE_URL ANTHROPIC_BASE_URL=$ANTHROPIC_BASE_URL"; netstat -ltn 2>/dev/null | grep 7878 || true'
@@ -80,6 +89,13 @@ echo "a second later:    $($C task exec --exec-id n2 demo cat /tmp/n)"
 $CRABCTL rollback demo 1
 echo "rolled back:       $($C task exec --exec-id n3 demo cat /tmp/n)"
 $CRABCTL versions demo
+
+say "the inspector: what did a turn change? (a read: none; a write while the counter loop runs: its files and its shell, full)"
+$CRABCTL turn demo >/dev/null
+$C task exec --exec-id r1 demo ls / >/dev/null
+$CRABCTL turn demo
+$C task exec --exec-id w1 demo sh -c 'echo hello > /greeting'
+$CRABCTL turn demo
 
 say "fork version 1: a second sandbox runs on from the same state"
 $CRABCTL fork demo 1 --name demo-fork

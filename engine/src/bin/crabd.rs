@@ -17,12 +17,6 @@ struct Cli {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CRAB_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let mut config = match CrabdConfig::load() {
         Ok(c) => c,
         Err(e) => {
@@ -36,6 +30,7 @@ fn main() -> std::process::ExitCode {
     if let Some(r) = cli.root {
         config.root = r;
     }
+    init_log(&config.root);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -53,5 +48,34 @@ fn main() -> std::process::ExitCode {
             eprintln!("crabd: {e}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// Logs to stderr on a terminal; otherwise (started by a shim, or by
+/// systemd with no journal) also to `<root>/crabd.log`, so the reason for,
+/// say, an inspector that did not load can be found.
+fn init_log(root: &std::path::Path) {
+    use std::io::IsTerminal;
+    let filter = || tracing_subscriber::EnvFilter::try_from_env("CRAB_LOG").unwrap_or_else(|_| "info".into());
+    let file = (!std::io::stderr().is_terminal())
+        .then(|| {
+            std::fs::create_dir_all(root).ok()?;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(root.join("crabd.log"))
+                .ok()
+        })
+        .flatten();
+    match file {
+        Some(f) => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_ansi(false)
+            .with_writer(std::sync::Mutex::new(f))
+            .init(),
+        None => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .init(),
     }
 }
