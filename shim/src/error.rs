@@ -218,6 +218,19 @@ impl Error {
         move |source| Error::Io { context, source }
     }
 
+    /// The message with its whole source chain, for a user who sees only
+    /// the text (containerd's status, crabd's error body).
+    pub fn chain(&self) -> String {
+        let mut msg = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            source = s.source();
+        }
+        msg
+    }
+
     fn code(&self) -> ttrpc::Code {
         match self {
             Error::NotFound { .. } => ttrpc::Code::NOT_FOUND,
@@ -251,30 +264,17 @@ impl From<Error> for ttrpc::Error {
     fn from(e: Error) -> Self {
         // containerd shows the status message to the user, so it carries the
         // whole source chain.
-        let mut msg = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            msg.push_str(": ");
-            msg.push_str(&s.to_string());
-            source = s.source();
-        }
-        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), msg))
+        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.chain()))
     }
 }
 
 /// Checks a container or exec id the way containerd does
 /// (`identifiers.Validate`), so no id can name a path outside its directory.
 pub fn validate_id(id: &str) -> Result<()> {
-    let ok = !id.is_empty()
-        && id.len() <= 76
-        && id.as_bytes()[0].is_ascii_alphanumeric()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if !ok {
-        return Err(Error::InvalidId { id: id.to_owned() });
-    }
-    Ok(())
+    // One rule for every sandbox id in Crab: the proxy's.
+    crab_proxy::SandboxId::new(id)
+        .map(drop)
+        .map_err(|e| Error::InvalidId { id: e.id })
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 use super::StoreError;
 
 /// A sandbox id: 1–76 letters, digits, `.`, `_`, `-`, starting with a letter
-/// or digit, so it is one safe path component (no `/`, `..` or hidden name).
+/// or digit, so it is one safe path component (no `/`, `..` or hidden name);
+/// the rule is `crab_proxy::SandboxId`'s.
 ///
 /// 76 covers containerd ids (64 hex digits) with room for a prefix.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -22,15 +23,10 @@ impl SandboxId {
     /// # Errors
     /// [`StoreError::InvalidSandboxId`].
     pub fn new(id: &str) -> Result<Self, StoreError> {
-        let ok = (1..=76).contains(&id.len())
-            && id.as_bytes()[0].is_ascii_alphanumeric()
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        if !ok {
-            return Err(StoreError::InvalidSandboxId { id: id.to_owned() });
-        }
-        Ok(SandboxId(id.to_owned()))
+        // One rule for every sandbox id in Crab: the proxy's.
+        crab_proxy::SandboxId::new(id)
+            .map(|valid| SandboxId(valid.as_str().to_owned()))
+            .map_err(|e| StoreError::InvalidSandboxId { id: e.id })
     }
 
     /// The id as text.
