@@ -229,14 +229,7 @@ fn refuse_error(e: Error) -> Response {
         }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    let mut msg = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(s) = source {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        source = s.source();
-    }
-    refuse(status, msg)
+    refuse(status, e.chain())
 }
 
 fn refuse(status: StatusCode, error: String) -> Response {

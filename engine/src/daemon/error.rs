@@ -150,21 +150,28 @@ impl ApiError {
     }
 }
 
+/// `e`'s message and those of its sources that it does not already say.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut error = self.to_string();
         // The shim's message already carries its causes; others get theirs.
-        if !matches!(self, ApiError::Shim { .. }) {
-            let mut source = std::error::Error::source(&self);
-            while let Some(s) = source {
-                let s_text = s.to_string();
-                if !error.contains(&s_text) {
-                    error.push_str(": ");
-                    error.push_str(&s_text);
-                }
-                source = s.source();
-            }
-        }
+        let error = match self {
+            ApiError::Shim { .. } => self.to_string(),
+            _ => chain(&self),
+        };
         tracing::info!(status = %self.status(), "refused: {error}");
         (self.status(), Json(ErrorBody { error })).into_response()
     }

@@ -138,12 +138,7 @@ pub fn load(config: &crate::config::CrabdConfig) -> Option<Box<dyn TurnInspector
             Some(Box::new(i))
         }
         Err(e) => {
-            let mut why = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                why.push_str(&format!(": {s}"));
-                source = s.source();
-            }
+            let why = super::error::chain(&e);
             tracing::error!("inspector not loaded, every turn will be full: {why}");
             None
         }
