@@ -144,7 +144,7 @@ impl Container {
             if let Some((_, p)) = &c.proxy_plan {
                 c.proxy_env = p.env.clone();
             }
-            return match c.mount_rootfs(req, root.as_deref()).await {
+            return match c.mount_rootfs(root.as_deref()).await {
                 Ok(()) => Ok((c, None)),
                 Err(e) => {
                     c.cleanup(runtime).await;
@@ -152,7 +152,7 @@ impl Container {
                 }
             };
         }
-        match c.create_init(req, root.as_deref(), runtime).await {
+        match c.create_init(root.as_deref(), runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
                     c.proxy_env = plan.env.clone();
@@ -177,13 +177,8 @@ impl Container {
         }
     }
 
-    async fn create_init(
-        &mut self,
-        req: &CreateTaskRequest,
-        root: Option<&Path>,
-        runtime: &RuntimeClient,
-    ) -> Result<ExitReceiver> {
-        self.mount_rootfs(req, root).await?;
+    async fn create_init(&mut self, root: Option<&Path>, runtime: &RuntimeClient) -> Result<ExitReceiver> {
+        self.mount_rootfs(root).await?;
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
             work_dir: &self.bundle,
@@ -196,20 +191,28 @@ impl Container {
         Ok(rx)
     }
 
+    /// Mounts containerd's rootfs mounts on the bundle's `rootfs` (at
+    /// create, and again after a rollback changed the files below).
+    async fn mount_layers(&self) -> Result<()> {
+        let rootfs = self.bundle.join("rootfs");
+        for m in &self.rootfs_mounts {
+            containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
+                .await
+                .map_err(|source| Error::Mount {
+                    id: self.id.clone(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
     /// Mounts containerd's rootfs into the bundle and checks the spec's root.
-    async fn mount_rootfs(&mut self, req: &CreateTaskRequest, root: Option<&Path>) -> Result<()> {
-        if !req.rootfs.is_empty() {
+    async fn mount_rootfs(&mut self, root: Option<&Path>) -> Result<()> {
+        if !self.rootfs_mounts.is_empty() {
             let rootfs = self.bundle.join("rootfs");
             std::fs::create_dir_all(&rootfs).map_err(Error::io(format!("create {}", rootfs.display())))?;
             self.rootfs_mounted = true;
-            for m in &req.rootfs {
-                containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
-                    .await
-                    .map_err(|source| Error::Mount {
-                        id: self.id.clone(),
-                        source,
-                    })?;
-            }
+            self.mount_layers().await?;
         }
         // libcontainer reports a missing root as a bare ENOENT; name it.
         if let Some(root) = root.filter(|r| !r.is_dir()) {

@@ -55,12 +55,8 @@ enum Op {
     Create {
         #[arg(long)]
         bundle: PathBuf,
-        #[arg(long)]
-        pid_file: PathBuf,
-        #[arg(long)]
-        console_socket: Option<PathBuf>,
-        #[arg(long)]
-        unified_cgroup: Option<PathBuf>,
+        #[command(flatten)]
+        launch: LaunchArgs,
         id: String,
     },
     /// Let a created container's init run its process.
@@ -69,12 +65,8 @@ enum Op {
     Exec {
         #[arg(long)]
         process: PathBuf,
-        #[arg(long)]
-        pid_file: PathBuf,
-        #[arg(long)]
-        console_socket: Option<PathBuf>,
-        #[arg(long)]
-        unified_cgroup: Option<PathBuf>,
+        #[command(flatten)]
+        launch: LaunchArgs,
         id: String,
     },
     /// Dump the container's processes with CRIU into an image directory.
@@ -108,12 +100,8 @@ enum Op {
         /// Restore established TCP connections.
         #[arg(long)]
         tcp_established: bool,
-        #[arg(long)]
-        pid_file: PathBuf,
-        #[arg(long)]
-        console_socket: Option<PathBuf>,
-        #[arg(long)]
-        unified_cgroup: Option<PathBuf>,
+        #[command(flatten)]
+        launch: LaunchArgs,
         /// The container has no state yet (a sandbox forked or imported
         /// from a checkpoint): make it, and its cgroups with the spec's limits.
         #[arg(long)]
@@ -134,6 +122,21 @@ enum Op {
         force: bool,
         id: String,
     },
+}
+
+/// Where a launched process's pid goes, and how it is born: the arguments
+/// of every operation that makes a container process.
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// File that receives the new process's pid.
+    #[arg(long)]
+    pid_file: PathBuf,
+    /// libcontainer's console socket, for a process with a terminal.
+    #[arg(long)]
+    console_socket: Option<PathBuf>,
+    /// The unified cgroup to be born in (v1-hybrid hosts).
+    #[arg(long)]
+    unified_cgroup: Option<PathBuf>,
 }
 
 /// Entry point of the helper personality; returns the process exit code.
@@ -161,21 +164,15 @@ pub fn helper_main(args: &[String]) -> i32 {
 fn run(cli: &Cli) -> anyhow::Result<()> {
     use anyhow::Context;
     match &cli.op {
-        Op::Create {
-            bundle,
-            pid_file,
-            console_socket,
-            unified_cgroup,
-            id,
-        } => {
-            if let Some(cg) = unified_cgroup {
+        Op::Create { bundle, launch, id } => {
+            if let Some(cg) = &launch.unified_cgroup {
                 join_cgroup(cg)?;
             }
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(DefaultExecutor {})
                 .with_root_path(&cli.root)?
-                .with_pid_file(Some(pid_file))?
-                .with_console_socket(console_socket.as_ref())
+                .with_pid_file(Some(&launch.pid_file))?
+                .with_console_socket(launch.console_socket.as_ref())
                 .validate_id()?
                 .as_init(bundle)
                 .with_systemd(false)
@@ -188,22 +185,16 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             }
         }
         Op::Start { id } => load(&cli.root, id)?.start()?,
-        Op::Exec {
-            process,
-            pid_file,
-            console_socket,
-            unified_cgroup,
-            id,
-        } => {
-            if let Some(cg) = unified_cgroup {
+        Op::Exec { process, launch, id } => {
+            if let Some(cg) = &launch.unified_cgroup {
                 join_cgroup(cg)?;
             }
             join_time_namespace(&load(&cli.root, id)?)?;
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(DefaultExecutor {})
                 .with_root_path(&cli.root)?
-                .with_pid_file(Some(pid_file))?
-                .with_console_socket(console_socket.as_ref())
+                .with_pid_file(Some(&launch.pid_file))?
+                .with_console_socket(launch.console_socket.as_ref())
                 .validate_id()?
                 .as_tenant()
                 .with_process(Some(process))
@@ -244,13 +235,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             image_path,
             work_path,
             tcp_established,
-            pid_file,
-            console_socket,
-            unified_cgroup,
+            launch,
             bundle,
             id,
         } => {
-            if console_socket.is_some() {
+            if launch.console_socket.is_some() {
                 anyhow::bail!("restoring a container with a terminal is not supported");
             }
             if let Some(bundle) = bundle {
@@ -267,7 +256,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 crate::cgroup::spec_cgroups_path(linux.and_then(|l| l.cgroups_path().as_deref()), id);
             let fresh_limits = bundle.as_ref().and(linux.and_then(|l| l.resources().as_ref()));
             crate::cgroup::join(&cgroups_path, id, std::process::id() as i32, fresh_limits)?;
-            if let Some(cg) = unified_cgroup {
+            if let Some(cg) = &launch.unified_cgroup {
                 join_cgroup(cg)?;
             }
             let pid = criu::restore(
@@ -279,8 +268,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     tcp_established: *tcp_established,
                 },
             )?;
-            std::fs::write(pid_file, pid.to_string())
-                .with_context(|| format!("write {}", pid_file.display()))?;
+            std::fs::write(&launch.pid_file, pid.to_string())
+                .with_context(|| format!("write {}", launch.pid_file.display()))?;
         }
         Op::Fs { request, out } => {
             let op: crate::fsop::FsOp = serde_json::from_str(request).context("parse the fs request")?;

@@ -387,14 +387,7 @@ impl Container {
             .fs(FsOp::Rollback { location, name }, runtime)
             .await
             .map(drop);
-        for m in &self.rootfs_mounts {
-            containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
-                .await
-                .map_err(|source| Error::Mount {
-                    id: self.id.clone(),
-                    source,
-                })?;
-        }
+        self.mount_layers().await?;
         rolled
     }
 
