@@ -15,6 +15,8 @@ pub struct Containerd {
     pub namespace: String,
     child: Option<Child>,
     env: Vec<(String, String)>,
+    /// A crabd this harness started itself (shims start theirs otherwise).
+    crabd: Option<Child>,
 }
 
 impl Containerd {
@@ -59,6 +61,7 @@ impl Containerd {
             dir,
             child: None,
             env,
+            crabd: None,
         };
         c.spawn();
         c.ctr_ok(&["image", "import", &busybox_archive().to_string_lossy()]);
@@ -94,8 +97,34 @@ impl Containerd {
             .then_some(pid)
     }
 
+    /// Starts this containerd's crabd by hand (as a restart after a crash
+    /// would) and waits until it answers.
+    ///
+    /// # Panics
+    /// If it does not come up.
+    pub fn start_crabd(&mut self) {
+        let child = Command::new(crate::bin_dir().join("crabd"))
+            .env("CRAB_CONFIG", self.crab_config())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start crabd");
+        self.crabd = Some(child);
+        let socket = self.crabd_socket();
+        wait_until(20, || {
+            let up = std::os::unix::net::UnixStream::connect(&socket).is_ok() && self.crabd_pid().is_some();
+            up.then_some(())
+        })
+        .expect("crabd comes up");
+    }
+
     /// Stops this containerd's crabd, if it runs, and waits for it to exit.
-    pub fn stop_crabd(&self) {
+    pub fn stop_crabd(&mut self) {
+        if let Some(mut child) = self.crabd.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
         let Some(pid) = self.crabd_pid() else { return };
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
         wait_until(10, || {

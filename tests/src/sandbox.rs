@@ -46,6 +46,22 @@ pub fn run_stateful(ctd: &Containerd, id: &str) -> i32 {
     pid
 }
 
+/// Runs `sh -c script` in sandbox `id` (an exec), asserting success;
+/// returns its stdout.
+#[track_caller]
+pub fn exec_sh(ctd: &Containerd, id: &str, script: &str) -> String {
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        &crate::unique("sh"),
+        id,
+        "sh",
+        "-c",
+        script,
+    ])
+}
+
 /// Sends `req` to `port` on the loopback of `pid`'s network namespace;
 /// returns the answer's first line.
 ///

@@ -6,7 +6,7 @@ use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
     ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
 };
-use crab_tests::{unique, Containerd};
+use crab_tests::Containerd;
 
 #[test]
 fn fork_runs_independently_of_its_source() {
@@ -16,16 +16,7 @@ fn fork_runs_independently_of_its_source() {
     wait_registered(&ctd, id);
     assert_eq!(ask(pid, STORE, "set a 1"), "ok");
     assert_eq!(ask(pid, COUNTER, "hit"), "2");
-    ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        &unique("w"),
-        id,
-        "sh",
-        "-c",
-        "mkdir -p /data/d && echo one > /data/f1",
-    ]);
+    crab_tests::sandbox::exec_sh(&ctd, id, "mkdir -p /data/d && echo one > /data/f1");
     let files_v1 = tree_digest(pid, "/data");
     crabctl_ok(&ctd, &["checkpoint", id]);
     assert_eq!(ask(pid, STORE, "set a 2"), "ok");
@@ -51,16 +42,7 @@ fn fork_runs_independently_of_its_source() {
 
     // They diverge: memory, files, execs.
     assert_eq!(ask(fpid, STORE, "set a 10"), "ok");
-    ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        &unique("w"),
-        copy,
-        "sh",
-        "-c",
-        "echo fork > /data/f9",
-    ]);
+    crab_tests::sandbox::exec_sh(&ctd, copy, "echo fork > /data/f9");
     assert_eq!(ask(pid, STORE, "get a"), "2");
     assert!(!tree_digest(pid, "/data").contains_key("f9"));
     assert!(tree_digest(fpid, "/data").contains_key("f9"));
@@ -73,16 +55,7 @@ fn fork_runs_independently_of_its_source() {
 
     // A files-only version forks with the process image it reuses (v1's)
     // and its own files; unnamed forks get a name.
-    ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        &unique("w"),
-        id,
-        "sh",
-        "-c",
-        "echo v2 > /data/f2",
-    ]);
+    crab_tests::sandbox::exec_sh(&ctd, id, "echo v2 > /data/f2");
     crabctl_ok(&ctd, &["checkpoint", "--fs", id]);
     let f2 = crabctl_ok(&ctd, &["fork", id, "2"]);
     let second = f2["id"].as_str().unwrap().to_owned();

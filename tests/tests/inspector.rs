@@ -18,7 +18,7 @@ fn crabctl_turn_and_watch_report_what_turns_changed() {
     ctd.run_detached(CRAB, id, &["sleep", "600"]);
     wait_registered(&ctd, id);
     let exec = |script: &str| {
-        ctd.ctr_ok(&["task", "exec", "--exec-id", &unique("e"), id, "sh", "-c", script]);
+        crab_tests::sandbox::exec_sh(&ctd, id, script);
     };
     // Whatever starting the sandbox did ends with this turn.
     crabctl_ok(&ctd, &["turn", id]);

@@ -16,16 +16,7 @@ fn write_files(ctd: &Containerd, id: &str, v: u32) {
         1 => "mkdir -p /data/d && echo one > /data/f1 && echo keep > /data/f3 && ln -s f1 /data/link && chmod 600 /data/f3",
         _ => "echo two > /data/f1 && echo new > /data/f2 && rm /data/f3 && rm -r /data/d && mkdir /data/e",
     };
-    ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        &crab_tests::unique("w"),
-        id,
-        "sh",
-        "-c",
-        script,
-    ]);
+    crab_tests::sandbox::exec_sh(ctd, id, script);
 }
 
 #[test]
@@ -173,7 +164,7 @@ fn files_only_checkpoint_and_bad_input() {
 
 #[test]
 fn crabd_killed_mid_checkpoint_and_corrupt_manifest() {
-    let ctd = Containerd::start();
+    let mut ctd = Containerd::start();
     let id = "fault";
     let pid = run_stateful(&ctd, id);
     wait_registered(&ctd, id);
@@ -215,19 +206,7 @@ fn crabd_killed_mid_checkpoint_and_corrupt_manifest() {
     assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
 
     // crabd comes back: no torn version, and the next checkpoint works.
-    let mut again = std::process::Command::new(crab_tests::bin_dir().join("crabd"))
-        .env("CRAB_CONFIG", ctd.crab_config())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_until(20, || {
-        crab_tests::sandbox::crabctl(&ctd, &["ps"])
-            .status
-            .success()
-            .then_some(())
-    })
-    .expect("crabd restarts");
+    ctd.start_crabd();
     let list = crabctl_ok(&ctd, &["versions", id]);
     let versions = list.as_array().unwrap();
     assert_eq!(versions.len(), 1, "{list}");
@@ -257,8 +236,6 @@ fn crabd_killed_mid_checkpoint_and_corrupt_manifest() {
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
-    let _ = again.kill();
-    let _ = again.wait();
 }
 
 #[test]

@@ -363,29 +363,11 @@ fn crabctl_rollback_on_crabzfs() {
             .trim()
             .to_owned()
     };
-    s.ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        "w1",
-        "zr",
-        "sh",
-        "-c",
-        "echo one > /kept",
-    ]);
+    crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo one > /kept");
     let v1 = crabctl_ok(&s.ctd, &["checkpoint", "zr"]);
     assert_eq!(v1["version"]["fs_snapshot"]["backend"], "zfs", "{v1}");
     let at_v1: u64 = read("/n").parse().unwrap();
-    s.ctd.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        "w2",
-        "zr",
-        "sh",
-        "-c",
-        "echo two > /kept; echo x > /extra",
-    ]);
+    crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo two > /kept; echo x > /extra");
     crabctl_ok(&s.ctd, &["checkpoint", "zr"]);
     std::thread::sleep(std::time::Duration::from_millis(500));
     for round in 0..2 {
@@ -407,16 +389,7 @@ fn crabctl_rollback_on_crabzfs() {
             "/extra",
         ]);
         assert!(!out.status.success(), "round {round}: /extra is gone");
-        s.ctd.ctr_ok(&[
-            "task",
-            "exec",
-            "--exec-id",
-            &crab_tests::unique("w"),
-            "zr",
-            "sh",
-            "-c",
-            "echo three > /kept",
-        ]);
+        crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo three > /kept");
     }
     s.ctd.remove("zr");
     assert_clean(&s.ctd.scope(), &["zr"]);

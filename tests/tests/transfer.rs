@@ -7,7 +7,7 @@ use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
     ask, crabctl, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
 };
-use crab_tests::{unique, wait_until, Containerd};
+use crab_tests::Containerd;
 
 #[test]
 fn export_then_import_on_another_containerd() {
@@ -17,16 +17,7 @@ fn export_then_import_on_another_containerd() {
     wait_registered(&a, id);
     assert_eq!(ask(pid, STORE, "set a 7"), "ok");
     assert_eq!(ask(pid, COUNTER, "hit"), "2");
-    a.ctr_ok(&[
-        "task",
-        "exec",
-        "--exec-id",
-        &unique("w"),
-        id,
-        "sh",
-        "-c",
-        "mkdir -p /data/x && echo moved > /data/x/f",
-    ]);
+    crab_tests::sandbox::exec_sh(&a, id, "mkdir -p /data/x && echo moved > /data/x/f");
     let files = tree_digest(pid, "/data");
     crabctl_ok(&a, &["checkpoint", id]);
     let file = a.dir.join("mover.tar");
@@ -34,15 +25,9 @@ fn export_then_import_on_another_containerd() {
     assert!(out["bytes"].as_u64().unwrap() > 1 << 20, "{out}");
 
     // A second containerd with its own root, the image, and its own crabd.
-    let b = Containerd::start();
+    let mut b = Containerd::start();
     b.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
-    let mut crabd = std::process::Command::new(crab_tests::bin_dir().join("crabd"))
-        .env("CRAB_CONFIG", b.crab_config())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_until(20, || crabctl(&b, &["ps"]).status.success().then_some(())).expect("crabd of b");
+    b.start_crabd();
     let target = [
         "--namespace",
         &b.namespace,
@@ -93,6 +78,4 @@ fn export_then_import_on_another_containerd() {
     b.remove(id);
     assert_clean(&a.scope(), &[id]);
     assert_clean(&b.scope(), &[id]);
-    let _ = crabd.kill();
-    let _ = crabd.wait();
 }
