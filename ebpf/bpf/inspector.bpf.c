@@ -368,7 +368,6 @@ static __always_inline int current_is_noisy(void)
 	return bpf_map_lookup_elem(&crab_noisy, comm) != NULL;
 }
 
-/* Whether sys_exit needs this call's arguments. */
 /* Whether sys_enter looks at this call at all (before reading its
  * arguments, which costs a probe read each). */
 static __always_inline int tracked_nr(long nr)
@@ -438,6 +437,10 @@ static __always_inline int tracked_nr(long nr)
 
 static __always_inline int tracked(long nr, unsigned long *args)
 {
+	if (!tracked_nr(nr))
+		return 0;
+	/* Of the tracked calls, opens and mmaps change state only with these
+	 * flags; every other tracked call does. */
 	switch (nr) {
 	case NR_open:
 		return (args[1] & (O_CREAT | O_TRUNC)) != 0;
@@ -450,62 +453,8 @@ static __always_inline int tracked(long nr, unsigned long *args)
 	}
 	case NR_mmap:
 		return (args[3] & MAP_SHARED) && (args[2] & PROT_WRITE) && (long)args[4] >= 0;
-	case NR_creat:
-	case NR_write:
-	case NR_pwrite64:
-	case NR_writev:
-	case NR_pwritev:
-	case NR_pwritev2:
-	case NR_sendfile:
-	case NR_splice:
-	case NR_copy_file_range:
-	case NR_ftruncate:
-	case NR_fallocate:
-	case NR_fchmod:
-	case NR_fchown:
-	case NR_fsetxattr:
-	case NR_fremovexattr:
-	case NR_truncate:
-	case NR_chdir:
-	case NR_fchdir:
-	case NR_rename:
-	case NR_renameat:
-	case NR_renameat2:
-	case NR_mkdir:
-	case NR_mkdirat:
-	case NR_rmdir:
-	case NR_unlink:
-	case NR_unlinkat:
-	case NR_link:
-	case NR_linkat:
-	case NR_symlink:
-	case NR_symlinkat:
-	case NR_mknod:
-	case NR_mknodat:
-	case NR_chmod:
-	case NR_fchmodat:
-	case NR_fchmodat2:
-	case NR_chown:
-	case NR_lchown:
-	case NR_fchownat:
-	case NR_utime:
-	case NR_utimes:
-	case NR_futimesat:
-	case NR_utimensat:
-	case NR_setxattr:
-	case NR_lsetxattr:
-	case NR_removexattr:
-	case NR_lremovexattr:
-	case NR_setxattrat:
-	case NR_removexattrat:
-	case NR_ptrace:
-	case NR_process_vm_writev:
-	case NR_io_uring_setup:
-	case NR_io_uring_enter:
-	case NR_io_uring_register:
-		return 1;
 	}
-	return 0;
+	return 1;
 }
 
 /* Which argument holds the descriptor a content or metadata change goes
