@@ -2,6 +2,9 @@
 # Ubuntu 24.04+):
 #   make demo    install dependencies, build, run the demo on embedded defaults
 #   make test    install dependencies, check formatting and lints, run every test
+# Rust as packaging/install-deps.sh installs it when the machine has none.
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+
 .PHONY: deps build release demo test lint bench install
 
 deps:

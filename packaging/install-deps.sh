@@ -137,4 +137,17 @@ fi
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf || true
 mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing || true
 
-log "done: $(containerd --version | head -1); runc $(runc --version | head -1 | awk '{print $3}'); $(dockerd --version); criu $(criu --version | head -1)"
+# The Rust toolchain (rustup's stable, with rustfmt and clippy for `make
+# lint`), when the machine has none; an existing one is only completed.
+export PATH="$HOME/.cargo/bin:$PATH"
+if ! command -v cargo >/dev/null; then
+  log "installing Rust (rustup, stable, with rustfmt and clippy)"
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
+    sh -s -- -y --profile minimal --component rustfmt,clippy
+elif command -v rustup >/dev/null; then
+  for c in rustfmt clippy; do
+    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
+  done
+fi
+
+log "done: $(cargo --version); $(containerd --version | head -1); runc $(runc --version | head -1 | awk '{print $3}'); $(dockerd --version); criu $(criu --version | head -1)"
