@@ -90,7 +90,7 @@ $CRABCTL rollback demo 1
 echo "rolled back:       $($C task exec --exec-id n3 demo cat /tmp/n)"
 $CRABCTL versions demo
 
-say "the inspector: what did a turn change? (a read: none; a write while the counter loop runs: its files and its shell, full)"
+say "the inspector: what did a turn change? (a read: none; a write: fs, or full if the counter loop ran in that turn too)"
 $CRABCTL turn demo >/dev/null
 $C task exec --exec-id r1 demo ls / >/dev/null
 $CRABCTL turn demo
