@@ -83,6 +83,14 @@ pub enum Location {
         /// The directory.
         dir: PathBuf,
     },
+    /// A btrfs subvolume made elsewhere (containerd's btrfs snapshotter's
+    /// active snapshot), and a directory for its snapshots.
+    BtrfsSubvolume {
+        /// The live subvolume.
+        subvolume: PathBuf,
+        /// Where its snapshots are kept, on the same filesystem.
+        store: PathBuf,
+    },
     /// An overlayfs upper directory and a store directory for its copies.
     OverlayCopy {
         /// The upper directory (the live tree).
@@ -175,7 +183,7 @@ impl Location {
     pub fn kind(&self) -> BackendKind {
         match self {
             Location::Zfs { .. } => BackendKind::Zfs,
-            Location::Btrfs { .. } => BackendKind::Btrfs,
+            Location::Btrfs { .. } | Location::BtrfsSubvolume { .. } => BackendKind::Btrfs,
             Location::OverlayCopy { .. } => BackendKind::OverlayCopy,
         }
     }
@@ -187,6 +195,7 @@ pub fn open(location: &Location) -> Result<Box<dyn Backend>> {
     Ok(match location {
         Location::Zfs { dataset } => Box::new(ZfsBackend::new(dataset)?),
         Location::Btrfs { dir } => Box::new(BtrfsBackend::new(dir)),
+        Location::BtrfsSubvolume { subvolume, store } => Box::new(BtrfsBackend::at(subvolume, store)),
         Location::OverlayCopy { upper, store } => Box::new(OverlayCopyBackend::new(upper, store)),
     })
 }

@@ -1,9 +1,14 @@
 //! The btrfs backend, driving `btrfs` (btrfs-progs).
 //!
-//! Layout under the sandbox's directory `DIR` (on btrfs): `DIR/live` is the
-//! writable subvolume, `DIR/.snapshots/<name>` the read-only snapshots.
-//! Rollback makes a writable snapshot of the target and swaps it with `live`
-//! atomically (`renameat2(RENAME_EXCHANGE)`), then deletes the old one.
+//! Two layouts. Crab's own, under the sandbox's directory `DIR` (on btrfs):
+//! `DIR/live` is the writable subvolume, `DIR/.snapshots/<name>` the
+//! read-only snapshots. Or a subvolume made by someone else (containerd's
+//! btrfs snapshotter) and a store directory on the same filesystem.
+//!
+//! Rollback makes a writable snapshot of the target beside the live
+//! subvolume and swaps the two atomically (`renameat2(RENAME_EXCHANGE)`),
+//! then deletes the old one: the live path keeps its name but names a new
+//! subvolume (with a new id), so it must not be mounted during a rollback.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -16,13 +21,35 @@ const BTRFS: &str = "btrfs";
 /// A sandbox's subvolume and its snapshots.
 #[derive(Debug, Clone)]
 pub struct BtrfsBackend {
-    dir: PathBuf,
+    live: PathBuf,
+    snapshots: PathBuf,
 }
 
 impl BtrfsBackend {
     /// A backend for the sandbox directory `dir` (which need not exist yet).
     pub fn new(dir: &Path) -> Self {
-        BtrfsBackend { dir: dir.to_owned() }
+        BtrfsBackend {
+            live: dir.join("live"),
+            snapshots: dir.join(".snapshots"),
+        }
+    }
+
+    /// A backend for the existing subvolume `subvolume`, keeping its
+    /// snapshots in `store` (on the same filesystem).
+    pub fn at(subvolume: &Path, store: &Path) -> Self {
+        BtrfsBackend {
+            live: subvolume.to_owned(),
+            snapshots: store.to_owned(),
+        }
+    }
+
+    /// The backend a btrfs `location` names, if it names one.
+    pub fn for_location(location: &Location) -> Option<Self> {
+        match location {
+            Location::Btrfs { dir } => Some(BtrfsBackend::new(dir)),
+            Location::BtrfsSubvolume { subvolume, store } => Some(BtrfsBackend::at(subvolume, store)),
+            _ => None,
+        }
     }
 
     /// Creates `dir` and its empty `live` subvolume.
@@ -34,11 +61,18 @@ impl BtrfsBackend {
     }
 
     fn live(&self) -> PathBuf {
-        self.dir.join("live")
+        self.live.clone()
     }
 
     fn snapshots_dir(&self) -> PathBuf {
-        self.dir.join(".snapshots")
+        self.snapshots.clone()
+    }
+
+    /// Where a rollback builds the new live subvolume: beside the live one,
+    /// because a rename cannot cross subvolumes.
+    fn rollback_path(&self) -> PathBuf {
+        let name = self.live.file_name().unwrap_or_default().to_string_lossy();
+        self.live.with_file_name(format!(".{name}.crab-rollback"))
     }
 
     fn snap(&self, name: &SnapshotName) -> PathBuf {
@@ -60,6 +94,14 @@ impl BtrfsBackend {
         let dir = self.snapshots_dir();
         let read = std::fs::read_dir(&dir).map_err(Error::io("read", &dir))?;
         Ok(read.filter_map(|e| e.ok().map(|e| e.path())).collect())
+    }
+
+    /// Creates the directory the live subvolume goes in.
+    fn make_live_parent(&self) -> Result<()> {
+        match self.live.parent() {
+            Some(dir) => std::fs::create_dir_all(dir).map_err(Error::io("create", dir)),
+            None => Ok(()),
+        }
     }
 
     /// A field of `btrfs subvolume show` (e.g. `Generation`).
@@ -136,7 +178,7 @@ impl Backend for BtrfsBackend {
 
     fn rollback(&self, name: &SnapshotName) -> Result<()> {
         let snap = self.require(name)?;
-        let fresh = self.dir.join(".live-rollback");
+        let fresh = self.rollback_path();
         if fresh.exists() {
             run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?])?;
         }
@@ -152,26 +194,26 @@ impl Backend for BtrfsBackend {
             nix::fcntl::RenameFlags::RENAME_EXCHANGE,
         )
         .map_err(|e| Error::io("swap", self.live())(e.into()))?;
-        // `fresh` now names the old live subvolume.
-        run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?])?;
+        // `fresh` now names the old live subvolume. The rollback is done;
+        // a subvolume that cannot go now goes at the next rollback.
+        if let Err(e) = run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?]) {
+            tracing::warn!(old = %fresh.display(), error = %e, "old live subvolume kept");
+        }
         Ok(())
     }
 
     fn clone_to(&self, name: &SnapshotName, to: &Location) -> Result<Box<dyn Backend>> {
-        let Location::Btrfs { dir } = to else {
-            return Err(Error::WrongLocation {
-                expected: BackendKind::Btrfs,
-                given: to.kind(),
-            });
-        };
+        let target = BtrfsBackend::for_location(to).ok_or(Error::WrongLocation {
+            expected: BackendKind::Btrfs,
+            given: to.kind(),
+        })?;
         let snap = self.require(name)?;
-        let target = BtrfsBackend::new(dir);
         if target.live().exists() {
             return Err(Error::TargetExists {
                 location: target.live().display().to_string(),
             });
         }
-        std::fs::create_dir_all(dir).map_err(Error::io("create", dir))?;
+        target.make_live_parent()?;
         run(
             BTRFS,
             &[
@@ -187,7 +229,7 @@ impl Backend for BtrfsBackend {
     fn changed_since(&self, name: &SnapshotName) -> Result<Change> {
         let snap = self.require(name)?;
         // Generations advance at transaction commit: commit first.
-        run(BTRFS, &["filesystem", "sync", &path_str(&self.dir)?])?;
+        run(BTRFS, &["filesystem", "sync", &path_str(&self.live())?])?;
         let live = Self::show_field(&self.live(), "Generation")?;
         let at = Self::show_field(&snap, "Gen at creation")?;
         Ok(match (live, at) {
@@ -244,6 +286,7 @@ impl Backend for BtrfsBackend {
             });
         }
         if parent.is_none() && !self.live().exists() {
+            self.make_live_parent()?;
             run(
                 BTRFS,
                 &[

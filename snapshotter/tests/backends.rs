@@ -239,6 +239,28 @@ fn btrfs_on_a_loop_device() {
     };
     let fresh = BtrfsBackend::new(&mnt.join("fresh"));
     exercise(&b, clone_at, &fresh, true, true);
+
+    // A subvolume someone else made (containerd's btrfs snapshotter lays
+    // out `active/<n>`), with the snapshots kept elsewhere on the fs.
+    std::fs::create_dir_all(mnt.join("ctd/active")).unwrap();
+    sh(
+        "btrfs",
+        &["subvolume", "create", mnt.join("ctd/active/7").to_str().unwrap()],
+    );
+    let b = BtrfsBackend::at(&mnt.join("ctd/active/7"), &mnt.join(".crab/ns/7"));
+    let clone_at = Location::BtrfsSubvolume {
+        subvolume: mnt.join("ctd/active/8"),
+        store: mnt.join(".crab/ns/8"),
+    };
+    let fresh = BtrfsBackend::at(&mnt.join("ctd/active/9"), &mnt.join(".crab/ns/9"));
+    exercise(&b, clone_at, &fresh, true, true);
+    // The swap left nothing beside the live subvolume.
+    let mut beside: Vec<_> = std::fs::read_dir(mnt.join("ctd/active"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    beside.sort();
+    assert_eq!(beside, ["7", "8", "9"]);
     drop(guard);
     std::fs::remove_dir_all(&root).unwrap();
 }
