@@ -38,6 +38,20 @@ pub enum ApiError {
         /// The sandbox.
         id: String,
     },
+    /// Fork, export and import copy files crabd keeps; a snapshot on ZFS or
+    /// btrfs stays on its filesystem.
+    #[error(
+        "version {version} of sandbox {id} keeps its files on {backend:?}: fork, export and import \
+         need an overlay rootfs (containerd's default snapshotter)"
+    )]
+    NotMovable {
+        /// The sandbox.
+        id: String,
+        /// The version.
+        version: u64,
+        /// Where its files are.
+        backend: crab_snapshotter::BackendKind,
+    },
     /// The version holds no process image to restore.
     #[error("version {version} of sandbox {id} has no process image: roll back to a full checkpoint")]
     NoProcessImage {
@@ -116,6 +130,7 @@ impl ApiError {
             ApiError::UnknownSandbox { .. } => StatusCode::NOT_FOUND,
             ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
             ApiError::NoFsBackend { .. }
+            | ApiError::NotMovable { .. }
             | ApiError::NoProcessImage { .. }
             | ApiError::NoFsSnapshot { .. }
             | ApiError::SandboxExists { .. } => StatusCode::CONFLICT,

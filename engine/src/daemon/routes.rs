@@ -324,6 +324,13 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
             id: reg.id.clone(),
             version: number,
         })?;
+        if fs.backend != BackendKind::OverlayCopy {
+            return Err(ApiError::NotMovable {
+                id: reg.id.clone(),
+                version: number,
+                backend: fs.backend,
+            });
+        }
         let new_id = match req.name {
             Some(name) => name,
             None => format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000),

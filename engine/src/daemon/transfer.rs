@@ -46,7 +46,11 @@ pub async fn export(
                 version: number,
             })?;
         if fs.backend != BackendKind::OverlayCopy {
-            return Err(ApiError::NoFsBackend { id: reg.id.clone() });
+            return Err(ApiError::NotMovable {
+                id: reg.id.clone(),
+                version: number,
+                backend: fs.backend,
+            });
         }
         // The image files: this version's, or those of the one it reuses.
         let images = match v.record.process_image {
