@@ -14,11 +14,13 @@ use crate::cgroup;
 use crate::config::ProxyShimConfig;
 use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
+use crate::fsop::FsOp;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
 use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
+mod btrfs;
 mod snapshot;
 
 /// One container of the shim.
@@ -50,6 +52,8 @@ pub struct Container {
     rootfs_mounts: Vec<containerd_shim::protos::api::Mount>,
     /// The ZFS dataset of a rootfs that crabzfs bind-mounts.
     zfs_dataset: Option<String>,
+    /// The subvolume of a rootfs from containerd's btrfs snapshotter.
+    btrfs: Option<btrfs::BtrfsRootfs>,
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
     pending_restore: Option<PathBuf>,
@@ -117,6 +121,7 @@ impl Container {
             proxy_plan: None,
             rootfs_mounts: req.rootfs.to_vec(),
             zfs_dataset: None,
+            btrfs: None,
             pending_restore: spec
                 .annotations()
                 .as_ref()
@@ -137,6 +142,11 @@ impl Container {
             // Beside the control socket (validated id: a safe file name).
             plan.host_socket = Some(runtime.root().join(".ctl").join(format!("{}.proxy.sock", c.id)));
         }
+        if let Err(e) = c.mount_rootfs(root.as_deref()).await {
+            c.cleanup(runtime).await;
+            return Err(e);
+        }
+        c.btrfs = c.find_btrfs(proxy.namespace);
         if c.pending_restore.is_some() {
             // The init is restored at Start; its proxy starts then, in the
             // restored network namespace.
@@ -144,15 +154,9 @@ impl Container {
             if let Some((_, p)) = &c.proxy_plan {
                 c.proxy_env = p.env.clone();
             }
-            return match c.mount_rootfs(root.as_deref()).await {
-                Ok(()) => Ok((c, None)),
-                Err(e) => {
-                    c.cleanup(runtime).await;
-                    Err(e)
-                }
-            };
+            return Ok((c, None));
         }
-        match c.create_init(root.as_deref(), runtime).await {
+        match c.create_init(runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
                     c.proxy_env = plan.env.clone();
@@ -177,8 +181,7 @@ impl Container {
         }
     }
 
-    async fn create_init(&mut self, root: Option<&Path>, runtime: &RuntimeClient) -> Result<ExitReceiver> {
-        self.mount_rootfs(root).await?;
+    async fn create_init(&mut self, runtime: &RuntimeClient) -> Result<ExitReceiver> {
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
             work_dir: &self.bundle,
@@ -467,6 +470,20 @@ impl Container {
                 log::warn!("unmount {}: {e}", rootfs.display());
             } else {
                 self.rootfs_mounted = false;
+            }
+        }
+        if let Some(b) = self.btrfs.take() {
+            // The snapshots are the shim's; the subvolume is containerd's.
+            if let Err(e) = self
+                .fs(
+                    FsOp::DestroyAll {
+                        location: b.location(),
+                    },
+                    runtime,
+                )
+                .await
+            {
+                log::warn!("{}: btrfs snapshots left in {}: {e}", self.id, b.store.display());
             }
         }
         if let Some(cg) = &self.unified_cgroup {

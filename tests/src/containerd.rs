@@ -17,6 +17,9 @@ pub struct Containerd {
     env: Vec<(String, String)>,
     /// A crabd this harness started itself (shims start theirs otherwise).
     crabd: Option<Child>,
+    /// The snapshotter `ctr` uses (`CONTAINERD_SNAPSHOTTER`), if not the
+    /// default.
+    snapshotter: Option<&'static str>,
 }
 
 impl Containerd {
@@ -36,6 +39,30 @@ impl Containerd {
     pub fn start_full(extra: &str, env: &[(&str, &str)]) -> Self {
         let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
         std::fs::create_dir_all(&dir).expect("create containerd dir");
+        Self::start_in(dir, extra, env, None)
+    }
+
+    /// Starts containerd whose btrfs snapshotter has a btrfs filesystem of
+    /// its own (a loop file), and makes it `ctr`'s snapshotter.
+    pub fn start_on_btrfs() -> Self {
+        let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
+        let mnt = dir.join(BTRFS_ROOT);
+        std::fs::create_dir_all(&mnt).expect("create containerd dir");
+        let img = dir.join("btrfs.img");
+        for (cmd, args) in [
+            ("truncate", vec!["-s", "2G", img.to_str().unwrap()]),
+            ("mkfs.btrfs", vec!["-q", img.to_str().unwrap()]),
+            (
+                "mount",
+                vec!["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
+            ),
+        ] {
+            ok(Command::new(cmd).args(&args).output().expect(cmd));
+        }
+        Self::start_in(dir, "", &[], Some("btrfs"))
+    }
+
+    fn start_in(dir: PathBuf, extra: &str, env: &[(&str, &str)], snapshotter: Option<&'static str>) -> Self {
         let config = format!(
             "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
              [grpc]\n  address = \"{d}/c.sock\"\n\
@@ -62,6 +89,7 @@ impl Containerd {
             child: None,
             env,
             crabd: None,
+            snapshotter,
         };
         c.spawn();
         c.ctr_ok(&["image", "import", &busybox_archive().to_string_lossy()]);
@@ -191,6 +219,9 @@ impl Containerd {
             .arg(&self.namespace)
             .args(args);
         cmd.env("PATH", path_with_crab());
+        if let Some(snapshotter) = self.snapshotter {
+            cmd.env("CONTAINERD_SNAPSHOTTER", snapshotter);
+        }
         cmd
     }
 
@@ -278,15 +309,17 @@ impl Drop for Containerd {
         self.stop();
         self.stop_crabd();
         let _ = std::fs::remove_dir_all(pin_dir(&self.dir));
-        let _ = nix::mount::umount2(
-            &self.dir.join("root/io.containerd.snapshotter.v1.overlayfs") as &Path,
-            nix::mount::MntFlags::MNT_DETACH,
-        );
+        for snapshotter in ["root/io.containerd.snapshotter.v1.overlayfs", BTRFS_ROOT] {
+            let _ = nix::mount::umount2(&self.dir.join(snapshotter), nix::mount::MntFlags::MNT_DETACH);
+        }
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 }
+
+/// containerd's btrfs snapshotter's root, under the containerd directory.
+const BTRFS_ROOT: &str = "root/io.containerd.snapshotter.v1.btrfs";
 
 /// Where a test crabd pins its inspector (bpffs).
 fn pin_dir(dir: &Path) -> PathBuf {

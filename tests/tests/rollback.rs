@@ -22,9 +22,34 @@ fn write_files(ctd: &Containerd, id: &str, v: u32) {
 #[test]
 fn rollback_restores_memory_servers_and_files() {
     let ctd = Containerd::start();
-    let id = "rb";
-    let pid = run_stateful(&ctd, id);
-    wait_registered(&ctd, id);
+    round_trip(&ctd, "rb", "overlay-copy");
+    assert_clean(&ctd.scope(), &["rb"]);
+}
+
+/// The same on containerd's btrfs snapshotter: the rootfs is a subvolume,
+/// snapshotted by btrfs and swapped back in at a rollback.
+#[test]
+fn rollback_on_btrfs() {
+    let ctd = Containerd::start_on_btrfs();
+    let snapshotter = ctd.dir.join("root/io.containerd.snapshotter.v1.btrfs");
+    let store = snapshotter.join(".crab").join(&ctd.namespace).join("bt");
+    round_trip(&ctd, "bt", "btrfs");
+    // Nothing is left beside containerd's subvolumes, and the sandbox's
+    // snapshots went with it.
+    let active: Vec<String> = std::fs::read_dir(snapshotter.join("active"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(active.iter().all(|n| !n.starts_with('.')), "{active:?}");
+    assert!(!store.exists(), "{} is left", store.display());
+    assert_clean(&ctd.scope(), &["bt"]);
+}
+
+/// Checkpoints the stateful sandbox `id` with its files on `backend`,
+/// changes everything, rolls back twice, and checks the exit status.
+fn round_trip(ctd: &Containerd, id: &str, backend: &str) {
+    let pid = run_stateful(ctd, id);
+    wait_registered(ctd, id);
 
     // v1: counter at 3, store a=1, files of state 1.
     for _ in 0..2 {
@@ -32,18 +57,27 @@ fn rollback_restores_memory_servers_and_files() {
     }
     assert_eq!(ask(pid, COUNTER, "hit"), "4", "the readiness probe took 1");
     assert_eq!(ask(pid, STORE, "set a 1"), "ok");
-    write_files(&ctd, id, 1);
+    write_files(ctd, id, 1);
     let files_v1 = tree_digest(pid, "/data");
-    let v1 = crabctl_ok(&ctd, &["checkpoint", id]);
+    let v1 = crabctl_ok(ctd, &["checkpoint", id]);
     assert_eq!(v1["version"]["version"], 1);
     assert_eq!(v1["version"]["class"], "full");
+    assert_eq!(v1["version"]["fs_snapshot"]["backend"], backend, "{v1}");
+    if backend != "overlay-copy" {
+        // Its files stay on their filesystem: nothing to fork or export.
+        let e = crabctl_err(ctd, &["fork", id, "1"]);
+        assert!(e.contains("need an overlay rootfs"), "{e}");
+        let e = crabctl_err(ctd, &["export", id, "1", "/tmp/crab-never-written.tar"]);
+        assert!(e.contains("need an overlay rootfs"), "{e}");
+        assert!(!std::path::Path::new("/tmp/crab-never-written.tar").exists());
+    }
     assert!(v1["frozen_ms"].as_f64().unwrap() > 0.0);
 
     // Everything changes after v1.
     assert_eq!(ask(pid, COUNTER, "hit"), "5");
     assert_eq!(ask(pid, STORE, "set a 2"), "ok");
     assert_eq!(ask(pid, STORE, "set b 3"), "ok");
-    write_files(&ctd, id, 2);
+    write_files(ctd, id, 2);
     assert_ne!(tree_digest(pid, "/data"), files_v1);
 
     // Twice, with an exec in between: a restored sandbox restores again.
@@ -51,11 +85,11 @@ fn rollback_restores_memory_servers_and_files() {
     for round in 0..2 {
         // Prefix selection works; the second round skips the undo checkpoint.
         let args: &[&str] = if round == 0 {
-            &["rollback", "r", "1"]
+            &["rollback", &id[..1], "1"]
         } else {
-            &["rollback", "--no-undo", "r", "1"]
+            &["rollback", "--no-undo", &id[..1], "1"]
         };
-        let r = crabctl_ok(&ctd, args);
+        let r = crabctl_ok(ctd, args);
         assert_eq!(r["undo_ms"].as_f64().unwrap() > 0.0, round == 0);
         assert_eq!(r["version"], 1);
         pid = r["pid"].as_i64().unwrap() as i32;
@@ -74,7 +108,7 @@ fn rollback_restores_memory_servers_and_files() {
             "round {round}: the files are v1's"
         );
         // The sandbox works on: execs, writes, the servers.
-        write_files(&ctd, id, 2);
+        write_files(ctd, id, 2);
         assert_eq!(ask(pid, STORE, "set b 4"), "ok");
     }
 
@@ -91,7 +125,6 @@ fn rollback_restores_memory_servers_and_files() {
         crab_tests::stderr(&out)
     );
     ctd.ctr_ok(&["container", "rm", id]);
-    assert_clean(&ctd.scope(), &[id]);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use crab_engine::api::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
 use crab_engine::FsSnapshot;
 use crab_snapshotter::{BackendKind, Location, SnapshotName};
 
+use super::btrfs::BtrfsRootfs;
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
 use crate::fsop::FsOp;
@@ -50,6 +51,9 @@ impl Container {
         if self.zfs_dataset.is_some() {
             return Some(BackendKind::Zfs);
         }
+        if self.btrfs.is_some() {
+            return Some(BackendKind::Btrfs);
+        }
         self.overlay_upper().ok().map(|_| BackendKind::OverlayCopy)
     }
 
@@ -74,7 +78,7 @@ impl Container {
 
     /// Runs a filesystem operation: in the helper when it runs commands
     /// (the shim's reaper would take their statuses), else here.
-    async fn fs(&self, op: FsOp, runtime: &RuntimeClient) -> Result<Option<String>> {
+    pub(super) async fn fs(&self, op: FsOp, runtime: &RuntimeClient) -> Result<Option<String>> {
         if op.forks() {
             return runtime.fs(&self.id, &self.bundle, &op).await;
         }
@@ -105,13 +109,32 @@ impl Container {
         }
     }
 
+    /// The subvolume of a rootfs from containerd's btrfs snapshotter, once
+    /// mounted; from then on it is mounted by path (see `btrfs`).
+    pub(super) fn find_btrfs(&mut self, namespace: &str) -> Option<BtrfsRootfs> {
+        let [m] = self.rootfs_mounts.as_mut_slice() else {
+            return None;
+        };
+        match BtrfsRootfs::find(&self.bundle.join("rootfs"), m, namespace, &self.id) {
+            Ok(found) => found,
+            Err(reason) => {
+                log::warn!("{}: its btrfs rootfs cannot be snapshotted: {reason}", self.id);
+                None
+            }
+        }
+    }
+
     /// Where the backend finds the container's files: its ZFS dataset (a
-    /// crabzfs rootfs), or its overlay upper directory and crabd's store.
+    /// crabzfs rootfs), its btrfs subvolume and the shim's store beside it,
+    /// or its overlay upper directory and crabd's store.
     fn fs_location(&self, target: &FsTarget) -> Result<Location> {
         if let Some(dataset) = &self.zfs_dataset {
             return Ok(Location::Zfs {
                 dataset: dataset.clone(),
             });
+        }
+        if let Some(b) = &self.btrfs {
+            return Ok(b.location());
         }
         Ok(Location::OverlayCopy {
             upper: self.overlay_upper()?,
