@@ -30,7 +30,8 @@
 //! ([`Registration::proxy`]); [`SandboxInfo::proxy_url`] is that base URL.
 //!
 //! A shim's routes: `POST /checkpoint` (`ShimCheckpoint` →
-//! `ShimCheckpointed`) and `POST /restore` (`ShimRestore` → `ShimRestored`).
+//! `ShimCheckpointed`), `POST /restore` (`ShimRestore` → `ShimRestored`)
+//! and `POST /forget` (`ShimForget` → `ShimForgotten`).
 
 use std::path::PathBuf;
 
@@ -279,6 +280,23 @@ pub struct ShimRestored {
     pub restore_ms: f64,
     /// Of which the undo checkpoint (the way back if the restore failed).
     pub undo_ms: f64,
+}
+
+/// `POST /forget` to a shim: delete file snapshots that no version names
+/// any more and that live on the sandbox's own filesystem (ZFS, btrfs;
+/// crabd deletes the overlay copies it keeps itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimForget {
+    /// The snapshots.
+    pub snapshots: Vec<SnapshotName>,
+}
+
+/// A shim's answer to `POST /forget`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimForgotten {
+    /// The snapshots deleted; the others are kept (the shim logs why: one
+    /// a ZFS clone still needs, say) until the sandbox is deleted.
+    pub destroyed: Vec<SnapshotName>,
 }
 
 // === impl VersionSel ===

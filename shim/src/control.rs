@@ -16,7 +16,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use crab_engine::api::{ErrorBody, Registration, ShimCheckpoint, ShimRestore, ShimRestored};
+use crab_engine::api::{
+    ErrorBody, Registration, ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored,
+};
 use crab_engine::client::{ClientError, UnixClient};
 use tokio::sync::Mutex;
 
@@ -71,6 +73,7 @@ impl Control {
         let app = Router::new()
             .route("/checkpoint", post(checkpoint))
             .route("/restore", post(restore))
+            .route("/forget", post(forget))
             .with_state(Ctx {
                 container,
                 runtime,
@@ -217,6 +220,22 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
         Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("restore task: {e}")),
+    }
+}
+
+async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
+    let req: ShimForget = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("invalid forget request: {e}")),
+    };
+    let done = tokio::spawn(async move {
+        let c = ctx.container.lock().await;
+        c.forget_snapshots(&req.snapshots, &ctx.runtime).await
+    })
+    .await;
+    match done {
+        Ok(destroyed) => Json(ShimForgotten { destroyed }).into_response(),
+        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("forget task: {e}")),
     }
 }
 

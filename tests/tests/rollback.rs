@@ -1,8 +1,11 @@
 //! Checkpoint and rollback of a running sandbox through crabd and crabctl,
-//! with real CRIU, containerd and overlayfs. Needs root: CI runs it as root.
+//! with real CRIU, containerd, and overlayfs or btrfs. Needs root: CI runs it
+//! as root.
 //!
 //! The sandbox (`fixtures/stateful.py`) keeps state in a counter process's
 //! memory, in a TCP server's memory, and in files under /data.
+
+use std::path::Path;
 
 use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
@@ -22,7 +25,7 @@ fn write_files(ctd: &Containerd, id: &str, v: u32) {
 #[test]
 fn rollback_restores_memory_servers_and_files() {
     let ctd = Containerd::start();
-    round_trip(&ctd, "rb", "overlay-copy");
+    round_trip(&ctd, "rb", "overlay-copy", &ctd.crabd_root().join("fs/rb"));
     assert_clean(&ctd.scope(), &["rb"]);
 }
 
@@ -33,7 +36,7 @@ fn rollback_on_btrfs() {
     let ctd = Containerd::start_on_btrfs();
     let snapshotter = ctd.dir.join("root/io.containerd.snapshotter.v1.btrfs");
     let store = snapshotter.join(".crab").join(&ctd.namespace).join("bt");
-    round_trip(&ctd, "bt", "btrfs");
+    round_trip(&ctd, "bt", "btrfs", &store);
     // Nothing is left beside containerd's subvolumes, and the sandbox's
     // snapshots went with it.
     let active: Vec<String> = std::fs::read_dir(snapshotter.join("active"))
@@ -45,9 +48,10 @@ fn rollback_on_btrfs() {
     assert_clean(&ctd.scope(), &["bt"]);
 }
 
-/// Checkpoints the stateful sandbox `id` with its files on `backend`,
+/// Checkpoints the stateful sandbox `id` with its files on `backend`
+/// (snapshots in `store`),
 /// changes everything, rolls back twice, and checks the exit status.
-fn round_trip(ctd: &Containerd, id: &str, backend: &str) {
+fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
     let pid = run_stateful(ctd, id);
     wait_registered(ctd, id);
 
@@ -79,6 +83,14 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str) {
     assert_eq!(ask(pid, STORE, "set b 3"), "ok");
     write_files(ctd, id, 2);
     assert_ne!(tree_digest(pid, "/data"), files_v1);
+
+    // A version removed takes its file snapshot with it; v1's stays.
+    let v2 = crabctl_ok(ctd, &["checkpoint", "--fs", id]);
+    let snapshot = |v: &serde_json::Value| store.join(v["version"]["fs_snapshot"]["name"].as_str().unwrap());
+    assert!(snapshot(&v2).exists(), "{} after {v2}", snapshot(&v2).display());
+    crabctl_ok(ctd, &["rm-version", id, "2"]);
+    assert!(!snapshot(&v2).exists(), "{} is left", snapshot(&v2).display());
+    assert!(snapshot(&v1).exists());
 
     // Twice, with an exec in between: a restored sandbox restores again.
     let mut pid = pid;

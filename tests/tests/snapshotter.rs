@@ -366,13 +366,15 @@ fn crabctl_rollback_on_crabzfs() {
     crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo one > /kept");
     let v1 = crabctl_ok(&s.ctd, &["checkpoint", "zr"]);
     assert_eq!(v1["version"]["fs_snapshot"]["backend"], "zfs", "{v1}");
-    let at_v1: u64 = read("/n").parse().unwrap();
+    // The shell may be between truncating /n and writing it.
+    let count = || wait_until(5, || read("/n").parse::<u64>().ok()).expect("a count in /n");
+    let at_v1 = count();
     crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo two > /kept; echo x > /extra");
-    crabctl_ok(&s.ctd, &["checkpoint", "zr"]);
+    let v2 = crabctl_ok(&s.ctd, &["checkpoint", "zr"]);
     std::thread::sleep(std::time::Duration::from_millis(500));
     for round in 0..2 {
         crabctl_ok(&s.ctd, &["rollback", "zr", "1"]);
-        let n: u64 = read("/n").parse().unwrap();
+        let n = count();
         // The shell counts on from v1's value (its memory and /n came back).
         assert!(
             n >= at_v1 && n < at_v1 + 40,
@@ -391,6 +393,24 @@ fn crabctl_rollback_on_crabzfs() {
         assert!(!out.status.success(), "round {round}: /extra is gone");
         crab_tests::sandbox::exec_sh(&s.ctd, "zr", "echo three > /kept");
     }
+    // A version removed takes its ZFS snapshot with it; v1's stays.
+    let snapshots = || -> String {
+        let out = Command::new("zfs")
+            .args(["list", "-H", "-t", "snapshot", "-o", "name"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let named = |v: &serde_json::Value| {
+        format!(
+            "@crab-{}\n",
+            v["version"]["fs_snapshot"]["name"].as_str().unwrap()
+        )
+    };
+    assert!(snapshots().contains(&named(&v2)), "{}", snapshots());
+    crabctl_ok(&s.ctd, &["rm-version", "zr", "2"]);
+    assert!(!snapshots().contains(&named(&v2)), "{}", snapshots());
+    assert!(snapshots().contains(&named(&v1)), "{}", snapshots());
     s.ctd.remove("zr");
     assert_clean(&s.ctd.scope(), &["zr"]);
 }

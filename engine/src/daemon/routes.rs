@@ -14,8 +14,8 @@ use serde::de::DeserializeOwned;
 use super::{ApiError, Daemon};
 use crate::api::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, FsTarget, Registration, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimRestore,
-    ShimRestored, TurnEnd, VersionSel, VersionView,
+    RollbackReport, RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimForget,
+    ShimForgotten, ShimRestore, ShimRestored, TurnEnd, VersionSel, VersionView,
 };
 use crate::client::UnixClient;
 use crate::containerd::Containerd;
@@ -199,7 +199,7 @@ pub(super) async fn take_checkpoint(
         let store = d.store.clone();
         let keep = d.config.keep_versions;
         match blocking(move || store.retain(&sid, keep)).await {
-            Ok(removal) => destroy_unused(d, &reg.id, &removal),
+            Ok(removal) => destroy_unused(d, &reg, &removal).await,
             Err(e) => tracing::warn!(sandbox = reg.id, "retention: {e}"),
         }
     }
@@ -301,7 +301,7 @@ pub async fn remove_version(
         let sid = SandboxId::new(&reg.id)?;
         let store = d.store.clone();
         let removal = blocking(move || store.remove_version(&sid, n)).await?;
-        destroy_unused(&d, &reg.id, &removal);
+        destroy_unused(&d, &reg, &removal).await;
         Ok(Json(RemovalReport {
             removed: removal.versions,
         }))
@@ -439,19 +439,39 @@ pub(super) async fn restorable(
     Ok((version, images))
 }
 
-/// Destroys the file snapshots of sandbox `id` that `removal` left unused
-/// (the copies crabd keeps; the live upper directory is not touched).
-fn destroy_unused(d: &Daemon, id: &str, removal: &crate::Removal) {
-    let store_dir = d.fs_store(id);
-    for snap in removal
+/// Destroys the file snapshots of sandbox `reg` that `removal` left unused:
+/// the copies crabd keeps itself, and through the shim those on the
+/// sandbox's own filesystem (the live tree is not touched).
+async fn destroy_unused(d: &Daemon, reg: &Registration, removal: &crate::Removal) {
+    let (copies, own): (Vec<&FsSnapshot>, Vec<&FsSnapshot>) = removal
         .unused_snapshots
         .iter()
-        .filter(|s| s.backend == BackendKind::OverlayCopy)
-    {
+        .partition(|s| s.backend == BackendKind::OverlayCopy);
+    let store_dir = d.fs_store(&reg.id);
+    for snap in copies {
         let backend = crab_snapshotter::OverlayCopyBackend::new(&store_dir, &store_dir);
         if let Err(e) = crab_snapshotter::Backend::destroy(&backend, &snap.name) {
             tracing::warn!(snapshot = %snap.name, "remove unused snapshot: {e}");
         }
+    }
+    if own.is_empty() {
+        return;
+    }
+    let call = ShimForget {
+        snapshots: own.into_iter().map(|s| s.name.clone()).collect(),
+    };
+    match shim(d, reg).post::<_, ShimForgotten>("/forget", &call).await {
+        Ok(done) if done.destroyed.len() == call.snapshots.len() => {}
+        Ok(done) => tracing::warn!(
+            sandbox = reg.id,
+            asked = call.snapshots.len(),
+            destroyed = done.destroyed.len(),
+            "some unused snapshots are kept until the sandbox is deleted (see the shim's log)"
+        ),
+        Err(e) => tracing::warn!(
+            sandbox = reg.id,
+            "unused snapshots are kept until the sandbox is deleted: {e}"
+        ),
     }
 }
 

@@ -128,18 +128,49 @@ impl Container {
     /// crabzfs rootfs), its btrfs subvolume and the shim's store beside it,
     /// or its overlay upper directory and crabd's store.
     fn fs_location(&self, target: &FsTarget) -> Result<Location> {
-        if let Some(dataset) = &self.zfs_dataset {
-            return Ok(Location::Zfs {
-                dataset: dataset.clone(),
-            });
-        }
-        if let Some(b) = &self.btrfs {
-            return Ok(b.location());
+        if let Some(own) = self.own_fs_location() {
+            return Ok(own);
         }
         Ok(Location::OverlayCopy {
             upper: self.overlay_upper()?,
             store: target.store.clone(),
         })
+    }
+
+    /// Where the snapshots of a rootfs that keeps its own are: its ZFS
+    /// dataset or btrfs subvolume (an overlay's copies are crabd's).
+    fn own_fs_location(&self) -> Option<Location> {
+        if let Some(dataset) = &self.zfs_dataset {
+            return Some(Location::Zfs {
+                dataset: dataset.clone(),
+            });
+        }
+        self.btrfs.as_ref().map(BtrfsRootfs::location)
+    }
+
+    /// Deletes the snapshots `names` of the rootfs's own filesystem; answers
+    /// those deleted, and logs why any other is kept.
+    pub async fn forget_snapshots(
+        &self,
+        names: &[SnapshotName],
+        runtime: &RuntimeClient,
+    ) -> Vec<SnapshotName> {
+        let Some(location) = self.own_fs_location() else {
+            log::warn!("{}: no snapshots of its own to forget", self.id);
+            return Vec::new();
+        };
+        let mut destroyed = Vec::new();
+        for name in names {
+            let op = FsOp::Destroy {
+                location: location.clone(),
+                name: name.clone(),
+            };
+            match self.fs(op, runtime).await {
+                Ok(_) => destroyed.push(name.clone()),
+                Err(e) => log::warn!("{}: snapshot {name} kept: {e}", self.id),
+            }
+        }
+        destroyed
     }
 
     /// Freezes the container, snapshots its files and dumps its processes
