@@ -48,8 +48,36 @@ pub struct ShimConfig {
     pub runtime_timeout_secs: u64,
     /// The CRIU binary (a bare name is looked up on `PATH`).
     pub criu: PathBuf,
+    /// How CRIU keeps the sandbox's network still while it dumps or
+    /// restores TCP connections.
+    pub criu_network_lock: NetworkLock,
     /// The sandbox's LLM proxy.
     pub proxy: ProxyShimConfig,
+}
+
+/// CRIU's `--network-lock` methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkLock {
+    /// Rules loaded with `iptables-restore` (CRIU's RPC default).
+    Iptables,
+    /// A table made through libnftables, inside CRIU.
+    Nftables,
+    /// No lock: connections dumped while packets flow may be inconsistent.
+    Skip,
+}
+
+// === impl NetworkLock ===
+
+impl NetworkLock {
+    /// The method's name in CRIU's options.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NetworkLock::Iptables => "iptables",
+            NetworkLock::Nftables => "nftables",
+            NetworkLock::Skip => "skip",
+        }
+    }
 }
 
 /// The `[shim.proxy]` table: the LLM proxy each sandbox gets.

@@ -221,7 +221,7 @@ fn runtime_client(exits: Arc<ExitRouter>, namespace: &str) -> RuntimeClient {
     let cfg = &config().shim;
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
     RuntimeClient::new(exe, cfg.state_dir.join(namespace), cfg.runtime_timeout(), exits)
-        .with_criu(cfg.criu.clone())
+        .with_criu(cfg.criu.clone(), cfg.criu_network_lock)
 }
 
 /// The pod id a CRI container's shim is shared under, from its spec.

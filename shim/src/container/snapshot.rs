@@ -182,14 +182,22 @@ impl Container {
     ) -> Result<ShimCheckpointed> {
         self.expect_state(&self.init, ProcessState::Running, "checkpoint")?;
         let location = req.fs.as_ref().map(|t| self.fs_location(t)).transpose()?;
+        let t0 = Instant::now();
         self.set_frozen(true, runtime).await?;
         let frozen_at = Instant::now();
         let made = self.checkpoint_frozen(req, location, runtime).await;
+        let t_thaw = Instant::now();
         let thawed = self.set_frozen(false, runtime).await;
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
         let fs = made?;
         thawed?;
-        log::info!("{}: checkpoint, frozen {frozen_ms:.1} ms", self.id);
+        log::info!(
+            "{}: checkpoint, frozen {frozen_ms:.1} ms (freeze {:.1}, work {:.1}, thaw {:.1})",
+            self.id,
+            (frozen_at - t0).as_secs_f64() * 1e3,
+            (t_thaw - frozen_at).as_secs_f64() * 1e3,
+            t_thaw.elapsed().as_secs_f64() * 1e3
+        );
         Ok(ShimCheckpointed { frozen_ms, fs })
     }
 
@@ -222,7 +230,9 @@ impl Container {
                 tcp_established: true,
                 ..Default::default()
             };
+            let t = Instant::now();
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
+            log::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
         }
         Ok(fs)
     }

@@ -11,6 +11,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use super::SUBCOMMAND;
+use crate::config::NetworkLock;
 use crate::error::{Error, Result};
 use crate::exits::{Exit, ExitRouter};
 
@@ -22,6 +23,7 @@ pub use crate::io::ChildStdio as Stdio;
 pub struct RuntimeClient {
     exe: PathBuf,
     criu: PathBuf,
+    network_lock: NetworkLock,
     root: PathBuf,
     timeout: Duration,
     exits: Arc<ExitRouter>,
@@ -72,6 +74,7 @@ impl RuntimeClient {
         RuntimeClient {
             exe,
             criu: PathBuf::from("criu"),
+            network_lock: NetworkLock::Nftables,
             root,
             timeout,
             exits,
@@ -192,10 +195,27 @@ impl RuntimeClient {
         self.invoke("delete", id, work_dir, args, Stdio::null()).await
     }
 
-    /// Runs CRIU from `path` (a bare name is looked up on `PATH`).
-    pub fn with_criu(mut self, path: PathBuf) -> Self {
+    /// Runs CRIU from `path` (a bare name is looked up on `PATH`), locking
+    /// the network with `network_lock`.
+    pub fn with_criu(mut self, path: PathBuf, network_lock: NetworkLock) -> Self {
         self.criu = path;
+        self.network_lock = network_lock;
         self
+    }
+
+    /// Points the CRIU that `cmd` will start at a configuration file with
+    /// the network lock method, which rust-criu has no option for (CRIU
+    /// reads `CRIU_CONFIG_FILE` in RPC mode too; the RPC request does not
+    /// override the method). One the shim's environment names wins.
+    fn configure_criu(&self, cmd: &mut Command, work_dir: &Path) -> Result<()> {
+        if std::env::var_os("CRIU_CONFIG_FILE").is_some_and(|f| !f.is_empty()) {
+            return Ok(());
+        }
+        let conf = work_dir.join(".crab-criu.conf");
+        let text = format!("network-lock {}\n", self.network_lock.as_str());
+        std::fs::write(&conf, text).map_err(Error::io(format!("write {}", conf.display())))?;
+        cmd.env("CRIU_CONFIG_FILE", conf);
+        Ok(())
     }
 
     /// libcontainer's state root.
@@ -268,6 +288,9 @@ impl RuntimeClient {
             .arg(&self.criu)
             .args(args)
             .current_dir(work_dir);
+        if matches!(op, "checkpoint" | "restore") {
+            self.configure_criu(&mut cmd, work_dir)?;
+        }
         match stdio {
             Stdio::Fds {
                 stdin,
