@@ -14,6 +14,7 @@ mod inspector;
 mod proxy;
 mod runtime;
 mod stats;
+mod turn;
 
 #[derive(Parser)]
 #[command(name = "crab-bench", about = "Crab's benchmarks, each beside its baseline")]
@@ -54,6 +55,14 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         runs: usize,
     },
+    /// One turn's checkpoint in a small sandbox, per rootfs (overlayfs,
+    /// btrfs): files-only, full, rollback; beside `ctr task checkpoint`
+    /// with runc.v2 and the published Python implementation's figures.
+    Turn {
+        /// Turns per snapshotter.
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+    },
     /// The inspector: turn-end decision latency (p50/p99) for turns of
     /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
     /// sandbox with the programs attached vs detached.
@@ -82,6 +91,7 @@ fn main() -> anyhow::Result<()> {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
         Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
+        Bench::Turn { runs } => turn::run(runs),
         Bench::Inspector { turns, reps } => inspector::run(turns, reps),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))

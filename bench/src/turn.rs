@@ -1,0 +1,136 @@
+//! `crab-bench turn`: what one agent turn's checkpoint costs in a small
+//! sandbox (busybox: a shell loop counting into a file, and a 200-file work
+//! tree of which each turn changes one file), per rootfs: containerd's
+//! overlayfs snapshotter (crab's overlay-copy backend) and its btrfs
+//! snapshotter (crab's btrfs backend, on a loop file).
+//!
+//! Measured through `crabctl`, wall clock: a files-only checkpoint, a full
+//! one (and crab's own frozen time), and a rollback to the newest version
+//! with and without the undo checkpoint. The baseline, from the same run
+//! and on the same snapshotter, is `ctr task checkpoint` of the same
+//! sandbox under runc.v2: checkpointing the whole container each turn. The
+//! published Python implementation's figures on this machine kind are
+//! printed beside them for reference; they are not measured here.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use crab_tests::image::BUSYBOX;
+use crab_tests::sandbox::{crabctl, wait_registered};
+use crab_tests::{Containerd, CRAB, RUNC};
+
+use crate::stats::{ms, percentile};
+
+/// The sandbox's init: counts into /n forever.
+const LOOP: &str = "i=0; while true; do i=$((i+1)); echo $i > /n; sleep 0.05; done";
+
+/// One snapshotter's samples.
+#[derive(Default)]
+struct Samples {
+    runc_full: Vec<Duration>,
+    fs_only: Vec<Duration>,
+    full: Vec<Duration>,
+    frozen: Vec<Duration>,
+    rollback: Vec<Duration>,
+    rollback_no_undo: Vec<Duration>,
+}
+
+/// Runs the benchmark and prints its table.
+pub fn run(runs: usize) -> anyhow::Result<()> {
+    let overlay = measure(Containerd::start(), runs).context("on overlayfs")?;
+    let btrfs = measure(Containerd::start_on_btrfs(), runs).context("on btrfs")?;
+    println!("turn benchmark: a busybox sandbox, one file changed per turn, {runs} runs each, wall clock");
+    println!(
+        "{:<44} {:>14} {:>14} {:>16}",
+        "figure (ms)", "overlayfs", "btrfs", "published (ref)"
+    );
+    let mut both = [overlay, btrfs];
+    let mut row = |name: &str, published: &str, pick: fn(&mut Samples) -> &mut Vec<Duration>| {
+        for p in [50.0, 90.0] {
+            let [a, b] = &mut both;
+            println!(
+                "{:<44} {:>14} {:>14} {:>16}",
+                format!("{name} p{p:.0}"),
+                ms(percentile(pick(a), p)),
+                ms(percentile(pick(b), p)),
+                if p == 50.0 { published } else { "" }
+            );
+        }
+    };
+    row("baseline: runc.v2 ctr task checkpoint", "-", |s| &mut s.runc_full);
+    row("crab files-only checkpoint", "59 (btrfs)", |s| &mut s.fs_only);
+    row("crab full checkpoint", "203", |s| &mut s.full);
+    row("  of which frozen (crab's own measure)", "-", |s| &mut s.frozen);
+    row("crab rollback (with undo checkpoint)", "360", |s| &mut s.rollback);
+    row("crab rollback --no-undo", "-", |s| &mut s.rollback_no_undo);
+    println!(
+        "published: the Python implementation of the research result, on this machine kind\n\
+         (files-only turn on btrfs, full checkpoint, restore of a busybox sandbox); not measured here."
+    );
+    Ok(())
+}
+
+/// Runs the sandbox under both runtimes on `ctd` and samples each figure.
+fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
+    for (rt, id) in [(RUNC, "tb-runc"), (CRAB, "tb-crab")] {
+        ctd.ctr_ok(&["run", "-d", "--runtime", rt, BUSYBOX, id, "sh", "-c", LOOP]);
+        exec(
+            &ctd,
+            id,
+            "mkdir /w && for i in $(seq 200); do echo $i > /w/f$i; done",
+        )?;
+    }
+    wait_registered(&ctd, "tb-crab");
+    let mut s = Samples::default();
+    for turn in 0..runs {
+        for id in ["tb-runc", "tb-crab"] {
+            exec(&ctd, id, &format!("echo turn {turn} >> /w/f{}", turn % 200 + 1))?;
+        }
+        let t = Instant::now();
+        let out = ctd.ctr(&["task", "checkpoint", "tb-runc"]);
+        if !out.status.success() {
+            bail!("ctr task checkpoint: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        s.runc_full.push(t.elapsed());
+        for image in ctd.ctr_ok(&["image", "ls", "-q"]).lines() {
+            if image.contains("checkpoint/tb-runc") {
+                ctd.ctr_ok(&["image", "rm", image.trim()]);
+            }
+        }
+        let (took, _) = timed(&ctd, &["checkpoint", "--fs", "tb-crab"])?;
+        s.fs_only.push(took);
+        let (took, report) = timed(&ctd, &["checkpoint", "tb-crab"])?;
+        s.full.push(took);
+        let frozen = report["frozen_ms"].as_f64().context("frozen_ms")?;
+        s.frozen.push(Duration::from_secs_f64(frozen / 1e3));
+        let (took, _) = timed(&ctd, &["rollback", "tb-crab", "latest"])?;
+        s.rollback.push(took);
+        let (took, _) = timed(&ctd, &["rollback", "--no-undo", "tb-crab", "latest"])?;
+        s.rollback_no_undo.push(took);
+    }
+    for id in ["tb-runc", "tb-crab"] {
+        ctd.remove(id);
+    }
+    Ok(s)
+}
+
+/// Runs `sh -c script` in sandbox `id`.
+fn exec(ctd: &Containerd, id: &str, script: &str) -> anyhow::Result<()> {
+    let exec_id = crab_tests::unique("b");
+    let out = ctd.ctr(&["task", "exec", "--exec-id", &exec_id, id, "sh", "-c", script]);
+    if !out.status.success() {
+        bail!("exec in {id}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// Runs `crabctl --json args…`; returns its wall time and answer.
+fn timed(ctd: &Containerd, args: &[&str]) -> anyhow::Result<(Duration, serde_json::Value)> {
+    let t = Instant::now();
+    let out = crabctl(ctd, args);
+    let took = t.elapsed();
+    if !out.status.success() {
+        bail!("crabctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((took, serde_json::from_slice(&out.stdout)?))
+}
