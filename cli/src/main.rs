@@ -41,7 +41,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// List the running sandboxes crabd knows.
+    /// List the sandboxes crabd knows: running, and stopped ones whose
+    /// container still exists (they keep their versions).
     Ps,
     /// Save a sandbox now: files and processes (default), or files only.
     Checkpoint {
@@ -184,12 +185,20 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                     vec![
                         s.registration.id.clone(),
                         s.registration.namespace.clone(),
-                        s.registration.pid.to_string(),
+                        if s.running { "running" } else { "stopped" }.to_owned(),
+                        if s.running {
+                            s.registration.pid.to_string()
+                        } else {
+                            "-".to_owned()
+                        },
                         s.versions.to_string(),
                         s.latest.map_or("-".to_owned(), |v| v.to_string()),
                     ]
                 });
-                table::render(&["SANDBOX", "NAMESPACE", "PID", "VERSIONS", "LATEST"], rows)
+                table::render(
+                    &["SANDBOX", "NAMESPACE", "STATE", "PID", "VERSIONS", "LATEST"],
+                    rows,
+                )
             });
         }
         Command::Checkpoint { sandbox, fs, .. } => {

@@ -35,7 +35,7 @@
 
 use std::path::PathBuf;
 
-use crab_snapshotter::{BackendKind, SnapshotName};
+use crab_snapshotter::{BackendKind, Location, SnapshotName};
 use serde::{Deserialize, Serialize};
 
 use crate::{Class, FsSnapshot, VersionRecord};
@@ -69,6 +69,11 @@ pub struct Registration {
     /// which the inspector follows its tasks.
     #[serde(default)]
     pub cgroup: Option<PathBuf>,
+    /// Where the shim keeps file snapshots outside crabd's root and outside
+    /// the rootfs's own dataset (a btrfs store): crabd deletes them with
+    /// the sandbox's history when its container is removed.
+    #[serde(default)]
+    pub own_snapshots: Option<Location>,
 }
 
 /// What a turn of a sandbox changed, as the inspector saw it
@@ -92,6 +97,9 @@ pub struct SandboxInfo {
     /// Its registration.
     #[serde(flatten)]
     pub registration: Registration,
+    /// Whether its task runs. A stopped sandbox keeps its versions (list,
+    /// export, fork them) until containerd removes its container.
+    pub running: bool,
     /// How many versions it has (valid or not).
     pub versions: usize,
     /// Its newest version number, if any.

@@ -46,6 +46,9 @@ pub struct CrabdConfig {
     /// Port of the host listener on 127.0.0.1 for agents outside their
     /// sandbox (`/s/<sandbox>/…`); 0 disables it.
     pub proxy_port: u16,
+    /// Seconds between two looks at stopped sandboxes, whose history goes
+    /// once containerd has removed their container.
+    pub gc_interval_secs: u64,
 }
 
 /// What reading the configuration can fail with.
@@ -99,6 +102,11 @@ impl CrabdConfig {
     /// How long a shim's checkpoint or restore may take.
     pub fn shim_timeout(&self) -> Duration {
         Duration::from_secs(self.shim_timeout_secs)
+    }
+
+    /// How often stopped sandboxes are looked at (at least once a second).
+    pub fn gc_interval(&self) -> Duration {
+        Duration::from_secs(self.gc_interval_secs.max(1))
     }
 }
 

@@ -110,6 +110,31 @@ impl Containerd {
         })
     }
 
+    /// When containerd created container `id` (seconds.nanos since the
+    /// epoch), or `None` if it has no such container.
+    pub async fn created_at(&self, id: &str) -> Result<Option<String>, ContainerdError> {
+        let got = self
+            .client
+            .containers()
+            .get(with_namespace!(
+                GetContainerRequest { id: id.to_owned() },
+                self.namespace.as_str()
+            ))
+            .await;
+        match got {
+            Ok(r) => Ok(r
+                .into_inner()
+                .container
+                .and_then(|c| c.created_at)
+                .map(|t| format!("{}.{:09}", t.seconds, t.nanos))),
+            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(ContainerdError::Call {
+                call: "get container",
+                status,
+            }),
+        }
+    }
+
     /// What a copy of container `source` needs: image, runtime, spec,
     /// snapshotter and the parent of its writable layer.
     pub async fn template(&self, source: &str) -> Result<ContainerTemplate, ContainerdError> {

@@ -4,8 +4,9 @@
 //! sandbox's shim and versions in the [`VersionStore`].
 //!
 //! It also runs the host listener for agents outside their sandbox
-//! (`host_listener`), and makes each turn end that a shim's proxy reports
-//! into a version (`turns`).
+//! (`host_listener`), makes each turn end that a shim's proxy reports into a
+//! version (`turns`), and deletes the history of sandboxes whose container
+//! containerd removed (`gc`).
 //!
 //! One operation per sandbox runs at a time; sandboxes do not wait for each
 //! other. Work on a sandbox runs to its end even if the caller hangs up, so a
@@ -23,6 +24,7 @@ use crate::config::CrabdConfig;
 use crate::{StoreError, VersionStore};
 
 mod error;
+mod gc;
 mod host_listener;
 mod inspect;
 mod registry;
@@ -109,7 +111,7 @@ impl Daemon {
     /// sandboxes with it.
     pub fn with_inspector(mut self, inspector: Box<dyn TurnInspector>) -> Self {
         self.inspection = Inspection::new(Some(inspector));
-        for reg in self.registry.all() {
+        for reg in self.registry.running() {
             self.inspection.register(&reg.id, reg.cgroup.as_deref());
         }
         self
@@ -187,6 +189,7 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let stop_host = tokio_util::sync::CancellationToken::new();
     let host_task =
         host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
+    let gc_task = tokio::spawn(gc::collect(daemon.clone()));
     let pid_file = daemon.config.root.join("crabd.pid");
     if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
         tracing::warn!(path = %pid_file.display(), "write pid file: {e}");
@@ -202,6 +205,7 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
             source,
         });
     stop_host.cancel();
+    gc_task.abort();
     if let Some(task) = host_task {
         let _ = task.await;
     }

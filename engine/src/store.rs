@@ -37,7 +37,9 @@
 //! - A number that an intact or corrupt complete line holds is never given
 //!   out again, also after compaction (the header keeps the high mark).
 //! - `.tmp-*` directories, images directories no line can name, and a
-//!   half-written compaction (`versions.log.tmp`) are removed at open.
+//!   half-written compaction (`versions.log.tmp`) are removed at open; so
+//!   are a sandbox directory without a manifest and the images of a
+//!   sandbox without one (a register or [`VersionStore::forget`] cut short).
 //!
 //! Calls block (file I/O, hashing): async callers run them on a blocking
 //! thread. One process opens a root at a time (the lock file); within it,
@@ -214,11 +216,27 @@ impl VersionStore {
                 continue;
             };
             if !inner.manifest_path(&id).exists() {
-                tracing::warn!(sandbox = %id, "sandbox directory without a manifest, left alone");
+                // A register or forget that a crash cut short.
+                tracing::warn!(sandbox = %id, "sandbox directory without a manifest removed");
+                durable::remove_dir(&entry.path())?;
                 continue;
             }
             let state = recover::load(&inner, id.clone())?;
             inner.sandboxes.lock().insert(id, Arc::new(Mutex::new(state)));
+        }
+        // Images of sandboxes without a manifest: a forget cut short.
+        let images = inner.root.join("images");
+        for entry in fs::read_dir(&images).map_err(StoreError::io("read directory", &images))? {
+            let entry = entry.map_err(StoreError::io("read directory", &images))?;
+            let known = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| SandboxId::new(n).ok())
+                .is_some_and(|id| inner.sandboxes.lock().contains_key(&id));
+            if !known {
+                tracing::warn!(entry = ?entry.file_name(), "images of no sandbox removed");
+                durable::remove_dir(&entry.path())?;
+            }
         }
         Ok(VersionStore {
             inner: Arc::new(inner),

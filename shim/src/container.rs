@@ -14,7 +14,6 @@ use crate::cgroup;
 use crate::config::ProxyShimConfig;
 use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
-use crate::fsop::FsOp;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
 use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
@@ -470,20 +469,6 @@ impl Container {
                 log::warn!("unmount {}: {e}", rootfs.display());
             } else {
                 self.rootfs_mounted = false;
-            }
-        }
-        if let Some(b) = self.btrfs.take() {
-            // The snapshots are the shim's; the subvolume is containerd's.
-            if let Err(e) = self
-                .fs(
-                    FsOp::DestroyAll {
-                        location: b.location(),
-                    },
-                    runtime,
-                )
-                .await
-            {
-                log::warn!("{}: btrfs snapshots left in {}: {e}", self.id, b.store.display());
             }
         }
         if let Some(cg) = &self.unified_cgroup {

@@ -55,7 +55,7 @@ impl Control {
         (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
     ) -> std::io::Result<Control> {
-        let (id, pid, fs_backend, proxy, cgroup) = {
+        let (id, pid, fs_backend, proxy, cgroup, own_snapshots) = {
             let c = container.lock().await;
             (
                 c.id.clone(),
@@ -63,6 +63,7 @@ impl Control {
                 c.fs_backend(),
                 c.proxy_socket(),
                 crate::cgroup::cgroup2_dir(&c.cgroups_path),
+                c.own_snapshot_store(),
             )
         };
         let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
@@ -101,6 +102,7 @@ impl Control {
                 fs_backend,
                 cgroup,
                 proxy,
+                own_snapshots,
             };
             match register(&client, &reg, config).await {
                 Ok(()) => control.crabd = Some((client, id)),

@@ -40,12 +40,6 @@ pub enum FsOp {
         /// The snapshot's name.
         name: SnapshotName,
     },
-    /// Delete every snapshot, and the store if it is a directory of its
-    /// own (a btrfs subvolume's).
-    DestroyAll {
-        /// Where the files are.
-        location: Location,
-    },
     /// The ZFS dataset mounted at `mountpoint`, if any (a crabzfs rootfs).
     ZfsDatasetAt {
         /// The mount point.
@@ -62,8 +56,7 @@ impl FsOp {
             FsOp::Snapshot { location, .. }
             | FsOp::Rollback { location, .. }
             | FsOp::Destroy { location, .. }
-            | FsOp::Has { location, .. }
-            | FsOp::DestroyAll { location } => !matches!(location, Location::OverlayCopy { .. }),
+            | FsOp::Has { location, .. } => !matches!(location, Location::OverlayCopy { .. }),
             FsOp::ZfsDatasetAt { .. } => true,
         }
     }
@@ -86,18 +79,6 @@ impl FsOp {
                     .iter()
                     .any(|s| &s.name == name);
                 Ok(Some(if has { "yes" } else { "no" }.to_owned()))
-            }
-            FsOp::DestroyAll { location } => {
-                let backend = crab_snapshotter::open(location)?;
-                for s in backend.list()? {
-                    backend.destroy(&s.name)?;
-                }
-                if let Location::BtrfsSubvolume { store, .. } = location {
-                    // Empty now; its parent (the namespace's) may be too.
-                    let _ = std::fs::remove_dir(store);
-                    let _ = store.parent().map(std::fs::remove_dir);
-                }
-                Ok(None)
             }
             FsOp::ZfsDatasetAt { mountpoint } => Ok(crab_snapshotter::ZfsBackend::dataset_at(mountpoint)),
         }

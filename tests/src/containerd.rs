@@ -342,9 +342,15 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
     } else {
         "inspector = false\n".to_owned()
     };
+    // Removed containers' histories go within a second.
+    let gc = if toml.contains("gc_interval_secs =") {
+        ""
+    } else {
+        "gc_interval_secs = 1\n"
+    };
     let keys = format!(
         "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n\
-         inspector_pin_dir = \"{pins}\"\n{inspector}",
+         inspector_pin_dir = \"{pins}\"\n{inspector}{gc}",
         d = dir.display(),
         port = free_port(),
         pins = pin_dir(dir).display(),

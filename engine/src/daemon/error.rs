@@ -32,6 +32,15 @@ pub enum ApiError {
         /// The ids it matches.
         matches: Vec<String>,
     },
+    /// The sandbox's task stopped: nothing runs to checkpoint or restore.
+    #[error(
+        "sandbox {id} is not running (its task stopped): start it again to checkpoint or roll back; \
+         its versions can still be listed, exported and forked"
+    )]
+    NotRunning {
+        /// The sandbox.
+        id: String,
+    },
     /// The checkpoint needs a filesystem snapshot the sandbox's rootfs cannot take.
     #[error("sandbox {id} has no filesystem backend for its rootfs: only a process checkpoint is possible")]
     NoFsBackend {
@@ -131,6 +140,7 @@ impl ApiError {
             ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
             ApiError::NoFsBackend { .. }
             | ApiError::NotMovable { .. }
+            | ApiError::NotRunning { .. }
             | ApiError::NoProcessImage { .. }
             | ApiError::NoFsSnapshot { .. }
             | ApiError::SandboxExists { .. } => StatusCode::CONFLICT,

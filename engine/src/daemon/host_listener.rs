@@ -53,7 +53,10 @@ pub(super) fn spawn(listener: TcpListener, daemon: Arc<Daemon>, stop: Cancellati
 
 impl SandboxSockets for Daemon {
     fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
-        self.registry.get(id.as_str()).and_then(|r| r.proxy)
+        self.registry
+            .get(id.as_str())
+            .filter(|e| e.running)
+            .and_then(|e| e.registration.proxy)
     }
 }
 

@@ -1,27 +1,48 @@
-//! The running sandboxes that shims registered, kept on disk so that a
-//! restarted crabd still knows them.
+//! The sandboxes that shims registered, kept on disk so that a restarted
+//! crabd still knows them. A sandbox whose task stopped stays, with its
+//! versions, until containerd removes its container (see `gc`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 
 use super::ApiError;
 use crate::api::Registration;
 use crate::SandboxId;
 
-/// Registered sandboxes by id; each is also a file `<dir>/<id>.json`.
+/// One sandbox as crabd keeps it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Entry {
+    /// What its shim registered.
+    #[serde(flatten)]
+    pub registration: Registration,
+    /// Whether its task runs (its shim unregisters when the task is deleted).
+    #[serde(default = "yes")]
+    pub running: bool,
+    /// When containerd created its container, if crabd could ask: a new
+    /// container with the same id is another sandbox.
+    #[serde(default)]
+    pub incarnation: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Sandboxes by id; each is also a file `<dir>/<id>.json`.
 #[derive(Debug)]
 pub struct Registry {
     dir: PathBuf,
-    sandboxes: Mutex<BTreeMap<String, Registration>>,
+    sandboxes: Mutex<BTreeMap<String, Entry>>,
 }
 
 // === impl Registry ===
 
 impl Registry {
-    /// Loads the registrations under `dir` (created if missing); unreadable
-    /// files are logged and skipped.
+    /// Loads the entries under `dir` (created if missing); unreadable files
+    /// are logged and skipped.
     pub fn open(dir: &Path) -> std::io::Result<Registry> {
         std::fs::create_dir_all(dir)?;
         let mut sandboxes = BTreeMap::new();
@@ -32,12 +53,12 @@ impl Registry {
             }
             match std::fs::read(&path)
                 .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
+                .and_then(|b| serde_json::from_slice::<Entry>(&b).map_err(|e| e.to_string()))
             {
-                Ok(r) if SandboxId::new(&r.id).is_ok() => {
-                    sandboxes.insert(r.id.clone(), r);
+                Ok(e) if SandboxId::new(&e.registration.id).is_ok() => {
+                    sandboxes.insert(e.registration.id.clone(), e);
                 }
-                Ok(r) => tracing::warn!(id = r.id, "registration with an invalid id skipped"),
+                Ok(e) => tracing::warn!(id = e.registration.id, "registration with an invalid id skipped"),
                 Err(e) => tracing::warn!(path = %path.display(), "unreadable registration skipped: {e}"),
             }
         }
@@ -47,23 +68,35 @@ impl Registry {
         })
     }
 
-    /// Records `reg` (replacing an older registration of the same id).
-    pub fn insert(&self, reg: Registration) -> Result<(), ApiError> {
-        SandboxId::new(&reg.id)?;
-        let path = self.dir.join(format!("{}.json", reg.id));
-        let tmp = self.dir.join(format!(".{}.json.tmp", reg.id));
-        let bytes = serde_json::to_vec_pretty(&reg).expect("a registration always serializes");
+    /// Records `entry` (replacing an older one of the same id).
+    pub fn insert(&self, entry: Entry) -> Result<(), ApiError> {
+        let id = entry.registration.id.clone();
+        SandboxId::new(&id)?;
+        let path = self.dir.join(format!("{id}.json"));
+        let tmp = self.dir.join(format!(".{id}.json.tmp"));
+        let bytes = serde_json::to_vec_pretty(&entry).expect("an entry always serializes");
         std::fs::write(&tmp, bytes)
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|source| ApiError::Io {
                 op: "record the registration",
                 source,
             })?;
-        self.sandboxes.lock().insert(reg.id.clone(), reg);
+        self.sandboxes.lock().insert(id, entry);
         Ok(())
     }
 
-    /// Forgets sandbox `id`; true if it was registered.
+    /// Changes sandbox `id`'s entry with `f` and records it; false if it
+    /// is not known.
+    pub fn update(&self, id: &str, f: impl FnOnce(&mut Entry)) -> Result<bool, ApiError> {
+        let Some(mut entry) = self.get(id) else {
+            return Ok(false);
+        };
+        f(&mut entry);
+        self.insert(entry)?;
+        Ok(true)
+    }
+
+    /// Forgets sandbox `id`; true if it was known.
     pub fn remove(&self, id: &str) -> bool {
         let known = self.sandboxes.lock().remove(id).is_some();
         if known {
@@ -73,33 +106,61 @@ impl Registry {
     }
 
     /// The sandbox whose id is exactly `id`.
-    pub fn get(&self, id: &str) -> Option<Registration> {
+    pub fn get(&self, id: &str) -> Option<Entry> {
         self.sandboxes.lock().get(id).cloned()
     }
 
-    /// Every registration, by id.
-    pub fn all(&self) -> Vec<Registration> {
+    /// Every entry, by id.
+    pub fn all(&self) -> Vec<Entry> {
         self.sandboxes.lock().values().cloned().collect()
     }
 
-    /// The sandbox whose id is `sel` or, failing that, the only one whose
-    /// id starts with `sel`.
+    /// The running sandboxes' registrations, by id.
+    pub fn running(&self) -> Vec<Registration> {
+        self.sandboxes
+            .lock()
+            .values()
+            .filter(|e| e.running)
+            .map(|e| e.registration.clone())
+            .collect()
+    }
+
+    /// The running sandbox whose id is `sel` or, failing that, the only
+    /// one whose id starts with `sel`.
+    ///
+    /// # Errors
+    /// [`ApiError::NotRunning`] for a stopped one; those of [`Registry::find`].
     pub fn resolve(&self, sel: &str) -> Result<Registration, ApiError> {
-        let sandboxes = self.sandboxes.lock();
-        if let Some(r) = sandboxes.get(sel) {
-            return Ok(r.clone());
+        let entry = self.find(sel)?;
+        if !entry.running {
+            return Err(ApiError::NotRunning {
+                id: entry.registration.id,
+            });
         }
-        let matches: Vec<&Registration> = sandboxes
+        Ok(entry.registration)
+    }
+
+    /// The sandbox, running or stopped, whose id is `sel` or, failing
+    /// that, the only one whose id starts with `sel`.
+    ///
+    /// # Errors
+    /// [`ApiError::UnknownSandbox`], [`ApiError::Ambiguous`].
+    pub fn find(&self, sel: &str) -> Result<Entry, ApiError> {
+        let sandboxes = self.sandboxes.lock();
+        if let Some(e) = sandboxes.get(sel) {
+            return Ok(e.clone());
+        }
+        let matches: Vec<&Entry> = sandboxes
             .range(sel.to_owned()..)
             .take_while(|(id, _)| id.starts_with(sel))
-            .map(|(_, r)| r)
+            .map(|(_, e)| e)
             .collect();
         match (matches.as_slice(), sel.is_empty()) {
             ([one], false) => Ok((*one).clone()),
             ([], _) | (_, true) => Err(ApiError::UnknownSandbox { sel: sel.to_owned() }),
             (many, false) => Err(ApiError::Ambiguous {
                 sel: sel.to_owned(),
-                matches: many.iter().map(|r| r.id.clone()).collect(),
+                matches: many.iter().map(|e| e.registration.id.clone()).collect(),
             }),
         }
     }

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use crab_snapshotter::{BackendKind, Location, SnapshotName};
 use serde::de::DeserializeOwned;
 
-use super::{ApiError, Daemon};
+use super::registry::Entry;
+use super::{gc, ApiError, Daemon};
 use crate::api::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, FsTarget, Registration, RemovalReport,
     RollbackReport, RollbackRequest, SandboxInfo, ShimCheckpoint, ShimCheckpointed, ShimForget,
@@ -58,7 +59,12 @@ fn shim(d: &Daemon, reg: &Registration) -> UnixClient {
     )
 }
 
-fn info(d: &Daemon, registration: Registration) -> SandboxInfo {
+fn info(d: &Daemon, entry: Entry) -> SandboxInfo {
+    let Entry {
+        registration,
+        running,
+        ..
+    } = entry;
     let versions = SandboxId::new(&registration.id)
         .ok()
         .and_then(|sid| d.store.versions(&sid).ok())
@@ -69,6 +75,7 @@ fn info(d: &Daemon, registration: Registration) -> SandboxInfo {
         .and_then(|_| d.proxy_url(&registration.id));
     SandboxInfo {
         registration,
+        running,
         proxy_url,
         versions: versions.len(),
         latest: versions
@@ -86,19 +93,36 @@ pub async fn list(State(d): State<Arc<Daemon>>) -> Reply<Vec<SandboxInfo>> {
 
 /// `GET /v1/sandboxes/{sel}`.
 pub async fn show(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<SandboxInfo> {
-    let reg = d.registry.resolve(&sel)?;
-    Ok(Json(info(&d, reg)))
+    let entry = d.registry.find(&sel)?;
+    Ok(Json(info(&d, entry)))
 }
 
 /// `POST /v1/sandboxes`: a shim registers its sandbox.
 pub async fn register(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<SandboxInfo> {
     let reg: Registration = parse(&body)?;
     let sid = SandboxId::new(&reg.id)?;
+    // No per-sandbox lock here: crabd's own import holds it while the
+    // shim it started registers.
+    let incarnation = gc::incarnation(&reg).await;
+    if let Some(old) = d.registry.get(&reg.id) {
+        if old.incarnation.is_some() && incarnation.is_some() && old.incarnation != incarnation {
+            tracing::info!(
+                sandbox = reg.id,
+                "a new container took a removed one's id: the old history goes"
+            );
+            gc::purge(&d, &old).await?;
+        }
+    }
     match d.store.register(&sid) {
         Ok(()) | Err(StoreError::SandboxExists { .. }) => {}
         Err(e) => return Err(e.into()),
     }
-    d.registry.insert(reg.clone())?;
+    let entry = Entry {
+        registration: reg.clone(),
+        running: true,
+        incarnation,
+    };
+    d.registry.insert(entry.clone())?;
     d.inspection.register(&reg.id, reg.cgroup.as_deref());
     tracing::info!(
         sandbox = reg.id,
@@ -106,16 +130,17 @@ pub async fn register(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<Sandbo
         pid = reg.pid,
         "registered"
     );
-    Ok(Json(info(&d, reg)))
+    Ok(Json(info(&d, entry)))
 }
 
-/// `DELETE /v1/sandboxes/{id}`: the sandbox is gone (its versions stay).
+/// `DELETE /v1/sandboxes/{id}`: the sandbox's task is gone. Its versions
+/// stay until containerd removes its container (`gc`).
 pub async fn unregister(State(d): State<Arc<Daemon>>, Path(id): Path<String>) -> Reply<serde_json::Value> {
-    if !d.registry.remove(&id) {
+    if !d.registry.update(&id, |e| e.running = false)? {
         return Err(ApiError::UnknownSandbox { sel: id });
     }
     d.inspection.unregister(&id);
-    tracing::info!(sandbox = id, "unregistered");
+    tracing::info!(sandbox = id, "stopped");
     Ok(Json(serde_json::json!({})))
 }
 
@@ -213,7 +238,7 @@ pub(super) async fn take_checkpoint(
 
 /// `GET /v1/sandboxes/{sel}/versions`.
 pub async fn versions(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<Vec<VersionView>> {
-    let reg = d.registry.resolve(&sel)?;
+    let reg = d.registry.find(&sel)?.registration;
     let sid = SandboxId::new(&reg.id)?;
     let store = d.store.clone();
     let list = blocking(move || store.versions(&sid)).await?;
@@ -258,9 +283,7 @@ pub async fn rollback(
                     id: reg.id.clone(),
                     source,
                 })?;
-        let mut reg = reg;
-        reg.pid = done.pid;
-        d.registry.insert(reg.clone())?;
+        d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
             sandbox = reg.id,
@@ -285,7 +308,7 @@ pub async fn remove_version(
     State(d): State<Arc<Daemon>>,
     Path((sel, version)): Path<(String, String)>,
 ) -> Reply<RemovalReport> {
-    let reg = d.registry.resolve(&sel)?;
+    let reg = d.registry.find(&sel)?.registration;
     let n = match version.parse::<VersionSel>() {
         Ok(VersionSel::Number(n)) => n,
         Ok(VersionSel::Latest) => {
@@ -313,7 +336,7 @@ pub async fn remove_version(
 /// namespace, from one of this sandbox's versions.
 pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes) -> Reply<ForkReport> {
     let req: ForkRequest = parse(&body)?;
-    let reg = d.registry.resolve(&sel)?;
+    let reg = d.registry.find(&sel)?.registration;
     detached(async move {
         let busy = d.busy(&reg.id);
         let _one_at_a_time = busy.lock().await;
@@ -336,7 +359,7 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
             None => format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000),
         };
         SandboxId::new(&new_id)?;
-        if d.registry.resolve(&new_id).is_ok_and(|r| r.id == new_id) {
+        if d.registry.get(&new_id).is_some() {
             return Err(ApiError::SandboxExists { id: new_id });
         }
         let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
@@ -455,6 +478,10 @@ async fn destroy_unused(d: &Daemon, reg: &Registration, removal: &crate::Removal
         }
     }
     if own.is_empty() {
+        return;
+    }
+    if !d.registry.get(&reg.id).is_some_and(|e| e.running) {
+        // Its shim is gone; they go with the rest when it is removed.
         return;
     }
     let call = ShimForget {

@@ -28,7 +28,7 @@ pub async fn export(
     State(d): State<Arc<Daemon>>,
     Path((sel, version)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let reg = d.registry.resolve(&sel)?;
+    let reg = d.registry.find(&sel)?.registration;
     let which: VersionSel = version
         .parse()
         .map_err(|reason| ApiError::BadRequest { reason })?;
@@ -204,7 +204,7 @@ async fn import_staged(
     let sid = SandboxId::new(&new_id)?;
     let busy = d.busy(&new_id);
     let _one_at_a_time = busy.lock().await;
-    if d.registry.resolve(&new_id).is_ok_and(|r| r.id == new_id) {
+    if d.registry.get(&new_id).is_some() {
         return Err(ApiError::SandboxExists { id: new_id });
     }
     match d.store.register(&sid) {

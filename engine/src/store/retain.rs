@@ -2,10 +2,11 @@
 //! the filesystem snapshots no remaining version uses.
 
 use std::collections::BTreeSet;
+use std::fs;
 
 use super::manifest::{self, Entry, Line, Manifest};
 use super::record::{FsSnapshot, Header};
-use super::{recover, Inner, Last, SandboxId, SandboxState, StoreError, VersionStore};
+use super::{durable, recover, Inner, Last, SandboxId, SandboxState, StoreError, VersionStore};
 
 /// What a retention call removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -82,6 +83,61 @@ impl VersionStore {
         }
         let keep: Vec<bool> = (0..m.lines.len()).map(|i| i != idx).collect();
         compact(&self.inner, &mut state, &m, &keep)
+    }
+}
+
+// === impl VersionStore ===
+
+impl VersionStore {
+    /// Removes `sandbox` with every version it has (its container is gone)
+    /// and names the file snapshots they used, for the caller to destroy.
+    ///
+    /// # Errors
+    /// [`StoreError::PendingExists`] while a version is being written.
+    pub fn forget(&self, sandbox: &SandboxId) -> Result<Removal, StoreError> {
+        let mut sandboxes = self.inner.sandboxes.lock();
+        let state = sandboxes
+            .get(sandbox)
+            .cloned()
+            .ok_or_else(|| StoreError::UnknownSandbox {
+                sandbox: sandbox.clone(),
+            })?;
+        let state = state.lock();
+        if let Some(p) = &state.pending {
+            return Err(StoreError::PendingExists {
+                sandbox: sandbox.clone(),
+                version: p.version,
+            });
+        }
+        let m = self.inner.read_manifest(sandbox)?;
+        let mut removal = Removal::default();
+        for line in &m.lines {
+            match &line.entry {
+                Entry::Version(r) => {
+                    removal.versions.push(r.version);
+                    removal
+                        .removed_images
+                        .extend(r.holds_images().then_some(r.version));
+                    if let Some(s) = &r.fs_snapshot {
+                        if !removal.unused_snapshots.contains(s) {
+                            removal.unused_snapshots.push(s.clone());
+                        }
+                    }
+                }
+                Entry::Bad(_) => removal.n_bad_lines += 1,
+            }
+        }
+        // Invariant: the manifest goes first, durably, so a crash leaves
+        // only directories that no manifest names, which the next open
+        // removes.
+        let manifest = self.inner.manifest_path(sandbox);
+        fs::remove_file(&manifest).map_err(StoreError::io("remove", &manifest))?;
+        durable::sync_parent(&manifest)?;
+        sandboxes.remove(sandbox);
+        durable::remove_dir(&self.inner.sandbox_dir(sandbox))?;
+        durable::remove_dir(&self.inner.images_root(sandbox))?;
+        tracing::info!(sandbox = %sandbox, versions = removal.versions.len(), "sandbox forgotten");
+        Ok(removal)
     }
 }
 

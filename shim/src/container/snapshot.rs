@@ -148,6 +148,13 @@ impl Container {
         self.btrfs.as_ref().map(BtrfsRootfs::location)
     }
 
+    /// The btrfs store of the rootfs's snapshots, if it has one: crabd
+    /// deletes it when containerd removes the container (a task that stops
+    /// and starts again keeps its versions and their snapshots).
+    pub fn own_snapshot_store(&self) -> Option<Location> {
+        self.btrfs.as_ref().map(BtrfsRootfs::location)
+    }
+
     /// Deletes the snapshots `names` of the rootfs's own filesystem; answers
     /// those deleted, and logs why any other is kept.
     pub async fn forget_snapshots(

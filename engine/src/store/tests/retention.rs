@@ -132,3 +132,51 @@ fn images_a_compaction_left_behind_are_removed_on_open() {
     assert!(!fx.images(1).exists());
     assert_eq!(fx.summary(), "v2 v3");
 }
+
+#[test]
+fn forget_removes_a_sandbox_and_names_its_snapshots() {
+    let fx = fixture();
+    let s2 = sid("s2");
+    fx.store.register(&s2).unwrap();
+    fx.run("a f n p a");
+    publish(&fx.store, &s2, "a");
+    // A version being written keeps the sandbox.
+    let pending = fx
+        .store
+        .begin_version(&fx.s1, new_version(Capture::Proc))
+        .unwrap();
+    assert!(matches!(
+        fx.store.forget(&fx.s1),
+        Err(StoreError::PendingExists { .. })
+    ));
+    drop(pending);
+    let removal = fx.store.forget(&fx.s1).unwrap();
+    assert_eq!(removal.versions, [1, 2, 3, 4, 5]);
+    let names: Vec<&str> = removal.unused_snapshots.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["crab-1", "crab-2", "crab-5"]);
+    assert_eq!(removal.removed_images, [1, 4, 5]);
+    assert!(!fx.manifest().exists());
+    assert!(!fx.dir.path().join("images/s1").exists());
+    assert!(matches!(
+        fx.store.versions(&fx.s1),
+        Err(StoreError::UnknownSandbox { .. })
+    ));
+    // The other sandbox is untouched; the id can start a new history.
+    let fx = fx.reopen();
+    assert_eq!(fx.store.sandboxes(), std::slice::from_ref(&s2));
+    assert_eq!(summary(&fx.store.verified_versions(&s2).unwrap()), "v1");
+    fx.store.register(&fx.s1).unwrap();
+    assert_eq!(fx.run("n")[0].version, 1);
+}
+
+#[test]
+fn open_removes_what_a_cut_short_forget_left() {
+    let fx = fixture();
+    fx.run("a a");
+    // A crash after the manifest went: its directory and images stay.
+    fs::remove_file(fx.manifest()).unwrap();
+    let fx = fx.reopen();
+    assert!(fx.store.sandboxes().is_empty());
+    assert!(!fx.dir.path().join("sandboxes/s1").exists());
+    assert!(!fx.dir.path().join("images/s1").exists());
+}
