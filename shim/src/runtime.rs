@@ -239,9 +239,6 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             bundle,
             id,
         } => {
-            if launch.console_socket.is_some() {
-                anyhow::bail!("restoring a container with a terminal is not supported");
-            }
             if let Some(bundle) = bundle {
                 new_state(&cli.root, id, bundle)?;
             }
@@ -266,6 +263,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     image_path,
                     work_path,
                     tcp_established: *tcp_established,
+                    console_socket: launch.console_socket.as_deref(),
                 },
             )?;
             std::fs::write(&launch.pid_file, pid.to_string())

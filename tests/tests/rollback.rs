@@ -373,3 +373,56 @@ fn retention_keeps_the_newest_versions() {
     assert_clean(&ctd.scope(), &[id]);
     let _ = std::fs::remove_file(&config);
 }
+
+/// A sandbox with a terminal (`ctr run -t`, `docker run -t`) rolls back
+/// with a terminal: CRIU makes a new pty pair and the shim gets its master.
+#[test]
+fn terminal_sandbox_rolls_back() {
+    let ctd = Containerd::start();
+    let id = "tty";
+    // ctr wants a terminal of its own for -t: script(1) gives it one.
+    let ctr = format!(
+        "ctr -a {} -n {} run -d -t --runtime {} {} {id} sh -c \
+         'i=0; while true; do i=$((i+1)); echo $i > /n; sleep 0.05; done'",
+        ctd.address().display(),
+        ctd.namespace,
+        crab_tests::CRAB,
+        crab_tests::image::BUSYBOX,
+    );
+    crab_tests::ok(
+        std::process::Command::new("script")
+            .args(["-qec", &ctr, "/dev/null"])
+            .env("PATH", crab_tests::path_with_crab())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap(),
+    );
+    wait_registered(&ctd, id);
+    let count = || -> u64 {
+        wait_until(5, || {
+            crab_tests::sandbox::exec_sh(&ctd, id, "cat /n")
+                .trim()
+                .parse()
+                .ok()
+        })
+        .expect("a count in /n")
+    };
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    let at_v1 = count();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(count() > at_v1 + 5, "the loop runs");
+    let r = crabctl_ok(&ctd, &["rollback", id, "1"]);
+    let pid = r["pid"].as_i64().unwrap();
+    let back = count();
+    assert!(
+        back >= at_v1.saturating_sub(5) && back < at_v1 + 15,
+        "{back} after v1's {at_v1}"
+    );
+    // Its stdio is a terminal again.
+    let tty = std::fs::read_link(format!("/proc/{pid}/fd/1")).unwrap();
+    assert!(tty.starts_with("/dev/pts/"), "{}", tty.display());
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(count() > back + 5, "the loop goes on");
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}

@@ -256,11 +256,6 @@ impl Container {
     pub async fn engine_restore(&mut self, req: &ShimRestore, runtime: &RuntimeClient) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
-        if self.init.stdio.terminal {
-            return Err(Error::Unsupported {
-                call: "restore of a container with a terminal",
-            });
-        }
         check_images(&req.images_dir)?;
         let target_fs = match &req.fs {
             Some(target) => Some(self.existing_snapshot(target, runtime).await?),

@@ -131,6 +131,9 @@ pub struct RestoreOpts<'a> {
     pub work_path: &'a Path,
     /// Restore established TCP connections.
     pub tcp_established: bool,
+    /// Where the shim waits for the pty master of a container with a
+    /// terminal (libcontainer's console socket protocol).
+    pub console_socket: Option<&'a Path>,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -196,6 +199,9 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     criu.set_log_level(4);
     criu.set_tcp_established(opts.tcp_established);
     criu.set_shell_job(false);
+    // The init's terminal: its master stayed with the old shim side, so
+    // CRIU makes a new pair and hands the master over.
+    criu.set_orphan_pts_master(opts.console_socket.is_some());
     // The tree stays in the cgroups of the helper, which joined the
     // container's: the image's paths may be another container's (a fork).
     criu.set_manage_cgroups(false);
@@ -210,6 +216,12 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
         .map_err(|e| anyhow::anyhow!("{e}{}", log_errors(&log)))
         .with_context(|| format!("criu restore failed (log: {})", log.display()))?;
     drop(keep);
+    if let Some(socket) = opts.console_socket {
+        let master = criu
+            .take_orphan_pts_master_fd()
+            .context("CRIU restored the terminal without a pty master")?;
+        send_console(socket, &master)?;
+    }
     let pid = RESTORED_PID.load(Ordering::SeqCst);
     if pid <= 0 {
         bail!("CRIU restored without reporting the init's pid");
@@ -219,6 +231,25 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
         .save()
         .context("record the restored init in the container state")?;
     Ok(pid)
+}
+
+/// Sends the restored terminal's pty master to the shim's console socket,
+/// as libcontainer sends a created one.
+fn send_console(socket: &Path, master: &OwnedFd) -> Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let stream = std::os::unix::net::UnixStream::connect(socket)
+        .with_context(|| format!("connect to the console socket {}", socket.display()))?;
+    let fds = [master.as_raw_fd()];
+    let iov = [std::io::IoSlice::new(b"/dev/ptmx")];
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .context("send the pty master")?;
+    Ok(())
 }
 
 /// The last error lines of a CRIU log, to show with the failure (the log
