@@ -20,6 +20,7 @@ use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
 mod btrfs;
+mod premounted;
 mod snapshot;
 
 /// One container of the shim.
@@ -38,6 +39,9 @@ pub struct Container {
     unified_cgroup: Option<PathBuf>,
     /// Whether the shim mounted the rootfs (and must unmount it).
     rootfs_mounted: bool,
+    /// Where the container's root is mounted: the bundle's `rootfs`, or
+    /// the spec's root when someone else mounted it (see `premounted`).
+    rootfs_target: PathBuf,
     /// The task publishing its OOM events; aborted at delete.
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
     /// The sandbox's LLM proxy; stopped at delete.
@@ -114,6 +118,7 @@ impl Container {
             unified_cgroup: cgroup::unified_cgroup(&cgroups_path),
             cgroups_path,
             rootfs_mounted: false,
+            rootfs_target: bundle.join("rootfs"),
             oom_task: None,
             proxy: None,
             proxy_env: Vec::new(),
@@ -144,6 +149,14 @@ impl Container {
         if let Err(e) = c.mount_rootfs(root.as_deref()).await {
             c.cleanup(runtime).await;
             return Err(e);
+        }
+        if let (true, Some(root)) = (c.rootfs_mounts.is_empty(), root.as_deref()) {
+            // dockerd's overlay, mounted before the shim ran: adopted, not
+            // unmounted at delete (dockerd does that).
+            if let Some(m) = premounted::overlay_at(root) {
+                c.rootfs_mounts = vec![m];
+                c.rootfs_target = root.to_owned();
+            }
         }
         c.btrfs = c.find_btrfs(proxy.namespace);
         if c.pending_restore.is_some() {
@@ -193,12 +206,11 @@ impl Container {
         Ok(rx)
     }
 
-    /// Mounts containerd's rootfs mounts on the bundle's `rootfs` (at
-    /// create, and again after a rollback changed the files below).
+    /// Mounts the rootfs mounts on the rootfs target (at create, and again
+    /// after a rollback changed the files below).
     async fn mount_layers(&self) -> Result<()> {
-        let rootfs = self.bundle.join("rootfs");
         for m in &self.rootfs_mounts {
-            containerd_shim::asynchronous::util::mount_rootfs(m, &rootfs)
+            containerd_shim::asynchronous::util::mount_rootfs(m, &self.rootfs_target)
                 .await
                 .map_err(|source| Error::Mount {
                     id: self.id.clone(),

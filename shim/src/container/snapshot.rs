@@ -115,7 +115,7 @@ impl Container {
         let [m] = self.rootfs_mounts.as_mut_slice() else {
             return None;
         };
-        match BtrfsRootfs::find(&self.bundle.join("rootfs"), m, namespace, &self.id) {
+        match BtrfsRootfs::find(&self.rootfs_target, m, namespace, &self.id) {
             Ok(found) => found,
             Err(reason) => {
                 log::warn!("{}: its btrfs rootfs cannot be snapshotted: {reason}", self.id);
@@ -444,8 +444,7 @@ impl Container {
         name: SnapshotName,
         runtime: &RuntimeClient,
     ) -> Result<()> {
-        let rootfs = self.bundle.join("rootfs");
-        super::unmount(&rootfs).map_err(|source| Error::Mount {
+        super::unmount(&self.rootfs_target).map_err(|source| Error::Mount {
             id: self.id.clone(),
             source,
         })?;
