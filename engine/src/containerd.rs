@@ -154,6 +154,12 @@ impl Containerd {
             .into_inner()
             .container
             .ok_or_else(|| unforkable(source, "containerd has no record of it"))?;
+        if src.snapshot_key.is_empty() {
+            return Err(unforkable(
+                source,
+                "its rootfs is not a containerd snapshot (docker's graphdriver made it)",
+            ));
+        }
         let info = self
             .client
             .snapshots()

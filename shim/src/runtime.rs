@@ -264,6 +264,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     work_path,
                     tcp_established: *tcp_established,
                     console_socket: launch.console_socket.as_deref(),
+                    fresh: bundle.is_some(),
                 },
             )?;
             std::fs::write(&launch.pid_file, pid.to_string())

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use crab_tests::docker::DOCKER_BUSYBOX as BB;
 use crab_tests::leftovers::assert_clean;
+use crab_tests::sandbox::{crabctl_err, crabctl_ok, wait_registered};
 use crab_tests::{stderr, wait_until, Dockerd};
 
 #[test]
@@ -228,6 +229,84 @@ fn docker_network() {
     assert_eq!(got.as_deref(), Some("hello-from-srv\n"));
     d.docker_ok(&["rm", "-f", "srv"]);
     d.docker_ok(&["network", "rm", "crabnet"]);
+    assert_clean(&d.scope(), &[]);
+}
+
+/// `crabctl checkpoint` and `rollback` of a docker sandbox, whose overlay
+/// dockerd mounted itself: its files, a shell's memory and a server on
+/// docker's bridge network come back.
+#[test]
+fn docker_sandbox_rolls_back() {
+    let d = Dockerd::start();
+    d.docker_ok(&["network", "create", "rbnet"]);
+    let id = d
+        .docker_ok(&[
+            "run",
+            "-d",
+            "--name",
+            "rb",
+            "--network",
+            "rbnet",
+            "--runtime",
+            "crab",
+            BB,
+            "sh",
+            "-c",
+            "mkdir -p /www; echo one > /www/index.html; httpd -p 8080 -h /www; \
+             i=0; while true; do i=$((i+1)); echo $i > /n; sleep 0.05; done",
+        ])
+        .trim()
+        .to_owned();
+    wait_registered(&d.containerd, &id);
+    let sh = |script: &str| d.docker(&["exec", "rb", "sh", "-c", script]);
+    let count = || -> u64 {
+        wait_until(5, || {
+            String::from_utf8_lossy(&sh("cat /n").stdout).trim().parse().ok()
+        })
+        .expect("a count in /n")
+    };
+    let fetch = || {
+        wait_until(10, || {
+            let out = d.docker(&[
+                "run",
+                "--rm",
+                "--network",
+                "rbnet",
+                "--runtime",
+                "crab",
+                BB,
+                "wget",
+                "-qO-",
+                "http://rb:8080/index.html",
+            ]);
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        })
+    };
+    assert_eq!(fetch().as_deref(), Some("one"));
+
+    let v1 = crabctl_ok(&d.containerd, &["checkpoint", &id[..12]]);
+    assert_eq!(v1["version"]["fs_snapshot"]["backend"], "overlay-copy", "{v1}");
+    let at_v1 = count();
+    assert!(sh("echo two > /www/index.html; echo x > /extra").status.success());
+    assert_eq!(fetch().as_deref(), Some("two"));
+
+    crabctl_ok(&d.containerd, &["rollback", &id[..12], "1"]);
+    let n = count();
+    assert!(n + 10 >= at_v1 && n < at_v1 + 60, "{n} after v1's {at_v1}");
+    assert!(!sh("cat /extra").status.success(), "/extra is gone");
+    assert_eq!(fetch().as_deref(), Some("one"), "the server is v1's and answers");
+    assert_eq!(
+        d.docker_ok(&["inspect", "-f", "{{.State.Running}}", "rb"]).trim(),
+        "true"
+    );
+    // Its files and network are docker's: it cannot be copied.
+    let e = crabctl_err(&d.containerd, &["fork", &id[..12], "1"]);
+    assert!(e.contains("cannot be forked"), "{e}");
+
+    d.docker_ok(&["rm", "-f", "rb"]);
+    d.docker_ok(&["network", "rm", "rbnet"]);
     assert_clean(&d.scope(), &[]);
 }
 

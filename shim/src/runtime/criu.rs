@@ -96,11 +96,19 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     for (dest, _) in external_mounts(&spec)? {
         criu.set_external_mount(dest.clone(), dest);
     }
-    if let Some(path) = joined_netns(&spec) {
+    // A network namespace that someone else made or set up (the spec joins
+    // it by path, or docker pinned it for its bridge) stays outside the
+    // image: the restore goes back into it, with its links and addresses.
+    if let Some(path) = joined_netns(&spec).or_else(|| pinned_netns(pid)) {
         let ino = std::fs::metadata(&path)
             .with_context(|| format!("stat {}", path.display()))?
             .ino();
         criu.add_external(format!("net[{ino}]:{NETNS_KEY}"));
+        std::fs::write(
+            opts.image_path.join(NETNS_FILE),
+            path.as_os_str().as_encoded_bytes(),
+        )
+        .context("write the network namespace's path")?;
     }
     criu.set_freeze_cgroup(freezer_cgroup(pid)?.to_string_lossy().into_owned());
     criu.set_log_file(DUMP_LOG.to_owned());
@@ -134,6 +142,8 @@ pub struct RestoreOpts<'a> {
     /// Where the shim waits for the pty master of a container with a
     /// terminal (libcontainer's console socket protocol).
     pub console_socket: Option<&'a Path>,
+    /// The container is new (a fork or an import), not the one dumped.
+    pub fresh: bool,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -188,7 +198,7 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         keep.push(fd);
     }
-    if let Some(path) = joined_netns(&spec) {
+    if let Some(path) = external_netns(&spec, opts)? {
         let ns = File::open(&path).with_context(|| format!("open {}", path.display()))?;
         let fd = inheritable(ns.as_raw_fd())?;
         criu.add_inherit_fd(fd.as_raw_fd(), NETNS_KEY.to_owned())
@@ -263,6 +273,45 @@ fn log_errors(log: &Path) -> String {
 
 /// The key CRIU knows an external network namespace by (runc's name).
 const NETNS_KEY: &str = "extRootNetNS";
+
+/// File in the image directory naming the network namespace the dump left
+/// outside the image.
+const NETNS_FILE: &str = "netns";
+
+/// A bind mount that keeps `pid`'s network namespace alive outside the
+/// container (docker's `…/netns/<key>`, made by its prestart hook).
+fn pinned_netns(pid: i32) -> Option<PathBuf> {
+    let ino = std::fs::metadata(format!("/proc/{pid}/ns/net")).ok()?.ino();
+    let root = format!("net:[{ino}]");
+    procfs::process::Process::myself()
+        .ok()?
+        .mountinfo()
+        .ok()?
+        .into_iter()
+        .find(|m| m.fs_type == "nsfs" && m.root == root)
+        .map(|m| m.mount_point)
+}
+
+/// The network namespace a restore joins: the spec's, or the one the dump
+/// named. A container made from another's checkpoint must not share it.
+fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<PathBuf>> {
+    if let Some(path) = joined_netns(spec) {
+        return Ok(Some(path));
+    }
+    let named = match std::fs::read(opts.image_path.join(NETNS_FILE)) {
+        Ok(bytes) => PathBuf::from(String::from_utf8_lossy(&bytes).into_owned()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).context("read the network namespace's path"),
+    };
+    if opts.fresh {
+        bail!(
+            "the checkpoint's network belongs to its own sandbox ({}, set up by docker): \
+             it cannot be restored into another",
+            named.display()
+        );
+    }
+    Ok(Some(named))
+}
 
 /// A duplicate of `fd` numbered above stdio, without `CLOEXEC`.
 fn inheritable(fd: RawFd) -> Result<OwnedFd> {
