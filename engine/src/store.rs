@@ -16,6 +16,7 @@
 //! <root>/images/<id>/<version>/       the process image that version wrote:
 //!                                     opaque files (CRIU's), any tree
 //! <root>/images/<id>/.tmp-<version>/  a process image being written
+//! <root>/trash/                       directories on their way out
 //! ```
 //!
 //! A manifest line is `<sha256-hex of json> <json>\n`; the json is
@@ -40,6 +41,8 @@
 //!   half-written compaction (`versions.log.tmp`) are removed at open; so
 //!   are a sandbox directory without a manifest and the images of a
 //!   sandbox without one (a register or [`VersionStore::forget`] cut short).
+//!   Removed sandboxes go to `<root>/trash/` first (a rename), and are
+//!   deleted from there without a lock ([`VersionStore::empty_trash`]).
 //!
 //! Calls block (file I/O, hashing): async callers run them on a blocking
 //! thread. One process opens a root at a time (the lock file); within it,
@@ -215,32 +218,62 @@ impl VersionStore {
                 tracing::warn!(entry = ?name, "not a sandbox id in the store, left alone");
                 continue;
             };
-            if !inner.manifest_path(&id).exists() {
-                // A register or forget that a crash cut short.
-                tracing::warn!(sandbox = %id, "sandbox directory without a manifest removed");
-                durable::remove_dir(&entry.path())?;
+            if !entry.path().is_dir() {
+                tracing::warn!(entry = ?name, "not a sandbox directory, left alone");
                 continue;
+            }
+            let manifest = inner.manifest_path(&id);
+            match manifest.try_exists() {
+                Ok(true) => {}
+                // A register or forget that a crash cut short.
+                Ok(false) => {
+                    tracing::warn!(sandbox = %id, "sandbox directory without a manifest removed");
+                    inner.to_trash(&entry.path())?;
+                    continue;
+                }
+                Err(e) => return Err(StoreError::io("look for", &manifest)(e)),
             }
             let state = recover::load(&inner, id.clone())?;
             inner.sandboxes.lock().insert(id, Arc::new(Mutex::new(state)));
         }
-        // Images of sandboxes without a manifest: a forget cut short.
+        // Images of sandboxes without a manifest: a register or forget cut
+        // short. Entries that are no sandbox's name are left alone.
         let images = inner.root.join("images");
         for entry in fs::read_dir(&images).map_err(StoreError::io("read directory", &images))? {
             let entry = entry.map_err(StoreError::io("read directory", &images))?;
-            let known = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| SandboxId::new(n).ok())
-                .is_some_and(|id| inner.sandboxes.lock().contains_key(&id));
-            if !known {
-                tracing::warn!(entry = ?entry.file_name(), "images of no sandbox removed");
-                durable::remove_dir(&entry.path())?;
+            let Some(id) = entry.file_name().to_str().and_then(|n| SandboxId::new(n).ok()) else {
+                continue;
+            };
+            if entry.path().is_dir() && !inner.sandboxes.lock().contains_key(&id) {
+                tracing::warn!(sandbox = %id, "images of no sandbox removed");
+                inner.to_trash(&entry.path())?;
             }
         }
-        Ok(VersionStore {
+        let store = VersionStore {
             inner: Arc::new(inner),
-        })
+        };
+        store.empty_trash();
+        Ok(store)
+    }
+
+    /// Where directories wait to be deleted (see [`VersionStore::empty_trash`]).
+    pub fn trash_dir(&self) -> PathBuf {
+        self.inner.trash_dir()
+    }
+
+    /// Deletes what is in the trash: what [`VersionStore::forget`] and the
+    /// repairs at open put there, and what the caller moved there (on the
+    /// same filesystem as the store). Slow for large images; holds no lock.
+    pub fn empty_trash(&self) {
+        let dir = self.inner.trash_dir();
+        let Ok(entries) = fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            if let Err(e) = fs::remove_dir_all(entry.path()) {
+                tracing::warn!(path = %entry.path().display(), "trash kept: {e}");
+            }
+        }
     }
 
     /// The store's root directory.
@@ -300,6 +333,27 @@ impl Inner {
 
     fn sandbox_dir(&self, sandbox: &SandboxId) -> PathBuf {
         self.root.join("sandboxes").join(sandbox.as_str())
+    }
+
+    fn trash_dir(&self) -> PathBuf {
+        self.root.join("trash")
+    }
+
+    /// Moves `dir` into the trash under a name of its own.
+    fn to_trash(&self, dir: &Path) -> Result<()> {
+        let trash = self.trash_dir();
+        durable::create_dir(&trash)?;
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let to = trash.join(format!("{name}-{unique}"));
+        match fs::rename(dir, &to) {
+            Ok(()) => durable::sync_parent(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io("move to the trash", dir)(e)),
+        }
     }
 
     fn manifest_path(&self, sandbox: &SandboxId) -> PathBuf {

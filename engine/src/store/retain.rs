@@ -129,13 +129,15 @@ impl VersionStore {
         }
         // Invariant: the manifest goes first, durably, so a crash leaves
         // only directories that no manifest names, which the next open
-        // removes.
+        // removes. The directories go to the trash (renames, quick); their
+        // contents are deleted by `empty_trash`, with no lock held.
         let manifest = self.inner.manifest_path(sandbox);
         fs::remove_file(&manifest).map_err(StoreError::io("remove", &manifest))?;
         durable::sync_parent(&manifest)?;
         sandboxes.remove(sandbox);
-        durable::remove_dir(&self.inner.sandbox_dir(sandbox))?;
-        durable::remove_dir(&self.inner.images_root(sandbox))?;
+        for dir in [self.inner.sandbox_dir(sandbox), self.inner.images_root(sandbox)] {
+            self.inner.to_trash(&dir)?;
+        }
         tracing::info!(sandbox = %sandbox, versions = removal.versions.len(), "sandbox forgotten");
         Ok(removal)
     }

@@ -157,6 +157,8 @@ fn forget_removes_a_sandbox_and_names_its_snapshots() {
     assert_eq!(removal.removed_images, [1, 4, 5]);
     assert!(!fx.manifest().exists());
     assert!(!fx.dir.path().join("images/s1").exists());
+    fx.store.empty_trash();
+    assert_eq!(fs::read_dir(fx.store.trash_dir()).unwrap().count(), 0);
     assert!(matches!(
         fx.store.versions(&fx.s1),
         Err(StoreError::UnknownSandbox { .. })
@@ -175,8 +177,14 @@ fn open_removes_what_a_cut_short_forget_left() {
     fx.run("a a");
     // A crash after the manifest went: its directory and images stay.
     fs::remove_file(fx.manifest()).unwrap();
+    // Names that are no sandbox's, and files, are not the store's to remove.
+    fs::create_dir_all(fx.dir.path().join("images/.keep")).unwrap();
+    fs::write(fx.dir.path().join("sandboxes/notes"), "mine").unwrap();
     let fx = fx.reopen();
     assert!(fx.store.sandboxes().is_empty());
     assert!(!fx.dir.path().join("sandboxes/s1").exists());
     assert!(!fx.dir.path().join("images/s1").exists());
+    assert!(fx.dir.path().join("images/.keep").exists());
+    assert!(fx.dir.path().join("sandboxes/notes").exists());
+    assert_eq!(fs::read_dir(fx.store.trash_dir()).unwrap().count(), 0);
 }
