@@ -69,6 +69,14 @@ pub struct Registration {
     /// which the inspector follows its tasks.
     #[serde(default)]
     pub cgroup: Option<PathBuf>,
+    /// The sandbox's writable layer on the host (overlay upper directory,
+    /// btrfs subvolume, ZFS mount point): it lives as long as the
+    /// sandbox's files do (across a task's stop and start, even under
+    /// docker, which makes a new containerd container each start), so it
+    /// tells a sandbox from a later one with the same id, and its going
+    /// tells crabd that the sandbox was removed.
+    #[serde(default)]
+    pub layer: Option<PathBuf>,
     /// Where the shim keeps file snapshots outside crabd's root and outside
     /// the rootfs's own dataset (a btrfs store): crabd deletes them with
     /// the sandbox's history when its container is removed.

@@ -111,7 +111,8 @@ impl Containerd {
     }
 
     /// When containerd created container `id` (seconds.nanos since the
-    /// epoch), or `None` if it has no such container.
+    /// epoch; empty if its record has no time), or `None` if it has no
+    /// such container.
     pub async fn created_at(&self, id: &str) -> Result<Option<String>, ContainerdError> {
         let got = self
             .client
@@ -122,11 +123,11 @@ impl Containerd {
             ))
             .await;
         match got {
-            Ok(r) => Ok(r
-                .into_inner()
-                .container
-                .and_then(|c| c.created_at)
-                .map(|t| format!("{}.{:09}", t.seconds, t.nanos))),
+            Ok(r) => Ok(r.into_inner().container.map(|c| {
+                c.created_at
+                    .map(|t| format!("{}.{:09}", t.seconds, t.nanos))
+                    .unwrap_or_default()
+            })),
             Err(status) if status.code() == containerd_client::tonic::Code::NotFound => Ok(None),
             Err(status) => Err(ContainerdError::Call {
                 call: "get container",

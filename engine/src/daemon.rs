@@ -69,6 +69,10 @@ pub struct Daemon {
     store: VersionStore,
     registry: Registry,
     busy: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while a sandbox registers or its history is dropped (`gc`), so
+    /// a drop never takes a newer registration with it. Not the per-sandbox
+    /// lock: crabd's own import holds that while the shim registers.
+    lifecycle: tokio::sync::Mutex<()>,
     /// The port the host listener is bound to, if it runs.
     proxy_port: Option<u16>,
     /// Turn classes from the inspector.
@@ -102,6 +106,7 @@ impl Daemon {
             store,
             registry,
             busy: parking_lot::Mutex::new(HashMap::new()),
+            lifecycle: tokio::sync::Mutex::new(()),
             proxy_port: None,
             inspection: Inspection::new(None),
         })

@@ -55,7 +55,7 @@ impl Control {
         (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
     ) -> std::io::Result<Control> {
-        let (id, pid, fs_backend, proxy, cgroup, own_snapshots) = {
+        let (id, pid, fs_backend, proxy, cgroup, own_snapshots, layer) = {
             let c = container.lock().await;
             (
                 c.id.clone(),
@@ -64,6 +64,7 @@ impl Control {
                 c.proxy_socket(),
                 crate::cgroup::cgroup2_dir(&c.cgroups_path),
                 c.own_snapshot_store(),
+                c.writable_layer(),
             )
         };
         let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
@@ -103,6 +104,7 @@ impl Control {
                 cgroup,
                 proxy,
                 own_snapshots,
+                layer,
             };
             match register(&client, &reg, config).await {
                 Ok(()) => control.crabd = Some((client, id)),

@@ -305,7 +305,31 @@ fn docker_sandbox_rolls_back() {
     let e = crabctl_err(&d.containerd, &["fork", &id[..12], "1"]);
     assert!(e.contains("cannot be forked"), "{e}");
 
+    // docker stop and start keep its history (docker makes a new containerd
+    // container at each start, on the same layer); docker rm drops it.
+    let entry = |running: bool| {
+        wait_until(15, || {
+            let list = crabctl_ok(&d.containerd, &["ps"]);
+            list.as_array()?
+                .iter()
+                .find(|s| s["id"] == id.as_str() && s["running"] == running)
+                .cloned()
+        })
+    };
+    d.docker_ok(&["stop", "-t", "1", "rb"]);
+    let stopped = entry(false).expect("listed as stopped");
+    assert_eq!(stopped["versions"], 1, "{stopped}");
+    d.docker_ok(&["start", "rb"]);
+    entry(true).expect("listed as running again");
+    let v2 = crabctl_ok(&d.containerd, &["checkpoint", &id[..12]]);
+    assert_eq!(v2["version"]["version"], 2, "{v2}");
+
     d.docker_ok(&["rm", "-f", "rb"]);
+    wait_until(15, || {
+        let list = crabctl_ok(&d.containerd, &["ps"]);
+        (!list.as_array()?.iter().any(|s| s["id"] == id.as_str())).then_some(())
+    })
+    .expect("docker rm drops its history");
     d.docker_ok(&["network", "rm", "rbnet"]);
     assert_clean(&d.scope(), &[]);
 }

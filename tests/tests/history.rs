@@ -112,3 +112,26 @@ fn a_reused_id_does_not_inherit_history() {
     assert_clean(&ctd.scope(), &[id]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A shim that dies without unregistering (SIGKILL) leaves its sandbox
+/// marked stopped, not running forever; removing the container then drops
+/// the history as usual.
+#[test]
+fn a_dead_shim_leaves_its_sandbox_stopped() {
+    let ctd = Containerd::start();
+    let id = "orphan";
+    ctd.run_detached(CRAB, id, LOOP);
+    wait_registered(&ctd, id);
+    crabctl_ok(&ctd, &["checkpoint", "--fs", id]);
+    let address = ctd.address().to_string_lossy().into_owned();
+    for pid in crab_tests::leftovers::shim_pids(&address) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    }
+    let entry = wait_until(15, || listed(&ctd, id).filter(|e| e["running"] == false))
+        .expect("the sandbox of a dead shim is marked stopped");
+    assert_eq!(entry["versions"], 1, "{entry}");
+    let e = crabctl_err(&ctd, &["checkpoint", id]);
+    assert!(e.contains("is not running"), "{e}");
+    ctd.remove(id);
+    wait_until(15, || listed(&ctd, id).is_none().then_some(())).expect("crabd forgets the removed container");
+}

@@ -1,7 +1,18 @@
-//! The history of sandboxes whose container is gone: a stopped sandbox
-//! keeps its versions until containerd no longer has its container (or has
-//! a new one with the same id), then its versions, process images and file
-//! snapshots are deleted.
+//! The life of a sandbox's history. A sandbox is known by its writable
+//! layer (`Registration::layer`), or, when it names none, by when
+//! containerd made its container. Its history lives as long as that:
+//!
+//! - a task that stops keeps its versions (its shim unregisters: the entry
+//!   is marked stopped), and a task that starts again on the same layer
+//!   goes on from them (docker makes a new containerd container at each
+//!   start, on the same layer);
+//! - when the layer is gone (the container was removed), crabd deletes the
+//!   versions, process images and file snapshots; so it does when a
+//!   sandbox with the same id but another layer registers;
+//! - a running entry whose shim is gone (a crash) is marked stopped.
+//!
+//! Nothing is deleted on a guess: a layer that cannot be looked at, or a
+//! containerd that does not answer, keeps the history.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,14 +24,16 @@ use crate::containerd::Containerd;
 use crate::SandboxId;
 
 /// How long crabd waits for containerd to say when it made a container.
-const ASK_LIMIT: Duration = Duration::from_secs(5);
+const ASK_LIMIT: Duration = Duration::from_secs(2);
 
-/// When containerd made `reg`'s container, if it can say: what tells a new
-/// container with a removed one's id from it.
+/// When containerd made `reg`'s container, if its registration names no
+/// layer and containerd says.
 pub(super) async fn incarnation(reg: &Registration) -> Option<String> {
+    if reg.layer.is_some() {
+        return None;
+    }
     match tokio::time::timeout(ASK_LIMIT, created_at(reg)).await {
-        Ok(Ok(Some(at))) => Some(at),
-        Ok(Ok(None)) => None,
+        Ok(Ok(at)) => at.filter(|at| !at.is_empty()),
         Ok(Err(e)) => {
             tracing::warn!(sandbox = reg.id, "cannot tell when its container was made: {e}");
             None
@@ -40,46 +53,89 @@ async fn created_at(reg: &Registration) -> Result<Option<String>, ApiError> {
     Ok(containerd.created_at(&reg.id).await?)
 }
 
-/// Looks at the stopped sandboxes every `[crabd] gc_interval_secs`, and
-/// drops the history of those whose container is gone.
+/// Whether the stopped sandbox of `entry` is gone for good.
+async fn is_gone(entry: &Entry) -> bool {
+    if let Some(layer) = &entry.registration.layer {
+        return matches!(layer.try_exists(), Ok(false));
+    }
+    match tokio::time::timeout(ASK_LIMIT, created_at(&entry.registration)).await {
+        Ok(Ok(None)) => true,
+        Ok(Ok(Some(at))) => entry
+            .incarnation
+            .as_ref()
+            .is_some_and(|was| !at.is_empty() && *was != at),
+        Ok(Err(e)) => {
+            tracing::debug!(sandbox = entry.registration.id, "containerd not asked: {e}");
+            false
+        }
+        Err(_) => false,
+    }
+}
+
+/// Whether nothing answers on the control socket of `reg`'s shim.
+async fn shim_is_gone(reg: &Registration) -> bool {
+    match tokio::net::UnixStream::connect(&reg.control).await {
+        Ok(_) => false,
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+        ),
+    }
+}
+
+/// Every `[crabd] gc_interval_secs`: marks stopped the running entries
+/// whose shim is gone, and drops the history of the stopped ones whose
+/// sandbox is gone.
 pub(super) async fn collect(d: Arc<Daemon>) {
     let mut tick = tokio::time::interval(d.config.gc_interval());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        for entry in d.registry.all().into_iter().filter(|e| !e.running) {
+        for entry in d.registry.all() {
             let id = entry.registration.id.clone();
-            let now = tokio::time::timeout(ASK_LIMIT, created_at(&entry.registration)).await;
-            let gone = match now {
-                Ok(Ok(None)) => true,
-                Ok(Ok(Some(at))) => entry.incarnation.as_ref().is_some_and(|was| *was != at),
-                // containerd is down or slow: nothing is deleted on a guess.
-                Ok(Err(e)) => {
-                    tracing::debug!(sandbox = id, "containerd not asked: {e}");
-                    false
+            if entry.running {
+                if shim_is_gone(&entry.registration).await {
+                    let marked = d.registry.update(&id, |e| {
+                        if e.same_sandbox(&entry) && e.registration.control == entry.registration.control {
+                            e.running = false;
+                        }
+                    });
+                    if let Err(e) = marked {
+                        tracing::warn!(sandbox = id, "mark stopped: {e}");
+                    }
+                    d.inspection.unregister(&id);
+                    tracing::info!(sandbox = id, "its shim is gone: stopped");
                 }
-                Err(_) => false,
-            };
-            if !gone {
                 continue;
             }
+            if !is_gone(&entry).await {
+                continue;
+            }
+            let _lifecycle = d.lifecycle.lock().await;
             let busy = d.busy(&id);
             let _one_at_a_time = busy.lock().await;
-            // Started again meanwhile: it stays.
-            if d.registry.get(&id).is_none_or(|e| e.running) {
+            // Started again meanwhile, or replaced: not this one to drop.
+            if !d
+                .registry
+                .get(&id)
+                .is_some_and(|e| !e.running && e.same_sandbox(&entry))
+            {
                 continue;
             }
             match purge(&d, &entry).await {
-                Ok(()) => tracing::info!(sandbox = id, "container removed: its history is deleted"),
-                Err(e) => tracing::warn!(sandbox = id, "history of a removed container kept: {e}"),
+                Ok(()) => tracing::info!(sandbox = id, "sandbox removed: its history is deleted"),
+                Err(e) => tracing::warn!(sandbox = id, "history of a removed sandbox kept: {e}"),
             }
         }
+        let store = d.store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.empty_trash()).await;
     }
 }
 
 /// Deletes everything crabd keeps of `entry`'s sandbox: versions, process
 /// images, file snapshots (crabd's copies and the shim's own store), and
-/// the entry itself.
+/// the entry itself. The bulk goes to the store's trash, emptied later.
+/// The caller holds `Daemon::lifecycle`.
 pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     let reg = &entry.registration;
     let sid = SandboxId::new(&reg.id)?;
@@ -91,10 +147,11 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
             Ok(_) | Err(crate::StoreError::UnknownSandbox { .. }) => {}
             Err(e) => return Err(e.into()),
         }
-        if let Err(e) = std::fs::remove_dir_all(&copies) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(dir = %copies.display(), "file copies kept: {e}");
-            }
+        let unique = format!("fs-{sid}-{}", super::routes::unix_ms());
+        match std::fs::rename(&copies, store.trash_dir().join(unique)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(dir = %copies.display(), "file copies kept: {e}"),
         }
         if let Some(location) = own {
             destroy_store(&location);
@@ -105,7 +162,7 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     .map_err(|e| ApiError::Internal {
         reason: e.to_string(),
     })??;
-    d.registry.remove(&reg.id);
+    d.registry.remove_if(&reg.id, |e| e.same_sandbox(entry));
     Ok(())
 }
 

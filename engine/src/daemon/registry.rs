@@ -21,10 +21,34 @@ pub struct Entry {
     /// Whether its task runs (its shim unregisters when the task is deleted).
     #[serde(default = "yes")]
     pub running: bool,
-    /// When containerd created its container, if crabd could ask: a new
-    /// container with the same id is another sandbox.
+    /// When containerd created its container, if crabd had to ask (its
+    /// registration names no writable layer).
     #[serde(default)]
     pub incarnation: Option<String>,
+}
+
+// === impl Entry ===
+
+impl Entry {
+    /// Whether a sandbox registering as `new` (with `incarnation`) is not
+    /// this one but a later one with the same id: its writable layer is
+    /// another, or (with no layer to tell) containerd made it at another
+    /// time. Unknown is "the same": nothing is deleted on a guess.
+    pub fn replaced_by(&self, new: &Registration, incarnation: Option<&String>) -> bool {
+        match (&self.registration.layer, &new.layer) {
+            (Some(old), Some(new)) => old != new,
+            _ => matches!(
+                (&self.incarnation, incarnation),
+                (Some(old), Some(new)) if old != new
+            ),
+        }
+    }
+
+    /// Whether it is the same sandbox as `other` (same layer and
+    /// incarnation).
+    pub fn same_sandbox(&self, other: &Entry) -> bool {
+        self.registration.layer == other.registration.layer && self.incarnation == other.incarnation
+    }
 }
 
 fn yes() -> bool {
@@ -70,39 +94,52 @@ impl Registry {
 
     /// Records `entry` (replacing an older one of the same id).
     pub fn insert(&self, entry: Entry) -> Result<(), ApiError> {
-        let id = entry.registration.id.clone();
-        SandboxId::new(&id)?;
+        SandboxId::new(&entry.registration.id)?;
+        let mut sandboxes = self.sandboxes.lock();
+        self.write(&entry)?;
+        sandboxes.insert(entry.registration.id.clone(), entry);
+        Ok(())
+    }
+
+    /// Changes sandbox `id`'s entry with `f` and records it, as one step;
+    /// false if it is not known.
+    pub fn update(&self, id: &str, f: impl FnOnce(&mut Entry)) -> Result<bool, ApiError> {
+        let mut sandboxes = self.sandboxes.lock();
+        let Some(entry) = sandboxes.get_mut(id) else {
+            return Ok(false);
+        };
+        let mut changed = entry.clone();
+        f(&mut changed);
+        self.write(&changed)?;
+        *entry = changed;
+        Ok(true)
+    }
+
+    /// Writes `entry`'s file (the caller holds the table's lock, so one
+    /// temporary name is enough).
+    fn write(&self, entry: &Entry) -> Result<(), ApiError> {
+        let id = &entry.registration.id;
         let path = self.dir.join(format!("{id}.json"));
         let tmp = self.dir.join(format!(".{id}.json.tmp"));
-        let bytes = serde_json::to_vec_pretty(&entry).expect("an entry always serializes");
+        let bytes = serde_json::to_vec_pretty(entry).expect("an entry always serializes");
         std::fs::write(&tmp, bytes)
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|source| ApiError::Io {
                 op: "record the registration",
                 source,
-            })?;
-        self.sandboxes.lock().insert(id, entry);
-        Ok(())
+            })
     }
 
-    /// Changes sandbox `id`'s entry with `f` and records it; false if it
-    /// is not known.
-    pub fn update(&self, id: &str, f: impl FnOnce(&mut Entry)) -> Result<bool, ApiError> {
-        let Some(mut entry) = self.get(id) else {
-            return Ok(false);
-        };
-        f(&mut entry);
-        self.insert(entry)?;
-        Ok(true)
-    }
-
-    /// Forgets sandbox `id`; true if it was known.
-    pub fn remove(&self, id: &str) -> bool {
-        let known = self.sandboxes.lock().remove(id).is_some();
-        if known {
-            let _ = std::fs::remove_file(self.dir.join(format!("{id}.json")));
+    /// Forgets sandbox `id` if `still(entry)` holds for its entry (checked
+    /// and removed as one step); true if it was removed.
+    pub fn remove_if(&self, id: &str, still: impl FnOnce(&Entry) -> bool) -> bool {
+        let mut sandboxes = self.sandboxes.lock();
+        if !sandboxes.get(id).is_some_and(still) {
+            return false;
         }
-        known
+        sandboxes.remove(id);
+        let _ = std::fs::remove_file(self.dir.join(format!("{id}.json")));
+        true
     }
 
     /// The sandbox whose id is exactly `id`.

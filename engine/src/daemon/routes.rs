@@ -103,12 +103,13 @@ pub async fn register(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<Sandbo
     let sid = SandboxId::new(&reg.id)?;
     // No per-sandbox lock here: crabd's own import holds it while the
     // shim it started registers.
+    let _lifecycle = d.lifecycle.lock().await;
     let incarnation = gc::incarnation(&reg).await;
     if let Some(old) = d.registry.get(&reg.id) {
-        if old.incarnation.is_some() && incarnation.is_some() && old.incarnation != incarnation {
+        if old.replaced_by(&reg, incarnation.as_ref()) {
             tracing::info!(
                 sandbox = reg.id,
-                "a new container took a removed one's id: the old history goes"
+                "another sandbox took a removed one's id: the old history goes"
             );
             gc::purge(&d, &old).await?;
         }

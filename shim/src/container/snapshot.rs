@@ -57,6 +57,19 @@ impl Container {
         self.overlay_upper().ok().map(|_| BackendKind::OverlayCopy)
     }
 
+    /// Where the container's own files are on the host: its btrfs
+    /// subvolume, its ZFS dataset's mount point, or its overlay's upper
+    /// directory. crabd keeps its history as long as that exists.
+    pub fn writable_layer(&self) -> Option<PathBuf> {
+        if let Some(b) = &self.btrfs {
+            return Some(b.subvolume.clone());
+        }
+        if self.zfs_dataset.is_some() {
+            return self.rootfs_mounts.first().map(|m| PathBuf::from(&m.source));
+        }
+        self.overlay_upper().ok()
+    }
+
     /// The upper directory of the container's overlay rootfs.
     fn overlay_upper(&self) -> Result<PathBuf> {
         let no = |reason: String| Error::NoFsBackend {
