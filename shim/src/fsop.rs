@@ -55,8 +55,9 @@ impl FsOp {
         match self {
             FsOp::Snapshot { location, .. }
             | FsOp::Rollback { location, .. }
-            | FsOp::Destroy { location, .. }
-            | FsOp::Has { location, .. } => !matches!(location, Location::OverlayCopy { .. }),
+            | FsOp::Destroy { location, .. } => !matches!(location, Location::OverlayCopy { .. }),
+            // btrfs answers from its snapshot's directory.
+            FsOp::Has { location, .. } => matches!(location, Location::Zfs { .. }),
             FsOp::ZfsDatasetAt { .. } => true,
         }
     }
@@ -74,10 +75,7 @@ impl FsOp {
                 crab_snapshotter::open(location)?.destroy(name).map(|()| None)
             }
             FsOp::Has { location, name } => {
-                let has = crab_snapshotter::open(location)?
-                    .list()?
-                    .iter()
-                    .any(|s| &s.name == name);
+                let has = crab_snapshotter::open(location)?.has(name)?;
                 Ok(Some(if has { "yes" } else { "no" }.to_owned()))
             }
             FsOp::ZfsDatasetAt { mountpoint } => Ok(crab_snapshotter::ZfsBackend::dataset_at(mountpoint)),

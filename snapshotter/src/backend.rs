@@ -27,6 +27,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Every snapshot, oldest first.
     fn list(&self) -> Result<Vec<Snapshot>>;
 
+    /// Whether snapshot `name` exists (a backend may answer faster than
+    /// [`Backend::list`]).
+    fn has(&self, name: &SnapshotName) -> Result<bool> {
+        Ok(self.list()?.iter().any(|s| &s.name == name))
+    }
+
     /// Makes the live tree equal to snapshot `name`; every snapshot survives.
     fn rollback(&self, name: &SnapshotName) -> Result<()>;
 

@@ -176,6 +176,11 @@ impl Backend for BtrfsBackend {
             .collect())
     }
 
+    fn has(&self, name: &SnapshotName) -> Result<bool> {
+        // A snapshot is made atomically under its name: no command needed.
+        Ok(self.snap(name).is_dir())
+    }
+
     fn rollback(&self, name: &SnapshotName) -> Result<()> {
         let snap = self.require(name)?;
         let fresh = self.rollback_path();

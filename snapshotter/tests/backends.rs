@@ -35,6 +35,8 @@ fn exercise(b: &dyn Backend, clone_at: Location, fresh: &dyn Backend, exact_chan
         assert!(matches!(change, Change::Changed { .. }), "{change:?}");
     }
     b.snapshot(&name("v2")).unwrap();
+    assert!(b.has(&name("v1")).unwrap() && b.has(&name("v2")).unwrap());
+    assert!(!b.has(&name("v3")).unwrap());
 
     // Roll back to the older snapshot: the tree is v1's, and v2 survives.
     b.rollback(&name("v1")).unwrap();
