@@ -412,5 +412,11 @@ fn crabctl_rollback_on_crabzfs() {
     assert!(!snapshots().contains(&named(&v2)), "{}", snapshots());
     assert!(snapshots().contains(&named(&v1)), "{}", snapshots());
     s.ctd.remove("zr");
+    // Its dataset is gone: so is its history.
+    wait_until(15, || {
+        let list = crabctl_ok(&s.ctd, &["ps"]);
+        (!list.as_array()?.iter().any(|e| e["id"] == "zr")).then_some(())
+    })
+    .expect("crabd forgets the removed sandbox");
     assert_clean(&s.ctd.scope(), &["zr"]);
 }

@@ -56,7 +56,14 @@ async fn created_at(reg: &Registration) -> Result<Option<String>, ApiError> {
 /// Whether the stopped sandbox of `entry` is gone for good.
 async fn is_gone(entry: &Entry) -> bool {
     if let Some(layer) = &entry.registration.layer {
-        return matches!(layer.try_exists(), Ok(false));
+        // A ZFS layer is its dataset's mount point: its directory stays
+        // when the dataset is destroyed.
+        let mounted = entry.registration.fs_backend == Some(crab_snapshotter::BackendKind::Zfs);
+        return match layer.try_exists() {
+            Ok(false) => true,
+            Ok(true) => mounted && !is_mount_point(layer),
+            Err(_) => false,
+        };
     }
     match tokio::time::timeout(ASK_LIMIT, created_at(&entry.registration)).await {
         Ok(Ok(None)) => true,
@@ -69,6 +76,16 @@ async fn is_gone(entry: &Entry) -> bool {
             false
         }
         Err(_) => false,
+    }
+}
+
+/// Whether `dir` is on another filesystem than its parent (a look that
+/// fails says yes: nothing is deleted on a guess).
+fn is_mount_point(dir: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(dir), std::fs::metadata(dir.join(".."))) {
+        (Ok(d), Ok(parent)) => d.dev() != parent.dev(),
+        _ => true,
     }
 }
 
