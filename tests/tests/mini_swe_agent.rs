@@ -1,8 +1,10 @@
 //! mini-swe-agent (PyPI), unmodified, on the host: its stock docker
 //! environment runs the task in a crab container (docker 26 with
 //! `--runtime io.containerd.crab.v2`), and its litellm model talks to the
-//! sandbox's proxy on crabd's host listener (`crabctl proxy-url`). The
-//! upstream LLM is scripted: three tool calls. Needs root and the venv of
+//! sandbox's proxy on crabd's host listener (`crabctl proxy-url`), with
+//! `checkpoint_on_turn`: each turn end is a version of the docker sandbox
+//! before the agent gets its answer. The upstream LLM is scripted: three
+//! tool calls. Needs root and the venv of
 //! `packaging/install-deps.sh` (`/opt/crab/mini-venv`): CI has both.
 
 use std::path::PathBuf;
@@ -44,7 +46,8 @@ fn mini_swe_agent_completes_a_task_through_the_host_listener() {
     std::fs::write(
         &config,
         format!(
-            "[shim.proxy]\ntranscript_dir = \"{}\"\nopenai_upstream = \"http://127.0.0.1:{}\"\n",
+            "[shim.proxy]\ntranscript_dir = \"{}\"\nopenai_upstream = \"http://127.0.0.1:{}\"\n\
+             checkpoint_on_turn = true\n[crabd]\ngc_interval_secs = 3600\n",
             transcripts.display(),
             llm.port
         ),
@@ -103,6 +106,19 @@ fn mini_swe_agent_completes_a_task_through_the_host_listener() {
         !text.contains("sk-crab-mini-secret"),
         "the API key is never written"
     );
+
+    // Each turn end was a version of the docker sandbox, made before the
+    // agent got its answer (files by overlay-copy of docker's own overlay,
+    // processes by CRIU); the agent removed its container at the end, and
+    // crabd (gc at an hour here) still lists them.
+    let versions = crab_tests::sandbox::crabctl_ok(&d.containerd, &["versions", container]);
+    let versions = versions.as_array().expect("a list");
+    let turns: Vec<u64> = versions.iter().filter_map(|v| v["turn"].as_u64()).collect();
+    assert_eq!(turns, [1, 2, 3], "{versions:?}");
+    for v in versions {
+        assert_eq!(v["class"], "full", "{v}");
+        assert_eq!(v["fs_snapshot"]["backend"], "overlay-copy", "{v}");
+    }
 
     assert_clean(&d.scope(), &[]);
     drop(d);
