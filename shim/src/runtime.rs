@@ -25,7 +25,7 @@ mod client;
 mod criu;
 
 pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
-pub use criu::DESCRIPTORS;
+pub use criu::{pinned_netns, DESCRIPTORS};
 
 /// First argument that selects the helper personality of the binary.
 pub const SUBCOMMAND: &str = "runtime";
@@ -100,6 +100,9 @@ enum Op {
         /// Restore established TCP connections.
         #[arg(long)]
         tcp_established: bool,
+        /// The sandbox's pinned network namespace now (docker's).
+        #[arg(long)]
+        netns: Option<PathBuf>,
         #[command(flatten)]
         launch: LaunchArgs,
         /// The container has no state yet (a sandbox forked or imported
@@ -235,6 +238,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             image_path,
             work_path,
             tcp_established,
+            netns,
             launch,
             bundle,
             id,
@@ -265,6 +269,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                     tcp_established: *tcp_established,
                     console_socket: launch.console_socket.as_deref(),
                     fresh: bundle.is_some(),
+                    netns: netns.as_deref(),
                 },
             )?;
             std::fs::write(&launch.pid_file, pid.to_string())

@@ -321,8 +321,12 @@ fn docker_sandbox_rolls_back() {
     assert_eq!(stopped["versions"], 1, "{stopped}");
     d.docker_ok(&["start", "rb"]);
     entry(true).expect("listed as running again");
+    assert!(sh("echo three > /www/index.html").status.success());
     let v2 = crabctl_ok(&d.containerd, &["checkpoint", &id[..12]]);
     assert_eq!(v2["version"]["version"], 2, "{v2}");
+    // Back to before the restart: into the network docker made at this start.
+    crabctl_ok(&d.containerd, &["rollback", &id[..12], "1"]);
+    assert_eq!(fetch().as_deref(), Some("one"), "v1's server on today's network");
 
     d.docker_ok(&["rm", "-f", "rb"]);
     wait_until(15, || {

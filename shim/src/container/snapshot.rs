@@ -365,6 +365,8 @@ impl Container {
         fs: Option<(Location, SnapshotName)>,
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
+        // Found while the init lives: docker's pin of its namespace.
+        let netns = crate::runtime::pinned_netns(self.init.pid);
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
@@ -384,6 +386,7 @@ impl Container {
         // next read or write on it fails, and its SDK retries on a new one.
         let opts = RestoreOpts {
             tcp_established: true,
+            netns,
             ..Default::default()
         };
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
@@ -410,6 +413,7 @@ impl Container {
         let opts = RestoreOpts {
             tcp_established: true,
             fresh_bundle: Some(self.bundle.clone()),
+            netns: None,
         };
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;

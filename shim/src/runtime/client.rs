@@ -54,6 +54,9 @@ pub struct RestoreOpts {
     /// The container has no runtime state yet (forked or imported): make
     /// it from this bundle.
     pub fresh_bundle: Option<PathBuf>,
+    /// The sandbox's pinned network namespace (docker's), if it has one:
+    /// the restore goes there.
+    pub netns: Option<PathBuf>,
 }
 
 /// What a create or exec needs besides the container id.
@@ -161,6 +164,10 @@ impl RuntimeClient {
         if let Some(bundle) = &opts.fresh_bundle {
             args.push("--bundle".into());
             args.push(bundle.into());
+        }
+        if let Some(netns) = &opts.netns {
+            args.push("--netns".into());
+            args.push(netns.into());
         }
         self.launch("restore", id, &mut args, launch).await
     }

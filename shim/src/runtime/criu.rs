@@ -144,6 +144,9 @@ pub struct RestoreOpts<'a> {
     pub console_socket: Option<&'a Path>,
     /// The container is new (a fork or an import), not the one dumped.
     pub fresh: bool,
+    /// The sandbox's network namespace as it is pinned now, for an image
+    /// that keeps its namespace outside.
+    pub netns: Option<&'a Path>,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -280,7 +283,7 @@ const NETNS_FILE: &str = "netns";
 
 /// A bind mount that keeps `pid`'s network namespace alive outside the
 /// container (docker's `…/netns/<key>`, made by its prestart hook).
-fn pinned_netns(pid: i32) -> Option<PathBuf> {
+pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
     let ino = std::fs::metadata(format!("/proc/{pid}/ns/net")).ok()?.ino();
     let root = format!("net:[{ino}]");
     procfs::process::Process::myself()
@@ -310,7 +313,8 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<PathBuf>
             named.display()
         );
     }
-    Ok(Some(named))
+    // The sandbox's namespace now: docker pins a new one at each start.
+    Ok(Some(opts.netns.map_or(named, Path::to_owned)))
 }
 
 /// A duplicate of `fd` numbered above stdio, without `CLOEXEC`.
