@@ -112,16 +112,23 @@ pub(super) async fn collect(d: Arc<Daemon>) {
             let id = entry.registration.id.clone();
             if entry.running {
                 if shim_is_gone(&entry.registration).await {
-                    let marked = d.registry.update(&id, |e| {
-                        if e.same_sandbox(&entry) && e.registration.control == entry.registration.control {
+                    let mut marked = false;
+                    let updated = d.registry.update(&id, |e| {
+                        // Not a newer registration under the same id.
+                        if e.running && e.same_sandbox(&entry) && e.registration.pid == entry.registration.pid
+                        {
                             e.running = false;
+                            marked = true;
                         }
                     });
-                    if let Err(e) = marked {
-                        tracing::warn!(sandbox = id, "mark stopped: {e}");
+                    match updated {
+                        Ok(_) if marked => {
+                            d.inspection.unregister(&id);
+                            tracing::info!(sandbox = id, "its shim is gone: stopped");
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(sandbox = id, "mark stopped: {e}"),
                     }
-                    d.inspection.unregister(&id);
-                    tracing::info!(sandbox = id, "its shim is gone: stopped");
                 }
                 continue;
             }
