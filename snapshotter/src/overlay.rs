@@ -52,6 +52,31 @@ impl OverlayCopyBackend {
         }
     }
 
+    /// Removes what snapshots cut short left in the store (`.tmp-*`);
+    /// returns how many entries went. Only while no snapshot is being made.
+    pub fn remove_partial(&self) -> Result<usize> {
+        let entries = match std::fs::read_dir(&self.store) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(Error::io("read", &self.store)(e)),
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            if !entry.file_name().to_string_lossy().starts_with(".tmp-") {
+                continue;
+            }
+            let path = entry.path();
+            let gone = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            gone.map_err(Error::io("remove", &path))?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
     fn dir(&self, name: &SnapshotName) -> PathBuf {
         self.store.join(name.as_str())
     }

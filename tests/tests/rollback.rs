@@ -259,6 +259,20 @@ fn crabd_killed_mid_checkpoint_and_corrupt_manifest() {
     assert_eq!(versions.len(), 1, "{list}");
     assert!(versions[0]["defect"].is_null());
     assert!(pending().is_none(), "the torn images are gone");
+    // So is the file copy the interrupted checkpoint made (if the shim got
+    // that far): one copy per version.
+    let copies = ctd.crabd_root().join("fs").join(id);
+    let metas = || {
+        std::fs::read_dir(&copies)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".meta"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    wait_until(15, || (metas() == 1).then_some(()))
+        .unwrap_or_else(|| panic!("{} copies for one version", metas()));
     let next = crabctl_ok(&ctd, &["checkpoint", id]);
     let n = next["version"]["version"].as_i64().unwrap();
     assert!(n > 1);

@@ -110,6 +110,7 @@ pub(super) async fn collect(d: Arc<Daemon>) {
         tick.tick().await;
         for entry in d.registry.all() {
             let id = entry.registration.id.clone();
+            sweep_copies(&d, &id).await;
             if entry.running {
                 if shim_is_gone(&entry.registration).await {
                     let mut marked = false;
@@ -153,6 +154,59 @@ pub(super) async fn collect(d: Arc<Daemon>) {
         }
         let store = d.store.clone();
         let _ = tokio::task::spawn_blocking(move || store.empty_trash()).await;
+    }
+}
+
+/// Deletes the file copies crabd keeps for sandbox `id` that no version
+/// names: a checkpoint cut short (crabd or the shim killed between the
+/// snapshot and the version's publication) leaves one. Skipped while an
+/// operation holds the sandbox (a snapshot may be in the making), and when
+/// a manifest line is unreadable (it may name a copy).
+async fn sweep_copies(d: &Daemon, id: &str) {
+    let busy = d.busy(id);
+    let Ok(_one_at_a_time) = busy.try_lock() else {
+        return;
+    };
+    let Ok(sid) = SandboxId::new(id) else {
+        return;
+    };
+    let store = d.store.clone();
+    let dir = d.fs_store(id);
+    let swept = tokio::task::spawn_blocking(move || -> Result<Vec<String>, String> {
+        if !dir.exists() {
+            return Ok(Vec::new());
+        }
+        let versions = store.versions(&sid).map_err(|e| e.to_string())?;
+        let mut named = Vec::new();
+        for v in versions {
+            let Some(record) = v.record else {
+                return Ok(Vec::new());
+            };
+            named.extend(
+                record
+                    .fs_snapshot
+                    .filter(|f| f.backend == crab_snapshotter::BackendKind::OverlayCopy)
+                    .map(|f| f.name),
+            );
+        }
+        let copies = crab_snapshotter::OverlayCopyBackend::new(&dir, &dir);
+        let mut gone = Vec::new();
+        let listed = crab_snapshotter::Backend::list(&copies).map_err(|e| e.to_string())?;
+        for s in listed.into_iter().filter(|s| !named.contains(&s.name)) {
+            crab_snapshotter::Backend::destroy(&copies, &s.name).map_err(|e| e.to_string())?;
+            gone.push(s.name.to_string());
+        }
+        copies.remove_partial().map_err(|e| e.to_string())?;
+        Ok(gone)
+    })
+    .await;
+    match swept {
+        Ok(Ok(gone)) if !gone.is_empty() => {
+            tracing::info!(sandbox = id, ?gone, "file copies no version names removed")
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(sandbox = id, "file copies not swept: {e}"),
+        Err(e) => tracing::warn!(sandbox = id, "file copies not swept: {e}"),
     }
 }
 
