@@ -344,17 +344,7 @@ pub async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: B
         let started = Instant::now();
         let (version, images) = restorable(&d, &reg.id, req.version).await?;
         let number = version.record.version;
-        let fs = version.record.fs_snapshot.ok_or_else(|| ApiError::NoFsSnapshot {
-            id: reg.id.clone(),
-            version: number,
-        })?;
-        if fs.backend != BackendKind::OverlayCopy {
-            return Err(ApiError::NotMovable {
-                id: reg.id.clone(),
-                version: number,
-                backend: fs.backend,
-            });
-        }
+        let fs = movable_files(&reg.id, &version.record)?;
         let new_id = match req.name {
             Some(name) => name,
             None => format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000),
@@ -461,6 +451,23 @@ pub(super) async fn restorable(
             version: version.record.version,
         })?;
     Ok((version, images))
+}
+
+/// The file snapshot of version `record` of sandbox `id`, if it is one
+/// crabd keeps and so can copy (for a fork or an export).
+pub(super) fn movable_files(id: &str, record: &crate::VersionRecord) -> Result<FsSnapshot, ApiError> {
+    let fs = record.fs_snapshot.clone().ok_or_else(|| ApiError::NoFsSnapshot {
+        id: id.to_owned(),
+        version: record.version,
+    })?;
+    if fs.backend != BackendKind::OverlayCopy {
+        return Err(ApiError::NotMovable {
+            id: id.to_owned(),
+            version: record.version,
+            backend: fs.backend,
+        });
+    }
+    Ok(fs)
 }
 
 /// Destroys the file snapshots of sandbox `reg` that `removal` left unused:

@@ -37,21 +37,7 @@ pub async fn export(
         let _one_at_a_time = busy.lock().await;
         let (v, images_dir) = restorable(&d, &reg.id, which).await?;
         let number = v.record.version;
-        let fs = v
-            .record
-            .fs_snapshot
-            .clone()
-            .ok_or_else(|| ApiError::NoFsSnapshot {
-                id: reg.id.clone(),
-                version: number,
-            })?;
-        if fs.backend != BackendKind::OverlayCopy {
-            return Err(ApiError::NotMovable {
-                id: reg.id.clone(),
-                version: number,
-                backend: fs.backend,
-            });
-        }
+        let fs = super::routes::movable_files(&reg.id, &v.record)?;
         // The image files: this version's, or those of the one it reuses.
         let images = match v.record.process_image {
             Some(holder) if holder != number => {
