@@ -767,6 +767,15 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		return 0;
 	__u64 cg = s.cgroup, gen = s.gen;
 	unsigned long *a = (unsigned long *)s.args;
+	/* A change through a descriptor (the list is fd_change_idx's). */
+	switch (fd_change_idx(s.nr)) {
+	case 0:
+		return on_fd_change(cg, gen, a[0], s.nr);
+	case 2:
+		return on_fd_change(cg, gen, a[2], s.nr);
+	case 4:
+		return on_fd_change(cg, gen, a[4], s.nr);
+	}
 	switch (s.nr) {
 	case NR_open:
 		return on_open(cg, gen, ret, AT_FDCWD, a[0], a[1]);
@@ -779,24 +788,6 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		bpf_probe_read_user(&flags, sizeof(flags), (void *)a[2]);
 		return on_open(cg, gen, ret, a[0], a[1], flags);
 	}
-	case NR_write:
-	case NR_pwrite64:
-	case NR_writev:
-	case NR_pwritev:
-	case NR_pwritev2:
-	case NR_sendfile:
-	case NR_ftruncate:
-	case NR_fallocate:
-	case NR_fchmod:
-	case NR_fchown:
-	case NR_fsetxattr:
-	case NR_fremovexattr:
-		return on_fd_change(cg, gen, a[0], s.nr);
-	case NR_splice:
-	case NR_copy_file_range:
-		return on_fd_change(cg, gen, a[2], s.nr);
-	case NR_mmap:
-		return on_fd_change(cg, gen, a[4], s.nr);
 	case NR_truncate:
 		return on_path(cg, gen, CRAB_OP_TRUNCATE, AT_FDCWD, a[0], 0, 0, 0);
 	case NR_rename:
