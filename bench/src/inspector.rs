@@ -15,28 +15,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use crab_inspector::{unified_mount, Inspector, InspectorConfig};
-use crab_tests::image::{devbox_archive, DEVBOX};
-use crab_tests::{Containerd, CRAB};
+use crab_tests::image::DEVBOX;
+use crab_tests::Containerd;
 
 use crate::stats::{ms, percentile};
 
 /// Runs the benchmark and prints its table.
 pub fn run(turns: usize, reps: usize) -> anyhow::Result<()> {
     let ctd = Containerd::start();
-    ctd.ctr_ok(&["image", "import", &devbox_archive().to_string_lossy()]);
     let id = "insp";
-    ctd.ctr_ok(&[
-        "run",
-        "-d",
-        "--runtime",
-        CRAB,
-        "--mount",
-        "type=bind,src=/usr,dst=/usr,options=rbind:ro",
-        DEVBOX,
-        id,
-        "sleep",
-        "100000000",
-    ]);
+    ctd.run_devbox(id);
     let result = measure(&ctd, id, turns, reps);
     ctd.remove(id);
     result

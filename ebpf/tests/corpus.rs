@@ -13,9 +13,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crab_inspector::{unified_mount, Class, TurnReport};
-use crab_tests::image::{devbox_archive, DEVBOX};
 use crab_tests::leftovers::assert_clean;
-use crab_tests::{Containerd, CRAB};
+use crab_tests::Containerd;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -47,18 +46,7 @@ struct Sandbox<'a> {
 
 impl Sandbox<'_> {
     fn start<'a>(ctd: &'a Containerd, id: &str) -> Sandbox<'a> {
-        ctd.ctr_ok(&[
-            "run",
-            "-d",
-            "--runtime",
-            CRAB,
-            "--mount",
-            "type=bind,src=/usr,dst=/usr,options=rbind:ro",
-            DEVBOX,
-            id,
-            "sleep",
-            "100000000",
-        ]);
+        ctd.run_devbox(id);
         Sandbox {
             ctd,
             id: id.to_owned(),
@@ -112,7 +100,6 @@ fn corpus() {
     let corpus = load();
     assert!(corpus.turn.len() >= 150, "{} turns", corpus.turn.len());
     let ctd = Containerd::start();
-    ctd.ctr_ok(&["image", "import", &devbox_archive().to_string_lossy()]);
     let plain = Sandbox::start(&ctd, "plain");
     let noisy = Sandbox::start(&ctd, "noisy");
     // Two inspectors: the noise rule is per inspector (per pin directory).

@@ -244,6 +244,30 @@ impl Containerd {
         self.ctr_ok(&args);
     }
 
+    /// `ctr run -d` of the devbox image (imported first) with the crab
+    /// runtime, the host's /usr bound read-only, idling: a sandbox with
+    /// compilers and tools for turns to run in.
+    #[track_caller]
+    pub fn run_devbox(&self, id: &str) {
+        self.ctr_ok(&[
+            "image",
+            "import",
+            &crate::image::devbox_archive().to_string_lossy(),
+        ]);
+        self.ctr_ok(&[
+            "run",
+            "-d",
+            "--runtime",
+            crate::CRAB,
+            "--mount",
+            "type=bind,src=/usr,dst=/usr,options=rbind:ro",
+            crate::image::DEVBOX,
+            id,
+            "sleep",
+            "100000000",
+        ]);
+    }
+
     /// Pid of task `id` as `ctr task ls` shows it.
     pub fn task_pid(&self, id: &str) -> Option<i32> {
         self.task_field(id, 1).and_then(|p| p.parse().ok())

@@ -165,10 +165,30 @@ pub fn crabctl_err(ctd: &Containerd, args: &[&str]) -> String {
 /// Waits until crabd lists sandbox `id` (its shim registers it at start).
 #[track_caller]
 pub fn wait_registered(ctd: &Containerd, id: &str) {
-    wait_until(20, || {
-        let out = crabctl(ctd, &["ps"]);
-        let list: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        list.as_array()?.iter().any(|s| s["id"] == id).then_some(())
-    })
-    .unwrap_or_else(|| panic!("crabd never listed {id}"));
+    wait_until(20, || listed(ctd, id).map(drop)).unwrap_or_else(|| panic!("crabd never listed {id}"));
+}
+
+/// `crabctl ps`'s entry for sandbox `id`, if it lists one.
+pub fn listed(ctd: &Containerd, id: &str) -> Option<serde_json::Value> {
+    let out = crabctl(ctd, &["ps"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    list.as_array()?.iter().find(|s| s["id"] == id).cloned()
+}
+
+/// Waits until crabd no longer lists sandbox `id` (its history is gone).
+#[track_caller]
+pub fn wait_forgotten(ctd: &Containerd, id: &str) {
+    wait_until(15, || listed(ctd, id).is_none().then_some(()))
+        .unwrap_or_else(|| panic!("crabd still lists {id}"));
+}
+
+/// The version numbers `crabctl versions` lists for sandbox `id`.
+#[track_caller]
+pub fn version_numbers(ctd: &Containerd, id: &str) -> Vec<i64> {
+    crabctl_ok(ctd, &["versions", id])
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["version"].as_i64())
+        .collect()
 }

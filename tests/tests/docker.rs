@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crab_tests::docker::DOCKER_BUSYBOX as BB;
 use crab_tests::leftovers::assert_clean;
-use crab_tests::sandbox::{crabctl_err, crabctl_ok, wait_registered};
+use crab_tests::sandbox::{crabctl_err, crabctl_ok, listed, wait_forgotten, wait_registered};
 use crab_tests::{stderr, wait_until, Dockerd};
 
 #[test]
@@ -309,11 +309,7 @@ fn docker_sandbox_rolls_back() {
     // container at each start, on the same layer); docker rm drops it.
     let entry = |running: bool| {
         wait_until(15, || {
-            let list = crabctl_ok(&d.containerd, &["ps"]);
-            list.as_array()?
-                .iter()
-                .find(|s| s["id"] == id.as_str() && s["running"] == running)
-                .cloned()
+            listed(&d.containerd, &id).filter(|s| s["running"] == running)
         })
     };
     d.docker_ok(&["stop", "-t", "1", "rb"]);
@@ -329,11 +325,7 @@ fn docker_sandbox_rolls_back() {
     assert_eq!(fetch().as_deref(), Some("one"), "v1's server on today's network");
 
     d.docker_ok(&["rm", "-f", "rb"]);
-    wait_until(15, || {
-        let list = crabctl_ok(&d.containerd, &["ps"]);
-        (!list.as_array()?.iter().any(|s| s["id"] == id.as_str())).then_some(())
-    })
-    .expect("docker rm drops its history");
+    wait_forgotten(&d.containerd, &id);
     d.docker_ok(&["network", "rm", "rbnet"]);
     assert_clean(&d.scope(), &[]);
 }

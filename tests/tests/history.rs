@@ -11,16 +11,12 @@
 use std::path::Path;
 
 use crab_tests::leftovers::assert_clean;
-use crab_tests::sandbox::{crabctl_err, crabctl_ok, exec_sh, wait_registered};
+use crab_tests::sandbox::{
+    crabctl_err, crabctl_ok, exec_sh, listed, version_numbers, wait_forgotten, wait_registered,
+};
 use crab_tests::{wait_until, Containerd, CRAB};
 
 const LOOP: &[&str] = &["sh", "-c", "while true; do sleep 0.05; done"];
-
-/// crabctl's entry for `id`, if it lists one.
-fn listed(ctd: &Containerd, id: &str) -> Option<serde_json::Value> {
-    let list = crabctl_ok(ctd, &["ps"]);
-    list.as_array()?.iter().find(|s| s["id"] == id).cloned()
-}
 
 fn read(ctd: &Containerd, id: &str, file: &str) -> String {
     exec_sh(ctd, id, &format!("cat {file}")).trim().to_owned()
@@ -46,7 +42,7 @@ fn history_follows_the_container() {
     let entry = wait_until(10, || listed(&ctd, id).filter(|e| e["running"] == false))
         .expect("crabctl ps lists the stopped sandbox");
     assert_eq!(entry["versions"], 1, "{entry}");
-    assert_eq!(crabctl_ok(&ctd, &["versions", id]).as_array().unwrap().len(), 1);
+    assert_eq!(version_numbers(&ctd, id), [1]);
     let e = crabctl_err(&ctd, &["rollback", id, "1"]);
     assert!(e.contains("is not running"), "{e}");
     let e = crabctl_err(&ctd, &["checkpoint", id]);
@@ -68,7 +64,7 @@ fn history_follows_the_container() {
         assert!(root.join(dir).join(id).exists(), "{dir} before removal");
     }
     ctd.remove(id);
-    wait_until(15, || listed(&ctd, id).is_none().then_some(())).expect("crabd forgets the removed container");
+    wait_forgotten(&ctd, id);
     for dir in ["images", "sandboxes", "fs"] {
         assert!(!root.join(dir).join(id).exists(), "{dir} is left");
     }
@@ -76,7 +72,7 @@ fn history_follows_the_container() {
     // A new container with the same id starts from nothing.
     ctd.run_detached(CRAB, id, LOOP);
     wait_registered(&ctd, id);
-    assert!(crabctl_ok(&ctd, &["versions", id]).as_array().unwrap().is_empty());
+    assert!(version_numbers(&ctd, id).is_empty());
     assert_eq!(crabctl_ok(&ctd, &["checkpoint", id])["version"]["version"], 1);
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
@@ -106,7 +102,7 @@ fn a_reused_id_does_not_inherit_history() {
     ctd.run_detached(CRAB, id, LOOP);
     wait_until(20, || listed(&ctd, id).filter(|e| e["running"] == true))
         .expect("the new container registers");
-    assert!(crabctl_ok(&ctd, &["versions", id]).as_array().unwrap().is_empty());
+    assert!(version_numbers(&ctd, id).is_empty());
     assert!(!Path::new(&old_images).exists(), "the old process image is left");
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
@@ -133,5 +129,5 @@ fn a_dead_shim_leaves_its_sandbox_stopped() {
     let e = crabctl_err(&ctd, &["checkpoint", id]);
     assert!(e.contains("is not running"), "{e}");
     ctd.remove(id);
-    wait_until(15, || listed(&ctd, id).is_none().then_some(())).expect("crabd forgets the removed container");
+    wait_forgotten(&ctd, id);
 }

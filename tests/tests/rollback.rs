@@ -9,7 +9,7 @@ use std::path::Path;
 
 use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
-    ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, wait_registered, COUNTER, STORE,
+    ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, version_numbers, wait_registered, COUNTER, STORE,
 };
 use crab_tests::{wait_until, Containerd};
 
@@ -196,14 +196,7 @@ fn files_only_checkpoint_and_bad_input() {
     // rm-version drops the version; it is gone from the list.
     let removed = crabctl_ok(&ctd, &["rm-version", id, "3"]);
     assert_eq!(removed["removed"], serde_json::json!([3]));
-    let list = crabctl_ok(&ctd, &["versions", id]);
-    let numbers: Vec<i64> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|v| v["version"].as_i64())
-        .collect();
-    assert_eq!(numbers, vec![1, 2]);
+    assert_eq!(version_numbers(&ctd, id), [1, 2]);
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
@@ -364,14 +357,7 @@ fn retention_keeps_the_newest_versions() {
         assert_eq!(ask(pid, STORE, &format!("set a {v}")), "ok");
         crabctl_ok(&ctd, &["checkpoint", id]);
     }
-    let list = crabctl_ok(&ctd, &["versions", id]);
-    let numbers: Vec<i64> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|v| v["version"].as_i64())
-        .collect();
-    assert_eq!(numbers, vec![3, 4]);
+    assert_eq!(version_numbers(&ctd, id), [3, 4]);
     // Only the kept versions' file snapshots stay.
     let snapshots = std::fs::read_dir(ctd.crabd_root().join("fs").join(id))
         .unwrap()

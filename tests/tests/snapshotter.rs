@@ -45,6 +45,17 @@ impl Setup {
         }
     }
 
+    /// Imports the image archive `tar` onto crabzfs.
+    fn import(&self, tar: &Path) {
+        self.ctd.ctr_ok(&[
+            "image",
+            "import",
+            "--snapshotter",
+            "crabzfs",
+            &tar.to_string_lossy(),
+        ]);
+    }
+
     fn snapshots(&self, args: &[&str]) -> std::process::Output {
         let mut all = vec!["snapshots", "--snapshotter", "crabzfs"];
         all.extend_from_slice(args);
@@ -118,13 +129,7 @@ fn import_layered(s: &Setup) {
         .arg(&l2)
         .output()
         .unwrap());
-    s.ctd.ctr_ok(&[
-        "image",
-        "import",
-        "--snapshotter",
-        "crabzfs",
-        &tar.to_string_lossy(),
-    ]);
+    s.import(&tar);
 }
 
 #[test]
@@ -187,13 +192,7 @@ fn ctr_run_on_crabzfs() {
 #[test]
 fn crash_in_the_middle_recovers() {
     let mut s = Setup::start();
-    s.ctd.ctr_ok(&[
-        "image",
-        "import",
-        "--snapshotter",
-        "crabzfs",
-        &crab_tests::image::busybox_archive().to_string_lossy(),
-    ]);
+    s.import(crab_tests::image::busybox_archive());
     let base = s.keys().into_iter().next().expect("the busybox layer");
     for (point, op) in [
         ("prepare-after-dataset", vec!["prepare", "k1", base.as_str()]),
@@ -226,13 +225,7 @@ fn crash_in_the_middle_recovers() {
 #[test]
 fn bad_input_is_refused_clearly() {
     let s = Setup::start();
-    s.ctd.ctr_ok(&[
-        "image",
-        "import",
-        "--snapshotter",
-        "crabzfs",
-        &crab_tests::image::busybox_archive().to_string_lossy(),
-    ]);
+    s.import(crab_tests::image::busybox_archive());
     let base = s.keys().into_iter().next().expect("the busybox layer");
     let before = s.datasets();
     let out = s.snapshots(&["info", "no-such-key"]);
@@ -297,13 +290,7 @@ fn bad_input_is_refused_clearly() {
 #[test]
 fn full_pool_fails_clearly() {
     let s = Setup::start_sized("64M");
-    s.ctd.ctr_ok(&[
-        "image",
-        "import",
-        "--snapshotter",
-        "crabzfs",
-        &crab_tests::image::busybox_archive().to_string_lossy(),
-    ]);
+    s.import(crab_tests::image::busybox_archive());
     let base = s.keys().into_iter().next().expect("the busybox layer");
     ok(s.snapshots(&["prepare", "k", &base]));
     // Fill the pool through the active snapshot's mount.
@@ -335,13 +322,7 @@ fn full_pool_fails_clearly() {
 fn crabctl_rollback_on_crabzfs() {
     use crab_tests::sandbox::{crabctl_ok, wait_registered};
     let s = Setup::start();
-    s.ctd.ctr_ok(&[
-        "image",
-        "import",
-        "--snapshotter",
-        "crabzfs",
-        &crab_tests::image::busybox_archive().to_string_lossy(),
-    ]);
+    s.import(crab_tests::image::busybox_archive());
     s.ctd.ctr_ok(&[
         "run",
         "-d",
@@ -413,10 +394,6 @@ fn crabctl_rollback_on_crabzfs() {
     assert!(snapshots().contains(&named(&v1)), "{}", snapshots());
     s.ctd.remove("zr");
     // Its dataset is gone: so is its history.
-    wait_until(15, || {
-        let list = crabctl_ok(&s.ctd, &["ps"]);
-        (!list.as_array()?.iter().any(|e| e["id"] == "zr")).then_some(())
-    })
-    .expect("crabd forgets the removed sandbox");
+    crab_tests::sandbox::wait_forgotten(&s.ctd, "zr");
     assert_clean(&s.ctd.scope(), &["zr"]);
 }
