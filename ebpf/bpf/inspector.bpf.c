@@ -866,6 +866,14 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	return 0;
 }
 
+/* Follows task `pid`, born into sandbox `cg` in its turn `ctl->gen`. */
+static __always_inline void follow_task(__u64 cg, struct crab_ctl *ctl, __u32 pid)
+{
+	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
+	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))
+		count(cg, 0);
+}
+
 SEC("tracepoint/sched/sched_process_fork")
 int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
 {
@@ -873,10 +881,7 @@ int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
 	struct crab_ctl *ctl = current_sandbox(&cg);
 	if (!ctl)
 		return 0;
-	__u32 child = ctx->child_pid;
-	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
-	if (bpf_map_update_elem(&crab_tasks, &child, &t, BPF_ANY))
-		count(cg, 0);
+	follow_task(cg, ctl, ctx->child_pid);
 	return 0;
 }
 
@@ -889,10 +894,7 @@ int crab_attach(struct cgroup_attach_args *ctx)
 	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
 	if (!ctl)
 		return 0;
-	__u32 pid = ctx->pid;
-	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
-	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))
-		count(cg, 0);
+	follow_task(cg, ctl, ctx->pid);
 	return 0;
 }
 
