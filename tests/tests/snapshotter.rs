@@ -56,6 +56,24 @@ impl Setup {
         ]);
     }
 
+    /// `ctr run -d` of `image` as `id` on crabzfs with the crab runtime,
+    /// running `sh -c script`.
+    fn run(&self, image: &str, id: &str, script: &str) {
+        self.ctd.ctr_ok(&[
+            "run",
+            "-d",
+            "--snapshotter",
+            "crabzfs",
+            "--runtime",
+            CRAB,
+            image,
+            id,
+            "sh",
+            "-c",
+            script,
+        ]);
+    }
+
     fn snapshots(&self, args: &[&str]) -> std::process::Output {
         let mut all = vec!["snapshots", "--snapshotter", "crabzfs"];
         all.extend_from_slice(args);
@@ -136,19 +154,7 @@ fn import_layered(s: &Setup) {
 fn ctr_run_on_crabzfs() {
     let s = Setup::start();
     import_layered(&s);
-    s.ctd.ctr_ok(&[
-        "run",
-        "-d",
-        "--snapshotter",
-        "crabzfs",
-        "--runtime",
-        CRAB,
-        LAYERED,
-        "z",
-        "sh",
-        "-c",
-        "echo data > /written; sleep 300",
-    ]);
+    s.run(LAYERED, "z", "echo data > /written; sleep 300");
     // Whiteouts of the upper layer hid what the lower ones had.
     let out = s.ctd.ctr_ok(&[
         "task",
@@ -323,19 +329,11 @@ fn crabctl_rollback_on_crabzfs() {
     use crab_tests::sandbox::{crabctl_ok, wait_registered};
     let s = Setup::start();
     s.import(crab_tests::image::busybox_archive());
-    s.ctd.ctr_ok(&[
-        "run",
-        "-d",
-        "--snapshotter",
-        "crabzfs",
-        "--runtime",
-        CRAB,
+    s.run(
         crab_tests::image::BUSYBOX,
         "zr",
-        "sh",
-        "-c",
         "i=0; while true; do i=$((i+1)); echo $i > /n; sleep 0.05; done",
-    ]);
+    );
     wait_registered(&s.ctd, "zr");
     let read = |f: &str| -> String {
         let id = crab_tests::unique("r");
