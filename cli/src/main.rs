@@ -1,17 +1,13 @@
 //! `crabctl`: the user's command for Crab sandboxes. It talks to crabd's
-//! management API (`crab_engine::api`) over crabd's unix socket.
+//! management API through `crab_api::Crabd`, over crabd's unix socket.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use crab_engine::api::{
-    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportReport, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, TurnReport, VersionSel, VersionView,
-};
-use crab_engine::client::UnixClient;
-use crab_engine::Class;
+use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport};
+use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionSel};
 use serde::Serialize;
 
 mod progress;
@@ -47,7 +43,7 @@ enum Command {
     /// Save a sandbox now: files and processes (default), or files only.
     Checkpoint {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
         /// Files only.
         #[arg(long, conflicts_with = "full")]
         fs: bool,
@@ -58,12 +54,12 @@ enum Command {
     /// List a sandbox's versions.
     Versions {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
     },
     /// Put a sandbox back to a version: its processes, memory and files.
     Rollback {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
         /// Skip the undo checkpoint: faster, but a failed restore then
@@ -75,27 +71,27 @@ enum Command {
     /// (`none`, `fs`, `proc` or `full`, and why).
     Turn {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
     },
     /// Print each turn report of a sandbox as its turns end (until Ctrl-C).
     Watch {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
     },
     /// Start a new sandbox from a version; both then run independently.
     Fork {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
         /// The new sandbox's container id.
         #[arg(long)]
-        name: Option<String>,
+        name: Option<SandboxId>,
     },
     /// Write a version as one archive, to start it on another host.
     Export {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
         /// The archive to write.
@@ -107,7 +103,7 @@ enum Command {
         file: PathBuf,
         /// The new sandbox's container id (default: the exported one's).
         #[arg(long)]
-        name: Option<String>,
+        name: Option<SandboxId>,
         /// containerd namespace (default: crabd's `[crabd] namespace`).
         #[arg(long)]
         namespace: Option<String>,
@@ -119,12 +115,12 @@ enum Command {
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
     ProxyUrl {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
     },
     /// Remove a version (and what only it used).
     RmVersion {
         /// Container id, or a unique prefix of one.
-        sandbox: String,
+        sandbox: SandboxSelector,
         /// A version number from `crabctl versions`.
         version: u64,
     },
@@ -142,7 +138,7 @@ fn main() -> ExitCode {
     match rt.block_on(run(&cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("crabctl: {e}");
+            eprintln!("crabctl: {}", crab_api::error_chain(&e));
             ExitCode::FAILURE
         }
     }
@@ -153,7 +149,7 @@ fn main() -> ExitCode {
 enum RunError {
     /// crabd refused or could not be reached.
     #[error(transparent)]
-    Crabd(#[from] crab_engine::client::ClientError),
+    Crabd(#[from] crab_api::ClientError),
     /// The sandbox has no URL on the host listener.
     #[error("sandbox {sandbox} has no proxy URL: {}", if *has_proxy {
         "crabd's host listener is off ([crabd] proxy_port = 0) or could not bind its port (see crabd's log)"
@@ -162,7 +158,7 @@ enum RunError {
     })]
     NoProxyUrl {
         /// The sandbox.
-        sandbox: String,
+        sandbox: SandboxId,
         /// Whether its shim serves a proxy at all.
         has_proxy: bool,
     },
@@ -171,19 +167,19 @@ enum RunError {
 /// What `proxy-url` prints.
 #[derive(Serialize)]
 struct ProxyUrl {
-    sandbox: String,
+    sandbox: SandboxId,
     url: String,
 }
 
 async fn run(cli: &Cli) -> Result<(), RunError> {
-    let crabd = UnixClient::new(&cli.socket, "crabd", Duration::from_secs(cli.timeout));
+    let crabd = Crabd::new(&cli.socket, Duration::from_secs(cli.timeout));
     match &cli.command {
         Command::Ps => {
-            let list: Vec<SandboxInfo> = crabd.get("/v1/sandboxes").await?;
+            let list = crabd.list().await?;
             print(cli.json, &list, || {
                 let rows = list.iter().map(|s| {
                     vec![
-                        s.registration.id.clone(),
+                        s.registration.id.to_string(),
                         s.registration.namespace.clone(),
                         if s.running { "running" } else { "stopped" }.to_owned(),
                         if s.running {
@@ -203,14 +199,12 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         }
         Command::Checkpoint { sandbox, fs, .. } => {
             let class = if *fs { Class::Fs } else { Class::Full };
-            let r: CheckpointReport = crabd
-                .post(&sandbox_path(sandbox, "checkpoint"), &CheckpointRequest { class })
-                .await?;
+            let r = crabd.checkpoint(sandbox, class).await?;
             print(cli.json, &r, || {
                 format!(
                     "version {} ({}) of {}: frozen {:.1} ms, total {:.1} ms\n",
                     r.version.version,
-                    class_name(r.version.class),
+                    r.version.class,
                     r.version.sandbox.as_str(),
                     r.frozen_ms,
                     r.total_ms
@@ -218,13 +212,13 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             });
         }
         Command::Versions { sandbox } => {
-            let list: Vec<VersionView> = crabd.get(&sandbox_path(sandbox, "versions")).await?;
+            let list = crabd.versions(sandbox).await?;
             print(cli.json, &list, || {
                 let rows = list.iter().map(|v| match &v.record {
                     Some(r) => vec![
                         r.version.to_string(),
                         r.turn.map_or("-".to_owned(), |t| t.to_string()),
-                        class_name(r.class).to_owned(),
+                        r.class.to_string(),
                         r.process_image.map_or("-".to_owned(), |p| p.to_string()),
                         r.fs_snapshot
                             .as_ref()
@@ -249,7 +243,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             });
         }
         Command::ProxyUrl { sandbox } => {
-            let info: SandboxInfo = crabd.get(&sandbox_path(sandbox, "")).await?;
+            let info = crabd.show(sandbox).await?;
             let Some(url) = info.proxy_url.clone() else {
                 return Err(RunError::NoProxyUrl {
                     sandbox: info.registration.id,
@@ -271,7 +265,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 version: *version,
                 undo: !no_undo,
             };
-            let r: RollbackReport = crabd.post(&sandbox_path(sandbox, "rollback"), &req).await?;
+            let r = crabd.rollback(sandbox, &req).await?;
             print(cli.json, &r, || {
                 format!(
                     "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",
@@ -280,16 +274,17 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             });
         }
         Command::Turn { sandbox } => {
-            let r: TurnReport = crabd.post(&sandbox_path(sandbox, "turn"), &()).await?;
+            let r = crabd.turn(sandbox).await?;
             print(cli.json, &r, || turn_line(&r));
         }
         Command::Watch { sandbox } => {
             let json = cli.json;
             crabd
-                .lines(&sandbox_path(sandbox, "watch"), |line| {
-                    match serde_json::from_str::<TurnReport>(line) {
+                .watch(sandbox, |report| {
+                    match report {
                         Ok(r) if !json => print!("{}", turn_line(&r)),
-                        _ => println!("{line}"),
+                        Ok(r) => println!("{}", serde_json::to_string(&r).expect("a report serializes")),
+                        Err(line) => println!("{line}"),
                     }
                     true
                 })
@@ -300,15 +295,11 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             version,
             name,
         } => {
-            let r: ForkReport = crabd
-                .post(
-                    &sandbox_path(sandbox, "fork"),
-                    &ForkRequest {
-                        version: *version,
-                        name: name.clone(),
-                    },
-                )
-                .await?;
+            let req = ForkRequest {
+                version: *version,
+                name: name.clone(),
+            };
+            let r = crabd.fork(sandbox, &req).await?;
             print(cli.json, &r, || {
                 format!(
                     "{} runs from version {}: pid {}, {:.1} ms\n",
@@ -322,9 +313,10 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             file,
         } => {
             let bar = progress::bar(cli.json, "export");
-            let path = format!("{}/{version}/export", sandbox_path(sandbox, "versions"));
             let n = crabd
-                .download(&path, file, &|n, total| progress::tick(&bar, n, total))
+                .export(sandbox, *version, file, &|n, total| {
+                    progress::tick(&bar, n, total)
+                })
                 .await?;
             bar.finish_and_clear();
             let report = serde_json::json!({ "file": file, "bytes": n });
@@ -338,21 +330,14 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             namespace,
             containerd,
         } => {
-            let mut query = Vec::new();
-            if let Some(n) = name {
-                query.push(format!("name={}", escape(n)));
-            }
-            if let Some(n) = namespace {
-                query.push(format!("namespace={}", escape(n)));
-            }
-            if let Some(c) = containerd {
-                query.push(format!("containerd={}", escape(&c.to_string_lossy())));
-            }
+            let query = ImportQuery {
+                name: name.clone(),
+                namespace: namespace.clone(),
+                containerd: containerd.clone(),
+            };
             let bar = progress::bar(cli.json, "import");
-            let r: ImportReport = crabd
-                .upload(&format!("/v1/import?{}", query.join("&")), file, &|n, total| {
-                    progress::tick(&bar, n, total)
-                })
+            let r = crabd
+                .import(file, &query, &|n, total| progress::tick(&bar, n, total))
                 .await?;
             bar.finish_and_clear();
             print(cli.json, &r, || {
@@ -366,9 +351,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             });
         }
         Command::RmVersion { sandbox, version } => {
-            let r: RemovalReport = crabd
-                .delete(&format!("{}/{version}", sandbox_path(sandbox, "versions")))
-                .await?;
+            let r = crabd.remove_version(sandbox, *version).await?;
             print(cli.json, &r, || {
                 let list: Vec<String> = r.removed.iter().map(u64::to_string).collect();
                 format!("removed versions: {}\n", list.join(" "))
@@ -378,38 +361,10 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
     Ok(())
 }
 
-/// `/v1/sandboxes/<sel>/<what>` (`/v1/sandboxes/<sel>` for an empty
-/// `what`), the selector escaped for a path.
-fn sandbox_path(sel: &str, what: &str) -> String {
-    match what {
-        "" => format!("/v1/sandboxes/{}", escape(sel)),
-        _ => format!("/v1/sandboxes/{}/{what}", escape(sel)),
-    }
-}
-
-/// `s` percent-encoded for a URL path segment or query value.
-fn escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// One line per turn report: turn, class, and the reasons in short.
 fn turn_line(r: &TurnReport) -> String {
     let reasons: Vec<String> = r.reasons.iter().map(|v| v.to_string()).collect();
-    format!("turn {} {}: {}\n", r.turn, class_name(r.class), reasons.join(" "))
-}
-
-fn class_name(c: Class) -> &'static str {
-    match c {
-        Class::None => "none",
-        Class::Fs => "fs",
-        Class::Proc => "proc",
-        Class::Full => "full",
-    }
+    format!("turn {} {}: {}\n", r.turn, r.class, reasons.join(" "))
 }
 
 fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {

@@ -29,4 +29,4 @@ mod report;
 pub use cgroup::{cgroup_id, unified_mount};
 pub use error::{Error, Result};
 pub use inspector::{Inspector, InspectorConfig};
-pub use report::{Class, Reason, TurnReport, UnknownClass};
+pub use report::{Class, Reason, TurnReport};

@@ -3,21 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// What a turn's net, lasting effects need to be recoverable.
-///
-/// Ordered by cost: `Full` is `Fs` and `Proc` together.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Class {
-    /// Nothing changed: the previous version stands.
-    None,
-    /// Only the filesystem changed.
-    Fs,
-    /// Only processes changed (started, exited, ran, changed directory).
-    Proc,
-    /// Both, or the inspector cannot tell.
-    Full,
-}
+pub use crab_api::Class;
 
 /// Why a turn got its class. A report carries a bounded sample of these.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,67 +79,6 @@ pub struct TurnReport {
     pub reasons: Vec<Reason>,
     /// How many reasons there were in all (`reasons` holds the first ones).
     pub n_reasons: usize,
-}
-
-impl Class {
-    /// The class of a turn that changed the filesystem (`fs`) and/or
-    /// processes (`proc`).
-    pub fn of(fs: bool, proc: bool) -> Class {
-        match (fs, proc) {
-            (false, false) => Class::None,
-            (true, false) => Class::Fs,
-            (false, true) => Class::Proc,
-            (true, true) => Class::Full,
-        }
-    }
-
-    /// Whether a version of this class must snapshot the filesystem.
-    pub fn needs_fs(self) -> bool {
-        matches!(self, Class::Fs | Class::Full)
-    }
-
-    /// Whether a version of this class must dump processes.
-    pub fn needs_proc(self) -> bool {
-        matches!(self, Class::Proc | Class::Full)
-    }
-
-    /// Whether saving `self` also saves everything `other` needs.
-    pub fn covers(self, other: Class) -> bool {
-        (self.needs_fs() || !other.needs_fs()) && (self.needs_proc() || !other.needs_proc())
-    }
-}
-
-impl std::fmt::Display for Class {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Class::None => "none",
-            Class::Fs => "fs",
-            Class::Proc => "proc",
-            Class::Full => "full",
-        })
-    }
-}
-
-impl std::str::FromStr for Class {
-    type Err = UnknownClass;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "none" => Ok(Class::None),
-            "fs" => Ok(Class::Fs),
-            "proc" => Ok(Class::Proc),
-            "full" => Ok(Class::Full),
-            _ => Err(UnknownClass { name: s.to_owned() }),
-        }
-    }
-}
-
-/// A class name that is not `none`, `fs`, `proc` or `full`.
-#[derive(Debug, thiserror::Error)]
-#[error("unknown turn class {name:?} (expected none, fs, proc or full)")]
-pub struct UnknownClass {
-    /// The name given.
-    pub name: String,
 }
 
 #[cfg(test)]

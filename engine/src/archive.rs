@@ -82,7 +82,7 @@ pub enum ArchiveError {
         reason: String,
     },
     /// Reading or writing failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     Io {
         /// What was done.
         op: &'static str,

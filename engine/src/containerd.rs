@@ -18,13 +18,13 @@ use containerd_client::{with_namespace, Client};
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::RESTORE_ANNOTATION;
+use crab_api::shim::RESTORE_ANNOTATION;
 
 /// What talking to containerd can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerdError {
     /// containerd does not answer on its socket.
-    #[error("connect to containerd at {}: {source}", address.display())]
+    #[error("connect to containerd at {}", address.display())]
     Connect {
         /// Its socket.
         address: PathBuf,

@@ -1,12 +1,16 @@
-//! crabd: the host's checkpoint engine. It serves the management API
-//! (`crate::api`) on a root-only unix socket, keeps the sandboxes that shims
-//! register, and turns checkpoint and rollback requests into calls to each
-//! sandbox's shim and versions in the [`VersionStore`].
+//! crabd: the host's checkpoint engine. It keeps the sandboxes that shims
+//! register, turns checkpoint, turn-end, rollback, fork, export and import
+//! requests into calls to each sandbox's shim and versions in the
+//! [`VersionStore`], and serves them as the management API
+//! (`crab_api::routes`) on a root-only unix socket.
 //!
-//! It also runs the host listener for agents outside their sandbox
-//! (`host_listener`), makes each turn end that a shim's proxy reports into a
-//! version (`turns`), and deletes the history of sandboxes whose container
-//! containerd removed (`gc`).
+//! Each operation is a method of [`Daemon`] in a module of its own
+//! (`checkpoint`, `turn_end`, `rollback`, `fork`, `export`, `import`,
+//! `versions`, `sandboxes`); `http` holds the thin axum handlers that parse
+//! a request, call one, and answer. `files` is the one owner of the file
+//! snapshots crabd keeps. It also runs the host listener for agents outside
+//! their sandbox (`host_listener`) and deletes the history of sandboxes whose
+//! container containerd removed (`gc`).
 //!
 //! One operation per sandbox runs at a time; sandboxes do not wait for each
 //! other. Work on a sandbox runs to its end even if the caller hangs up, so a
@@ -17,20 +21,27 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use axum::routing::{delete, get, post};
-use axum::Router;
+use crab_api::config::CrabdConfig;
+use crab_api::SandboxId;
 
-use crate::config::CrabdConfig;
 use crate::{StoreError, VersionStore};
 
+mod checkpoint;
 mod error;
+mod export;
+mod files;
+mod fork;
 mod gc;
 mod host_listener;
+mod http;
+mod import;
 mod inspect;
 mod registry;
-mod routes;
-mod transfer;
-mod turns;
+mod rollback;
+mod sandboxes;
+mod turn_end;
+mod versions;
+mod work;
 
 pub use error::ApiError;
 pub use inspect::{Inspection, TurnInspector};
@@ -47,10 +58,10 @@ pub enum DaemonError {
     },
     /// The version store could not be opened (another crabd holds it, or
     /// the disk failed).
-    #[error("open the version store: {0}")]
+    #[error("open the version store")]
     Store(#[from] StoreError),
     /// A file or socket operation failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     Io {
         /// What crabd was doing.
         op: &'static str,
@@ -68,7 +79,8 @@ pub struct Daemon {
     config: CrabdConfig,
     store: VersionStore,
     registry: Registry,
-    busy: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    files: files::Files,
+    busy: parking_lot::Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
     /// Held while a sandbox registers or its history is dropped (`gc`), so
     /// a drop never takes a newer registration with it. Not the per-sandbox
     /// lock: crabd's own import holds that while the shim registers.
@@ -98,10 +110,11 @@ impl Daemon {
         let staging = config.root.join("staging");
         if let Err(e) = std::fs::remove_dir_all(&staging) {
             if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(dir = %staging.display(), "clear staging: {e}");
+                tracing::warn!(dir = %staging.display(), error = %e, "clear staging");
             }
         }
         Ok(Daemon {
+            files: files::Files::new(config.root.join("fs")),
             config,
             store,
             registry,
@@ -123,13 +136,8 @@ impl Daemon {
     }
 
     /// The lock that keeps a sandbox's operations one at a time.
-    fn busy(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.busy.lock().entry(id.to_owned()).or_default().clone()
-    }
-
-    /// Where copying filesystem backends keep sandbox `id`'s snapshots.
-    fn fs_store(&self, id: &str) -> PathBuf {
-        self.config.root.join("fs").join(id)
+    fn busy(&self, id: &SandboxId) -> Arc<tokio::sync::Mutex<()>> {
+        self.busy.lock().entry(id.clone()).or_default().clone()
     }
 
     /// A fresh staging directory for a transfer (`<root>/staging/…`).
@@ -140,7 +148,7 @@ impl Daemon {
             .config
             .root
             .join("staging")
-            .join(format!("{kind}-{}-{n}", routes::unix_ms()));
+            .join(format!("{kind}-{}-{n}", work::unix_ms()));
         std::fs::create_dir_all(&dir).map_err(|source| ApiError::Io {
             op: "create a staging directory",
             source,
@@ -148,32 +156,9 @@ impl Daemon {
         Ok(dir)
     }
 
-    /// The API's routes.
-    pub fn router(self: Arc<Self>) -> Router {
-        Router::new()
-            .route("/v1/sandboxes", get(routes::list).post(routes::register))
-            .route(
-                "/v1/sandboxes/{sel}",
-                get(routes::show).delete(routes::unregister),
-            )
-            .route("/v1/sandboxes/{sel}/checkpoint", post(routes::checkpoint))
-            .route("/v1/sandboxes/{sel}/turns", post(turns::turn_ended))
-            .route("/v1/sandboxes/{sel}/versions", get(routes::versions))
-            .route("/v1/sandboxes/{sel}/rollback", post(routes::rollback))
-            .route("/v1/sandboxes/{sel}/fork", post(routes::fork))
-            .route("/v1/sandboxes/{sel}/turn", post(inspect::turn))
-            .route("/v1/sandboxes/{sel}/watch", get(inspect::watch))
-            .route(
-                "/v1/sandboxes/{sel}/versions/{version}/export",
-                get(transfer::export),
-            )
-            .route("/v1/import", post(transfer::import))
-            .route(
-                "/v1/sandboxes/{sel}/versions/{version}",
-                delete(routes::remove_version),
-            )
-            .fallback(routes::not_found)
-            .with_state(self)
+    /// The API's routes (`crab_api::routes`), each a thin handler.
+    pub fn router(self: Arc<Self>) -> axum::Router {
+        http::router(self)
     }
 }
 
@@ -197,7 +182,7 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let gc_task = tokio::spawn(gc::collect(daemon.clone()));
     let pid_file = daemon.config.root.join("crabd.pid");
     if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
-        tracing::warn!(path = %pid_file.display(), "write pid file: {e}");
+        tracing::warn!(path = %pid_file.display(), error = %e, "write pid file");
     }
     tracing::info!(socket = %socket.display(), root = %daemon.config.root.display(), "crabd serving");
     let app = daemon.router();

@@ -1,22 +1,20 @@
-//! `crabd`'s library. Today it holds the version store: per sandbox, a
-//! durable, checksummed record of its recoverable points (versions) and the
-//! process images they hold, with integrity checks and retention.
+//! `crabd`'s library: the host's checkpoint engine behind crab-api.
 //!
-//! Public face: [`VersionStore`] (open, register, begin_version → publish,
-//! versions, get, latest_valid, retain, remove_version), its records
-//! ([`VersionRecord`], [`Class`], [`FsSnapshot`]), [`SandboxId`], and
-//! [`Error`] / [`StoreError`].
+//! Public face: [`daemon`] (`serve`, [`daemon::Daemon`] and its
+//! operations, served as the management API of `crab_api::routes`), the
+//! version store [`VersionStore`] (open, register, begin_version →
+//! publish, versions, get, latest_valid, retain, remove_version) and
+//! [`Error`] / [`StoreError`]. Clients never link this crate: they use
+//! `crab-api`.
 //!
 //! Must never: name in a durable manifest line anything that is not durable
-//! yet, list a torn or corrupt line as a valid version, or read or write
-//! outside its root (sandbox ids and image paths are checked).
+//! yet, list a torn or corrupt line as a valid version, read or write
+//! outside its root (sandbox ids are `crab_api::SandboxId`s, image paths
+//! are checked), or resolve a machine's exact sandbox id as a prefix.
 
 #![forbid(unsafe_code)]
 
-pub mod api;
 pub mod archive;
-pub mod client;
-pub mod config;
 pub mod containerd;
 pub mod daemon;
 mod error;

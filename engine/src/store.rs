@@ -53,7 +53,6 @@
 
 mod durable;
 mod error;
-mod id;
 mod images;
 mod manifest;
 mod publish;
@@ -71,12 +70,12 @@ use nix::fcntl::{Flock, FlockArg};
 use parking_lot::Mutex;
 
 pub use self::error::StoreError;
-pub use self::id::SandboxId;
 pub use self::publish::{Capture, NewVersion, PendingVersion};
 pub use self::query::{Version, VersionInfo};
 pub use self::record::{Class, FsSnapshot, ImageFile, VersionRecord};
 pub use self::recover::{Recovery, TornLine};
 pub use self::retain::Removal;
+pub use crab_api::SandboxId;
 
 use self::manifest::{Entry, Manifest};
 use self::record::Header;

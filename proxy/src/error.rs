@@ -11,12 +11,12 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
 use crate::config::ConfigError;
-use crate::id::InvalidSandboxId;
 use crate::limit::RequestError;
 use crate::replay::ReplayError;
 use crate::transcript::TranscriptError;
 use crate::upstream::UpstreamError;
 use crate::ProxyBody;
+use crab_api::InvalidSandboxId;
 
 /// Everything the proxy can fail with.
 #[derive(Debug, thiserror::Error)]

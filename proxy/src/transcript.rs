@@ -412,7 +412,12 @@ async fn write_loop(
         .await;
         if let Err(error) = written {
             stats.update(|s| s.n_transcript_errors += batch.len() as u64);
-            tracing::error!(path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");
+            let (sandbox, turn) = match batch.first() {
+                Some(Entry::Turn(r)) => (r.sandbox.as_str(), r.turn),
+                Some(Entry::Divergence(r)) => (r.sandbox.as_str(), r.turn),
+                None => ("", 0),
+            };
+            tracing::error!(sandbox, turn, path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");
         }
         let n = batch.len() as u64;
         batch.clear();

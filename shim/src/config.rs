@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use crab_engine::config::{CONFIG_ENV, DEFAULT_CONFIG_PATH};
+pub use crab_api::config::{CONFIG_ENV, DEFAULT_CONFIG_PATH};
 
 /// The whole configuration file, as the shim reads it. Every component
 /// reads its own table (`[snapshotter]` belongs to the snapshotter); within
@@ -119,7 +119,7 @@ pub struct ProxyShimConfig {
     pub checkpoint_on_turn: bool,
 }
 
-pub use crab_engine::config::ConfigError;
+pub use crab_api::config::ConfigError;
 
 // === impl Config ===
 
@@ -130,7 +130,7 @@ impl Config {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load() -> Result<Self, ConfigError> {
-        Self::load_from(&crab_engine::config::config_path())
+        Self::load_from(&crab_api::config::config_path())
     }
 
     /// Reads `path` over the embedded defaults; a missing file gives the defaults.
@@ -138,12 +138,12 @@ impl Config {
     /// # Errors
     /// The file exists but cannot be read or parsed.
     pub fn load_from(path: &Path) -> Result<Self, ConfigError> {
-        crab_engine::config::load(path)
+        crab_api::config::load(path)
     }
 
     #[cfg(test)]
     fn parse(text: &str) -> Result<Self, toml::de::Error> {
-        crab_engine::config::parse(text)
+        crab_api::config::parse(text)
     }
 }
 

@@ -129,7 +129,7 @@ impl Container {
             pending_restore: spec
                 .annotations()
                 .as_ref()
-                .and_then(|a| a.get(crab_engine::api::RESTORE_ANNOTATION))
+                .and_then(|a| a.get(crab_api::shim::RESTORE_ANNOTATION))
                 .map(PathBuf::from),
         };
         c.zfs_dataset = c.find_zfs_dataset(runtime).await;
@@ -181,7 +181,7 @@ impl Container {
                         .await
                     {
                         Ok(p) => c.proxy = Some(p),
-                        Err(e) => log::error!("{}: no LLM proxy: {e}", c.id),
+                        Err(e) => tracing::error!("{}: no LLM proxy: {e}", c.id),
                     }
                 }
                 Ok((c, Some(rx)))
@@ -472,20 +472,20 @@ impl Container {
             task.abort();
         }
         if let Err(e) = runtime.delete(&self.id, &self.bundle, true).await {
-            log::debug!("cleanup of {}: {e}", self.id);
+            tracing::debug!("cleanup of {}: {e}", self.id);
         }
         self.init.io = None;
         if self.rootfs_mounted {
             let rootfs = self.bundle.join("rootfs");
             if let Err(e) = unmount(&rootfs) {
-                log::warn!("unmount {}: {e}", rootfs.display());
+                tracing::warn!("unmount {}: {e}", rootfs.display());
             } else {
                 self.rootfs_mounted = false;
             }
         }
         if let Some(cg) = &self.unified_cgroup {
             if let Err(e) = cgroup::remove_unified(cg) {
-                log::warn!("remove cgroup {}: {e}", cg.display());
+                tracing::warn!("remove cgroup {}: {e}", cg.display());
             }
         }
     }

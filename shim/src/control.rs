@@ -2,7 +2,7 @@
 //! the container, and the container's registration with crabd.
 //!
 //! The socket is root-only (0600) and lives under the runtime state root;
-//! the routes and messages are `crab_engine::api`'s. Work that a call starts
+//! the routes and messages are `crab_api::shim`'s. Work that a call starts
 //! runs to its end even when the caller goes away: a crabd killed in the
 //! middle of a checkpoint must not leave the container frozen.
 
@@ -16,10 +16,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use crab_engine::api::{
-    ErrorBody, Registration, ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored,
-};
-use crab_engine::client::{ClientError, UnixClient};
+use crab_api::crabd::{ErrorBody, Registration};
+use crab_api::shim::{ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored};
+use crab_api::{routes, ClientError, Crabd, SandboxId};
 use tokio::sync::Mutex;
 
 use crate::config::CrabdShimConfig;
@@ -32,7 +31,7 @@ use crate::service::Events;
 pub struct Control {
     socket: PathBuf,
     server: tokio::task::JoinHandle<()>,
-    crabd: Option<(UnixClient, String)>,
+    crabd: Option<(Crabd, SandboxId)>,
 }
 
 #[derive(Clone)]
@@ -73,9 +72,9 @@ impl Control {
         let listener = tokio::net::UnixListener::bind(&socket)?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
         let app = Router::new()
-            .route("/checkpoint", post(checkpoint))
-            .route("/restore", post(restore))
-            .route("/forget", post(forget))
+            .route(routes::shim::CHECKPOINT, post(checkpoint))
+            .route(routes::shim::RESTORE, post(restore))
+            .route(routes::shim::FORGET, post(forget))
             .with_state(Ctx {
                 container,
                 runtime,
@@ -84,7 +83,7 @@ impl Control {
         // Lives until `stop`.
         let server = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
-                log::warn!("control socket: {e}");
+                tracing::warn!(error = %e, "control socket");
             }
         });
         let mut control = Control {
@@ -92,8 +91,15 @@ impl Control {
             server,
             crabd: None,
         };
-        if config.register {
-            let client = UnixClient::new(&config.socket, "crabd", Duration::from_secs(5));
+        let sandbox = match SandboxId::new(id.as_str()) {
+            Ok(sandbox) => Some(sandbox),
+            Err(e) => {
+                tracing::warn!(error = %e, "not registered with crabd: crabd keeps no versions of it");
+                None
+            }
+        };
+        if let Some(id) = sandbox.filter(|_| config.register) {
+            let client = Crabd::new(&config.socket, Duration::from_secs(5));
             let reg = Registration {
                 id: id.clone(),
                 namespace: namespace.to_owned(),
@@ -108,7 +114,7 @@ impl Control {
             };
             match register(&client, &reg, config).await {
                 Ok(()) => control.crabd = Some((client, id)),
-                Err(e) => log::warn!("{id}: not registered with crabd: {e}"),
+                Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "not registered with crabd"),
             }
         }
         Ok(control)
@@ -117,11 +123,8 @@ impl Control {
     /// Unregisters from crabd and closes the socket.
     pub async fn stop(self) {
         if let Some((client, id)) = &self.crabd {
-            if let Err(e) = client
-                .delete::<serde_json::Value>(&format!("/v1/sandboxes/{id}"))
-                .await
-            {
-                log::warn!("{id}: unregister from crabd: {e}");
+            if let Err(e) = client.unregister(id).await {
+                tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "unregister from crabd");
             }
         }
         self.server.abort();
@@ -131,22 +134,18 @@ impl Control {
 
 /// Registers `reg`; when nothing listens, starts crabd and tries again for
 /// a few seconds.
-async fn register(
-    client: &UnixClient,
-    reg: &Registration,
-    config: &CrabdShimConfig,
-) -> Result<(), ClientError> {
-    match client.post::<_, serde_json::Value>("/v1/sandboxes", reg).await {
+async fn register(client: &Crabd, reg: &Registration, config: &CrabdShimConfig) -> Result<(), ClientError> {
+    match client.register(reg).await {
         Err(ClientError::Connect { .. }) if config.autostart => {}
         other => return other.map(drop),
     }
     if let Err(e) = spawn_crabd(&config.binary) {
-        log::warn!("start crabd ({}): {e}", config.binary.display());
+        tracing::warn!(binary = %config.binary.display(), error = %e, "start crabd");
     }
     let mut last = None;
     for _ in 0..100 {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        match client.post::<_, serde_json::Value>("/v1/sandboxes", reg).await {
+        match client.register(reg).await {
             Err(e @ ClientError::Connect { .. }) => last = Some(e),
             other => return other.map(drop),
         }

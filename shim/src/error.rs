@@ -152,7 +152,7 @@ pub enum Error {
         reason: String,
     },
     /// A filesystem snapshot operation failed.
-    #[error("filesystem snapshot of {id}: {source}")]
+    #[error("filesystem snapshot of {id}")]
     Snapshot {
         /// The container.
         id: String,

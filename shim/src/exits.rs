@@ -101,7 +101,7 @@ impl ExitRouter {
         } else if inner.n_spawning > 0 {
             inner.unclaimed.insert(pid, exit);
         } else {
-            log::debug!("reaped unwatched pid {pid} (status {code})");
+            tracing::debug!("reaped unwatched pid {pid} (status {code})");
         }
     }
 }

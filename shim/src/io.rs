@@ -183,7 +183,7 @@ impl ProcessIo {
             let Ok(Ok(file)) = opened else { return };
             match pipe::Receiver::from_file(file) {
                 Ok(from) => copy(from, to).await,
-                Err(e) => log::warn!("stdin fifo: {e}"),
+                Err(e) => tracing::warn!("stdin fifo: {e}"),
             }
         }));
     }
@@ -223,7 +223,7 @@ impl ProcessIo {
         let outputs = std::mem::take(&mut self.outputs);
         let all = futures_join(outputs);
         if tokio::time::timeout(limit, all).await.is_err() {
-            log::warn!(
+            tracing::warn!(
                 "stdio still open {}s after exit; not waiting longer",
                 limit.as_secs()
             );

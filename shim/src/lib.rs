@@ -23,6 +23,7 @@ mod error;
 mod exits;
 mod fsop;
 mod io;
+mod logging;
 mod metrics;
 mod netns;
 mod oom;
@@ -42,6 +43,7 @@ pub const RUNTIME_NAME: &str = "io.containerd.crab.v2";
 /// Runs the binary: the runtime helper when the first argument is `runtime`,
 /// the containerd shim otherwise.
 pub fn run() {
+    logging::init();
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(runtime::SUBCOMMAND) {
         std::process::exit(runtime::helper_main(&args[2..]));

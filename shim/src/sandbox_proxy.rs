@@ -59,7 +59,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
         reason: e.to_string(),
     })?;
     if !private_netns(&spec) {
-        log::info!(
+        tracing::info!(
             "{}: shares a network namespace with the host: no LLM proxy",
             bundle.display()
         );
@@ -95,7 +95,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
                     }
                     // An OpenAI base without /v1 cannot be fronted by a
                     // proxy that serves /v1/…: leave the agent's choice.
-                    None => log::warn!("{name} does not end in /v1: left as the agent set it"),
+                    None => tracing::warn!("{name} does not end in /v1: left as the agent set it"),
                 }
             }
             None => {
@@ -190,18 +190,18 @@ impl SandboxProxy {
             sandbox.clone(),
             netns_shutdown.clone(),
         ));
-        log::info!("{id}: LLM proxy on 127.0.0.1:{port} in the sandbox");
+        tracing::info!("{id}: LLM proxy on 127.0.0.1:{port} in the sandbox");
         // The sandbox runs without the host socket if it cannot be bound:
         // only agents outside the sandbox miss it, and the log says why.
         let host = match &plan.host_socket {
             Some(path) => match bind_host_socket(path) {
                 Ok(listener) => {
                     let serve = crab_proxy::serve_sandbox(listener, sandbox.clone(), shutdown.clone());
-                    log::info!("{id}: LLM proxy on {} for crabd's host listener", path.display());
+                    tracing::info!("{id}: LLM proxy on {} for crabd's host listener", path.display());
                     Some((path.clone(), tokio::spawn(serve)))
                 }
                 Err(e) => {
-                    log::warn!("{id}: no host socket {}: {e}", path.display());
+                    tracing::warn!("{id}: no host socket {}: {e}", path.display());
                     None
                 }
             },

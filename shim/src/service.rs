@@ -135,11 +135,11 @@ impl Shim for Service {
         let bundle = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let runtime = runtime_client(ExitRouter::start().await, &self.namespace);
         if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
-            log::warn!("delete {} in {}: {e}", self.id, self.namespace);
+            tracing::warn!("delete {} in {}: {e}", self.id, self.namespace);
         }
         let rootfs = bundle.join("rootfs");
         if let Err(e) = crate::container::unmount(&rootfs) {
-            log::warn!("unmount {}: {e}", rootfs.display());
+            tracing::warn!("unmount {}: {e}", rootfs.display());
         }
         remove_unified_cgroup(&bundle, &self.id).await;
         // The dead shim could not remove its socket.
@@ -205,12 +205,12 @@ async fn remove_unified_cgroup(bundle: &Path, id: &str) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Err(e) => {
-                log::warn!("remove cgroup {}: {e}", unified.display());
+                tracing::warn!("remove cgroup {}: {e}", unified.display());
                 return;
             }
         }
     }
-    log::warn!("cgroup {} still busy", unified.display());
+    tracing::warn!("cgroup {} still busy", unified.display());
 }
 
 /// The runtime client for containers of containerd namespace `namespace`.
@@ -257,7 +257,7 @@ impl TaskService {
             Ok(Some(w)) => w,
             Ok(None) => return,
             Err(e) => {
-                log::warn!("{}: no OOM events: {e}", c.id);
+                tracing::warn!("{}: no OOM events: {e}", c.id);
                 return;
             }
         };
@@ -273,7 +273,7 @@ impl TaskService {
                 .await;
                 let Ok((w, true)) = waited else { break };
                 watch = w;
-                log::info!("{id}: OOM kill");
+                tracing::info!("{id}: OOM kill");
                 let event = TaskOOM {
                     container_id: id.clone(),
                     ..Default::default()
@@ -314,7 +314,7 @@ pub fn watch_exit(
             match c.process_mut(&exec_id) {
                 Ok(p) if p.pid == pid => (cid, p.io.take()),
                 Ok(_) => {
-                    log::info!("{cid} {exec_id}: replaced pid {pid} exited");
+                    tracing::info!("{cid} {exec_id}: replaced pid {pid} exited");
                     return;
                 }
                 Err(_) => (cid, None),
@@ -326,7 +326,7 @@ pub fn watch_exit(
         if let Ok(p) = container.lock().await.process_mut(&exec_id) {
             p.set_exited(exit);
         }
-        log::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
+        tracing::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
         let id = if exec_id.is_empty() { cid.clone() } else { exec_id };
         events
             .publish(
@@ -355,7 +355,7 @@ impl Events {
             .publish(Context::default(), topic, &self.namespace, event)
             .await
         {
-            log::warn!("publish {topic}: {e}");
+            tracing::warn!("publish {topic}: {e}");
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::service::TaskService;
 
 #[async_trait]
 impl Task for TaskService {
+    #[tracing::instrument(skip_all, fields(call = "create", sandbox = %req.id))]
     async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
         if self
             .containers
@@ -52,7 +53,7 @@ impl Task for TaskService {
         if let Some(rx) = rx {
             self.watch_exit(container, String::new(), pid, rx);
         }
-        log::info!("created {} (pid {pid})", req.id);
+        tracing::info!("created {} (pid {pid})", req.id);
         self.events
             .publish(
                 TASK_CREATE_EVENT_TOPIC,
@@ -79,6 +80,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "start", sandbox = %req.id))]
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
         let container = self.container(&req.id)?;
         let (pid, rx) = container.lock().await.start(&req.exec_id, &self.runtime).await?;
@@ -112,7 +114,7 @@ impl Task for TaskService {
                 Ok(control) => {
                     self.controls.lock().await.insert(req.id.clone(), control);
                 }
-                Err(e) => log::warn!("{}: no control socket: {e}", req.id),
+                Err(e) => tracing::warn!("{}: no control socket: {e}", req.id),
             }
             self.events
                 .publish(
@@ -131,6 +133,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "state", sandbox = %req.id))]
     async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
         let container = self.container(&req.id)?;
         let c = container.lock().await;
@@ -138,6 +141,7 @@ impl Task for TaskService {
         Ok(p.state_response(&c.id, &c.bundle.to_string_lossy()))
     }
 
+    #[tracing::instrument(skip_all, fields(call = "wait", sandbox = %req.id))]
     async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
         let container = self.container(&req.id)?;
         let mut rx = container.lock().await.process(&req.exec_id)?.subscribe();
@@ -158,6 +162,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "kill", sandbox = %req.id))]
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         container
@@ -168,6 +173,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "delete", sandbox = %req.id))]
     async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
         let container = self.container(&req.id)?;
         if req.exec_id.is_empty() {
@@ -193,7 +199,7 @@ impl Task for TaskService {
         let exit_status = exit.map_or(0, |e| e.code);
         let exited_at = exit.map_or_else(MessageField::none, |e| MessageField::some(timestamp(e.at)));
         if req.exec_id.is_empty() {
-            log::info!("deleted {}", req.id);
+            tracing::info!("deleted {}", req.id);
             self.events
                 .publish(
                     TASK_DELETE_EVENT_TOPIC,
@@ -215,6 +221,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "exec", sandbox = %req.id))]
     async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         container.lock().await.add_exec(&req)?;
@@ -231,6 +238,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "pids", sandbox = %req.id))]
     async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
         let container = self.container(&req.id)?;
         let (path, id) = {
@@ -250,6 +258,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "pause", sandbox = %req.id))]
     async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         container.lock().await.freeze(true, &self.runtime).await?;
@@ -265,6 +274,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "resume", sandbox = %req.id))]
     async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         container.lock().await.freeze(false, &self.runtime).await?;
@@ -280,6 +290,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "close_io", sandbox = %req.id))]
     async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         let mut c = container.lock().await;
@@ -289,6 +300,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "resize_pty", sandbox = %req.id))]
     async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         let c = container.lock().await;
@@ -298,6 +310,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "update", sandbox = %req.id))]
     async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         let resources: oci_spec::runtime::LinuxResources = serde_json::from_slice(&req.resources.value)
@@ -314,6 +327,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "stats", sandbox = %req.id))]
     async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
         let container = self.container(&req.id)?;
         let (path, id) = {
@@ -329,6 +343,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "connect", sandbox = %req.id))]
     async fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
         let task_pid = match self.container(&req.id) {
             Ok(c) => c.lock().await.init.pid.max(0) as u32,
@@ -342,6 +357,7 @@ impl Task for TaskService {
         })
     }
 
+    #[tracing::instrument(skip_all, fields(call = "shutdown"))]
     async fn shutdown(&self, _ctx: &TtrpcContext, _req: ShutdownRequest) -> TtrpcResult<Empty> {
         if self.containers.lock().expect("containers lock").is_empty() {
             self.exit.signal();
@@ -349,6 +365,7 @@ impl Task for TaskService {
         Ok(Empty::new())
     }
 
+    #[tracing::instrument(skip_all, fields(call = "checkpoint", sandbox = %req.id))]
     async fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
         let c = container.lock().await;

@@ -1,6 +1,7 @@
 //! The engine's side of the proxy's gate: at each turn end the sandbox's
-//! proxy asks crabd (`POST /v1/sandboxes/{id}/turns`) to make the turn's
-//! version, and holds the turn's answer until crabd has published it.
+//! proxy asks crabd (`POST /v1/sandboxes/{id}/turns`, by exact id) to make
+//! the turn's version, and holds the turn's answer until crabd has
+//! published it.
 //!
 //! No deadlock with the checkpoint itself: crabd's checkpoint calls back
 //! into this shim over the control socket, a separate connection served by
@@ -13,13 +14,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use crab_engine::api::{CheckpointReport, TurnEnd};
-use crab_engine::client::{ClientError, UnixClient};
+use crab_api::crabd::TurnEnd;
+use crab_api::{ClientError, Crabd};
 use crab_proxy::{HookError, SandboxId, TurnHook};
 
 /// A [`TurnHook`] that has crabd checkpoint the sandbox at each turn end.
 pub struct EngineHook {
-    crabd: UnixClient,
+    crabd: Crabd,
 }
 
 // === impl EngineHook ===
@@ -28,7 +29,7 @@ impl EngineHook {
     /// A hook calling crabd at `socket`, each call limited to `limit`.
     pub fn new(socket: &Path, limit: Duration) -> Self {
         EngineHook {
-            crabd: UnixClient::new(socket, "crabd", limit),
+            crabd: Crabd::new(socket, limit),
         }
     }
 }
@@ -43,30 +44,30 @@ impl TurnHook for EngineHook {
             turn,
             transcript_turns: turn.saturating_sub(1),
         };
-        let path = format!("/v1/sandboxes/{sandbox}/turns");
-        match self.crabd.post::<_, CheckpointReport>(&path, &end).await {
+        match self.crabd.turn_ended(sandbox, &end).await {
             Ok(r) => {
-                log::info!(
-                    "{sandbox}: turn {turn} is version {} (frozen {:.1} ms, total {:.1} ms)",
-                    r.version.version,
-                    r.frozen_ms,
-                    r.total_ms
+                tracing::info!(
+                    %sandbox,
+                    turn,
+                    version = r.version.version,
+                    class = %r.version.class,
+                    frozen_ms = r.frozen_ms,
+                    elapsed_ms = r.total_ms,
+                    "turn is a version"
                 );
                 Ok(())
             }
-            Err(e) => {
-                // The proxy's own tracing has no subscriber in the shim: say
-                // it here, in containerd's log, once per failed turn.
-                log::warn!("{sandbox}: turn {turn} has no version, its answer is released: {e}");
-                match e {
-                    ClientError::Connect { .. }
-                    | ClientError::Transport { .. }
-                    | ClientError::Timeout { .. } => Err(HookError::Unavailable { source: Box::new(e) }),
-                    ClientError::Refused { .. } | ClientError::Decode { .. } | ClientError::Local { .. } => {
-                        Err(HookError::CheckpointFailed { source: Box::new(e) })
-                    }
+            // The gate logs the failure (the proxy's `turn hook failed`),
+            // with the sandbox and turn, in containerd's log.
+            Err(e) => match e {
+                ClientError::Connect { .. } | ClientError::Transport { .. } | ClientError::Timeout { .. } => {
+                    Err(HookError::Unavailable { source: Box::new(e) })
                 }
-            }
+                ClientError::Refused { .. }
+                | ClientError::Decode { .. }
+                | ClientError::Local { .. }
+                | ClientError::Truncated { .. } => Err(HookError::CheckpointFailed { source: Box::new(e) }),
+            },
         }
     }
 }

@@ -8,11 +8,8 @@ use crate::backend::BackendKind;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The snapshot name is not a safe name.
-    #[error("invalid snapshot name {name:?}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
-    InvalidName {
-        /// The name given.
-        name: String,
-    },
+    #[error(transparent)]
+    InvalidName(#[from] crab_api::InvalidSnapshotName),
     /// The dataset name is not a ZFS dataset path.
     #[error("invalid dataset {dataset:?}")]
     InvalidDataset {

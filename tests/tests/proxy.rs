@@ -76,6 +76,27 @@ fn injected_proxy_counts_turns_and_keeps_the_transcript() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// A tmpfs mounted for a test, unmounted when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, options: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "crab-test", &dir.to_string_lossy()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "mount a tmpfs on {}", dir.display());
+        Tmpfs(dir.to_owned())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
 #[test]
 fn host_network_gets_no_proxy() {
     let (ctd, base) = containerd();
@@ -114,5 +135,87 @@ fn exec_sees_the_proxy_variables() {
     assert_eq!(out.trim(), "http://127.0.0.1:7878/v1 http://127.0.0.1:7878");
     ctd.remove("box");
     assert_clean(&ctd.scope(), &["box"]);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// Why a turn was not saved is in containerd's own log, with the sandbox
+/// and the turn: the proxy's events reach the shim's log FIFO. Here each
+/// transcript append fails (the transcripts are on a full tmpfs of one
+/// page, and each turn's record is larger) and each turn hook fails
+/// (checkpoints on, and no crabd to make them).
+#[test]
+fn a_failed_transcript_write_and_turn_hook_reach_containerds_log() {
+    let llm = ScriptedLlm::start();
+    let base = std::env::temp_dir().join(crab_tests::unique("crablog"));
+    let transcripts = base.join("transcripts");
+    let config = base.join("crab.toml");
+    std::fs::create_dir_all(&base).unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "[shim.proxy]\ntranscript_dir = \"{}\"\ncheckpoint_on_turn = true\n\
+             [crabd]\nautostart = false\n",
+            transcripts.display()
+        ),
+    )
+    .unwrap();
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    let full = Tmpfs::mount(&transcripts.join(&ctd.namespace), "size=4k");
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    let post = format!(
+        "wget -qO- --header 'Content-Type: application/json' \
+         --post-data '{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}' \
+         $OPENAI_BASE_URL/chat/completions",
+        "x".repeat(8192)
+    );
+    // The second turn's answer waits for the first turn's record: by then
+    // its append has failed.
+    let out = ctd.ctr_ok(&[
+        "run",
+        "--rm",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "agent",
+        "sh",
+        "-c",
+        &format!("{post}; echo; {post}"),
+    ]);
+    // The agent got its answers all the same.
+    assert_eq!(out.matches("scripted answer").count(), 2, "{out}");
+    let log_path = ctd.dir.join("containerd.log");
+    let line_of = |msg: &str| {
+        std::fs::read_to_string(&log_path)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains(&format!("msg=\"{msg}")) && l.contains("sandbox=\"agent\""))
+            .map(str::to_owned)
+    };
+    // containerd copies the shim's FIFO into its log as it comes.
+    let both = crab_tests::wait_until(10, || {
+        Some((line_of("turn hook failed")?, line_of("transcript append failed")?))
+    });
+    let Some((hook, append)) = both else {
+        panic!(
+            "not in containerd's log: {}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
+        );
+    };
+    assert!(
+        hook.contains("level=warn") && hook.contains("turn=\"1\""),
+        "{hook}"
+    );
+    assert!(
+        hook.contains("cannot reach crabd"),
+        "the cause is in the line: {hook}"
+    );
+    assert!(
+        append.contains("level=error") && append.contains("no storage space"),
+        "{append}"
+    );
+    assert_clean(&ctd.scope(), &["agent"]);
+    drop(full);
     let _ = std::fs::remove_dir_all(&base);
 }

@@ -1,7 +1,7 @@
 //! `crabd`: the host's checkpoint engine (see `crab_engine::daemon`).
 
 use clap::Parser;
-use crab_engine::config::CrabdConfig;
+use crab_api::config::CrabdConfig;
 
 /// Crab's host daemon: versions, checkpoints and rollbacks of sandboxes.
 #[derive(Parser)]
@@ -20,7 +20,7 @@ fn main() -> std::process::ExitCode {
     let mut config = match CrabdConfig::load() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("crabd: {e}");
+            eprintln!("crabd: {}", crab_api::error_chain(&e));
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -45,7 +45,7 @@ fn main() -> std::process::ExitCode {
     match rt.block_on(crab_engine::daemon::serve(config)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("crabd: {e}");
+            eprintln!("crabd: {}", crab_api::error_chain(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -4,33 +4,43 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use crate::api::ErrorBody;
-use crate::client::ClientError;
+use crab_api::crabd::ErrorBody;
+use crab_api::{BackendKind, ClientError, SandboxId};
+
 use crate::containerd::ContainerdError;
 use crate::StoreError;
 
 /// A refused or failed API call.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
+    /// A sandbox id in the request (or one crabd would make) is invalid.
+    #[error(transparent)]
+    InvalidId(#[from] crab_api::InvalidSandboxId),
     /// The request body is not the JSON the route takes.
     #[error("invalid request: {reason}")]
     BadRequest {
         /// What is wrong with it.
         reason: String,
     },
-    /// No registered sandbox has this id or id prefix.
+    /// No route of the API has this path.
+    #[error("no such API route: {path}")]
+    NoRoute {
+        /// The path asked for.
+        path: String,
+    },
+    /// No registered sandbox has this id (or, for a selector, id prefix).
     #[error("no sandbox matches {sel:?} (see `crabctl ps`)")]
     UnknownSandbox {
         /// What was asked for.
         sel: String,
     },
     /// Several sandboxes start with this prefix.
-    #[error("{sel:?} matches several sandboxes: {}", matches.join(", "))]
+    #[error("{sel:?} matches several sandboxes: {}", matches.iter().map(SandboxId::as_str).collect::<Vec<_>>().join(", "))]
     Ambiguous {
         /// What was asked for.
         sel: String,
         /// The ids it matches.
-        matches: Vec<String>,
+        matches: Vec<SandboxId>,
     },
     /// The sandbox's task stopped: nothing runs to checkpoint or restore.
     #[error(
@@ -39,13 +49,13 @@ pub enum ApiError {
     )]
     NotRunning {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
     },
     /// The checkpoint needs a filesystem snapshot the sandbox's rootfs cannot take.
     #[error("sandbox {id} has no filesystem backend for its rootfs: only a process checkpoint is possible")]
     NoFsBackend {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
     },
     /// Fork, export and import copy files crabd keeps; a snapshot on ZFS or
     /// btrfs stays on its filesystem.
@@ -55,17 +65,17 @@ pub enum ApiError {
     )]
     NotMovable {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
         /// The version.
         version: u64,
         /// Where its files are.
-        backend: crab_snapshotter::BackendKind,
+        backend: BackendKind,
     },
     /// The version holds no process image to restore.
     #[error("version {version} of sandbox {id} has no process image: roll back to a full checkpoint")]
     NoProcessImage {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
         /// The version.
         version: u64,
     },
@@ -73,7 +83,7 @@ pub enum ApiError {
     #[error("version {version} of sandbox {id} has no filesystem snapshot: fork a full checkpoint")]
     NoFsSnapshot {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
         /// The version.
         version: u64,
     },
@@ -81,16 +91,16 @@ pub enum ApiError {
     #[error("sandbox {id} exists already")]
     SandboxExists {
         /// The id.
-        id: String,
+        id: SandboxId,
     },
     /// containerd refused or failed.
     #[error(transparent)]
     Containerd(#[from] ContainerdError),
     /// A filesystem backend operation failed.
-    #[error("files of sandbox {id}: {source}")]
+    #[error("files of sandbox {id}")]
     Fs {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
         /// What the backend said.
         #[source]
         source: crab_snapshotter::Error,
@@ -105,16 +115,16 @@ pub enum ApiError {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The sandbox's shim refused or failed.
-    #[error("the shim of sandbox {id}: {source}")]
+    #[error("the shim of sandbox {id}")]
     Shim {
         /// The sandbox.
-        id: String,
+        id: SandboxId,
         /// What happened.
         #[source]
         source: ClientError,
     },
     /// A file operation of crabd's own failed.
-    #[error("{op}: {source}")]
+    #[error("{op}")]
     Io {
         /// What crabd was doing.
         op: &'static str,
@@ -122,12 +132,9 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
-    /// A worker task died.
-    #[error("internal error: {reason}")]
-    Internal {
-        /// What happened.
-        reason: String,
-    },
+    /// A worker task died (a bug: it panicked).
+    #[error("a worker task of crabd died")]
+    Worker(#[from] tokio::task::JoinError),
 }
 
 // === impl ApiError ===
@@ -135,8 +142,8 @@ pub enum ApiError {
 impl ApiError {
     fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::UnknownSandbox { .. } => StatusCode::NOT_FOUND,
+            ApiError::BadRequest { .. } | ApiError::InvalidId(_) => StatusCode::BAD_REQUEST,
+            ApiError::UnknownSandbox { .. } | ApiError::NoRoute { .. } => StatusCode::NOT_FOUND,
             ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
             ApiError::NoFsBackend { .. }
             | ApiError::NotMovable { .. }
@@ -151,7 +158,7 @@ impl ApiError {
             ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Archive(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Store(e) => match e {
-                StoreError::InvalidSandboxId { .. } => StatusCode::BAD_REQUEST,
+                StoreError::InvalidSandboxId(_) => StatusCode::BAD_REQUEST,
                 StoreError::UnknownSandbox { .. }
                 | StoreError::UnknownVersion { .. }
                 | StoreError::NoValidVersion { .. } => StatusCode::NOT_FOUND,
@@ -170,34 +177,15 @@ impl ApiError {
                 }
                 _ => StatusCode::BAD_GATEWAY,
             },
-            ApiError::Io { .. } | ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Io { .. } | ApiError::Worker(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
-}
-
-/// `e`'s message and those of its sources that it does not already say.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        // The shim's message already carries its causes; others get theirs.
-        let error = match self {
-            ApiError::Shim { .. } => self.to_string(),
-            _ => chain(&self),
-        };
-        tracing::info!(status = %self.status(), "refused: {error}");
+        let error = crab_api::error_chain(&self);
+        tracing::info!(status = %self.status(), error, "refused");
         (self.status(), Json(ErrorBody { error })).into_response()
     }
 }

@@ -17,11 +17,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crab_api::crabd::Registration;
+use crab_api::{BackendKind, SandboxId, SnapshotName};
+
+use super::files::Files;
 use super::registry::Entry;
+use super::work::{blocking_io, unix_ms};
 use super::{ApiError, Daemon};
-use crate::api::Registration;
 use crate::containerd::Containerd;
-use crate::SandboxId;
 
 /// How long crabd waits for containerd to say when it made a container.
 const ASK_LIMIT: Duration = Duration::from_secs(2);
@@ -35,12 +38,12 @@ pub(super) async fn incarnation(reg: &Registration) -> Option<String> {
     match tokio::time::timeout(ASK_LIMIT, created_at(reg)).await {
         Ok(Ok(at)) => at.filter(|at| !at.is_empty()),
         Ok(Err(e)) => {
-            tracing::warn!(sandbox = reg.id, "cannot tell when its container was made: {e}");
+            tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "cannot tell when its container was made");
             None
         }
         Err(_) => {
             tracing::warn!(
-                sandbox = reg.id,
+                sandbox = %reg.id,
                 "containerd did not say when its container was made"
             );
             None
@@ -50,7 +53,7 @@ pub(super) async fn incarnation(reg: &Registration) -> Option<String> {
 
 async fn created_at(reg: &Registration) -> Result<Option<String>, ApiError> {
     let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
-    Ok(containerd.created_at(&reg.id).await?)
+    Ok(containerd.created_at(reg.id.as_str()).await?)
 }
 
 /// Whether the stopped sandbox of `entry` is gone for good.
@@ -58,7 +61,7 @@ async fn is_gone(entry: &Entry) -> bool {
     if let Some(layer) = &entry.registration.layer {
         // A ZFS layer is its dataset's mount point: its directory stays
         // when the dataset is destroyed.
-        let mounted = entry.registration.fs_backend == Some(crab_snapshotter::BackendKind::Zfs);
+        let mounted = entry.registration.fs_backend == Some(BackendKind::Zfs);
         return match layer.try_exists() {
             Ok(false) => true,
             Ok(true) => mounted && !is_mount_point(layer),
@@ -72,7 +75,7 @@ async fn is_gone(entry: &Entry) -> bool {
             .as_ref()
             .is_some_and(|was| !at.is_empty() && *was != at),
         Ok(Err(e)) => {
-            tracing::debug!(sandbox = entry.registration.id, "containerd not asked: {e}");
+            tracing::debug!(sandbox = %entry.registration.id, error = %e, "containerd not asked");
             false
         }
         Err(_) => false,
@@ -125,10 +128,12 @@ pub(super) async fn collect(d: Arc<Daemon>) {
                     match updated {
                         Ok(_) if marked => {
                             d.inspection.unregister(&id);
-                            tracing::info!(sandbox = id, "its shim is gone: stopped");
+                            tracing::info!(sandbox = %id, "its shim is gone: stopped");
                         }
                         Ok(_) => {}
-                        Err(e) => tracing::warn!(sandbox = id, "mark stopped: {e}"),
+                        Err(e) => {
+                            tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "mark stopped")
+                        }
                     }
                 }
                 continue;
@@ -148,8 +153,10 @@ pub(super) async fn collect(d: Arc<Daemon>) {
                 continue;
             }
             match purge(&d, &entry).await {
-                Ok(()) => tracing::info!(sandbox = id, "sandbox removed: its history is deleted"),
-                Err(e) => tracing::warn!(sandbox = id, "history of a removed sandbox kept: {e}"),
+                Ok(()) => tracing::info!(sandbox = %id, "sandbox removed: its history is deleted"),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "history of a removed sandbox kept")
+                }
             }
         }
         let store = d.store.clone();
@@ -162,51 +169,34 @@ pub(super) async fn collect(d: Arc<Daemon>) {
 /// snapshot and the version's publication) leaves one. Skipped while an
 /// operation holds the sandbox (a snapshot may be in the making), and when
 /// a manifest line is unreadable (it may name a copy).
-async fn sweep_copies(d: &Daemon, id: &str) {
+async fn sweep_copies(d: &Arc<Daemon>, id: &SandboxId) {
     let busy = d.busy(id);
     let Ok(_one_at_a_time) = busy.try_lock() else {
         return;
     };
-    let Ok(sid) = SandboxId::new(id) else {
-        return;
-    };
-    let store = d.store.clone();
-    let dir = d.fs_store(id);
-    let swept = tokio::task::spawn_blocking(move || -> Result<Vec<String>, String> {
-        if !dir.exists() {
-            return Ok(Vec::new());
-        }
-        let versions = store.versions(&sid).map_err(|e| e.to_string())?;
-        let mut named = Vec::new();
-        for v in versions {
+    let (d2, sid) = (d.clone(), id.clone());
+    let swept = blocking_io(move || {
+        let mut named: Vec<SnapshotName> = Vec::new();
+        for v in d2.store.versions(&sid)? {
             let Some(record) = v.record else {
                 return Ok(Vec::new());
             };
             named.extend(
                 record
                     .fs_snapshot
-                    .filter(|f| f.backend == crab_snapshotter::BackendKind::OverlayCopy)
+                    .filter(|f| f.backend == BackendKind::OverlayCopy)
                     .map(|f| f.name),
             );
         }
-        let copies = crab_snapshotter::OverlayCopyBackend::new(&dir, &dir);
-        let mut gone = Vec::new();
-        let listed = crab_snapshotter::Backend::list(&copies).map_err(|e| e.to_string())?;
-        for s in listed.into_iter().filter(|s| !named.contains(&s.name)) {
-            crab_snapshotter::Backend::destroy(&copies, &s.name).map_err(|e| e.to_string())?;
-            gone.push(s.name.to_string());
-        }
-        copies.remove_partial().map_err(|e| e.to_string())?;
-        Ok(gone)
+        d2.files.sweep(&sid, &named)
     })
     .await;
     match swept {
-        Ok(Ok(gone)) if !gone.is_empty() => {
-            tracing::info!(sandbox = id, ?gone, "file copies no version names removed")
+        Ok(gone) if !gone.is_empty() => {
+            tracing::info!(sandbox = %id, ?gone, "file copies no version names removed")
         }
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!(sandbox = id, "file copies not swept: {e}"),
-        Err(e) => tracing::warn!(sandbox = id, "file copies not swept: {e}"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "file copies not swept"),
     }
 }
 
@@ -216,49 +206,23 @@ async fn sweep_copies(d: &Daemon, id: &str) {
 /// The caller holds `Daemon::lifecycle`.
 pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     let reg = &entry.registration;
-    let sid = SandboxId::new(&reg.id)?;
+    let sid = reg.id.clone();
     let store = d.store.clone();
-    let copies = d.fs_store(&reg.id);
     let own = reg.own_snapshots.clone();
-    tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
+    let unique = format!("fs-{sid}-{}", unix_ms());
+    let files = d.files.clone();
+    blocking_io(move || {
         match store.forget(&sid) {
             Ok(_) | Err(crate::StoreError::UnknownSandbox { .. }) => {}
             Err(e) => return Err(e.into()),
         }
-        let unique = format!("fs-{sid}-{}", super::routes::unix_ms());
-        match std::fs::rename(&copies, store.trash_dir().join(unique)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(dir = %copies.display(), "file copies kept: {e}"),
-        }
+        files.trash(&sid, &store.trash_dir(), &unique);
         if let Some(location) = own {
-            destroy_store(&location);
+            Files::destroy_own(&location);
         }
         Ok(())
     })
-    .await
-    .map_err(|e| ApiError::Internal {
-        reason: e.to_string(),
-    })??;
+    .await?;
     d.registry.remove_if(&reg.id, |e| e.same_sandbox(entry));
     Ok(())
-}
-
-/// Deletes every snapshot in the shim's own store, and the store.
-fn destroy_store(location: &crab_snapshotter::Location) {
-    let destroyed = crab_snapshotter::open(location).and_then(|b| {
-        for s in b.list()? {
-            b.destroy(&s.name)?;
-        }
-        Ok(())
-    });
-    if let Err(e) = destroyed {
-        tracing::warn!(?location, "snapshots kept: {e}");
-        return;
-    }
-    if let crab_snapshotter::Location::BtrfsSubvolume { store, .. } = location {
-        let _ = std::fs::remove_dir(store);
-        // The namespace's directory, once empty.
-        let _ = store.parent().map(std::fs::remove_dir);
-    }
 }

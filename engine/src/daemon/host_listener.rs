@@ -54,7 +54,7 @@ pub(super) fn spawn(listener: TcpListener, daemon: Arc<Daemon>, stop: Cancellati
 impl SandboxSockets for Daemon {
     fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
         self.registry
-            .get(id.as_str())
+            .get(id)
             .filter(|e| e.running)
             .and_then(|e| e.registration.proxy)
     }
@@ -62,8 +62,12 @@ impl SandboxSockets for Daemon {
 
 impl Daemon {
     /// The base URL of sandbox `id`'s proxy on the host listener.
-    pub(super) fn proxy_url(&self, id: &str) -> Option<String> {
-        self.proxy_port
-            .map(|port| format!("http://127.0.0.1:{port}/s/{id}"))
+    pub(super) fn proxy_url(&self, id: &SandboxId) -> Option<String> {
+        self.proxy_port.map(|port| {
+            format!(
+                "http://127.0.0.1:{port}{}{id}",
+                crab_api::routes::HOST_PROXY_PREFIX
+            )
+        })
     }
 }

@@ -9,24 +9,23 @@ use std::path::Path;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path as UrlPath, State};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use crab_api::config::CrabdConfig;
+use crab_api::crabd::TurnReport;
+use crab_api::{Class, SandboxId, SandboxSelector};
 use futures_util::StreamExt;
 use tokio::sync::broadcast;
 
 use super::{ApiError, Daemon};
-use crate::api::TurnReport;
-use crate::Class;
 
 /// What crabd asks of an inspector.
 pub trait TurnInspector: Send + Sync {
     /// Starts following sandbox `sandbox`, whose tasks are in `cgroup`.
-    fn register(&self, sandbox: &str, cgroup: &Path) -> Result<(), String>;
+    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), crab_inspector::Error>;
     /// Stops following sandbox `sandbox`.
-    fn unregister(&self, sandbox: &str);
+    fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
-    fn turn_end(&self, sandbox: &str) -> Result<TurnReport, String>;
+    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, crab_inspector::Error>;
 }
 
 /// The inspector (if one is loaded) and the watchers of its reports.
@@ -48,17 +47,17 @@ impl Inspection {
 
     /// Follows a registered sandbox (logged when it cannot: its turns are
     /// then `full`).
-    pub fn register(&self, sandbox: &str, cgroup: Option<&Path>) {
+    pub fn register(&self, sandbox: &SandboxId, cgroup: Option<&Path>) {
         let (Some(i), Some(cgroup)) = (&self.inspector, cgroup) else {
             return;
         };
         if let Err(e) = i.register(sandbox, cgroup) {
-            tracing::warn!(sandbox, "inspector: {e}; its turns will be full");
+            tracing::warn!(%sandbox, error = %crab_api::error_chain(&e), "inspector cannot follow it: its turns will be full");
         }
     }
 
     /// Stops following a sandbox.
-    pub fn unregister(&self, sandbox: &str) {
+    pub fn unregister(&self, sandbox: &SandboxId) {
         if let Some(i) = &self.inspector {
             i.unregister(sandbox);
         }
@@ -66,9 +65,13 @@ impl Inspection {
 
     /// Ends the sandbox's turn: its report, also sent to watchers. When no
     /// inspector can answer, the class is `full` and the reason says why.
-    pub fn turn_end(&self, sandbox: &str) -> TurnReport {
+    pub fn turn_end(&self, sandbox: &SandboxId) -> TurnReport {
         let report = match &self.inspector {
-            Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| full(sandbox, &e)),
+            Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| {
+                let why = crab_api::error_chain(&e);
+                tracing::warn!(%sandbox, error = why, "inspector could not end the turn: it is full");
+                full(sandbox, &why)
+            }),
             None => full(sandbox, "no inspector is loaded"),
         };
         let _ = self.reports.send(report.clone());
@@ -91,30 +94,22 @@ impl std::fmt::Debug for Inspection {
 
 // The eBPF inspector (crate `crab-inspector`).
 impl TurnInspector for crab_inspector::Inspector {
-    fn register(&self, sandbox: &str, cgroup: &Path) -> Result<(), String> {
-        crab_inspector::Inspector::register(self, sandbox, cgroup)
-            .map(drop)
-            .map_err(|e| e.to_string())
+    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), crab_inspector::Error> {
+        crab_inspector::Inspector::register(self, sandbox.as_str(), cgroup).map(drop)
     }
 
-    fn unregister(&self, sandbox: &str) {
-        if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox) {
-            tracing::debug!(sandbox, "inspector unregister: {e}");
+    fn unregister(&self, sandbox: &SandboxId) {
+        if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox.as_str()) {
+            tracing::debug!(%sandbox, error = %e, "inspector unregister");
         }
     }
 
-    fn turn_end(&self, sandbox: &str) -> Result<TurnReport, String> {
-        let r = crab_inspector::Inspector::turn_end(self, sandbox).map_err(|e| e.to_string())?;
-        let class = match r.class {
-            crab_inspector::Class::None => Class::None,
-            crab_inspector::Class::Fs => Class::Fs,
-            crab_inspector::Class::Proc => Class::Proc,
-            crab_inspector::Class::Full => Class::Full,
-        };
+    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, crab_inspector::Error> {
+        let r = crab_inspector::Inspector::turn_end(self, sandbox.as_str())?;
         Ok(TurnReport {
-            sandbox: sandbox.to_owned(),
+            sandbox: sandbox.clone(),
             turn: r.turn,
-            class,
+            class: r.class,
             reasons: r
                 .reasons
                 .iter()
@@ -126,7 +121,7 @@ impl TurnInspector for crab_inspector::Inspector {
 
 /// Loads the eBPF inspector as `[crabd]` says; `None` (logged) when it is
 /// off or cannot load here (no BPF, not root, another crabd owns the pins).
-pub fn load(config: &crate::config::CrabdConfig) -> Option<Box<dyn TurnInspector>> {
+pub fn load(config: &CrabdConfig) -> Option<Box<dyn TurnInspector>> {
     if !config.inspector {
         return None;
     }
@@ -138,68 +133,62 @@ pub fn load(config: &crate::config::CrabdConfig) -> Option<Box<dyn TurnInspector
             Some(Box::new(i))
         }
         Err(e) => {
-            let why = super::error::chain(&e);
-            tracing::error!("inspector not loaded, every turn will be full: {why}");
+            tracing::error!(error = %crab_api::error_chain(&e), "inspector not loaded, every turn will be full");
             None
         }
     }
 }
 
-fn full(sandbox: &str, why: &str) -> TurnReport {
+fn full(sandbox: &SandboxId, why: &str) -> TurnReport {
     TurnReport {
-        sandbox: sandbox.to_owned(),
+        sandbox: sandbox.clone(),
         turn: 0,
         class: Class::Full,
         reasons: vec![serde_json::json!({ "kind": "unknown", "why": why })],
     }
 }
 
-/// `POST /v1/sandboxes/{sel}/turn`: ends the sandbox's current turn by
-/// hand and answers its report (no version is made).
-pub async fn turn(
-    State(d): State<Arc<Daemon>>,
-    UrlPath(sel): UrlPath<String>,
-) -> Result<Json<TurnReport>, ApiError> {
-    let reg = d.registry.resolve(&sel)?;
-    if !d.inspection.loaded() {
-        return Err(ApiError::NoInspector);
-    }
-    let d2 = d.clone();
-    let report = tokio::task::spawn_blocking(move || d2.inspection.turn_end(&reg.id))
-        .await
-        .map_err(|e| ApiError::Internal {
-            reason: e.to_string(),
-        })?;
-    Ok(Json(report))
-}
+// === impl Daemon ===
 
-/// `GET /v1/sandboxes/{sel}/watch`: the sandbox's turn reports as JSON
-/// lines, as its turns end, until the caller hangs up.
-pub async fn watch(
-    State(d): State<Arc<Daemon>>,
-    UrlPath(sel): UrlPath<String>,
-) -> Result<Response, ApiError> {
-    let reg = d.registry.resolve(&sel)?;
-    let id = reg.id;
-    let stream =
-        tokio_stream::wrappers::BroadcastStream::new(d.inspection.reports.subscribe()).filter_map(move |r| {
-            let line = match r {
-                Ok(report) if report.sandbox == id => {
-                    let mut line = serde_json::to_vec(&report).expect("a report serializes");
-                    line.push(b'\n');
-                    Some(Ok::<_, std::io::Error>(line))
-                }
-                // Too slow a watcher misses reports; it is told how many.
-                Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
-                    Some(Ok(format!("{{\"lagged\":{n}}}\n").into_bytes()))
-                }
-                Ok(_) => None,
-            };
-            std::future::ready(line)
-        });
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(stream),
-    )
-        .into_response())
+impl Daemon {
+    /// Ends sandbox `sel`'s current turn by hand and answers its report
+    /// (no version is made).
+    pub(super) async fn end_turn_by_hand(
+        self: &Arc<Self>,
+        sel: &SandboxSelector,
+    ) -> Result<TurnReport, ApiError> {
+        let reg = self.registry.resolve(sel)?;
+        if !self.inspection.loaded() {
+            return Err(ApiError::NoInspector);
+        }
+        let d = self.clone();
+        Ok(tokio::task::spawn_blocking(move || d.inspection.turn_end(&reg.id)).await?)
+    }
+
+    /// Sandbox `sel`'s turn reports as JSON lines, as its turns end, until
+    /// the caller hangs up.
+    pub(super) fn watch(&self, sel: &SandboxSelector) -> Result<Response, ApiError> {
+        let id = self.registry.resolve(sel)?.id;
+        let stream = tokio_stream::wrappers::BroadcastStream::new(self.inspection.reports.subscribe())
+            .filter_map(move |r| {
+                let line = match r {
+                    Ok(report) if report.sandbox == id => {
+                        let mut line = serde_json::to_vec(&report).expect("a report serializes");
+                        line.push(b'\n');
+                        Some(Ok::<_, std::io::Error>(line))
+                    }
+                    // Too slow a watcher misses reports; it is told how many.
+                    Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
+                        Some(Ok(format!("{{\"lagged\":{n}}}\n").into_bytes()))
+                    }
+                    Ok(_) => None,
+                };
+                std::future::ready(line)
+            });
+        Ok((
+            [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+            Body::from_stream(stream),
+        )
+            .into_response())
+    }
 }

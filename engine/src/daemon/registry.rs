@@ -8,9 +8,10 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crab_api::crabd::Registration;
+use crab_api::{SandboxId, SandboxSelector};
+
 use super::ApiError;
-use crate::api::Registration;
-use crate::SandboxId;
 
 /// One sandbox as crabd keeps it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,7 +60,7 @@ fn yes() -> bool {
 #[derive(Debug)]
 pub struct Registry {
     dir: PathBuf,
-    sandboxes: Mutex<BTreeMap<String, Entry>>,
+    sandboxes: Mutex<BTreeMap<SandboxId, Entry>>,
 }
 
 // === impl Registry ===
@@ -75,15 +76,19 @@ impl Registry {
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
-            match std::fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<Entry>(&b).map_err(|e| e.to_string()))
-            {
-                Ok(e) if SandboxId::new(&e.registration.id).is_ok() => {
+            // An entry's id is checked as it is read (`SandboxId`'s serde).
+            let bytes = match std::fs::read(&path) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "unreadable registration skipped");
+                    continue;
+                }
+            };
+            match serde_json::from_slice::<Entry>(&bytes) {
+                Ok(e) => {
                     sandboxes.insert(e.registration.id.clone(), e);
                 }
-                Ok(e) => tracing::warn!(id = e.registration.id, "registration with an invalid id skipped"),
-                Err(e) => tracing::warn!(path = %path.display(), "unreadable registration skipped: {e}"),
+                Err(e) => tracing::warn!(path = %path.display(), error = %e, "invalid registration skipped"),
             }
         }
         Ok(Registry {
@@ -94,7 +99,6 @@ impl Registry {
 
     /// Records `entry` (replacing an older one of the same id).
     pub fn insert(&self, entry: Entry) -> Result<(), ApiError> {
-        SandboxId::new(&entry.registration.id)?;
         let mut sandboxes = self.sandboxes.lock();
         self.write(&entry)?;
         sandboxes.insert(entry.registration.id.clone(), entry);
@@ -103,7 +107,7 @@ impl Registry {
 
     /// Changes sandbox `id`'s entry with `f` and records it, as one step;
     /// false if it is not known.
-    pub fn update(&self, id: &str, f: impl FnOnce(&mut Entry)) -> Result<bool, ApiError> {
+    pub fn update(&self, id: &SandboxId, f: impl FnOnce(&mut Entry)) -> Result<bool, ApiError> {
         let mut sandboxes = self.sandboxes.lock();
         let Some(entry) = sandboxes.get_mut(id) else {
             return Ok(false);
@@ -132,7 +136,7 @@ impl Registry {
 
     /// Forgets sandbox `id` if `still(entry)` holds for its entry (checked
     /// and removed as one step); true if it was removed.
-    pub fn remove_if(&self, id: &str, still: impl FnOnce(&Entry) -> bool) -> bool {
+    pub fn remove_if(&self, id: &SandboxId, still: impl FnOnce(&Entry) -> bool) -> bool {
         let mut sandboxes = self.sandboxes.lock();
         if !sandboxes.get(id).is_some_and(still) {
             return false;
@@ -143,7 +147,7 @@ impl Registry {
     }
 
     /// The sandbox whose id is exactly `id`.
-    pub fn get(&self, id: &str) -> Option<Entry> {
+    pub fn get(&self, id: &SandboxId) -> Option<Entry> {
         self.sandboxes.lock().get(id).cloned()
     }
 
@@ -167,14 +171,20 @@ impl Registry {
     ///
     /// # Errors
     /// [`ApiError::NotRunning`] for a stopped one; those of [`Registry::find`].
-    pub fn resolve(&self, sel: &str) -> Result<Registration, ApiError> {
-        let entry = self.find(sel)?;
-        if !entry.running {
-            return Err(ApiError::NotRunning {
-                id: entry.registration.id,
-            });
-        }
-        Ok(entry.registration)
+    pub fn resolve(&self, sel: &SandboxSelector) -> Result<Registration, ApiError> {
+        running(self.find(sel)?)
+    }
+
+    /// The running sandbox whose id is exactly `id` (what machines ask for:
+    /// never a prefix).
+    ///
+    /// # Errors
+    /// [`ApiError::UnknownSandbox`], [`ApiError::NotRunning`].
+    pub fn resolve_exact(&self, id: &SandboxId) -> Result<Registration, ApiError> {
+        let entry = self
+            .get(id)
+            .ok_or_else(|| ApiError::UnknownSandbox { sel: id.to_string() })?;
+        running(entry)
     }
 
     /// The sandbox, running or stopped, whose id is `sel` or, failing
@@ -182,23 +192,29 @@ impl Registry {
     ///
     /// # Errors
     /// [`ApiError::UnknownSandbox`], [`ApiError::Ambiguous`].
-    pub fn find(&self, sel: &str) -> Result<Entry, ApiError> {
+    pub fn find(&self, sel: &SandboxSelector) -> Result<Entry, ApiError> {
         let sandboxes = self.sandboxes.lock();
-        if let Some(e) = sandboxes.get(sel) {
-            return Ok(e.clone());
-        }
-        let matches: Vec<&Entry> = sandboxes
-            .range(sel.to_owned()..)
-            .take_while(|(id, _)| id.starts_with(sel))
-            .map(|(_, e)| e)
-            .collect();
-        match (matches.as_slice(), sel.is_empty()) {
-            ([one], false) => Ok((*one).clone()),
-            ([], _) | (_, true) => Err(ApiError::UnknownSandbox { sel: sel.to_owned() }),
-            (many, false) => Err(ApiError::Ambiguous {
-                sel: sel.to_owned(),
+        let mut matches = sandboxes.iter().filter(|(id, _)| sel.matches(id));
+        let candidates: Vec<&Entry> = match matches.clone().find(|(id, _)| sel.is_exactly(id)) {
+            Some((_, exact)) => vec![exact],
+            None => matches.by_ref().map(|(_, e)| e).collect(),
+        };
+        match candidates.as_slice() {
+            [one] => Ok((*one).clone()),
+            [] => Err(ApiError::UnknownSandbox { sel: sel.to_string() }),
+            many => Err(ApiError::Ambiguous {
+                sel: sel.to_string(),
                 matches: many.iter().map(|e| e.registration.id.clone()).collect(),
             }),
         }
     }
+}
+
+fn running(entry: Entry) -> Result<Registration, ApiError> {
+    if !entry.running {
+        return Err(ApiError::NotRunning {
+            id: entry.registration.id,
+        });
+    }
+    Ok(entry.registration)
 }

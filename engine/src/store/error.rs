@@ -8,13 +8,8 @@ use super::{Defect, SandboxId};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The sandbox id is not a safe id.
-    #[error(
-        "invalid sandbox id {id:?}: use 1-76 letters, digits, '.', '_' or '-', starting with a letter or digit"
-    )]
-    InvalidSandboxId {
-        /// The id given.
-        id: String,
-    },
+    #[error(transparent)]
+    InvalidSandboxId(#[from] crab_api::InvalidSandboxId),
     /// Another process holds the store's lock.
     #[error("version store {root} is in use by another process")]
     Locked {

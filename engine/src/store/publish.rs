@@ -117,7 +117,7 @@ impl VersionStore {
             Capture::Proc => (Some(version), old_fs),
             Capture::Full(snapshot) => (Some(version), Some(snapshot.clone())),
         };
-        let tmp = if new.capture.class().writes_process_image() {
+        let tmp = if new.capture.class().needs_proc() {
             let tmp = self.inner.images_root(sandbox).join(format!(".tmp-{version}"));
             durable::remove_dir(&tmp)?;
             fs::create_dir(&tmp).map_err(StoreError::io("create directory", &tmp))?;

@@ -25,7 +25,7 @@
 
 use std::path::{Component, Path};
 
-use crab_snapshotter::{BackendKind, SnapshotName};
+pub use crab_api::{Class, FsSnapshot, ImageFile, VersionRecord};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -33,64 +33,6 @@ use super::{SandboxId, StoreError};
 
 /// The format written in each line's `v`.
 const FORMAT: u32 = 1;
-
-/// What a turn's net, lasting effects need (DESIGN.md, "class").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Class {
-    /// Nothing: the version reuses the process image and the filesystem
-    /// snapshot of the version before it.
-    None,
-    /// A new filesystem snapshot; the process image is reused.
-    Fs,
-    /// A new process image; the filesystem snapshot is reused.
-    Proc,
-    /// A new filesystem snapshot and a new process image.
-    Full,
-}
-
-/// A filesystem snapshot in a backend.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FsSnapshot {
-    /// Which backend holds it.
-    pub backend: BackendKind,
-    /// Its name in that backend.
-    pub name: SnapshotName,
-}
-
-/// One file of a process image, as published.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ImageFile {
-    /// Path relative to the images directory, `/`-separated.
-    pub path: String,
-    /// Size in bytes.
-    pub bytes: u64,
-    /// sha256 of the content, lower-case hex.
-    pub sha256: String,
-}
-
-/// A published version, as its manifest line records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VersionRecord {
-    /// The sandbox it belongs to.
-    pub sandbox: SandboxId,
-    /// Its number: from 1, increasing with each version of the sandbox.
-    pub version: u64,
-    /// When it was published, in milliseconds since the Unix epoch.
-    pub created_unix_ms: u64,
-    /// The turn that ended at this version, if a turn did.
-    pub turn: Option<u64>,
-    /// The class of the change it captured.
-    pub class: Class,
-    /// The version whose images directory holds its process image.
-    pub process_image: Option<u64>,
-    /// The filesystem snapshot it uses.
-    pub fs_snapshot: Option<FsSnapshot>,
-    /// How many turns of the transcript belong to it (the prefix length).
-    pub transcript_turns: u64,
-    /// The process image's files, when this version holds them.
-    pub images: Vec<ImageFile>,
-}
 
 /// A manifest's first line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,32 +66,14 @@ enum Body {
     Version(VersionRecord),
 }
 
-// === impl Class ===
-
-impl Class {
-    /// Whether a version of this class writes a new process image.
-    pub fn writes_process_image(self) -> bool {
-        matches!(self, Class::Proc | Class::Full)
-    }
-}
-
-// === impl VersionRecord ===
-
-impl VersionRecord {
-    /// Whether this version's own images directory holds its process image.
-    pub fn holds_images(&self) -> bool {
-        self.process_image == Some(self.version)
-    }
-
-    /// Whether the record contradicts itself (see the module doc).
-    fn is_consistent(&self) -> bool {
-        let image_ok = match self.process_image {
-            Some(h) if h == self.version => true,
-            Some(h) => h < self.version && self.images.is_empty(),
-            None => self.images.is_empty(),
-        };
-        image_ok && self.version >= 1 && self.images.iter().all(|f| is_safe_relative(&f.path))
-    }
+/// Whether `r` contradicts itself (see the module doc).
+fn is_consistent(r: &VersionRecord) -> bool {
+    let image_ok = match r.process_image {
+        Some(h) if h == r.version => true,
+        Some(h) => h < r.version && r.images.is_empty(),
+        None => r.images.is_empty(),
+    };
+    image_ok && r.version >= 1 && r.images.iter().all(|f| is_safe_relative(&f.path))
 }
 
 /// Whether `path` is a relative path that stays inside its directory.
@@ -203,13 +127,15 @@ pub(crate) fn decode(line: &[u8]) -> Decoded {
         Ok(Envelope {
             v: FORMAT,
             body: Body::Version(r),
-        }) if r.is_consistent() => Decoded::Version(r),
+        }) if is_consistent(&r) => Decoded::Version(r),
         _ => Decoded::Corrupt,
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use crab_api::{BackendKind, SnapshotName};
+
     use super::*;
 
     fn record(version: u64, process_image: Option<u64>, paths: &[&str]) -> VersionRecord {

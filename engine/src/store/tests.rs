@@ -160,7 +160,7 @@ fn outcome<T>(result: Result<T, StoreError>) -> String {
             StoreError::UnknownVersion { version, .. } => format!("unknown-version {version}"),
             StoreError::UnknownSandbox { sandbox } => format!("unknown-sandbox {sandbox}"),
             StoreError::SandboxExists { sandbox } => format!("exists {sandbox}"),
-            StoreError::InvalidSandboxId { id } => format!("invalid-id {id}"),
+            StoreError::InvalidSandboxId(e) => format!("invalid-id {}", e.id),
             StoreError::NoValidVersion { .. } => "no-valid-version".to_owned(),
             StoreError::CorruptManifestLine { line, .. } => format!("corrupt-line {line}"),
             StoreError::NotOfSandbox { line, found, .. } => format!("not-of-sandbox {line} {found}"),
@@ -254,8 +254,14 @@ fn arguments_are_checked() {
     let fx = fixture();
     let check = |result: String, expected: &str| assert_eq!(result, expected);
     check(outcome(fx.store.register(&fx.s1)), "exists s1");
-    check(outcome(SandboxId::new("../s1")), "invalid-id ../s1");
-    check(outcome(SandboxId::new("s1/../../etc")), "invalid-id s1/../../etc");
+    check(
+        outcome(SandboxId::new("../s1").map_err(StoreError::from)),
+        "invalid-id ../s1",
+    );
+    check(
+        outcome(SandboxId::new("s1/../../etc").map_err(StoreError::from)),
+        "invalid-id s1/../../etc",
+    );
     check(outcome(fx.store.versions(&sid("s2"))), "unknown-sandbox s2");
     check(outcome(VersionStore::open(fx.dir.path())), "locked");
     // One pending version per sandbox; dropping it frees the slot and its

@@ -36,7 +36,7 @@ pub(super) fn overlay_at(root: &Path) -> Option<Mount> {
     match overlay_mount(&on_root.super_options) {
         Ok(m) => Some(m),
         Err(why) => {
-            log::warn!("the overlay on {} is not adopted: {why}", root.display());
+            tracing::warn!("the overlay on {} is not adopted: {why}", root.display());
             None
         }
     }

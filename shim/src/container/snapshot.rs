@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crab_engine::api::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
-use crab_engine::FsSnapshot;
+use crab_api::shim::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
+use crab_api::FsSnapshot;
 use crab_snapshotter::{BackendKind, Location, SnapshotName};
 
 use super::btrfs::BtrfsRootfs;
@@ -116,7 +116,7 @@ impl Container {
         match self.fs(op, runtime).await {
             Ok(found) => found.filter(|d| !d.is_empty()),
             Err(e) => {
-                log::debug!("{}: no ZFS dataset for its rootfs: {e}", self.id);
+                tracing::debug!("{}: no ZFS dataset for its rootfs: {e}", self.id);
                 None
             }
         }
@@ -131,7 +131,7 @@ impl Container {
         match BtrfsRootfs::find(&self.rootfs_target, m, namespace, &self.id) {
             Ok(found) => found,
             Err(reason) => {
-                log::warn!("{}: its btrfs rootfs cannot be snapshotted: {reason}", self.id);
+                tracing::warn!("{}: its btrfs rootfs cannot be snapshotted: {reason}", self.id);
                 None
             }
         }
@@ -176,7 +176,7 @@ impl Container {
         runtime: &RuntimeClient,
     ) -> Vec<SnapshotName> {
         let Some(location) = self.own_fs_location() else {
-            log::warn!("{}: no snapshots of its own to forget", self.id);
+            tracing::warn!("{}: no snapshots of its own to forget", self.id);
             return Vec::new();
         };
         let mut destroyed = Vec::new();
@@ -187,7 +187,7 @@ impl Container {
             };
             match self.fs(op, runtime).await {
                 Ok(_) => destroyed.push(name.clone()),
-                Err(e) => log::warn!("{}: snapshot {name} kept: {e}", self.id),
+                Err(e) => tracing::warn!("{}: snapshot {name} kept: {e}", self.id),
             }
         }
         destroyed
@@ -211,7 +211,7 @@ impl Container {
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
         let fs = made?;
         thawed?;
-        log::info!(
+        tracing::info!(
             "{}: checkpoint, frozen {frozen_ms:.1} ms (freeze {:.1}, work {:.1}, thaw {:.1})",
             self.id,
             (frozen_at - t0).as_secs_f64() * 1e3,
@@ -252,7 +252,7 @@ impl Container {
             };
             let t = Instant::now();
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
-            log::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
+            tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
         }
         Ok(fs)
     }
@@ -306,7 +306,7 @@ impl Container {
                 })
             }
             Err(failed) => {
-                log::error!("{}: restore failed, putting the sandbox back: {failed}", self.id);
+                tracing::error!("{}: restore failed, putting the sandbox back: {failed}", self.id);
                 match self.replace_processes(&undo_dir, undo_fs.clone(), runtime).await {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
@@ -322,11 +322,11 @@ impl Container {
         let _ = std::fs::remove_dir_all(&undo_dir);
         if let Some((location, name)) = undo_fs {
             if let Err(e) = self.fs(FsOp::Destroy { location, name }, runtime).await {
-                log::warn!("{}: remove the undo snapshot: {e}", self.id);
+                tracing::warn!("{}: remove the undo snapshot: {e}", self.id);
             }
         }
         let restore_ms = started.elapsed().as_secs_f64() * 1e3;
-        log::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
+        tracing::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
         Ok(Restored {
             pid,
             rx,
@@ -397,7 +397,7 @@ impl Container {
     }
 
     /// Restores the init of a container created for it (see
-    /// `crab_engine::api::RESTORE_ANNOTATION`): it has no runtime state yet.
+    /// `crab_api::shim::RESTORE_ANNOTATION`): it has no runtime state yet.
     pub(super) async fn restore_init(
         &mut self,
         images: &Path,
@@ -421,7 +421,7 @@ impl Container {
         self.init.io = Some(pending.finish().await?);
         self.init.state = ProcessState::Running;
         self.restart_proxy().await;
-        log::info!(
+        tracing::info!(
             "{}: started from the checkpoint {} as pid {pid}",
             self.id,
             images.display()
@@ -486,14 +486,14 @@ impl Container {
         let config = &crate::service::config().shim.proxy;
         if let Some(p) = &mut self.proxy {
             if let Err(e) = p.rebind(self.init.pid, config.port).await {
-                log::error!("{}: no LLM proxy listener after restore: {e}", self.id);
+                tracing::error!("{}: no LLM proxy listener after restore: {e}", self.id);
             }
             return;
         }
         let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
         match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
-            Err(e) => log::error!("{}: no LLM proxy after restore: {e}", self.id),
+            Err(e) => tracing::error!("{}: no LLM proxy after restore: {e}", self.id),
         }
     }
 }

@@ -1,5 +1,6 @@
-//! A JSON client for HTTP/1.1 over a unix socket: crabctl and shims call
-//! crabd with it, crabd calls shims.
+//! A JSON client for HTTP/1.1 over a unix socket ([`UnixClient`]): crabd
+//! calls shims with it, and [`Crabd`], the typed client of crabd's API that
+//! crabctl and shims use, is built on it.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -10,13 +11,17 @@ use hyper::{Method, Request, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::api::ErrorBody;
+use crate::crabd::ErrorBody;
+
+mod crabd;
+
+pub use crabd::Crabd;
 
 /// What a call can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Nothing listens on the socket.
-    #[error("cannot reach {what} at {}: {source}", socket.display())]
+    #[error("cannot reach {what} at {}", socket.display())]
     Connect {
         /// Who should listen ("crabd", "the shim of s1").
         what: String,
@@ -27,7 +32,7 @@ pub enum ClientError {
         source: std::io::Error,
     },
     /// The connection broke or the answer was not HTTP.
-    #[error("{what} at {} broke off the call: {source}", socket.display())]
+    #[error("{what} at {} broke off the call", socket.display())]
     Transport {
         /// Who answered.
         what: String,
@@ -54,7 +59,7 @@ pub enum ClientError {
         message: String,
     },
     /// A local file of the transfer could not be read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     Local {
         /// The file.
         path: PathBuf,
@@ -62,8 +67,18 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// A streamed answer ended before the length the server announced.
+    #[error("{what} broke off the transfer after {received} of {expected} bytes")]
+    Truncated {
+        /// Who answered.
+        what: String,
+        /// Bytes received.
+        received: u64,
+        /// Bytes announced.
+        expected: u64,
+    },
     /// The answer was not the JSON expected.
-    #[error("{what} answered with unexpected content: {source}")]
+    #[error("{what} answered with unexpected content")]
     Decode {
         /// Who answered.
         what: String,
@@ -193,11 +208,12 @@ impl UnixClient {
                     progress(n, total);
                 }
             }
-            if total.is_some_and(|t| t != n) {
+            if let Some(expected) = total.filter(|t| *t != n) {
                 let _ = tokio::fs::remove_file(&partial).await;
-                return Err(ClientError::Refused {
-                    status: 0,
-                    message: format!("{} broke off the transfer after {n} bytes", self.what),
+                return Err(ClientError::Truncated {
+                    what: self.what.clone(),
+                    received: n,
+                    expected,
                 });
             }
             file.sync_all().await.map_err(local)?;

@@ -55,7 +55,7 @@ pub struct CrabdConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file exists but cannot be read.
-    #[error("cannot read config {}: {source}", path.display())]
+    #[error("cannot read config {}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
@@ -64,7 +64,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The file is not valid TOML, or a table has unknown keys or wrong types.
-    #[error("invalid config {}: {source}", path.display())]
+    #[error("invalid config {}", path.display())]
     Parse {
         /// The file.
         path: PathBuf,

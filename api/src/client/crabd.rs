@@ -1,0 +1,170 @@
+//! [`Crabd`], the typed client of crabd's management API: one method per
+//! route of [`crate::routes`], each taking and answering the route's
+//! messages.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::{ClientError, UnixClient};
+use crate::crabd::{
+    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportQuery, ImportReport, Registration,
+    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd, TurnReport, VersionView,
+};
+use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
+
+/// A client of crabd at one socket.
+#[derive(Debug, Clone)]
+pub struct Crabd {
+    http: UnixClient,
+}
+
+/// Sees bytes moved so far and the total when known.
+pub type Progress<'a> = &'a (dyn Fn(u64, Option<u64>) + Sync);
+
+// === impl Crabd ===
+
+impl Crabd {
+    /// A client of crabd at `socket`, each call limited to `timeout`
+    /// (a watch has no limit).
+    pub fn new(socket: impl AsRef<Path>, timeout: Duration) -> Self {
+        Crabd {
+            http: UnixClient::new(socket, "crabd", timeout),
+        }
+    }
+
+    /// The socket.
+    pub fn socket(&self) -> &Path {
+        self.http.socket()
+    }
+
+    /// Every sandbox crabd knows.
+    pub async fn list(&self) -> Result<Vec<SandboxInfo>, ClientError> {
+        self.http.get(routes::SANDBOXES).await
+    }
+
+    /// The sandbox `sel` names.
+    pub async fn show(&self, sel: &SandboxSelector) -> Result<SandboxInfo, ClientError> {
+        self.http.get(&routes::sandbox(sel)).await
+    }
+
+    /// A shim registers its running sandbox.
+    pub async fn register(&self, reg: &Registration) -> Result<SandboxInfo, ClientError> {
+        self.http.post(routes::SANDBOXES, reg).await
+    }
+
+    /// A shim says its sandbox's task is gone (its versions stay).
+    pub async fn unregister(&self, id: &SandboxId) -> Result<(), ClientError> {
+        self.http
+            .delete::<serde_json::Value>(&routes::sandbox(id))
+            .await
+            .map(drop)
+    }
+
+    /// Checkpoints sandbox `sel` now as `class` (`fs` or `full`).
+    pub async fn checkpoint(
+        &self,
+        sel: &SandboxSelector,
+        class: Class,
+    ) -> Result<CheckpointReport, ClientError> {
+        self.http
+            .post(&routes::checkpoint(sel), &CheckpointRequest { class })
+            .await
+    }
+
+    /// A turn of sandbox `id` ended: answers once its version is published.
+    pub async fn turn_ended(&self, id: &SandboxId, end: &TurnEnd) -> Result<CheckpointReport, ClientError> {
+        self.http.post(&routes::turns(id), end).await
+    }
+
+    /// Sandbox `sel`'s versions, one per manifest line.
+    pub async fn versions(&self, sel: &SandboxSelector) -> Result<Vec<VersionView>, ClientError> {
+        self.http.get(&routes::versions(sel)).await
+    }
+
+    /// Rolls sandbox `sel` back.
+    pub async fn rollback(
+        &self,
+        sel: &SandboxSelector,
+        req: &RollbackRequest,
+    ) -> Result<RollbackReport, ClientError> {
+        self.http.post(&routes::rollback(sel), req).await
+    }
+
+    /// Removes version `n` of sandbox `sel` (and what only it used).
+    pub async fn remove_version(&self, sel: &SandboxSelector, n: u64) -> Result<RemovalReport, ClientError> {
+        self.http.delete(&routes::version(sel, n)).await
+    }
+
+    /// Starts a new sandbox from a version of sandbox `sel`.
+    pub async fn fork(&self, sel: &SandboxSelector, req: &ForkRequest) -> Result<ForkReport, ClientError> {
+        self.http.post(&routes::fork(sel), req).await
+    }
+
+    /// Ends sandbox `sel`'s current inspector turn by hand.
+    pub async fn turn(&self, sel: &SandboxSelector) -> Result<TurnReport, ClientError> {
+        self.http.post(&routes::turn(sel), &()).await
+    }
+
+    /// Hands each turn report of sandbox `sel` to `on_report` as its turns
+    /// end, until crabd ends the stream or `on_report` returns false. A
+    /// line that is not a report is handed over as text.
+    pub async fn watch(
+        &self,
+        sel: &SandboxSelector,
+        mut on_report: impl FnMut(Result<TurnReport, &str>) -> bool,
+    ) -> Result<(), ClientError> {
+        self.http
+            .lines(&routes::watch(sel), |line| {
+                on_report(serde_json::from_str::<TurnReport>(line).map_err(|_| line))
+            })
+            .await
+    }
+
+    /// Writes version `version` of sandbox `sel` as an archive to `dst`;
+    /// answers its size.
+    pub async fn export(
+        &self,
+        sel: &SandboxSelector,
+        version: VersionSel,
+        dst: &Path,
+        progress: Progress<'_>,
+    ) -> Result<u64, ClientError> {
+        self.http
+            .download(&routes::export(sel, version), dst, progress)
+            .await
+    }
+
+    /// Starts a new sandbox from the archive `src`.
+    pub async fn import(
+        &self,
+        src: &Path,
+        query: &ImportQuery,
+        progress: Progress<'_>,
+    ) -> Result<ImportReport, ClientError> {
+        let mut params = Vec::new();
+        if let Some(n) = &query.name {
+            params.push(format!("name={n}"));
+        }
+        if let Some(n) = &query.namespace {
+            params.push(format!("namespace={}", escape(n)));
+        }
+        if let Some(c) = &query.containerd {
+            params.push(format!("containerd={}", escape(&c.to_string_lossy())));
+        }
+        let path = match params.is_empty() {
+            true => routes::IMPORT.to_owned(),
+            false => format!("{}?{}", routes::IMPORT, params.join("&")),
+        };
+        self.http.upload(&path, src, progress).await
+    }
+}
+
+/// `s` percent-encoded for a URL query value.
+fn escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -1,0 +1,215 @@
+//! The messages of crabd's management API (crabctl and shims → crabd),
+//! JSON over HTTP/1.1 on crabd's root-only unix socket. The routes are
+//! [`crate::routes`]'s; `openapi.json` describes them.
+//!
+//! Errors answer with a 4xx/5xx status and an [`ErrorBody`].
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{BackendKind, Class, Location, SandboxId, VersionRecord, VersionSel};
+
+/// A running sandbox, as its shim registers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// The container id, as containerd knows it.
+    pub id: SandboxId,
+    /// The containerd namespace.
+    pub namespace: String,
+    /// containerd's gRPC socket (where a fork of the sandbox is created).
+    pub containerd: PathBuf,
+    /// The shim's control socket.
+    pub control: PathBuf,
+    /// The init's pid on the host.
+    pub pid: i32,
+    /// The filesystem backend that can snapshot its rootfs, if one can.
+    pub fs_backend: Option<BackendKind>,
+    /// The unix socket on which the shim serves the sandbox's LLM proxy on
+    /// the host, if the sandbox has a proxy (crabd relays its host listener
+    /// there).
+    #[serde(default)]
+    pub proxy: Option<PathBuf>,
+    /// The sandbox's cgroup directory in the unified (v2) hierarchy, by
+    /// which the inspector follows its tasks.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
+    /// The sandbox's writable layer on the host (overlay upper directory,
+    /// btrfs subvolume, ZFS mount point): it lives as long as the
+    /// sandbox's files do (across a task's stop and start, even under
+    /// docker, which makes a new containerd container each start), so it
+    /// tells a sandbox from a later one with the same id, and its going
+    /// tells crabd that the sandbox was removed.
+    #[serde(default)]
+    pub layer: Option<PathBuf>,
+    /// Where the shim keeps file snapshots outside crabd's root and outside
+    /// the rootfs's own dataset (a btrfs store): crabd deletes them with
+    /// the sandbox's history when its container is removed.
+    #[serde(default)]
+    pub own_snapshots: Option<Location>,
+}
+
+/// What a turn of a sandbox changed, as the inspector saw it
+/// (`crabctl turn`, `crabctl watch`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnReport {
+    /// The sandbox.
+    pub sandbox: SandboxId,
+    /// The inspector's turn number for the sandbox, from 1.
+    pub turn: u64,
+    /// What recovery needs of the turn: `none`, `fs`, `proc` or `full`.
+    pub class: Class,
+    /// Why (a bounded sample: changed paths, started or exited processes,
+    /// or why the inspector could not vouch for the turn).
+    pub reasons: Vec<serde_json::Value>,
+}
+
+/// A sandbox as `crabctl ps` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    /// Its registration.
+    #[serde(flatten)]
+    pub registration: Registration,
+    /// Whether its task runs. A stopped sandbox keeps its versions (list,
+    /// export, fork them) until containerd removes its container.
+    pub running: bool,
+    /// How many versions it has (valid or not).
+    pub versions: usize,
+    /// Its newest version number, if any.
+    pub latest: Option<u64>,
+    /// The base URL of its LLM proxy on crabd's host listener
+    /// (`http://127.0.0.1:PORT/s/<id>`), when both exist.
+    pub proxy_url: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/turns` (an exact id): the sandbox's proxy saw a turn end and
+/// holds the turn's answer until crabd has made the turn safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnEnd {
+    /// The turn that ended (from 1, per sandbox).
+    pub turn: u64,
+    /// How many turns of the transcript belong to the turn's version.
+    pub transcript_turns: u64,
+}
+
+/// `POST /v1/sandboxes/{sel}/checkpoint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRequest {
+    /// `fs` (files only) or `full` (files and processes).
+    pub class: Class,
+}
+
+/// What a checkpoint made, and what it cost the sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointReport {
+    /// The published version.
+    pub version: VersionRecord,
+    /// How long the sandbox was frozen, in milliseconds.
+    pub frozen_ms: f64,
+    /// The whole checkpoint, hashing and publishing included, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// `POST /v1/sandboxes/{sel}/rollback`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollbackRequest {
+    /// The version to go back to.
+    pub version: VersionSel,
+    /// Take an undo checkpoint first (see [`ShimRestore::undo`]).
+    #[serde(default = "yes")]
+    pub undo: bool,
+}
+
+/// What a rollback did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RollbackReport {
+    /// The version the sandbox now runs.
+    pub version: u64,
+    /// The restored init's pid on the host.
+    pub pid: i32,
+    /// The restore in the shim, in milliseconds.
+    pub restore_ms: f64,
+    /// Of which the undo checkpoint, in milliseconds.
+    pub undo_ms: f64,
+    /// The whole rollback, verification included, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// `POST /v1/sandboxes/{sel}/fork`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkRequest {
+    /// The version to fork from.
+    pub version: VersionSel,
+    /// The new sandbox's container id (default: `<id>-fork<version>-<n>`).
+    pub name: Option<SandboxId>,
+}
+
+/// A new sandbox made from a version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkReport {
+    /// Its container id.
+    pub id: SandboxId,
+    /// Its init's pid on the host.
+    pub pid: u32,
+    /// The version it was made from.
+    pub version: u64,
+    /// The whole fork, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// A sandbox made from an archive.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImportReport {
+    /// Its container id.
+    pub id: SandboxId,
+    /// Its version holding the archive's state (1 for a new sandbox).
+    pub version: u64,
+    /// Its init's pid on the host.
+    pub pid: u32,
+    /// The whole import, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// One manifest line as `crabctl versions` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionView {
+    /// The manifest line, from 1.
+    pub line: u64,
+    /// The version's record, unless its line is unreadable.
+    #[serde(flatten)]
+    pub record: Option<VersionRecord>,
+    /// Why it cannot be restored, if it cannot.
+    pub defect: Option<String>,
+}
+
+/// What `rm-version` removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovalReport {
+    /// Versions whose manifest lines were dropped.
+    pub removed: Vec<u64>,
+}
+
+/// The body of every error answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, for a human.
+    pub error: String,
+}
+
+/// `POST /v1/import`'s query: where the archive's sandbox goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImportQuery {
+    /// Its container id (default: the exported one's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<SandboxId>,
+    /// The containerd namespace (default: `[crabd] namespace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// containerd's socket (default: `[crabd] containerd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub containerd: Option<PathBuf>,
+}
+
+fn yes() -> bool {
+    true
+}

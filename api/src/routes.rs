@@ -1,0 +1,167 @@
+//! Route paths, defined once: crabd's router is built from the patterns
+//! (`{sel}`, `{id}`, `{version}` are axum path parameters), and clients
+//! build paths with the functions beside them.
+//!
+//! | method | pattern | body → answer |
+//! |---|---|---|
+//! | GET | [`SANDBOXES`] | → `[SandboxInfo]` |
+//! | POST | [`SANDBOXES`] | `Registration` → `SandboxInfo` (a shim registers) |
+//! | GET | [`SANDBOX`] | → `SandboxInfo` |
+//! | DELETE | [`SANDBOX`] | → `{}` (a shim unregisters, by exact id; versions stay) |
+//! | POST | [`CHECKPOINT`] | `CheckpointRequest` → `CheckpointReport` |
+//! | POST | [`TURNS`] | `TurnEnd` → `CheckpointReport` (a shim's proxy, by exact id: a turn ended) |
+//! | GET | [`VERSIONS`] | → `[VersionView]` |
+//! | POST | [`ROLLBACK`] | `RollbackRequest` → `RollbackReport` |
+//! | DELETE | [`VERSION`] | → `RemovalReport` |
+//! | POST | [`FORK`] | `ForkRequest` → `ForkReport` |
+//! | POST | [`TURN`] | → `TurnReport` (ends the inspector's turn by hand) |
+//! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
+//! | GET | [`EXPORT`] | → a tar archive |
+//! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
+//!
+//! `{sel}` is what a person typed ([`crate::SandboxSelector`]: an id or a
+//! unique prefix); `{id}` is an exact [`crate::SandboxId`]. Routes that
+//! machines call take `{id}`, so a turn end can never land on another
+//! sandbox whose id its own is a prefix of.
+//!
+//! crabd also serves agents that run outside their sandbox on TCP
+//! `127.0.0.1:[crabd] proxy_port`: [`HOST_PROXY_PREFIX`]`<id>/…` is relayed
+//! to the sandbox's LLM proxy.
+
+use std::fmt::Display;
+
+use crate::{SandboxId, VersionSel};
+
+/// Every sandbox crabd knows; a shim registers here.
+pub const SANDBOXES: &str = "/v1/sandboxes";
+/// One sandbox, by selector (GET) or exact id (DELETE, a shim's).
+pub const SANDBOX: &str = "/v1/sandboxes/{sel}";
+/// Checkpoint a sandbox now.
+pub const CHECKPOINT: &str = "/v1/sandboxes/{sel}/checkpoint";
+/// A turn of a sandbox ended (its proxy, an exact id).
+pub const TURNS: &str = "/v1/sandboxes/{id}/turns";
+/// A sandbox's versions.
+pub const VERSIONS: &str = "/v1/sandboxes/{sel}/versions";
+/// Roll a sandbox back.
+pub const ROLLBACK: &str = "/v1/sandboxes/{sel}/rollback";
+/// Fork a sandbox's version into a new sandbox.
+pub const FORK: &str = "/v1/sandboxes/{sel}/fork";
+/// End the inspector's current turn by hand.
+pub const TURN: &str = "/v1/sandboxes/{sel}/turn";
+/// Turn reports as they happen.
+pub const WATCH: &str = "/v1/sandboxes/{sel}/watch";
+/// One version (DELETE removes it).
+pub const VERSION: &str = "/v1/sandboxes/{sel}/versions/{version}";
+/// One version as an archive.
+pub const EXPORT: &str = "/v1/sandboxes/{sel}/versions/{version}/export";
+/// A new sandbox from an archive.
+pub const IMPORT: &str = "/v1/import";
+/// The host listener's prefix for a sandbox's LLM proxy.
+pub const HOST_PROXY_PREFIX: &str = "/s/";
+
+/// Every pattern of crabd's management API with its methods, for the
+/// router's test against `openapi.json`.
+pub const ALL: &[(&str, &[&str])] = &[
+    (SANDBOXES, &["get", "post"]),
+    (SANDBOX, &["get", "delete"]),
+    (CHECKPOINT, &["post"]),
+    (TURNS, &["post"]),
+    (VERSIONS, &["get"]),
+    (ROLLBACK, &["post"]),
+    (FORK, &["post"]),
+    (TURN, &["post"]),
+    (WATCH, &["get"]),
+    (VERSION, &["delete"]),
+    (EXPORT, &["get"]),
+    (IMPORT, &["post"]),
+];
+
+/// The shim's control API.
+pub mod shim {
+    /// Checkpoint the sandbox.
+    pub const CHECKPOINT: &str = "/checkpoint";
+    /// Restore the sandbox from a checkpoint.
+    pub const RESTORE: &str = "/restore";
+    /// Delete file snapshots no version names any more.
+    pub const FORGET: &str = "/forget";
+}
+
+/// `pattern` with `{sel}`/`{id}` and `{version}` filled in.
+fn fill(pattern: &str, sandbox: &dyn Display, version: Option<&dyn Display>) -> String {
+    let path = pattern
+        .replace("{sel}", &sandbox.to_string())
+        .replace("{id}", &sandbox.to_string());
+    match version {
+        Some(v) => path.replace("{version}", &v.to_string()),
+        None => path,
+    }
+}
+
+/// [`SANDBOX`] for `sel` (a selector, or an id).
+pub fn sandbox(sel: &dyn Display) -> String {
+    fill(SANDBOX, sel, None)
+}
+
+/// [`CHECKPOINT`] for `sel`.
+pub fn checkpoint(sel: &dyn Display) -> String {
+    fill(CHECKPOINT, sel, None)
+}
+
+/// [`TURNS`] for `id`.
+pub fn turns(id: &SandboxId) -> String {
+    fill(TURNS, id, None)
+}
+
+/// [`VERSIONS`] for `sel`.
+pub fn versions(sel: &dyn Display) -> String {
+    fill(VERSIONS, sel, None)
+}
+
+/// [`ROLLBACK`] for `sel`.
+pub fn rollback(sel: &dyn Display) -> String {
+    fill(ROLLBACK, sel, None)
+}
+
+/// [`FORK`] for `sel`.
+pub fn fork(sel: &dyn Display) -> String {
+    fill(FORK, sel, None)
+}
+
+/// [`TURN`] for `sel`.
+pub fn turn(sel: &dyn Display) -> String {
+    fill(TURN, sel, None)
+}
+
+/// [`WATCH`] for `sel`.
+pub fn watch(sel: &dyn Display) -> String {
+    fill(WATCH, sel, None)
+}
+
+/// [`VERSION`] for `sel` and version number `n`.
+pub fn version(sel: &dyn Display, n: u64) -> String {
+    fill(VERSION, sel, Some(&n))
+}
+
+/// [`EXPORT`] for `sel` and `version`.
+pub fn export(sel: &dyn Display, version: VersionSel) -> String {
+    fill(EXPORT, sel, Some(&version))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_fill_their_patterns() {
+        let id = SandboxId::new("s1").unwrap();
+        assert_eq!(turns(&id), "/v1/sandboxes/s1/turns");
+        assert_eq!(version(&id, 3), "/v1/sandboxes/s1/versions/3");
+        assert_eq!(
+            export(&id, VersionSel::Latest),
+            "/v1/sandboxes/s1/versions/latest/export"
+        );
+        for (pattern, _) in ALL {
+            assert!(!fill(pattern, &id, Some(&1)).contains('{'), "{pattern}");
+        }
+    }
+}

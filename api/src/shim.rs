@@ -1,0 +1,91 @@
+//! The messages of each shim's control API (crabd → shim), JSON over
+//! HTTP/1.1 on the shim's root-only control socket: `POST /checkpoint`
+//! ([`ShimCheckpoint`] → [`ShimCheckpointed`]), `POST /restore`
+//! ([`ShimRestore`] → [`ShimRestored`]) and `POST /forget` ([`ShimForget`]
+//! → [`ShimForgotten`]); paths in [`crate::routes::shim`].
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{FsSnapshot, SnapshotName};
+
+/// Spec annotation with which crabd creates a sandbox from a checkpoint:
+/// crab's shim restores the init at Start from the process image in this
+/// directory instead of running the spec's process.
+pub const RESTORE_ANNOTATION: &str = "io.crab.restore.images";
+
+/// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimCheckpoint {
+    /// Where CRIU writes the process image; none for a files-only checkpoint.
+    pub images_dir: Option<PathBuf>,
+    /// The filesystem snapshot to take, and where its backend keeps copies.
+    pub fs: Option<FsTarget>,
+}
+
+/// A filesystem snapshot to take or go back to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsTarget {
+    /// Its name in the backend.
+    pub name: SnapshotName,
+    /// Where a copying backend keeps the sandbox's snapshots (crabd's).
+    pub store: PathBuf,
+}
+
+/// A shim's answer to `POST /checkpoint`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShimCheckpointed {
+    /// How long the sandbox was frozen, in milliseconds.
+    pub frozen_ms: f64,
+    /// The snapshot taken, if one was asked for.
+    pub fs: Option<FsSnapshot>,
+}
+
+/// `POST /restore` to a shim: replace the sandbox's processes (and files)
+/// with a checkpoint's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimRestore {
+    /// The process image to restore.
+    pub images_dir: PathBuf,
+    /// The filesystem snapshot to roll back to first, if any.
+    pub fs: Option<FsTarget>,
+    /// Take an undo checkpoint first, so that a failed restore puts the
+    /// sandbox back as it was (without it, a failed restore loses the
+    /// sandbox's processes).
+    #[serde(default = "yes")]
+    pub undo: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A shim's answer to `POST /restore`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShimRestored {
+    /// The restored init's pid on the host.
+    pub pid: i32,
+    /// How long the restore took, in milliseconds (the undo checkpoint
+    /// included).
+    pub restore_ms: f64,
+    /// Of which the undo checkpoint (the way back if the restore failed).
+    pub undo_ms: f64,
+}
+
+/// `POST /forget` to a shim: delete file snapshots that no version names
+/// any more and that live on the sandbox's own filesystem (ZFS, btrfs;
+/// crabd deletes the overlay copies it keeps itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimForget {
+    /// The snapshots.
+    pub snapshots: Vec<SnapshotName>,
+}
+
+/// A shim's answer to `POST /forget`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimForgotten {
+    /// The snapshots deleted; the others are kept (the shim logs why: one
+    /// a ZFS clone still needs, say) until the sandbox is deleted.
+    pub destroyed: Vec<SnapshotName>,
+}

@@ -1,0 +1,1070 @@
+//! `openapi.json` kept true: its paths and methods are exactly
+//! [`crab_api::routes::ALL`], and each message type, serialized by serde,
+//! validates against its component schema (and documents the types refuse
+//! are refused by the schemas too).
+//!
+//! The helpers [`validate`], [`validate_strict`], [`response_schema`] and
+//! [`request_schema`] are written to be lifted into the integration tests
+//! crate, which can check crabd's live answers with them.
+//!
+//! OpenAPI 3.0 schemas are not quite JSON Schema: they are converted (see
+//! [`to_json_schema`]) and then checked by the `jsonschema` crate as
+//! draft 2020-12.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::OnceLock;
+
+use crab_api::crabd::{
+    CheckpointReport, CheckpointRequest, ErrorBody, ForkReport, ForkRequest, ImportQuery, ImportReport,
+    Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd, TurnReport,
+    VersionView,
+};
+use crab_api::{
+    routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
+    VersionSel,
+};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+/// The spec's text.
+const SPEC_TEXT: &str = include_str!("../openapi.json");
+
+/// The HTTP methods a path item may hold (its other keys are not operations).
+const METHODS: &[&str] = &[
+    "get", "put", "post", "delete", "options", "head", "patch", "trace",
+];
+
+/// The statuses crabd answers with.
+const STATUSES: &[&str] = &["200", "400", "404", "409", "422", "500", "502"];
+
+/// Every component schema, each exercised below. A schema added to the spec
+/// and not here (or the other way round) fails [`every_schema_is_listed`].
+const SCHEMAS: &[&str] = &[
+    "SandboxId",
+    "SandboxSelector",
+    "Class",
+    "BackendKind",
+    "SnapshotName",
+    "VersionSel",
+    "FsSnapshot",
+    "ImageFile",
+    "LocationZfs",
+    "LocationBtrfs",
+    "LocationBtrfsSubvolume",
+    "LocationOverlayCopy",
+    "Location",
+    "VersionRecord",
+    "Registration",
+    "SandboxInfo",
+    "SandboxInfoList",
+    "TurnReport",
+    "WatchLagged",
+    "WatchLine",
+    "TurnEnd",
+    "CheckpointRequest",
+    "CheckpointReport",
+    "RollbackRequest",
+    "RollbackReport",
+    "ForkRequest",
+    "ForkReport",
+    "ImportQuery",
+    "ImportReport",
+    "VersionView",
+    "VersionViewList",
+    "RemovalReport",
+    "Empty",
+    "ErrorBody",
+];
+
+// === the helpers ===
+
+/// The parsed spec.
+pub fn spec() -> &'static Value {
+    static SPEC: OnceLock<Value> = OnceLock::new();
+    SPEC.get_or_init(|| serde_json::from_str(SPEC_TEXT).expect("openapi.json is JSON"))
+}
+
+/// The spec's component schemas, converted to JSON Schema.
+fn json_schemas() -> &'static Value {
+    static SCHEMAS: OnceLock<Value> = OnceLock::new();
+    SCHEMAS.get_or_init(|| {
+        let schemas = spec()["components"]["schemas"]
+            .as_object()
+            .expect("components/schemas");
+        Value::Object(
+            schemas
+                .iter()
+                .map(|(name, s)| (name.clone(), to_json_schema(s)))
+                .collect(),
+        )
+    })
+}
+
+/// An OpenAPI 3.0 schema as draft 2020-12 JSON Schema:
+/// `nullable: true` adds `"null"` to `type` (it means nothing without a
+/// `type`, as OpenAPI 3.0.3 says), `format: int32` bounds an integer, and
+/// the keywords JSON Schema lacks (`discriminator`, `example`) go. `$ref`s
+/// stay: they point into `#/components/schemas`, kept at the same place in
+/// the document [`validate`] builds.
+pub fn to_json_schema(schema: &Value) -> Value {
+    match schema {
+        Value::Object(map) => {
+            let mut out = Map::new();
+            for (key, value) in map {
+                let converted = match key.as_str() {
+                    "nullable" | "discriminator" | "example" => continue,
+                    // Values, not schemas.
+                    "enum" | "default" | "required" => value.clone(),
+                    // Names, each with a schema.
+                    "properties" => Value::Object(
+                        value
+                            .as_object()
+                            .into_iter()
+                            .flatten()
+                            .map(|(name, s)| (name.clone(), to_json_schema(s)))
+                            .collect(),
+                    ),
+                    _ => to_json_schema(value),
+                };
+                out.insert(key.clone(), converted);
+            }
+            if map.get("nullable") == Some(&Value::Bool(true)) {
+                if let Some(Value::String(t)) = map.get("type") {
+                    out.insert("type".into(), json!([t, "null"]));
+                }
+            }
+            if map.get("type") == Some(&json!("integer")) && map.get("format") == Some(&json!("int32")) {
+                let min = map.get("minimum").and_then(Value::as_i64).unwrap_or(i64::MIN);
+                let max = map.get("maximum").and_then(Value::as_i64).unwrap_or(i64::MAX);
+                out.insert("minimum".into(), json!(min.max(i32::MIN.into())));
+                out.insert("maximum".into(), json!(max.min(i32::MAX.into())));
+            }
+            Value::Object(out)
+        }
+        Value::Array(items) => Value::Array(items.iter().map(to_json_schema).collect()),
+        other => other.clone(),
+    }
+}
+
+/// Checks `value` against component schema `schema_name`, as the spec
+/// means it: objects open to fields it does not name.
+///
+/// # Errors
+/// Each way `value` breaks the schema, one per line (or that no such schema
+/// exists).
+pub fn validate(schema_name: &str, value: &Value) -> Result<(), String> {
+    check(schema_name, value, false)
+}
+
+/// [`validate`], and refuses fields the schema does not name on the
+/// outermost object (nested objects stay open: check their types on their
+/// own). Catches a field added to a message type and not to the spec.
+///
+/// # Errors
+/// As [`validate`].
+pub fn validate_strict(schema_name: &str, value: &Value) -> Result<(), String> {
+    check(schema_name, value, true)
+}
+
+fn check(schema_name: &str, value: &Value, strict: bool) -> Result<(), String> {
+    if json_schemas().get(schema_name).is_none() {
+        return Err(format!("openapi.json has no schema {schema_name:?}"));
+    }
+    let mut root = json!({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$ref": format!("#/components/schemas/{schema_name}"),
+        "components": { "schemas": json_schemas() },
+    });
+    if strict {
+        root["unevaluatedProperties"] = json!(false);
+    }
+    let validator = jsonschema::draft202012::options()
+        .should_validate_formats(false)
+        .build(&root)
+        .map_err(|e| format!("schema {schema_name}: {e}"))?;
+    let errors: Vec<String> = validator
+        .iter_errors(value)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect();
+    match errors.is_empty() {
+        true => Ok(()),
+        false => Err(format!("{schema_name}: {}", errors.join("\n"))),
+    }
+}
+
+/// `$ref` `value` resolved once, if it is one (`#/components/…` only).
+fn resolve(value: &Value) -> &Value {
+    match value.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let pointer = r.strip_prefix('#').expect("a local $ref");
+            spec().pointer(pointer).unwrap_or_else(|| panic!("{r} resolves"))
+        }
+        None => value,
+    }
+}
+
+/// The component schema's name in `#/components/schemas/NAME`.
+fn schema_name_of(schema: &Value) -> Option<&'static str> {
+    let r = schema.get("$ref")?.as_str()?;
+    let name = r.strip_prefix("#/components/schemas/")?;
+    // The spec is 'static: find the same name there.
+    spec()["components"]["schemas"]
+        .as_object()?
+        .keys()
+        .find(|k| k.as_str() == name)
+        .map(String::as_str)
+}
+
+fn operation(method: &str, pattern: &str) -> Option<&'static Value> {
+    spec()["paths"].get(pattern)?.get(method.to_ascii_lowercase())
+}
+
+/// The name of the component schema of the body that `method` on
+/// `pattern` (a [`routes`] pattern) answers with `status` (`"200"`,
+/// `"404"`, …): the JSON body's, or a JSON-lines stream's one line's.
+/// `None` when the spec has no such answer or its body is not described by
+/// a component (an archive).
+pub fn response_schema(method: &str, pattern: &str, status: &str) -> Option<&'static str> {
+    let response = resolve(operation(method, pattern)?["responses"].get(status)?);
+    let content = response.get("content")?;
+    let media = content
+        .get("application/json")
+        .or_else(|| content.get("application/x-ndjson"))?;
+    schema_name_of(&media["schema"])
+}
+
+/// The name of the component schema of `method` on `pattern`'s JSON request
+/// body, if it takes one described by a component.
+pub fn request_schema(method: &str, pattern: &str) -> Option<&'static str> {
+    let body = resolve(operation(method, pattern)?.get("requestBody")?);
+    schema_name_of(&body["content"].get("application/json")?["schema"])
+}
+
+// === building values ===
+
+fn id(s: &str) -> SandboxId {
+    SandboxId::new(s).unwrap()
+}
+
+fn to_json(v: &impl Serialize) -> Value {
+    serde_json::to_value(v).expect("serializes")
+}
+
+/// `value` (serialized) passes `schema` both open and strict.
+#[track_caller]
+fn assert_valid(schema: &str, value: &impl Serialize) {
+    let doc = to_json(value);
+    if let Err(e) = validate(schema, &doc) {
+        panic!("{e}\nin {doc:#}");
+    }
+    if let Err(e) = validate_strict(schema, &doc) {
+        panic!("strictly: {e}\nin {doc:#}");
+    }
+}
+
+#[track_caller]
+fn assert_invalid(schema: &str, doc: Value) {
+    assert!(validate(schema, &doc).is_err(), "{schema} accepts {doc:#}");
+}
+
+fn sha(c: char) -> String {
+    std::iter::repeat_n(c, 64).collect()
+}
+
+fn record(version: u64, class: Class) -> VersionRecord {
+    VersionRecord {
+        sandbox: id("web-1"),
+        version,
+        created_unix_ms: 1_767_225_600_123,
+        turn: Some(version),
+        class,
+        process_image: class.needs_proc().then_some(version),
+        fs_snapshot: class.needs_fs().then(|| FsSnapshot {
+            backend: BackendKind::OverlayCopy,
+            name: SnapshotName::new(&format!("c1767225600{version}")).unwrap(),
+        }),
+        transcript_turns: 2 * version,
+        images: match class.needs_proc() {
+            true => vec![
+                ImageFile {
+                    path: "core-1.img".into(),
+                    bytes: 4_194_304,
+                    sha256: sha('a'),
+                },
+                ImageFile {
+                    path: "pages-1.img".into(),
+                    bytes: 81_920,
+                    sha256: sha('0'),
+                },
+            ],
+            false => vec![],
+        },
+    }
+}
+
+/// Every shape of registration: each optional field set, and none.
+fn registrations() -> Vec<Registration> {
+    let full = Registration {
+        id: id("3f1c0a9e2b7d4c6f8a1b2c3d4e5f60718293a4b5c6d7e8f9a0b1c2d3e4f5a6b7"),
+        namespace: "k8s.io".into(),
+        containerd: "/run/containerd/containerd.sock".into(),
+        control: "/run/crab/shim/3f1c0a9e.sock".into(),
+        pid: 41_234,
+        fs_backend: Some(BackendKind::Btrfs),
+        proxy: Some("/run/crab/shim/3f1c0a9e.proxy.sock".into()),
+        cgroup: Some("/sys/fs/cgroup/k8s.io/3f1c0a9e".into()),
+        layer: Some("/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/active/17".into()),
+        own_snapshots: Some(Location::BtrfsSubvolume {
+            subvolume: "/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/active/17".into(),
+            store: "/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/crab/17".into(),
+        }),
+    };
+    let bare = Registration {
+        id: id("web-1"),
+        namespace: "default".into(),
+        containerd: "/run/containerd/containerd.sock".into(),
+        control: "/run/crab/shim/web-1.sock".into(),
+        pid: 812,
+        fs_backend: None,
+        proxy: None,
+        cgroup: None,
+        layer: None,
+        own_snapshots: None,
+    };
+    let overlay = Registration {
+        id: id("agent.test_2"),
+        fs_backend: Some(BackendKind::OverlayCopy),
+        layer: Some("/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/9/fs".into()),
+        ..bare.clone()
+    };
+    vec![full, bare, overlay]
+}
+
+fn sandbox_infos() -> Vec<SandboxInfo> {
+    registrations()
+        .into_iter()
+        .enumerate()
+        .map(|(i, registration)| SandboxInfo {
+            proxy_url: registration
+                .proxy
+                .as_ref()
+                .map(|_| format!("http://127.0.0.1:7070/s/{}", registration.id)),
+            registration,
+            running: i != 1,
+            versions: i * 3,
+            latest: (i > 0).then_some(i as u64 * 3),
+        })
+        .collect()
+}
+
+fn locations() -> Vec<Location> {
+    vec![
+        Location::Zfs {
+            dataset: "tank/crab/web-1".into(),
+        },
+        Location::Btrfs {
+            dir: "/srv/btrfs/crab/web-1".into(),
+        },
+        Location::BtrfsSubvolume {
+            subvolume: "/srv/btrfs/active/3".into(),
+            store: "/srv/btrfs/crab/3".into(),
+        },
+        Location::OverlayCopy {
+            upper: "/var/lib/containerd/overlay/snapshots/12/fs".into(),
+            store: "/var/lib/crab/fs/web-1".into(),
+        },
+    ]
+}
+
+const CLASSES: [Class; 4] = [Class::None, Class::Fs, Class::Proc, Class::Full];
+const BACKENDS: [BackendKind; 3] = [BackendKind::Zfs, BackendKind::Btrfs, BackendKind::OverlayCopy];
+
+// === a. routes ===
+
+fn spec_operations() -> BTreeSet<(String, String)> {
+    let mut ops = BTreeSet::new();
+    for (pattern, item) in spec()["paths"].as_object().expect("paths") {
+        for key in item.as_object().expect("a path item").keys() {
+            if METHODS.contains(&key.as_str()) {
+                ops.insert((pattern.clone(), key.clone()));
+            }
+        }
+    }
+    ops
+}
+
+#[test]
+fn the_spec_has_exactly_the_routes_of_routes_all() {
+    let mut from_code = BTreeSet::new();
+    for (pattern, methods) in routes::ALL {
+        for method in *methods {
+            assert!(
+                from_code.insert((pattern.to_string(), method.to_string())),
+                "{method} {pattern} twice in routes::ALL"
+            );
+        }
+    }
+    let from_spec = spec_operations();
+    let missing: Vec<_> = from_code.difference(&from_spec).collect();
+    let extra: Vec<_> = from_spec.difference(&from_code).collect();
+    assert!(
+        missing.is_empty(),
+        "routes::ALL has, openapi.json lacks: {missing:?}"
+    );
+    assert!(extra.is_empty(), "openapi.json has, routes::ALL lacks: {extra:?}");
+}
+
+/// The `{name}`s of a pattern.
+fn template_params(pattern: &str) -> BTreeSet<String> {
+    pattern
+        .split('{')
+        .skip(1)
+        .map(|rest| rest.split_once('}').expect("a closed {param}").0.to_owned())
+        .collect()
+}
+
+#[test]
+fn each_operation_declares_exactly_its_path_parameters() {
+    for (pattern, method) in spec_operations() {
+        let item = &spec()["paths"][&pattern];
+        let mut declared = BTreeMap::new();
+        // Operation-level parameters override path-level ones (name + in).
+        for p in [&item["parameters"], &item[&method]["parameters"]]
+            .into_iter()
+            .filter_map(Value::as_array)
+            .flatten()
+        {
+            let p = resolve(p);
+            let key = (
+                p["name"].as_str().unwrap().to_owned(),
+                p["in"].as_str().unwrap().to_owned(),
+            );
+            declared.insert(key, p);
+        }
+        let in_path: BTreeSet<String> = declared
+            .iter()
+            .filter(|((_, place), _)| place == "path")
+            .map(|((name, _), p)| {
+                assert_eq!(
+                    p["required"],
+                    json!(true),
+                    "{method} {pattern}: path parameter {name}"
+                );
+                name.clone()
+            })
+            .collect();
+        assert_eq!(in_path, template_params(&pattern), "{method} {pattern}");
+    }
+}
+
+#[test]
+fn answers_use_only_crabds_statuses_and_errors_are_error_bodies() {
+    for (pattern, method) in spec_operations() {
+        let responses = spec()["paths"][&pattern][&method]["responses"]
+            .as_object()
+            .unwrap();
+        assert!(responses.contains_key("200"), "{method} {pattern} has no 200");
+        for status in responses.keys() {
+            assert!(
+                STATUSES.contains(&status.as_str()),
+                "{method} {pattern}: status {status}"
+            );
+            if status != "200" {
+                assert_eq!(
+                    response_schema(&method, &pattern, status),
+                    Some("ErrorBody"),
+                    "{method} {pattern} {status}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_schema_is_listed() {
+    let in_spec: BTreeSet<&str> = spec()["components"]["schemas"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let listed: BTreeSet<&str> = SCHEMAS.iter().copied().collect();
+    assert_eq!(in_spec, listed);
+}
+
+/// Every schema object in `v`, with its JSON pointer.
+fn walk<'a>(v: &'a Value, at: String, out: &mut Vec<(String, &'a Value)>) {
+    match v {
+        Value::Object(map) => {
+            out.push((at.clone(), v));
+            for (k, child) in map {
+                walk(child, format!("{at}/{k}"), out);
+            }
+        }
+        Value::Array(items) => {
+            for (i, child) in items.iter().enumerate() {
+                walk(child, format!("{at}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn the_spec_is_openapi_3_0_as_tools_read_it() {
+    assert_eq!(spec()["openapi"], json!("3.0.3"));
+    let mut objects = Vec::new();
+    walk(spec(), String::new(), &mut objects);
+    for (at, obj) in objects {
+        let map = obj.as_object().unwrap();
+        if let Some(r) = map.get("$ref") {
+            // OpenAPI 3.0 ignores a $ref's siblings: wrap in allOf instead.
+            assert_eq!(map.len(), 1, "{at}: $ref with siblings");
+            let r = r.as_str().unwrap();
+            assert!(
+                spec().pointer(r.strip_prefix('#').unwrap()).is_some(),
+                "{at}: {r} resolves"
+            );
+        }
+        // Flattened fields (SandboxInfo, VersionView) need open objects.
+        assert_ne!(map.get("additionalProperties"), Some(&json!(false)), "{at}");
+        if map.get("nullable") == Some(&json!(true)) {
+            assert!(
+                map.contains_key("type"),
+                "{at}: nullable without a type means nothing"
+            );
+            if let Some(values) = map.get("enum") {
+                assert!(
+                    values.as_array().unwrap().contains(&Value::Null),
+                    "{at}: nullable enum lacks null"
+                );
+            }
+        }
+    }
+    // A schema's required fields are declared: by itself, or by its allOf
+    // parts (a flattened type).
+    for (name, schema) in spec()["components"]["schemas"].as_object().unwrap() {
+        let parts: Vec<&Value> = std::iter::once(schema)
+            .chain(schema["allOf"].as_array().into_iter().flatten().map(resolve))
+            .collect();
+        let declared: BTreeSet<&str> = parts
+            .iter()
+            .filter_map(|p| p["properties"].as_object())
+            .flat_map(|props| props.keys().map(String::as_str))
+            .collect();
+        for part in &parts {
+            for field in part["required"].as_array().into_iter().flatten() {
+                let field = field.as_str().unwrap();
+                assert!(declared.contains(field), "{name} requires undeclared {field}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_helpers_find_each_routes_messages() {
+    let cases: &[(&str, &str, Option<&str>, Option<&str>)] = &[
+        ("get", routes::SANDBOXES, None, Some("SandboxInfoList")),
+        (
+            "post",
+            routes::SANDBOXES,
+            Some("Registration"),
+            Some("SandboxInfo"),
+        ),
+        ("get", routes::SANDBOX, None, Some("SandboxInfo")),
+        ("delete", routes::SANDBOX, None, Some("Empty")),
+        (
+            "post",
+            routes::CHECKPOINT,
+            Some("CheckpointRequest"),
+            Some("CheckpointReport"),
+        ),
+        ("post", routes::TURNS, Some("TurnEnd"), Some("CheckpointReport")),
+        ("get", routes::VERSIONS, None, Some("VersionViewList")),
+        (
+            "post",
+            routes::ROLLBACK,
+            Some("RollbackRequest"),
+            Some("RollbackReport"),
+        ),
+        ("delete", routes::VERSION, None, Some("RemovalReport")),
+        ("post", routes::FORK, Some("ForkRequest"), Some("ForkReport")),
+        ("post", routes::TURN, None, Some("TurnReport")),
+        ("get", routes::WATCH, None, Some("WatchLine")),
+        ("get", routes::EXPORT, None, None),
+        ("post", routes::IMPORT, None, Some("ImportReport")),
+    ];
+    assert_eq!(cases.len(), spec_operations().len());
+    for (method, pattern, request, answer) in cases {
+        assert_eq!(request_schema(method, pattern), *request, "{method} {pattern}");
+        assert_eq!(
+            response_schema(method, pattern, "200"),
+            *answer,
+            "{method} {pattern}"
+        );
+    }
+    assert_eq!(response_schema("GET", routes::SANDBOX, "404"), Some("ErrorBody"));
+    assert_eq!(response_schema("get", routes::SANDBOXES, "404"), None);
+    assert_eq!(response_schema("put", routes::SANDBOXES, "200"), None);
+    assert_eq!(response_schema("get", "/v1/nothing", "200"), None);
+    // The archive routes: a tar body each way.
+    let export = &operation("get", routes::EXPORT).unwrap()["responses"]["200"]["content"];
+    assert!(export.get("application/x-tar").is_some());
+    let import = &operation("post", routes::IMPORT).unwrap()["requestBody"]["content"];
+    assert!(import.get("application/x-tar").is_some());
+    // The hand turn takes no body: crabctl sends `null`, which passes.
+    let turn = &operation("post", routes::TURN).unwrap()["requestBody"];
+    assert_eq!(turn["required"], json!(false));
+    let null_schema = to_json_schema(&turn["content"]["application/json"]["schema"]);
+    assert!(jsonschema::is_valid(&null_schema, &to_json(&())));
+    assert!(!jsonschema::is_valid(&null_schema, &json!({})));
+}
+
+#[test]
+fn imports_query_parameters_are_import_query() {
+    let params = operation("post", routes::IMPORT).unwrap()["parameters"]
+        .as_array()
+        .unwrap();
+    let names: BTreeSet<&str> = params
+        .iter()
+        .map(|p| {
+            assert_eq!(p["in"], json!("query"));
+            assert_eq!(p["required"], json!(false));
+            p["name"].as_str().unwrap()
+        })
+        .collect();
+    let full = ImportQuery {
+        name: Some(id("web-1-copy")),
+        namespace: Some("k8s.io".into()),
+        containerd: Some("/run/containerd/containerd.sock".into()),
+    };
+    let doc = to_json(&full);
+    let fields: BTreeSet<&str> = doc.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(names, fields);
+    assert_valid("ImportQuery", &full);
+    assert_valid("ImportQuery", &ImportQuery::default());
+    assert_eq!(to_json(&ImportQuery::default()), json!({}));
+    // Each parameter's schema is the ImportQuery field's.
+    for p in params {
+        let name = p["name"].as_str().unwrap();
+        assert_eq!(
+            to_json_schema(&p["schema"]),
+            to_json_schema(&strip_description(
+                &spec()["components"]["schemas"]["ImportQuery"]["properties"][name]
+            )),
+            "{name}"
+        );
+    }
+}
+
+/// `schema` without its description, its `allOf: [x]` wrapper undone.
+fn strip_description(schema: &Value) -> Value {
+    let mut s = schema.clone();
+    s.as_object_mut().unwrap().remove("description");
+    match s.get("allOf").and_then(Value::as_array) {
+        Some(parts) if parts.len() == 1 && s.as_object().unwrap().len() == 1 => parts[0].clone(),
+        _ => s,
+    }
+}
+
+// === b. messages ===
+
+#[test]
+fn words() {
+    for class in CLASSES {
+        assert_valid("Class", &class);
+    }
+    for backend in BACKENDS {
+        assert_valid("BackendKind", &backend);
+    }
+    for s in ["a", "web-1", "a.b_c-9", &"f".repeat(76)] {
+        assert_valid("SandboxId", &id(s));
+        assert_valid("SandboxSelector", &s);
+    }
+    assert_valid("SnapshotName", &SnapshotName::new("c1767225600123").unwrap());
+    assert_valid("SnapshotName", &SnapshotName::new(&"z".repeat(64)).unwrap());
+    for sel in [VersionSel::Latest, VersionSel::Number(1), VersionSel::Number(42)] {
+        assert_valid("VersionSel", &sel);
+    }
+    for backend in BACKENDS {
+        let snap = FsSnapshot {
+            backend,
+            name: SnapshotName::new("v1.base").unwrap(),
+        };
+        assert_valid("FsSnapshot", &snap);
+    }
+    for location in locations() {
+        assert_valid("Location", &location);
+    }
+    assert_valid(
+        "ImageFile",
+        &ImageFile {
+            path: "images/pstree.img".into(),
+            bytes: 0,
+            sha256: sha('e'),
+        },
+    );
+}
+
+#[test]
+fn sandboxes() {
+    for reg in registrations() {
+        assert_valid("Registration", &reg);
+    }
+    for info in sandbox_infos() {
+        assert_valid("SandboxInfo", &info);
+    }
+    assert_valid("SandboxInfoList", &sandbox_infos());
+    assert_valid("SandboxInfoList", &Vec::<SandboxInfo>::new());
+    assert_valid("Empty", &json!({}));
+    assert_valid(
+        "ErrorBody",
+        &ErrorBody {
+            error: "no sandbox matches \"nope\" (see `crabctl ps`)".into(),
+        },
+    );
+}
+
+#[test]
+fn versions() {
+    for (n, class) in CLASSES.into_iter().enumerate() {
+        let r = record(n as u64 + 1, class);
+        assert_valid("VersionRecord", &r);
+        assert_valid(
+            "CheckpointReport",
+            &CheckpointReport {
+                version: r.clone(),
+                frozen_ms: 12.5,
+                total_ms: 140.25,
+            },
+        );
+        assert_valid("CheckpointRequest", &CheckpointRequest { class });
+    }
+    let first = VersionRecord {
+        turn: None,
+        ..record(1, Class::Full)
+    };
+    assert_valid("VersionRecord", &first);
+    let views = vec![
+        VersionView {
+            line: 1,
+            record: Some(first),
+            defect: None,
+        },
+        VersionView {
+            line: 2,
+            record: None,
+            defect: Some("CorruptManifestLine { line: 2 }".into()),
+        },
+        VersionView {
+            line: 3,
+            record: Some(record(3, Class::Fs)),
+            defect: Some("MissingImage { path: \"core-1.img\" }".into()),
+        },
+    ];
+    for view in &views {
+        assert_valid("VersionView", view);
+    }
+    assert_valid("VersionViewList", &views);
+    assert_valid("RemovalReport", &RemovalReport { removed: vec![3, 4] });
+    assert_valid("RemovalReport", &RemovalReport { removed: vec![] });
+}
+
+#[test]
+fn turns() {
+    let reports = [
+        TurnReport {
+            sandbox: id("web-1"),
+            turn: 7,
+            class: Class::Fs,
+            reasons: vec![
+                json!({"kind": "write", "path": "/app/notes.md"}),
+                json!("unlink /tmp/x"),
+                json!(3),
+                Value::Null,
+                json!([1, "two"]),
+            ],
+        },
+        TurnReport {
+            sandbox: id("web-1"),
+            turn: 0,
+            class: Class::Full,
+            reasons: vec![json!({"kind": "unknown", "why": "no inspector"})],
+        },
+        TurnReport {
+            sandbox: id("web-1"),
+            turn: 8,
+            class: Class::None,
+            reasons: vec![],
+        },
+    ];
+    for report in &reports {
+        assert_valid("TurnReport", report);
+        assert_valid("WatchLine", report);
+    }
+    // What crabd writes when a watcher lags behind.
+    assert_valid("WatchLagged", &json!({"lagged": 12}));
+    assert_valid("WatchLine", &json!({"lagged": 12}));
+    assert_valid(
+        "TurnEnd",
+        &TurnEnd {
+            turn: 7,
+            transcript_turns: 14,
+        },
+    );
+}
+
+#[test]
+fn rollbacks_forks_and_imports() {
+    for version in [VersionSel::Latest, VersionSel::Number(3)] {
+        for undo in [true, false] {
+            assert_valid("RollbackRequest", &RollbackRequest { version, undo });
+        }
+        for name in [None, Some(id("web-1-try2"))] {
+            assert_valid("ForkRequest", &ForkRequest { version, name });
+        }
+    }
+    assert_valid(
+        "RollbackReport",
+        &RollbackReport {
+            version: 3,
+            pid: 51_002,
+            restore_ms: 310.5,
+            undo_ms: 98.0,
+            total_ms: 420.75,
+        },
+    );
+    assert_valid(
+        "ForkReport",
+        &ForkReport {
+            id: id("web-1-fork3-81723"),
+            pid: 51_440,
+            version: 3,
+            total_ms: 1_250.0,
+        },
+    );
+    assert_valid(
+        "ImportReport",
+        &ImportReport {
+            id: id("web-1"),
+            version: 1,
+            pid: 60_001,
+            total_ms: 2_048.5,
+        },
+    );
+}
+
+/// What the spec lets a client leave out, serde lets it leave out too:
+/// each request, with only the fields the spec requires, parses.
+#[test]
+fn the_least_the_spec_requires_the_types_take() {
+    let reg: Registration = least(
+        "Registration",
+        json!({
+            "id": "web-1",
+            "namespace": "default",
+            "containerd": "/run/containerd/containerd.sock",
+            "control": "/run/crab/shim/web-1.sock",
+            "pid": 812,
+        }),
+    );
+    assert_eq!(reg, registrations()[1]);
+    let rollback: RollbackRequest = least("RollbackRequest", json!({"version": "latest"}));
+    assert!(rollback.undo, "undo defaults to true, as the spec says");
+    assert_eq!(
+        spec()["components"]["schemas"]["RollbackRequest"]["properties"]["undo"]["default"],
+        json!(true)
+    );
+    let fork: ForkRequest = least("ForkRequest", json!({"version": 2}));
+    assert_eq!(fork.name, None);
+    let _: CheckpointRequest = least("CheckpointRequest", json!({"class": "full"}));
+    let _: TurnEnd = least("TurnEnd", json!({"turn": 1, "transcript_turns": 1}));
+    let _: ImportQuery = least("ImportQuery", json!({}));
+    // And answers with unknown fields still parse (the schemas are open).
+    let _: ErrorBody = least("ErrorBody", json!({"error": "x", "hint": "y"}));
+}
+
+#[track_caller]
+fn least<T: serde::de::DeserializeOwned>(schema: &str, doc: Value) -> T {
+    validate(schema, &doc).unwrap();
+    serde_json::from_value(doc).unwrap_or_else(|e| panic!("{schema}: {e}"))
+}
+
+/// Documents the types refuse, the spec refuses too.
+#[test]
+fn what_the_types_refuse_the_spec_refuses() {
+    let reg = to_json(&registrations()[0]);
+    let without = |field: &str| {
+        let mut doc = reg.clone();
+        doc.as_object_mut().unwrap().remove(field);
+        doc
+    };
+    let with = |field: &str, value: Value| {
+        let mut doc = reg.clone();
+        doc[field] = value;
+        doc
+    };
+    let cases: Vec<Refusal> = vec![
+        ("Registration", without("id"), refused::<Registration>),
+        ("Registration", without("pid"), refused::<Registration>),
+        (
+            "Registration",
+            with("id", json!("../etc")),
+            refused::<Registration>,
+        ),
+        ("Registration", with("pid", json!("812")), refused::<Registration>),
+        (
+            "Registration",
+            with("pid", json!(1_u64 << 40)),
+            refused::<Registration>,
+        ),
+        (
+            "Registration",
+            with("fs_backend", json!("ext4")),
+            refused::<Registration>,
+        ),
+        (
+            "Registration",
+            with("fs_backend", json!("overlay_copy")),
+            refused::<Registration>,
+        ),
+        (
+            "Registration",
+            with("own_snapshots", json!({"kind": "nfs"})),
+            refused::<Registration>,
+        ),
+        ("Registration", with("proxy", json!(7)), refused::<Registration>),
+        ("SandboxId", json!("../etc"), refused::<SandboxId>),
+        ("SandboxId", json!(""), refused::<SandboxId>),
+        ("SandboxId", json!(".hidden"), refused::<SandboxId>),
+        ("SandboxId", json!("-x"), refused::<SandboxId>),
+        ("SandboxId", json!("a/b"), refused::<SandboxId>),
+        ("SandboxId", json!("a\n"), refused::<SandboxId>),
+        ("SandboxId", json!("é"), refused::<SandboxId>),
+        ("SandboxId", json!("a".repeat(77)), refused::<SandboxId>),
+        ("SnapshotName", json!("a".repeat(65)), refused::<SnapshotName>),
+        ("SnapshotName", json!("../x"), refused::<SnapshotName>),
+        ("Class", json!("bogus"), refused::<Class>),
+        ("Class", json!("FULL"), refused::<Class>),
+        ("Class", Value::Null, refused::<Class>),
+        ("BackendKind", json!("overlay_copy"), refused::<BackendKind>),
+        ("VersionSel", json!(0), refused::<VersionSel>),
+        ("VersionSel", json!(-1), refused::<VersionSel>),
+        ("VersionSel", json!("newest"), refused::<VersionSel>),
+        ("Location", json!({"kind": "zfs"}), refused::<Location>),
+        (
+            "Location",
+            json!({"kind": "nfs", "dir": "/x"}),
+            refused::<Location>,
+        ),
+        ("Location", json!({"dataset": "tank/x"}), refused::<Location>),
+        (
+            "CheckpointRequest",
+            json!({"class": "bogus"}),
+            refused::<CheckpointRequest>,
+        ),
+        ("CheckpointRequest", json!({}), refused::<CheckpointRequest>),
+        (
+            "RollbackRequest",
+            json!({"undo": false}),
+            refused::<RollbackRequest>,
+        ),
+        (
+            "RollbackRequest",
+            json!({"version": 1, "undo": "no"}),
+            refused::<RollbackRequest>,
+        ),
+        (
+            "ForkRequest",
+            json!({"version": "latest", "name": "../etc"}),
+            refused::<ForkRequest>,
+        ),
+        (
+            "TurnEnd",
+            json!({"turn": -1, "transcript_turns": 0}),
+            refused::<TurnEnd>,
+        ),
+        ("TurnEnd", json!({"turn": 1}), refused::<TurnEnd>),
+        (
+            "TurnReport",
+            json!({"sandbox": "s", "turn": 1, "class": "fs"}),
+            refused::<TurnReport>,
+        ),
+        (
+            "TurnReport",
+            json!({"sandbox": "s", "turn": 1, "class": "fs", "reasons": "x"}),
+            refused::<TurnReport>,
+        ),
+        ("ErrorBody", json!({}), refused::<ErrorBody>),
+        ("ErrorBody", json!({"error": null}), refused::<ErrorBody>),
+        (
+            "RemovalReport",
+            json!({"removed": ["3"]}),
+            refused::<RemovalReport>,
+        ),
+    ];
+    for (schema, doc, rust_agrees) in cases {
+        assert_invalid(schema, doc.clone());
+        assert!(rust_agrees(doc.clone()), "{schema}: the types' view of {doc}");
+    }
+    // A SandboxInfo is its registration and more: either missing fails.
+    let info = to_json(&sandbox_infos()[0]);
+    for field in ["id", "running", "fs_backend", "latest"] {
+        let mut doc = info.clone();
+        doc.as_object_mut().unwrap().remove(field);
+        assert_invalid("SandboxInfo", doc);
+    }
+}
+
+/// A schema, a document it refuses, and whether the type refuses it too.
+type Refusal = (&'static str, Value, fn(Value) -> bool);
+
+fn refused<T: serde::de::DeserializeOwned>(doc: Value) -> bool {
+    serde_json::from_value::<T>(doc).is_err()
+}
+
+/// Where the spec is stricter than serde: what crabd never sends.
+#[test]
+fn what_crabd_never_sends_the_spec_refuses() {
+    // A version line with part of a record: serde would read it as an
+    // unreadable line (`record: None`); crabd writes all of a record or none.
+    assert_invalid(
+        "VersionView",
+        json!({"line": 1, "defect": null, "sandbox": "web-1"}),
+    );
+    let mut partial = to_json(&VersionView {
+        line: 1,
+        record: Some(record(1, Class::Full)),
+        defect: None,
+    });
+    partial.as_object_mut().unwrap().remove("images");
+    assert_invalid("VersionView", partial);
+    // A version in a JSON body is a number or `latest` (serde also takes
+    // the number as text, as a path parameter has it).
+    assert_invalid("VersionSel", json!("3"));
+    assert!(serde_json::from_value::<VersionSel>(json!("3")).is_ok());
+    // Digests are lower-case hex.
+    assert_invalid("ImageFile", json!({"path": "a", "bytes": 1, "sha256": sha('A')}));
+    // Answers carry every field, null or not.
+    let mut info = to_json(&sandbox_infos()[1]);
+    info.as_object_mut().unwrap().remove("proxy");
+    assert_invalid("SandboxInfo", info);
+    let mut r = to_json(&record(1, Class::None));
+    r.as_object_mut().unwrap().remove("fs_snapshot");
+    assert_invalid("VersionRecord", r);
+}
+
+/// Strict checking finds a field the spec does not name; open checking,
+/// as the spec means it, lets it by.
+#[test]
+fn strict_checking_finds_undeclared_fields() {
+    let doc = json!({"backend": "zfs", "name": "v1", "compressed": true});
+    assert!(validate("FsSnapshot", &doc).is_ok());
+    assert!(validate_strict("FsSnapshot", &doc).is_err());
+    let mut info = to_json(&sandbox_infos()[0]);
+    assert!(validate_strict("SandboxInfo", &info).is_ok());
+    info["paused"] = json!(false);
+    assert!(validate("SandboxInfo", &info).is_ok());
+    assert!(validate_strict("SandboxInfo", &info).is_err());
+    assert!(validate("Nonesuch", &json!({})).is_err());
+}

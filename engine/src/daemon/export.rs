@@ -1,0 +1,87 @@
+//! Export: one verified version of a sandbox as an archive
+//! (`crate::archive`), streamed to the caller.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use crab_api::{SandboxSelector, VersionSel};
+
+use super::versions::movable_files;
+use super::work::{blocking, blocking_io, detached};
+use super::{ApiError, Daemon};
+use crate::archive;
+use crate::containerd::Containerd;
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// The archive of version `which` of sandbox `sel`, as a streamed
+    /// `application/x-tar` answer.
+    pub(super) async fn export(
+        self: &Arc<Self>,
+        sel: &SandboxSelector,
+        which: VersionSel,
+    ) -> Result<Response, ApiError> {
+        let reg = self.registry.find(sel)?.registration;
+        let d = self.clone();
+        let file = detached(async move {
+            let busy = d.busy(&reg.id);
+            let _one_at_a_time = busy.lock().await;
+            let (v, images_dir) = d.restorable(&reg.id, which).await?;
+            let number = v.record.version;
+            let fs = movable_files(&v.record)?;
+            // The image files: this version's, or those of the one it reuses.
+            let images = match v.record.process_image {
+                Some(holder) if holder != number => {
+                    let store = d.store.clone();
+                    let sid = reg.id.clone();
+                    blocking(move || store.get(&sid, holder)).await?.record.images
+                }
+                _ => v.record.images.clone(),
+            };
+            let template = Containerd::connect(&reg.containerd, &reg.namespace)
+                .await?
+                .template(reg.id.as_str())
+                .await?;
+            let staging = d.staging("export")?;
+            let record = v.record.clone();
+            let d2 = d.clone();
+            blocking_io(move || {
+                let io = |op| move |source| ApiError::Io { op, source };
+                let stream_path = staging.join(archive::FS_STREAM);
+                let mut stream =
+                    std::fs::File::create(&stream_path).map_err(io("create the filesystem stream"))?;
+                d2.files.export(&record.sandbox, &fs.name, &mut stream)?;
+                let tar_path = staging.join("archive.tar");
+                let out = std::fs::File::create(&tar_path).map_err(io("create the archive"))?;
+                archive::pack(
+                    std::io::BufWriter::new(out),
+                    &record,
+                    &template,
+                    &images_dir,
+                    &images,
+                    &fs.name,
+                    &stream_path,
+                )?;
+                let file = std::fs::File::open(&tar_path).map_err(io("open the archive"))?;
+                // The open file outlives its directory; nothing stays behind.
+                let _ = std::fs::remove_dir_all(&staging);
+                Ok(file)
+            })
+            .await
+        })
+        .await?;
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
+        Ok((
+            [
+                (header::CONTENT_TYPE, "application/x-tar".to_owned()),
+                (header::CONTENT_LENGTH, len.to_string()),
+            ],
+            Body::from_stream(stream),
+        )
+            .into_response())
+    }
+}

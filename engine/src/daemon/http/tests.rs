@@ -1,0 +1,138 @@
+//! The routes against a crabd with no shims, containerd or inspector: what
+//! is decided before any of them is called.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use crab_api::config::CrabdConfig;
+use crab_api::crabd::Registration;
+use crab_api::SandboxId;
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+use crate::daemon::registry::Entry;
+use crate::daemon::Daemon;
+
+fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
+    let mut config = CrabdConfig::load_from(&root.join("absent.toml")).unwrap();
+    config.root = root.to_owned();
+    config.shim_timeout_secs = 1;
+    let d = Daemon::open(config).unwrap();
+    for id in running {
+        let id = SandboxId::new(*id).unwrap();
+        d.store.register(&id).unwrap();
+        d.registry
+            .insert(Entry {
+                registration: Registration {
+                    id: id.clone(),
+                    namespace: "default".into(),
+                    containerd: root.join("no-containerd.sock"),
+                    control: root.join(format!("{id}.sock")),
+                    pid: 1,
+                    fs_backend: Some(crab_api::BackendKind::OverlayCopy),
+                    proxy: None,
+                    cgroup: None,
+                    layer: None,
+                    own_snapshots: None,
+                },
+                running: true,
+                incarnation: None,
+            })
+            .unwrap();
+    }
+    Arc::new(d)
+}
+
+/// Sends `method path body` and answers the status and the `error` text.
+async fn check(d: &Arc<Daemon>, method: &str, path: &str, body: &str) -> (StatusCode, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .body(Body::from(body.to_owned()))
+        .unwrap();
+    let resp = d.clone().router().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    (status, json["error"].as_str().unwrap_or_default().to_owned())
+}
+
+const TURN: &str = r#"{"turn":1,"transcript_turns":0}"#;
+
+#[tokio::test]
+async fn a_turn_end_names_its_sandbox_exactly_never_by_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["abcdef"]);
+    // "abc" is a prefix of the one registered sandbox: a person's route
+    // resolves it, a turn end must not.
+    let (status, _) = check(&d, "GET", "/v1/sandboxes/abc", "").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, error) = check(&d, "POST", "/v1/sandboxes/abc/turns", TURN).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{error}");
+    assert!(d
+        .store
+        .versions(&SandboxId::new("abcdef").unwrap())
+        .unwrap()
+        .is_empty());
+    // The exact id goes on to the shim (absent here: a gateway error).
+    let (status, error) = check(&d, "POST", "/v1/sandboxes/abcdef/turns", TURN).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{error}");
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_before_anything_is_done() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["s1", "s2"]);
+    for (method, path, body, expected) in [
+        ("POST", "/v1/sandboxes/s1/turns", "{", StatusCode::BAD_REQUEST),
+        (
+            "POST",
+            "/v1/sandboxes/..%2Fetc/turns",
+            TURN,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s/checkpoint",
+            r#"{"class":"fs"}"#,
+            StatusCode::CONFLICT,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/checkpoint",
+            r#"{"class":"most"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/nope/rollback",
+            r#"{"version":1}"#,
+            StatusCode::NOT_FOUND,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/rollback",
+            r#"{"version":0}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "DELETE",
+            "/v1/sandboxes/s1/versions/latest",
+            "",
+            StatusCode::BAD_REQUEST,
+        ),
+        ("DELETE", "/v1/sandboxes/s/", "", StatusCode::NOT_FOUND),
+        (
+            "POST",
+            "/v1/sandboxes/s1/fork",
+            r#"{"version":1,"name":"../x"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        ("GET", "/v1/nothing", "", StatusCode::NOT_FOUND),
+    ] {
+        let (status, error) = check(&d, method, path, body).await;
+        assert_eq!(status, expected, "{method} {path}: {error}");
+        assert!(!error.is_empty(), "{method} {path} answers why");
+    }
+}

@@ -1,0 +1,180 @@
+//! Import: an archive that `export` wrote (on this host or another) as a
+//! new sandbox whose version 1 is the archive's version, running.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use crab_api::crabd::{ImportQuery, ImportReport};
+use crab_api::{BackendKind, FsSnapshot, SandboxId, VersionRecord};
+use futures_util::StreamExt;
+use tokio::io::AsyncWriteExt;
+
+use super::fork::FilesFrom;
+use super::work::{blocking, blocking_io, detached};
+use super::{ApiError, Daemon};
+use crate::archive::{self, ArchiveError};
+use crate::containerd::Containerd;
+use crate::{Capture, NewVersion, StoreError};
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// Receives the archive `body` into a staging directory, checks it, and
+    /// starts the sandbox it holds as `q` says. Nothing stays if it fails.
+    pub(super) async fn import(
+        self: &Arc<Self>,
+        q: ImportQuery,
+        body: Body,
+    ) -> Result<ImportReport, ApiError> {
+        let started = Instant::now();
+        let staging = self.staging("import")?;
+        let tar_path = staging.join("archive.tar");
+        let result = match receive(body, &tar_path).await {
+            Ok(()) => detached(import_staged(self.clone(), q, staging.clone(), started)).await,
+            Err(e) => Err(e),
+        };
+        let _ = std::fs::remove_dir_all(&staging);
+        result
+    }
+}
+
+async fn receive(body: Body, path: &std::path::Path) -> Result<(), ApiError> {
+    let mut file = tokio::fs::File::create(path)
+        .await
+        .map_err(|source| ApiError::Io {
+            op: "create the staged archive",
+            source,
+        })?;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::BadRequest {
+            reason: format!("the archive upload broke off: {e}"),
+        })?;
+        file.write_all(&chunk).await.map_err(|source| ApiError::Io {
+            op: "write the staged archive",
+            source,
+        })?;
+    }
+    file.flush().await.map_err(|source| ApiError::Io {
+        op: "write the staged archive",
+        source,
+    })
+}
+
+async fn import_staged(
+    d: Arc<Daemon>,
+    q: ImportQuery,
+    staging: PathBuf,
+    started: Instant,
+) -> Result<ImportReport, ApiError> {
+    let unpack_dir = staging.join("unpacked");
+    let tar_path = staging.join("archive.tar");
+    let unpacked = blocking_io(move || {
+        let f = std::fs::File::open(&tar_path).map_err(|source| ApiError::Io {
+            op: "open the staged archive",
+            source,
+        })?;
+        archive::unpack(std::io::BufReader::new(f), &unpack_dir).map_err(ApiError::from)
+    })
+    .await?;
+    let m = &unpacked.manifest;
+    let new_id: SandboxId = q.name.clone().unwrap_or_else(|| m.version.sandbox.clone());
+    let busy = d.busy(&new_id);
+    let _one_at_a_time = busy.lock().await;
+    if d.registry.get(&new_id).is_some() {
+        return Err(ApiError::SandboxExists { id: new_id });
+    }
+    match d.store.register(&new_id) {
+        Ok(()) => {}
+        Err(StoreError::SandboxExists { .. }) if d.store.versions(&new_id)?.is_empty() => {}
+        Err(StoreError::SandboxExists { .. }) => return Err(ApiError::SandboxExists { id: new_id }),
+        Err(e) => return Err(e.into()),
+    }
+
+    // The version, with its images moved in and its files imported.
+    let name = m.fs.name.clone();
+    let record = m.version.clone();
+    let images_src = unpacked.images_dir.clone();
+    let fs_stream = unpacked.fs_stream.clone();
+    let images = m.images.clone();
+    let (d2, sid) = (d.clone(), new_id.clone());
+    let version = blocking_io(move || -> Result<VersionRecord, ApiError> {
+        let io = |op| move |source| ApiError::Io { op, source };
+        let pending = d2.store.begin_version(
+            &sid,
+            NewVersion {
+                turn: record.turn,
+                transcript_turns: record.transcript_turns,
+                capture: Capture::Full(FsSnapshot {
+                    backend: BackendKind::OverlayCopy,
+                    name: name.clone(),
+                }),
+            },
+        )?;
+        let dir = pending
+            .images_dir()
+            .expect("a full version has an images directory")
+            .to_owned();
+        for f in &images {
+            let to = dir.join(&f.path);
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent).map_err(io("create an images directory"))?;
+            }
+            std::fs::rename(images_src.join(&f.path), &to).map_err(io("move an image file"))?;
+        }
+        let mut input = std::fs::File::open(&fs_stream).map_err(io("open the filesystem stream"))?;
+        d2.files.import(&sid, &name, &mut input)?;
+        Ok(pending.publish()?)
+    })
+    .await?;
+
+    let namespace = q.namespace.unwrap_or_else(|| d.config.namespace.clone());
+    let address = q.containerd.unwrap_or_else(|| d.config.containerd.clone());
+    let started_copy = async {
+        let containerd = Containerd::connect(&address, &namespace).await?;
+        let store = d.store.clone();
+        let sid = new_id.clone();
+        let n = version.version;
+        let images_dir = blocking(move || store.get(&sid, n))
+            .await?
+            .images_dir
+            .expect("an imported version holds its images");
+        let mut template = m.container.clone();
+        // The template's spec names the exported container; the copy is renamed.
+        template.id = m.version.sandbox.as_str().to_owned();
+        let from = FilesFrom {
+            sandbox: new_id.clone(),
+            name: m.fs.name.clone(),
+        };
+        d.start_copy(&containerd, &template, &new_id, &images_dir, from)
+            .await
+    }
+    .await;
+    let pid = match started_copy {
+        Ok(pid) => pid,
+        Err(e) => {
+            // Nothing half-imported stays: the version goes again.
+            let store = d.store.clone();
+            let (sid, n) = (new_id.clone(), version.version);
+            let _ = blocking(move || store.remove_version(&sid, n)).await;
+            let _ = d.files.destroy(&new_id, &m.fs.name);
+            return Err(e);
+        }
+    };
+    let total_ms = started.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(sandbox = %new_id, from = %m.version.sandbox, pid, elapsed_ms = total_ms, "imported");
+    Ok(ImportReport {
+        id: new_id,
+        version: version.version,
+        pid,
+        total_ms,
+    })
+}
+
+impl From<ArchiveError> for ApiError {
+    fn from(e: ArchiveError) -> Self {
+        ApiError::Archive(e)
+    }
+}

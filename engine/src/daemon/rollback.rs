@@ -1,0 +1,64 @@
+//! A rollback: the shim replaces the sandbox's processes (and files) with a
+//! verified version's, after an undo checkpoint unless asked not to.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crab_api::crabd::{RollbackReport, RollbackRequest};
+use crab_api::shim::{FsTarget, ShimRestore, ShimRestored};
+use crab_api::{routes, SandboxSelector};
+use tracing::Instrument;
+
+use super::work::detached;
+use super::{ApiError, Daemon};
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// Puts sandbox `sel` back to version `req.version`.
+    pub(super) async fn rollback(
+        self: &Arc<Self>,
+        sel: &SandboxSelector,
+        req: RollbackRequest,
+    ) -> Result<RollbackReport, ApiError> {
+        let reg = self.registry.resolve(sel)?;
+        let d = self.clone();
+        let span = tracing::info_span!("rollback", sandbox = %reg.id, version = %req.version);
+        detached(
+            async move {
+                let busy = d.busy(&reg.id);
+                let _one_at_a_time = busy.lock().await;
+                let started = Instant::now();
+                let (version, images_dir) = d.restorable(&reg.id, req.version).await?;
+                let number = version.record.version;
+                let call = ShimRestore {
+                    undo: req.undo,
+                    images_dir,
+                    fs: version.record.fs_snapshot.map(|f| FsTarget {
+                        name: f.name,
+                        store: d.files.store_dir(&reg.id),
+                    }),
+                };
+                let done: ShimRestored = d.call_shim(&reg, routes::shim::RESTORE, &call).await?;
+                d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
+                let total_ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(
+                    version = number,
+                    pid = done.pid,
+                    restore_ms = done.restore_ms,
+                    elapsed_ms = total_ms,
+                    "rolled back"
+                );
+                Ok(RollbackReport {
+                    version: number,
+                    pid: done.pid,
+                    restore_ms: done.restore_ms,
+                    undo_ms: done.undo_ms,
+                    total_ms,
+                })
+            }
+            .instrument(span),
+        )
+        .await
+    }
+}

@@ -1,0 +1,88 @@
+//! The sandboxes crabd knows: a shim registers its sandbox at Start and
+//! unregisters it when its task is gone; people list and show them.
+
+use crab_api::crabd::{Registration, SandboxInfo};
+use crab_api::{SandboxId, SandboxSelector};
+
+use super::registry::Entry;
+use super::{gc, ApiError, Daemon};
+use crate::StoreError;
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// Every sandbox, by id.
+    pub(super) fn list(&self) -> Vec<SandboxInfo> {
+        self.registry.all().into_iter().map(|e| self.info(e)).collect()
+    }
+
+    /// The sandbox `sel` names.
+    pub(super) fn show(&self, sel: &SandboxSelector) -> Result<SandboxInfo, ApiError> {
+        Ok(self.info(self.registry.find(sel)?))
+    }
+
+    /// Records a running sandbox. A sandbox with the same id but another
+    /// writable layer is a new one: the old one's history goes first.
+    pub(super) async fn register(&self, reg: Registration) -> Result<SandboxInfo, ApiError> {
+        // No per-sandbox lock here: crabd's own import holds it while the
+        // shim it started registers.
+        let _lifecycle = self.lifecycle.lock().await;
+        let incarnation = gc::incarnation(&reg).await;
+        if let Some(old) = self.registry.get(&reg.id) {
+            if old.replaced_by(&reg, incarnation.as_ref()) {
+                tracing::info!(
+                    sandbox = %reg.id,
+                    "another sandbox took a removed one's id: the old history goes"
+                );
+                gc::purge(self, &old).await?;
+            }
+        }
+        match self.store.register(&reg.id) {
+            Ok(()) | Err(StoreError::SandboxExists { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let entry = Entry {
+            registration: reg.clone(),
+            running: true,
+            incarnation,
+        };
+        self.registry.insert(entry.clone())?;
+        self.inspection.register(&reg.id, reg.cgroup.as_deref());
+        tracing::info!(sandbox = %reg.id, namespace = reg.namespace, pid = reg.pid, "registered");
+        Ok(self.info(entry))
+    }
+
+    /// Sandbox `id`'s task is gone. Its versions stay until containerd
+    /// removes its container (`gc`).
+    pub(super) fn unregister(&self, id: &SandboxId) -> Result<(), ApiError> {
+        if !self.registry.update(id, |e| e.running = false)? {
+            return Err(ApiError::UnknownSandbox { sel: id.to_string() });
+        }
+        self.inspection.unregister(id);
+        tracing::info!(sandbox = %id, "stopped");
+        Ok(())
+    }
+
+    fn info(&self, entry: Entry) -> SandboxInfo {
+        let Entry {
+            registration,
+            running,
+            ..
+        } = entry;
+        let versions = self.store.versions(&registration.id).unwrap_or_default();
+        let proxy_url = registration
+            .proxy
+            .as_ref()
+            .and_then(|_| self.proxy_url(&registration.id));
+        SandboxInfo {
+            registration,
+            running,
+            proxy_url,
+            versions: versions.len(),
+            latest: versions
+                .iter()
+                .rev()
+                .find_map(|v| v.record.as_ref().map(|r| r.version)),
+        }
+    }
+}
