@@ -23,7 +23,7 @@ pub struct SandboxId(String);
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SandboxSelector(String);
 
-/// A string that is not a valid [`SandboxId`] (or [`SandboxSelector`]).
+/// A string that is not a valid [`SandboxId`].
 #[derive(Debug, thiserror::Error)]
 #[error(
     "invalid sandbox id {id:?}: use 1-76 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -31,6 +31,17 @@ pub struct SandboxSelector(String);
 pub struct InvalidSandboxId {
     /// The id given.
     pub id: String,
+}
+
+/// A string that no [`SandboxSelector`] can be: it could match no
+/// sandbox, since no valid id starts with it.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no sandbox matches {sel:?}: sandbox ids are 1-76 letters, digits, '.', '_' or '-', starting with a letter or digit"
+)]
+pub struct InvalidSelector {
+    /// The text given.
+    pub sel: String,
 }
 
 /// Longest id accepted; the same bound the shim puts on container ids.
@@ -102,11 +113,11 @@ impl SandboxSelector {
     /// Validates `sel` by the id rule (a prefix of a valid id is one too).
     ///
     /// # Errors
-    /// [`InvalidSandboxId`].
-    pub fn new(sel: impl Into<String>) -> Result<Self, InvalidSandboxId> {
+    /// [`InvalidSelector`].
+    pub fn new(sel: impl Into<String>) -> Result<Self, InvalidSelector> {
         let sel = sel.into();
         if !well_formed(&sel) {
-            return Err(InvalidSandboxId { id: sel });
+            return Err(InvalidSelector { sel });
         }
         Ok(Self(sel))
     }
@@ -135,8 +146,8 @@ impl fmt::Display for SandboxSelector {
 }
 
 impl std::str::FromStr for SandboxSelector {
-    type Err = InvalidSandboxId;
-    fn from_str(s: &str) -> Result<Self, InvalidSandboxId> {
+    type Err = InvalidSelector;
+    fn from_str(s: &str) -> Result<Self, InvalidSelector> {
         SandboxSelector::new(s)
     }
 }

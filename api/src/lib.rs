@@ -35,7 +35,7 @@ mod version;
 pub use class::{Class, InvalidClass};
 pub use client::{ClientError, Crabd, UnixClient};
 pub use fs::{BackendKind, InvalidSnapshotName, Location, SnapshotName};
-pub use id::{InvalidSandboxId, SandboxId, SandboxSelector};
+pub use id::{InvalidSandboxId, InvalidSelector, SandboxId, SandboxSelector};
 pub use version::{FsSnapshot, ImageFile, InvalidVersionSel, VersionRecord, VersionSel};
 
 /// `e`'s message followed by those of its sources, `: `-separated: how an

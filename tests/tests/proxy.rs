@@ -27,23 +27,10 @@ fn injected_proxy_counts_turns_and_keeps_the_transcript() {
     let llm = ScriptedLlm::start();
     let (ctd, base) = containerd();
     let transcripts = base.join("transcripts");
-    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
     let post = "wget -qO- --header 'Content-Type: application/json' \
                 --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
     let script = format!("echo $OPENAI_BASE_URL $ANTHROPIC_BASE_URL; {post}; echo; wget -qO- $OPENAI_BASE_URL/models; echo; {post}");
-    let out = ctd.ctr_ok(&[
-        "run",
-        "--rm",
-        "--env",
-        &upstream,
-        "--runtime",
-        CRAB,
-        BUSYBOX,
-        "agent",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let out = run_agent(&ctd, &llm, &script);
     let mut lines = out.lines();
     // The agent's SDK variables point at the proxy in its own namespace.
     assert_eq!(
@@ -74,6 +61,25 @@ fn injected_proxy_counts_turns_and_keeps_the_transcript() {
     assert_eq!(turns, [1, 2], "{text}");
     assert_clean(&ctd.scope(), &["agent"]);
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// Runs `script` as the agent `agent` of a crab sandbox whose upstream
+/// is `llm`, to its end; answers its output.
+fn run_agent(ctd: &Containerd, llm: &ScriptedLlm, script: &str) -> String {
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    ctd.ctr_ok(&[
+        "run",
+        "--rm",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "agent",
+        "sh",
+        "-c",
+        script,
+    ])
 }
 
 /// A tmpfs mounted for a test, unmounted when dropped.
@@ -161,7 +167,6 @@ fn a_failed_transcript_write_and_turn_hook_reach_containerds_log() {
     .unwrap();
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let full = Tmpfs::mount(&transcripts.join(&ctd.namespace), "size=4k");
-    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
     let post = format!(
         "wget -qO- --header 'Content-Type: application/json' \
          --post-data '{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}' \
@@ -170,19 +175,7 @@ fn a_failed_transcript_write_and_turn_hook_reach_containerds_log() {
     );
     // The second turn's answer waits for the first turn's record: by then
     // its append has failed.
-    let out = ctd.ctr_ok(&[
-        "run",
-        "--rm",
-        "--env",
-        &upstream,
-        "--runtime",
-        CRAB,
-        BUSYBOX,
-        "agent",
-        "sh",
-        "-c",
-        &format!("{post}; echo; {post}"),
-    ]);
+    let out = run_agent(&ctd, &llm, &format!("{post}; echo; {post}"));
     // The agent got its answers all the same.
     assert_eq!(out.matches("scripted answer").count(), 2, "{out}");
     let log_path = ctd.dir.join("containerd.log");

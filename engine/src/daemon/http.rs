@@ -48,10 +48,9 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
+/// What a person typed; text no id can start with selects no sandbox.
 fn selector(text: &str) -> Result<SandboxSelector, ApiError> {
-    SandboxSelector::new(text).map_err(|e| ApiError::BadRequest {
-        reason: e.to_string(),
-    })
+    SandboxSelector::new(text).map_err(|e| ApiError::UnknownSandbox { sel: e.sel })
 }
 
 fn exact(text: &str) -> Result<SandboxId, ApiError> {
