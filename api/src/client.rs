@@ -15,7 +15,7 @@ use crate::crabd::ErrorBody;
 
 mod crabd;
 
-pub use crabd::Crabd;
+pub use crabd::{Crabd, Progress};
 
 /// What a call can fail with.
 #[derive(Debug, thiserror::Error)]

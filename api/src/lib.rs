@@ -33,7 +33,7 @@ mod id;
 mod version;
 
 pub use class::{Class, InvalidClass};
-pub use client::{ClientError, Crabd, UnixClient};
+pub use client::{ClientError, Crabd, Progress, UnixClient};
 pub use fs::{BackendKind, InvalidSnapshotName, Location, SnapshotName};
 pub use id::{InvalidSandboxId, InvalidSelector, SandboxId, SandboxSelector};
 pub use version::{FsSnapshot, ImageFile, InvalidVersionSel, VersionRecord, VersionSel};

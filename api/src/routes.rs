@@ -60,7 +60,8 @@ pub const IMPORT: &str = "/v1/import";
 pub const HOST_PROXY_PREFIX: &str = "/s/";
 
 /// Every pattern of crabd's management API with its methods, for the
-/// router's test against `openapi.json`.
+/// tests that hold `openapi.json` and the router to it.
+#[doc(hidden)]
 pub const ALL: &[(&str, &[&str])] = &[
     (SANDBOXES, &["get", "post"]),
     (SANDBOX, &["get", "delete"]),

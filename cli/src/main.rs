@@ -280,11 +280,10 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         Command::Watch { sandbox } => {
             let json = cli.json;
             crabd
-                .watch(sandbox, |report| {
+                .watch(sandbox, |line, report| {
                     match report {
-                        Ok(r) if !json => print!("{}", turn_line(&r)),
-                        Ok(r) => println!("{}", serde_json::to_string(&r).expect("a report serializes")),
-                        Err(line) => println!("{line}"),
+                        Some(r) if !json => print!("{}", turn_line(&r)),
+                        _ => println!("{line}"),
                     }
                     true
                 })

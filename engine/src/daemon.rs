@@ -44,7 +44,7 @@ mod versions;
 mod work;
 
 pub use error::ApiError;
-pub use inspect::{Inspection, TurnInspector};
+pub use inspect::{Inspection, InspectorError, TurnInspector};
 pub use registry::Registry;
 
 /// Why crabd could not start or stopped.
@@ -140,8 +140,9 @@ impl Daemon {
         self.busy.lock().entry(id.clone()).or_default().clone()
     }
 
-    /// A fresh staging directory for a transfer (`<root>/staging/…`).
-    fn staging(&self, kind: &str) -> Result<PathBuf, ApiError> {
+    /// A fresh staging directory for a transfer (`<root>/staging/…`),
+    /// removed when the guard goes, on every path.
+    fn staging(&self, kind: &str) -> Result<work::Staging, ApiError> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = self
@@ -153,7 +154,7 @@ impl Daemon {
             op: "create a staging directory",
             source,
         })?;
-        Ok(dir)
+        Ok(work::Staging::new(dir))
     }
 
     /// The API's routes (`crab_api::routes`), each a thin handler.

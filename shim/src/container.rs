@@ -181,7 +181,9 @@ impl Container {
                         .await
                     {
                         Ok(p) => c.proxy = Some(p),
-                        Err(e) => tracing::error!("{}: no LLM proxy: {e}", c.id),
+                        Err(e) => {
+                            tracing::error!(error = %crab_api::error_chain(&e), "{}: no LLM proxy", c.id)
+                        }
                     }
                 }
                 Ok((c, Some(rx)))
@@ -472,20 +474,20 @@ impl Container {
             task.abort();
         }
         if let Err(e) = runtime.delete(&self.id, &self.bundle, true).await {
-            tracing::debug!("cleanup of {}: {e}", self.id);
+            tracing::debug!(error = %crab_api::error_chain(&e), "cleanup of {}", self.id);
         }
         self.init.io = None;
         if self.rootfs_mounted {
             let rootfs = self.bundle.join("rootfs");
             if let Err(e) = unmount(&rootfs) {
-                tracing::warn!("unmount {}: {e}", rootfs.display());
+                tracing::warn!(error = %crab_api::error_chain(&e), "unmount {}", rootfs.display());
             } else {
                 self.rootfs_mounted = false;
             }
         }
         if let Some(cg) = &self.unified_cgroup {
             if let Err(e) = cgroup::remove_unified(cg) {
-                tracing::warn!("remove cgroup {}: {e}", cg.display());
+                tracing::warn!(error = %crab_api::error_chain(&e), "remove cgroup {}", cg.display());
             }
         }
     }

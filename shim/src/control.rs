@@ -251,7 +251,7 @@ fn refuse_error(e: Error) -> Response {
         }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    refuse(status, e.chain())
+    refuse(status, crab_api::error_chain(&e))
 }
 
 fn refuse(status: StatusCode, error: String) -> Response {

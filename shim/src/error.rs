@@ -218,19 +218,6 @@ impl Error {
         move |source| Error::Io { context, source }
     }
 
-    /// The message with its whole source chain, for a user who sees only
-    /// the text (containerd's status, crabd's error body).
-    pub fn chain(&self) -> String {
-        let mut msg = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(s) = source {
-            msg.push_str(": ");
-            msg.push_str(&s.to_string());
-            source = s.source();
-        }
-        msg
-    }
-
     fn code(&self) -> ttrpc::Code {
         match self {
             Error::NotFound { .. } => ttrpc::Code::NOT_FOUND,
@@ -264,7 +251,7 @@ impl From<Error> for ttrpc::Error {
     fn from(e: Error) -> Self {
         // containerd shows the status message to the user, so it carries the
         // whole source chain.
-        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.chain()))
+        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), crab_api::error_chain(&e)))
     }
 }
 

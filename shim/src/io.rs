@@ -183,7 +183,7 @@ impl ProcessIo {
             let Ok(Ok(file)) = opened else { return };
             match pipe::Receiver::from_file(file) {
                 Ok(from) => copy(from, to).await,
-                Err(e) => tracing::warn!("stdin fifo: {e}"),
+                Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "stdin fifo"),
             }
         }));
     }

@@ -9,8 +9,6 @@
 //! sets its level from containerd's `-debug` flag and `RUST_LOG`; this
 //! layer hands each event to that logger, so both honour one level.
 
-use std::fmt::Write as _;
-
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Subscriber};
@@ -59,7 +57,32 @@ fn level(level: &Level) -> log::Level {
     }
 }
 
+/// `value` as it may stand between the quotes of a logrus value.
+fn escape(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
+    fn enabled(&self, meta: &tracing::Metadata<'_>, _ctx: Context<'_, S>) -> bool {
+        // Spans are kept whatever their level: their fields label the
+        // events inside. libcontainer's debug events print whole specs
+        // (environments): never below warn.
+        let level = level(meta.level());
+        meta.is_span()
+            || (level <= log::max_level()
+                && (level <= log::Level::Warn || !meta.target().starts_with("libcontainer")))
+    }
+
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         let mut fields = Fields::default();
         attrs.record(&mut fields);
@@ -69,9 +92,13 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
     }
 
     fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        // Formatted before the span's extensions are locked: a value's
+        // `Debug` may itself log.
+        let mut more = Fields::default();
+        values.record(&mut more);
         if let Some(span) = ctx.span(id) {
             if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
-                values.record(fields);
+                fields.0.extend(more.0);
             }
         }
     }
@@ -91,7 +118,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
         if let Some(scope) = ctx.event_scope(event) {
             for span in scope.from_root() {
                 if let Some(fields) = span.extensions().get::<Fields>() {
-                    pairs.extend(fields.0.iter().cloned());
+                    pairs.extend(fields.0.iter().map(|(k, v)| (*k, escape(v))));
                 }
             }
         }
@@ -101,7 +128,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
         for (name, value) in own.0 {
             match name {
                 "message" => message = value,
-                _ => pairs.push((name, value)),
+                _ => pairs.push((name, escape(&value))),
             }
         }
         let mut seen = std::collections::HashSet::new();
@@ -113,8 +140,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
         }
         kvs.reverse();
         let kvs: Vec<(&str, &str)> = kvs.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let mut text = String::new();
-        let _ = write!(text, "{message}");
+        let text = escape(&message);
         logger.log(
             &log::Record::builder()
                 .metadata(log_meta)
@@ -125,5 +151,22 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ToLog {
                 .args(format_args!("{text}"))
                 .build(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(value: &str, expected: &str) {
+        assert_eq!(escape(value), expected, "{value:?}");
+    }
+
+    #[test]
+    fn values_stay_inside_their_quotes_and_line() {
+        check("plain", "plain");
+        check(r#"invalid sandbox id "x""#, r#"invalid sandbox id \"x\""#);
+        check("a\\b", "a\\\\b");
+        check("criu said:\nError (x)\r", "criu said:\\nError (x)\\r");
     }
 }

@@ -201,7 +201,7 @@ impl SandboxProxy {
                     Some((path.clone(), tokio::spawn(serve)))
                 }
                 Err(e) => {
-                    tracing::warn!("{id}: no host socket {}: {e}", path.display());
+                    tracing::warn!(error = %crab_api::error_chain(&e), "{id}: no host socket {}", path.display());
                     None
                 }
             },

@@ -135,11 +135,11 @@ impl Shim for Service {
         let bundle = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let runtime = runtime_client(ExitRouter::start().await, &self.namespace);
         if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
-            tracing::warn!("delete {} in {}: {e}", self.id, self.namespace);
+            tracing::warn!(error = %crab_api::error_chain(&e), "delete {} in {}", self.id, self.namespace);
         }
         let rootfs = bundle.join("rootfs");
         if let Err(e) = crate::container::unmount(&rootfs) {
-            tracing::warn!("unmount {}: {e}", rootfs.display());
+            tracing::warn!(error = %crab_api::error_chain(&e), "unmount {}", rootfs.display());
         }
         remove_unified_cgroup(&bundle, &self.id).await;
         // The dead shim could not remove its socket.
@@ -205,7 +205,7 @@ async fn remove_unified_cgroup(bundle: &Path, id: &str) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Err(e) => {
-                tracing::warn!("remove cgroup {}: {e}", unified.display());
+                tracing::warn!(error = %crab_api::error_chain(&e), "remove cgroup {}", unified.display());
                 return;
             }
         }
@@ -257,7 +257,7 @@ impl TaskService {
             Ok(Some(w)) => w,
             Ok(None) => return,
             Err(e) => {
-                tracing::warn!("{}: no OOM events: {e}", c.id);
+                tracing::warn!(error = %crab_api::error_chain(&e), "{}: no OOM events", c.id);
                 return;
             }
         };
@@ -355,7 +355,7 @@ impl Events {
             .publish(Context::default(), topic, &self.namespace, event)
             .await
         {
-            tracing::warn!("publish {topic}: {e}");
+            tracing::warn!(error = %crab_api::error_chain(&e), "publish {topic}");
         }
     }
 }

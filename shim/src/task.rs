@@ -114,7 +114,7 @@ impl Task for TaskService {
                 Ok(control) => {
                     self.controls.lock().await.insert(req.id.clone(), control);
                 }
-                Err(e) => tracing::warn!("{}: no control socket: {e}", req.id),
+                Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "{}: no control socket", req.id),
             }
             self.events
                 .publish(

@@ -105,17 +105,18 @@ impl Crabd {
         self.http.post(&routes::turn(sel), &()).await
     }
 
-    /// Hands each turn report of sandbox `sel` to `on_report` as its turns
-    /// end, until crabd ends the stream or `on_report` returns false. A
-    /// line that is not a report is handed over as text.
+    /// Hands each line of sandbox `sel`'s watch to `on_line` as its turns
+    /// end, as crabd sent it and, when it is one, as a turn report (crabd
+    /// also says how many reports a slow watcher missed), until crabd ends
+    /// the stream or `on_line` returns false.
     pub async fn watch(
         &self,
         sel: &SandboxSelector,
-        mut on_report: impl FnMut(Result<TurnReport, &str>) -> bool,
+        mut on_line: impl FnMut(&str, Option<TurnReport>) -> bool,
     ) -> Result<(), ClientError> {
         self.http
             .lines(&routes::watch(sel), |line| {
-                on_report(serde_json::from_str::<TurnReport>(line).map_err(|_| line))
+                on_line(line, serde_json::from_str::<TurnReport>(line).ok())
             })
             .await
     }

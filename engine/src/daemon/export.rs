@@ -50,11 +50,11 @@ impl Daemon {
             let d2 = d.clone();
             blocking_io(move || {
                 let io = |op| move |source| ApiError::Io { op, source };
-                let stream_path = staging.join(archive::FS_STREAM);
+                let stream_path = staging.path().join(archive::FS_STREAM);
                 let mut stream =
                     std::fs::File::create(&stream_path).map_err(io("create the filesystem stream"))?;
                 d2.files.export(&record.sandbox, &fs.name, &mut stream)?;
-                let tar_path = staging.join("archive.tar");
+                let tar_path = staging.path().join("archive.tar");
                 let out = std::fs::File::create(&tar_path).map_err(io("create the archive"))?;
                 archive::pack(
                     std::io::BufWriter::new(out),
@@ -66,8 +66,9 @@ impl Daemon {
                     &stream_path,
                 )?;
                 let file = std::fs::File::open(&tar_path).map_err(io("open the archive"))?;
-                // The open file outlives its directory; nothing stays behind.
-                let _ = std::fs::remove_dir_all(&staging);
+                // The open file outlives its directory (the guard removes it
+                // here, or on any failure above): nothing stays behind.
+                drop(staging);
                 Ok(file)
             })
             .await

@@ -119,6 +119,17 @@ impl Files {
         Ok(gone)
     }
 
+    /// Deletes sandbox `id`'s whole store: what a fork or an import that
+    /// failed had made of it. Blocks.
+    pub(super) fn remove_store(&self, id: &SandboxId) {
+        let dir = self.store_dir(id);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "remove a failed copy's files"),
+        }
+    }
+
     /// Moves sandbox `id`'s whole store into `trash` (emptied later,
     /// without locks). Blocks.
     pub(super) fn trash(&self, id: &SandboxId, trash: &Path, unique: &str) {
@@ -162,10 +173,18 @@ impl Daemon {
             .unused_snapshots
             .iter()
             .partition(|s| s.backend == BackendKind::OverlayCopy);
-        for snap in copies {
-            if let Err(e) = self.files.destroy(&reg.id, &snap.name) {
-                tracing::warn!(snapshot = %snap.name, error = %crab_api::error_chain(&e), "remove unused snapshot");
+        let (files, id) = (self.files.clone(), reg.id.clone());
+        let names: Vec<SnapshotName> = copies.into_iter().map(|s| s.name.clone()).collect();
+        let destroyed = tokio::task::spawn_blocking(move || {
+            for name in names {
+                if let Err(e) = files.destroy(&id, &name) {
+                    tracing::warn!(snapshot = %name, error = %crab_api::error_chain(&e), "remove unused snapshot");
+                }
             }
+        })
+        .await;
+        if let Err(e) = destroyed {
+            tracing::warn!(sandbox = %reg.id, error = %e, "remove unused snapshots");
         }
         if own.is_empty() {
             return;

@@ -83,6 +83,7 @@ impl Daemon {
         images: &Path,
         files: FilesFrom,
     ) -> Result<u32, ApiError> {
+        let files_from_elsewhere = files.sandbox != *new_id;
         let made = containerd.create_from(template, new_id.as_str(), images).await?;
         let upper = made.upper.clone();
         let d = self.clone();
@@ -95,16 +96,19 @@ impl Daemon {
             d.files.clone_into(&files.sandbox, &files.name, &to, &upper)
         })
         .await;
-        if let Err(e) = copied {
+        let started = match copied {
+            Ok(()) => containerd.start(&made).await.map_err(ApiError::from),
+            Err(e) => Err(e),
+        };
+        if started.is_err() {
             containerd.remove(&made).await;
-            return Err(e);
-        }
-        match containerd.start(&made).await {
-            Ok(pid) => Ok(pid),
-            Err(e) => {
-                containerd.remove(&made).await;
-                Err(e.into())
+            // An import's own store holds the version it restores; a fork's
+            // is new and goes.
+            if files_from_elsewhere {
+                let (files, id) = (self.files.clone(), new_id.clone());
+                let _ = tokio::task::spawn_blocking(move || files.remove_store(&id)).await;
             }
         }
+        started
     }
 }

@@ -75,7 +75,7 @@ async fn is_gone(entry: &Entry) -> bool {
             .as_ref()
             .is_some_and(|was| !at.is_empty() && *was != at),
         Ok(Err(e)) => {
-            tracing::debug!(sandbox = %entry.registration.id, error = %e, "containerd not asked");
+            tracing::debug!(sandbox = %entry.registration.id, error = %crab_api::error_chain(&e), "containerd not asked");
             false
         }
         Err(_) => false,
@@ -174,6 +174,9 @@ async fn sweep_copies(d: &Arc<Daemon>, id: &SandboxId) {
     let Ok(_one_at_a_time) = busy.try_lock() else {
         return;
     };
+    if !d.files.store_dir(id).exists() {
+        return;
+    }
     let (d2, sid) = (d.clone(), id.clone());
     let swept = blocking_io(move || {
         let mut named: Vec<SnapshotName> = Vec::new();

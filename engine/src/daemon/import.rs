@@ -1,7 +1,6 @@
 //! Import: an archive that `export` wrote (on this host or another) as a
 //! new sandbox whose version 1 is the archive's version, running.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,7 +11,7 @@ use futures_util::StreamExt;
 use tokio::io::AsyncWriteExt;
 
 use super::fork::FilesFrom;
-use super::work::{blocking, blocking_io, detached};
+use super::work::{blocking, blocking_io, detached, Staging};
 use super::{ApiError, Daemon};
 use crate::archive::{self, ArchiveError};
 use crate::containerd::Containerd;
@@ -30,13 +29,10 @@ impl Daemon {
     ) -> Result<ImportReport, ApiError> {
         let started = Instant::now();
         let staging = self.staging("import")?;
-        let tar_path = staging.join("archive.tar");
-        let result = match receive(body, &tar_path).await {
-            Ok(()) => detached(import_staged(self.clone(), q, staging.clone(), started)).await,
-            Err(e) => Err(e),
-        };
-        let _ = std::fs::remove_dir_all(&staging);
-        result
+        receive(body, &staging.path().join("archive.tar")).await?;
+        // From here on the import runs to its end (and its staging goes
+        // with it) even if the caller hangs up.
+        detached(import_staged(self.clone(), q, staging, started)).await
     }
 }
 
@@ -66,11 +62,11 @@ async fn receive(body: Body, path: &std::path::Path) -> Result<(), ApiError> {
 async fn import_staged(
     d: Arc<Daemon>,
     q: ImportQuery,
-    staging: PathBuf,
+    staging: Staging,
     started: Instant,
 ) -> Result<ImportReport, ApiError> {
-    let unpack_dir = staging.join("unpacked");
-    let tar_path = staging.join("archive.tar");
+    let unpack_dir = staging.path().join("unpacked");
+    let tar_path = staging.path().join("archive.tar");
     let unpacked = blocking_io(move || {
         let f = std::fs::File::open(&tar_path).map_err(|source| ApiError::Io {
             op: "open the staged archive",
@@ -92,7 +88,32 @@ async fn import_staged(
         Err(StoreError::SandboxExists { .. }) => return Err(ApiError::SandboxExists { id: new_id }),
         Err(e) => return Err(e.into()),
     }
+    let made = make_and_start(&d, q, &unpacked, &new_id, started).await;
+    if made.is_err() {
+        // Nothing half-imported stays: no version, no files, no history.
+        let (d2, sid) = (d.clone(), new_id.clone());
+        let _ = blocking_io(move || {
+            if d2.store.versions(&sid).is_ok_and(|v| v.is_empty()) {
+                let _ = d2.store.forget(&sid);
+            }
+            d2.files.remove_store(&sid);
+            Ok(())
+        })
+        .await;
+    }
+    made
+}
 
+/// Publishes the archive's version as sandbox `new_id`'s first and starts
+/// it in containerd.
+async fn make_and_start(
+    d: &Arc<Daemon>,
+    q: ImportQuery,
+    unpacked: &archive::Unpacked,
+    new_id: &SandboxId,
+    started: Instant,
+) -> Result<ImportReport, ApiError> {
+    let m = &unpacked.manifest;
     // The version, with its images moved in and its files imported.
     let name = m.fs.name.clone();
     let record = m.version.clone();
@@ -148,25 +169,24 @@ async fn import_staged(
             sandbox: new_id.clone(),
             name: m.fs.name.clone(),
         };
-        d.start_copy(&containerd, &template, &new_id, &images_dir, from)
+        d.start_copy(&containerd, &template, new_id, &images_dir, from)
             .await
     }
     .await;
     let pid = match started_copy {
         Ok(pid) => pid,
         Err(e) => {
-            // Nothing half-imported stays: the version goes again.
+            // The version goes again (its files go with the store).
             let store = d.store.clone();
             let (sid, n) = (new_id.clone(), version.version);
             let _ = blocking(move || store.remove_version(&sid, n)).await;
-            let _ = d.files.destroy(&new_id, &m.fs.name);
             return Err(e);
         }
     };
     let total_ms = started.elapsed().as_secs_f64() * 1e3;
     tracing::info!(sandbox = %new_id, from = %m.version.sandbox, pid, elapsed_ms = total_ms, "imported");
     Ok(ImportReport {
-        id: new_id,
+        id: new_id.clone(),
         version: version.version,
         pid,
         total_ms,

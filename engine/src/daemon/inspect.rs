@@ -18,14 +18,17 @@ use tokio::sync::broadcast;
 
 use super::{ApiError, Daemon};
 
+/// Why an inspector could not follow a sandbox or end its turn.
+pub type InspectorError = Box<dyn std::error::Error + Send + Sync>;
+
 /// What crabd asks of an inspector.
 pub trait TurnInspector: Send + Sync {
     /// Starts following sandbox `sandbox`, whose tasks are in `cgroup`.
-    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), crab_inspector::Error>;
+    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), InspectorError>;
     /// Stops following sandbox `sandbox`.
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
-    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, crab_inspector::Error>;
+    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError>;
 }
 
 /// The inspector (if one is loaded) and the watchers of its reports.
@@ -52,7 +55,7 @@ impl Inspection {
             return;
         };
         if let Err(e) = i.register(sandbox, cgroup) {
-            tracing::warn!(%sandbox, error = %crab_api::error_chain(&e), "inspector cannot follow it: its turns will be full");
+            tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow it: its turns will be full");
         }
     }
 
@@ -68,7 +71,7 @@ impl Inspection {
     pub fn turn_end(&self, sandbox: &SandboxId) -> TurnReport {
         let report = match &self.inspector {
             Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| {
-                let why = crab_api::error_chain(&e);
+                let why = crab_api::error_chain(e.as_ref());
                 tracing::warn!(%sandbox, error = why, "inspector could not end the turn: it is full");
                 full(sandbox, &why)
             }),
@@ -94,17 +97,17 @@ impl std::fmt::Debug for Inspection {
 
 // The eBPF inspector (crate `crab-inspector`).
 impl TurnInspector for crab_inspector::Inspector {
-    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), crab_inspector::Error> {
-        crab_inspector::Inspector::register(self, sandbox.as_str(), cgroup).map(drop)
+    fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::register(self, sandbox.as_str(), cgroup).map(drop)?)
     }
 
     fn unregister(&self, sandbox: &SandboxId) {
         if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox.as_str()) {
-            tracing::debug!(%sandbox, error = %e, "inspector unregister");
+            tracing::debug!(%sandbox, error = %crab_api::error_chain(&e), "inspector unregister");
         }
     }
 
-    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, crab_inspector::Error> {
+    fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError> {
         let r = crab_inspector::Inspector::turn_end(self, sandbox.as_str())?;
         Ok(TurnReport {
             sandbox: sandbox.clone(),

@@ -73,6 +73,12 @@ impl Registry {
         let mut sandboxes = BTreeMap::new();
         for entry in std::fs::read_dir(dir)? {
             let path = entry?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if name.starts_with('.') && name.ends_with(".json.tmp") {
+                // A write cut short: its rename never happened.
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
@@ -85,8 +91,13 @@ impl Registry {
                 }
             };
             match serde_json::from_slice::<Entry>(&bytes) {
-                Ok(e) => {
+                // Only `<id>.json` holds `id`: what another name holds would
+                // outlive its removal.
+                Ok(e) if path.file_stem().and_then(|s| s.to_str()) == Some(e.registration.id.as_str()) => {
                     sandboxes.insert(e.registration.id.clone(), e);
+                }
+                Ok(e) => {
+                    tracing::warn!(path = %path.display(), sandbox = %e.registration.id, "registration under another name skipped")
                 }
                 Err(e) => tracing::warn!(path = %path.display(), error = %e, "invalid registration skipped"),
             }

@@ -2,6 +2,7 @@
 //! hangs up does not cut it short), store calls off the reactor, and calls
 //! to a sandbox's shim.
 
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crab_api::crabd::Registration;
@@ -32,6 +33,32 @@ pub(super) async fn blocking_io<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f).await?
+}
+
+/// A transfer's staging directory, removed (with what is in it) when the
+/// guard is dropped: on success, on failure, and when the caller hangs up.
+#[derive(Debug)]
+pub(super) struct Staging(PathBuf);
+
+impl Staging {
+    pub(super) fn new(dir: PathBuf) -> Self {
+        Staging(dir)
+    }
+
+    /// The directory.
+    pub(super) fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %self.0.display(), error = %e, "staging directory kept");
+            }
+        }
+    }
 }
 
 /// Milliseconds since the Unix epoch (names of snapshots and staging

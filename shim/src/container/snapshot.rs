@@ -116,7 +116,7 @@ impl Container {
         match self.fs(op, runtime).await {
             Ok(found) => found.filter(|d| !d.is_empty()),
             Err(e) => {
-                tracing::debug!("{}: no ZFS dataset for its rootfs: {e}", self.id);
+                tracing::debug!(error = %crab_api::error_chain(&e), "{}: no ZFS dataset for its rootfs", self.id);
                 None
             }
         }
@@ -187,7 +187,9 @@ impl Container {
             };
             match self.fs(op, runtime).await {
                 Ok(_) => destroyed.push(name.clone()),
-                Err(e) => tracing::warn!("{}: snapshot {name} kept: {e}", self.id),
+                Err(e) => {
+                    tracing::warn!(error = %crab_api::error_chain(&e), "{}: snapshot {name} kept", self.id)
+                }
             }
         }
         destroyed
@@ -301,19 +303,19 @@ impl Container {
             Err(failed) if !req.undo => {
                 return Err(Error::RestoreLost {
                     id: self.id.clone(),
-                    restore: failed.to_string(),
+                    restore: crab_api::error_chain(&failed),
                     undo: "no undo checkpoint was asked for".to_owned(),
                 })
             }
             Err(failed) => {
-                tracing::error!("{}: restore failed, putting the sandbox back: {failed}", self.id);
+                tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
                 match self.replace_processes(&undo_dir, undo_fs.clone(), runtime).await {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
                             id: self.id.clone(),
-                            restore: failed.to_string(),
-                            undo: undo_failed.to_string(),
+                            restore: crab_api::error_chain(&failed),
+                            undo: crab_api::error_chain(&undo_failed),
                         })
                     }
                 }
@@ -322,7 +324,7 @@ impl Container {
         let _ = std::fs::remove_dir_all(&undo_dir);
         if let Some((location, name)) = undo_fs {
             if let Err(e) = self.fs(FsOp::Destroy { location, name }, runtime).await {
-                tracing::warn!("{}: remove the undo snapshot: {e}", self.id);
+                tracing::warn!(error = %crab_api::error_chain(&e), "{}: remove the undo snapshot", self.id);
             }
         }
         let restore_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -486,14 +488,16 @@ impl Container {
         let config = &crate::service::config().shim.proxy;
         if let Some(p) = &mut self.proxy {
             if let Err(e) = p.rebind(self.init.pid, config.port).await {
-                tracing::error!("{}: no LLM proxy listener after restore: {e}", self.id);
+                tracing::error!(error = %crab_api::error_chain(&e), "{}: no LLM proxy listener after restore", self.id);
             }
             return;
         }
         let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
         match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
-            Err(e) => tracing::error!("{}: no LLM proxy after restore: {e}", self.id),
+            Err(e) => {
+                tracing::error!(error = %crab_api::error_chain(&e), "{}: no LLM proxy after restore", self.id)
+            }
         }
     }
 }
