@@ -121,6 +121,27 @@ pub struct ProxyShimConfig {
 
 pub use crab_api::config::ConfigError;
 
+static CONFIG: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
+
+/// Sets the configuration the shim runs with (once, at start).
+///
+/// # Panics
+/// When called twice.
+pub fn set(config: Config) {
+    assert!(
+        CONFIG.set(config).is_ok(),
+        "the configuration is set once, at start"
+    );
+}
+
+/// The configuration, read once at start.
+///
+/// # Panics
+/// Before [`set`].
+pub fn get() -> &'static Config {
+    CONFIG.get().expect("set in shim_main before anything runs")
+}
+
 // === impl Config ===
 
 impl Config {

@@ -16,11 +16,10 @@ use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
+use crate::rootfs::{FsCtx, Rootfs};
 use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
-mod btrfs;
-mod premounted;
 mod snapshot;
 
 /// One container of the shim.
@@ -37,11 +36,8 @@ pub struct Container {
     pub cgroups_path: PathBuf,
     /// The unified cgroup the shim made (v1-hybrid hosts).
     unified_cgroup: Option<PathBuf>,
-    /// Whether the shim mounted the rootfs (and must unmount it).
-    rootfs_mounted: bool,
-    /// Where the container's root is mounted: the bundle's `rootfs`, or
-    /// the spec's root when someone else mounted it (see `premounted`).
-    rootfs_target: PathBuf,
+    /// Its rootfs: mounts, and what keeps its files.
+    rootfs: Rootfs,
     /// The task publishing its OOM events; aborted at delete.
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
     /// The sandbox's LLM proxy; stopped at delete.
@@ -51,12 +47,6 @@ pub struct Container {
     /// How the proxy was set up, to start it again in a restored network
     /// namespace.
     proxy_plan: Option<(String, ProxyPlan)>,
-    /// The rootfs mounts containerd asked for (remounted after a rollback).
-    rootfs_mounts: Vec<containerd_shim::protos::api::Mount>,
-    /// The ZFS dataset of a rootfs that crabzfs bind-mounts.
-    zfs_dataset: Option<String>,
-    /// The subvolume of a rootfs from containerd's btrfs snapshotter.
-    btrfs: Option<btrfs::BtrfsRootfs>,
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
     pending_restore: Option<PathBuf>,
@@ -117,22 +107,17 @@ impl Container {
             execs: HashMap::new(),
             unified_cgroup: cgroup::unified_cgroup(&cgroups_path),
             cgroups_path,
-            rootfs_mounted: false,
-            rootfs_target: bundle.join("rootfs"),
+            rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
             proxy: None,
             proxy_env: Vec::new(),
             proxy_plan: None,
-            rootfs_mounts: req.rootfs.to_vec(),
-            zfs_dataset: None,
-            btrfs: None,
             pending_restore: spec
                 .annotations()
                 .as_ref()
                 .and_then(|a| a.get(crab_api::shim::RESTORE_ANNOTATION))
                 .map(PathBuf::from),
         };
-        c.zfs_dataset = c.find_zfs_dataset(runtime).await;
         if c.pending_restore.is_some() && c.init.stdio.terminal {
             return Err(Error::Unsupported {
                 call: "restore of a container with a terminal",
@@ -146,19 +131,15 @@ impl Container {
             // Beside the control socket (validated id: a safe file name).
             plan.host_socket = Some(runtime.root().join(".ctl").join(format!("{}.proxy.sock", c.id)));
         }
-        if let Err(e) = c.mount_rootfs(root.as_deref()).await {
+        let ctx = FsCtx {
+            id: &c.id,
+            bundle: &c.bundle,
+            runtime,
+        };
+        if let Err(e) = c.rootfs.mount(root.as_deref(), proxy.namespace, &ctx).await {
             c.cleanup(runtime).await;
             return Err(e);
         }
-        if let (true, Some(root)) = (c.rootfs_mounts.is_empty(), root.as_deref()) {
-            // dockerd's overlay, mounted before the shim ran: adopted, not
-            // unmounted at delete (dockerd does that).
-            if let Some(m) = premounted::overlay_at(root) {
-                c.rootfs_mounts = vec![m];
-                c.rootfs_target = root.to_owned();
-            }
-        }
-        c.btrfs = c.find_btrfs(proxy.namespace);
         if c.pending_restore.is_some() {
             // The init is restored at Start; its proxy starts then, in the
             // restored network namespace.
@@ -176,7 +157,7 @@ impl Container {
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
-                    let hook = sandbox_proxy::turn_hook(proxy.config, &crate::service::config().crabd);
+                    let hook = sandbox_proxy::turn_hook(proxy.config, &crate::config::get().crabd);
                     match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config, hook)
                         .await
                     {
@@ -206,38 +187,6 @@ impl Container {
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         Ok(rx)
-    }
-
-    /// Mounts the rootfs mounts on the rootfs target (at create, and again
-    /// after a rollback changed the files below).
-    async fn mount_layers(&self) -> Result<()> {
-        for m in &self.rootfs_mounts {
-            containerd_shim::asynchronous::util::mount_rootfs(m, &self.rootfs_target)
-                .await
-                .map_err(|source| Error::Mount {
-                    id: self.id.clone(),
-                    source,
-                })?;
-        }
-        Ok(())
-    }
-
-    /// Mounts containerd's rootfs into the bundle and checks the spec's root.
-    async fn mount_rootfs(&mut self, root: Option<&Path>) -> Result<()> {
-        if !self.rootfs_mounts.is_empty() {
-            let rootfs = self.bundle.join("rootfs");
-            std::fs::create_dir_all(&rootfs).map_err(Error::io(format!("create {}", rootfs.display())))?;
-            self.rootfs_mounted = true;
-            self.mount_layers().await?;
-        }
-        // libcontainer reports a missing root as a bare ENOENT; name it.
-        if let Some(root) = root.filter(|r| !r.is_dir()) {
-            return Err(Error::InvalidBundle {
-                bundle: self.bundle.clone(),
-                reason: format!("root {} is not a directory", root.display()),
-            });
-        }
-        Ok(())
     }
 
     /// Starts the init (empty `exec_id`) or an exec; returns the pid and,
@@ -477,18 +426,20 @@ impl Container {
             tracing::debug!(error = %crab_api::error_chain(&e), "cleanup of {}", self.id);
         }
         self.init.io = None;
-        if self.rootfs_mounted {
-            let rootfs = self.bundle.join("rootfs");
-            if let Err(e) = unmount(&rootfs) {
-                tracing::warn!(error = %crab_api::error_chain(&e), "unmount {}", rootfs.display());
-            } else {
-                self.rootfs_mounted = false;
-            }
-        }
+        self.rootfs.release();
         if let Some(cg) = &self.unified_cgroup {
             if let Err(e) = cgroup::remove_unified(cg) {
                 tracing::warn!(error = %crab_api::error_chain(&e), "remove cgroup {}", cg.display());
             }
+        }
+    }
+
+    /// Who runs a filesystem operation of the rootfs, and on what.
+    fn fs_ctx<'a>(&'a self, runtime: &'a RuntimeClient) -> FsCtx<'a> {
+        FsCtx {
+            id: &self.id,
+            bundle: &self.bundle,
+            runtime,
         }
     }
 
@@ -545,9 +496,4 @@ impl Container {
         }
         Ok(())
     }
-}
-
-/// Unmounts everything at and below `target`.
-pub fn unmount(target: &Path) -> std::result::Result<(), containerd_shim::Error> {
-    containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH)
 }

@@ -24,8 +24,8 @@ use tokio::sync::Mutex;
 use crate::config::CrabdShimConfig;
 use crate::container::Container;
 use crate::error::Error;
+use crate::events::{self, Events};
 use crate::runtime::RuntimeClient;
-use crate::service::Events;
 
 /// A container's control socket and its registration; stopped at delete.
 pub struct Control {
@@ -199,7 +199,7 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
         let restored = c.engine_restore(&req, &ctx.runtime).await?;
         drop(c);
         let pid = restored.pid;
-        crate::service::watch_exit(
+        events::watch_exit(
             ctx.events.clone(),
             ctx.container.clone(),
             String::new(),

@@ -12,25 +12,17 @@ use containerd_shim::api::DeleteResponse;
 use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim::asynchronous::util::write_str_to_file;
 use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
-use containerd_shim::protos::events::task::{TaskExit, TaskOOM};
-use containerd_shim::protos::protobuf::MessageDyn;
 use containerd_shim::protos::protobuf::MessageField;
-use containerd_shim::protos::topics::{TASK_EXIT_EVENT_TOPIC, TASK_OOM_EVENT_TOPIC};
-use containerd_shim::protos::ttrpc::context::Context;
 use containerd_shim::{Flags, StartOpts};
 
 use crate::config::Config;
 use crate::container::{Container, ExitReceiver};
 use crate::control::Control;
+use crate::events::{self, Events};
 use crate::exits::ExitRouter;
-use crate::oom::OomWatch;
 use crate::process::timestamp;
 use crate::runtime::RuntimeClient;
 use crate::RUNTIME_NAME;
-
-/// How long the shim waits for a process's output to reach containerd after
-/// it exited (a daemon child may hold the pipe open forever).
-const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 /// Annotation that groups the containers of one Kubernetes pod in one shim.
 const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
@@ -61,18 +53,11 @@ pub fn shim_main() {
             std::process::exit(1);
         }
     };
-    CONFIG.set(config).expect("set once, before the runtime starts");
+    crate::config::set(config);
     rt.block_on(containerd_shim::asynchronous::run::<Service>(
         RUNTIME_NAME,
         Some(shim_config),
     ));
-}
-
-static CONFIG: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
-
-/// The configuration, read once at start.
-pub fn config() -> &'static Config {
-    CONFIG.get().expect("set in shim_main before anything runs")
 }
 
 /// containerd's view of the shim process.
@@ -99,12 +84,6 @@ pub struct TaskService {
     pub containerd: String,
     /// Control sockets (and crabd registrations) of started containers.
     pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
-}
-
-/// Publishes task events to containerd.
-pub struct Events {
-    publisher: RemotePublisher,
-    namespace: String,
 }
 
 // === impl Service ===
@@ -138,7 +117,7 @@ impl Shim for Service {
             tracing::warn!(error = %crab_api::error_chain(&e), "delete {} in {}", self.id, self.namespace);
         }
         let rootfs = bundle.join("rootfs");
-        if let Err(e) = crate::container::unmount(&rootfs) {
+        if let Err(e) = crate::rootfs::unmount(&rootfs) {
             tracing::warn!(error = %crab_api::error_chain(&e), "unmount {}", rootfs.display());
         }
         remove_unified_cgroup(&bundle, &self.id).await;
@@ -171,10 +150,7 @@ impl Shim for Service {
         TaskService {
             containers: Mutex::new(HashMap::new()),
             runtime: Arc::new(runtime_client(ExitRouter::start().await, &self.namespace)),
-            events: Arc::new(Events {
-                publisher,
-                namespace: self.namespace.clone(),
-            }),
+            events: Arc::new(Events::new(publisher, self.namespace.clone())),
             exit: self.exit.clone(),
             namespace: self.namespace.clone(),
             containerd: self.containerd.clone(),
@@ -218,7 +194,7 @@ async fn remove_unified_cgroup(bundle: &Path, id: &str) {
 /// Invariant: libcontainer state lives under `<state_dir>/<namespace>/<id>`,
 /// so equal ids in two namespaces never meet (runc's shim does the same).
 fn runtime_client(exits: Arc<ExitRouter>, namespace: &str) -> RuntimeClient {
-    let cfg = &config().shim;
+    let cfg = &crate::config::get().shim;
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
     RuntimeClient::new(exe, cfg.state_dir.join(namespace), cfg.runtime_timeout(), exits)
         .with_criu(cfg.criu.clone(), cfg.criu_network_lock)
@@ -251,39 +227,12 @@ impl TaskService {
     }
 
     /// Publishes TaskOOM for every OOM kill in `c`'s memory cgroup until it
-    /// is deleted.
+    /// is deleted; see [`events::watch_oom`].
     pub fn watch_oom(&self, c: &mut Container) {
-        let mut watch = match OomWatch::new(&c.cgroups_path) {
-            Ok(Some(w)) => w,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!(error = %crab_api::error_chain(&e), "{}: no OOM events", c.id);
-                return;
-            }
-        };
-        let events = self.events.clone();
-        let id = c.id.clone();
-        // Owned by the container: aborted when it is deleted.
-        c.oom_task = Some(tokio::spawn(async move {
-            loop {
-                let waited = tokio::task::spawn_blocking(move || {
-                    let oom = watch.next_blocking();
-                    (watch, oom)
-                })
-                .await;
-                let Ok((w, true)) = waited else { break };
-                watch = w;
-                tracing::info!("{id}: OOM kill");
-                let event = TaskOOM {
-                    container_id: id.clone(),
-                    ..Default::default()
-                };
-                events.publish(TASK_OOM_EVENT_TOPIC, Box::new(event)).await;
-            }
-        }));
+        events::watch_oom(self.events.clone(), c);
     }
 
-    /// Follows a process until it exits; see [`watch_exit`].
+    /// Follows a process until it exits; see [`events::watch_exit`].
     pub fn watch_exit(
         &self,
         container: Arc<tokio::sync::Mutex<Container>>,
@@ -291,71 +240,6 @@ impl TaskService {
         pid: i32,
         rx: ExitReceiver,
     ) {
-        watch_exit(self.events.clone(), container, exec_id, pid, rx);
-    }
-}
-
-/// Follows a process until it exits: drains its output, records the status
-/// and publishes TaskExit. A process that is no longer `pid` when it exits
-/// was replaced by a restore: its exit is not the task's.
-pub fn watch_exit(
-    events: Arc<Events>,
-    container: Arc<tokio::sync::Mutex<Container>>,
-    exec_id: String,
-    pid: i32,
-    rx: ExitReceiver,
-) {
-    // Ends when the process exits; the exit router outlives it.
-    tokio::spawn(async move {
-        let Ok(exit) = rx.await else { return };
-        let (cid, io) = {
-            let mut c = container.lock().await;
-            let cid = c.id.clone();
-            match c.process_mut(&exec_id) {
-                Ok(p) if p.pid == pid => (cid, p.io.take()),
-                Ok(_) => {
-                    tracing::info!("{cid} {exec_id}: replaced pid {pid} exited");
-                    return;
-                }
-                Err(_) => (cid, None),
-            }
-        };
-        if let Some(mut io) = io {
-            io.drain(DRAIN_LIMIT).await;
-        }
-        if let Ok(p) = container.lock().await.process_mut(&exec_id) {
-            p.set_exited(exit);
-        }
-        tracing::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);
-        let id = if exec_id.is_empty() { cid.clone() } else { exec_id };
-        events
-            .publish(
-                TASK_EXIT_EVENT_TOPIC,
-                Box::new(TaskExit {
-                    container_id: cid,
-                    id,
-                    pid: pid as u32,
-                    exit_status: exit.code,
-                    exited_at: MessageField::some(timestamp(exit.at)),
-                    ..Default::default()
-                }),
-            )
-            .await;
-    });
-}
-
-// === impl Events ===
-
-impl Events {
-    /// Publishes `event` under `topic`; failures are logged (containerd
-    /// re-reads state through the task API).
-    pub async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
-        if let Err(e) = self
-            .publisher
-            .publish(Context::default(), topic, &self.namespace, event)
-            .await
-        {
-            tracing::warn!(error = %crab_api::error_chain(&e), "publish {topic}");
-        }
+        events::watch_exit(self.events.clone(), container, exec_id, pid, rx);
     }
 }

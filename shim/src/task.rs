@@ -40,7 +40,7 @@ impl Task for TaskService {
         }
         let proxy = ProxySetup {
             namespace: &self.namespace,
-            config: &crate::service::config().shim.proxy,
+            config: &crate::config::get().shim.proxy,
         };
         let (mut container, rx) = Container::create(&req, &self.runtime, &proxy).await?;
         self.watch_oom(&mut container);
@@ -101,7 +101,7 @@ impl Task for TaskService {
                 )
                 .await;
         } else {
-            let config = &crate::service::config().crabd;
+            let config = &crate::config::get().crabd;
             match Control::start(
                 container.clone(),
                 self.runtime.clone(),

@@ -6,12 +6,10 @@ use std::time::{Duration, Instant};
 
 use crab_api::shim::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
 use crab_api::FsSnapshot;
-use crab_snapshotter::{BackendKind, Location, SnapshotName};
+use crab_api::{BackendKind, Location, SnapshotName};
 
-use super::btrfs::BtrfsRootfs;
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
-use crate::fsop::FsOp;
 use crate::io;
 use crate::process::ProcessState;
 use crate::runtime::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
@@ -48,151 +46,28 @@ const KILL_LIMIT: Duration = Duration::from_secs(10);
 impl Container {
     /// The filesystem backend that can snapshot this container's rootfs.
     pub fn fs_backend(&self) -> Option<BackendKind> {
-        if self.zfs_dataset.is_some() {
-            return Some(BackendKind::Zfs);
-        }
-        if self.btrfs.is_some() {
-            return Some(BackendKind::Btrfs);
-        }
-        self.overlay_upper().ok().map(|_| BackendKind::OverlayCopy)
+        self.rootfs.backend()
     }
 
-    /// Where the container's own files are on the host: its btrfs
-    /// subvolume, its ZFS dataset's mount point, or its overlay's upper
-    /// directory. crabd keeps its history as long as that exists.
+    /// Where the container's own files are on the host (see
+    /// [`crate::rootfs::Rootfs::writable_layer`]).
     pub fn writable_layer(&self) -> Option<PathBuf> {
-        if let Some(b) = &self.btrfs {
-            return Some(b.subvolume.clone());
-        }
-        if self.zfs_dataset.is_some() {
-            return self.rootfs_mounts.first().map(|m| PathBuf::from(&m.source));
-        }
-        self.overlay_upper().ok()
+        self.rootfs.writable_layer()
     }
 
-    /// The upper directory of the container's overlay rootfs.
-    fn overlay_upper(&self) -> Result<PathBuf> {
-        let no = |reason: String| Error::NoFsBackend {
-            id: self.id.clone(),
-            reason,
-        };
-        match self.rootfs_mounts.as_slice() {
-            [m] if m.type_ == "overlay" => m
-                .options
-                .iter()
-                .find_map(|o| o.strip_prefix("upperdir="))
-                .map(PathBuf::from)
-                .ok_or_else(|| no("a read-only overlay".to_owned())),
-            [m] => Err(no(format!("a {} mount", m.type_))),
-            [] => Err(no("a directory in the bundle".to_owned())),
-            _ => Err(no("several mounts".to_owned())),
-        }
-    }
-
-    /// Runs a filesystem operation: in the helper when it runs commands
-    /// (the shim's reaper would take their statuses), else here.
-    pub(super) async fn fs(&self, op: FsOp, runtime: &RuntimeClient) -> Result<Option<String>> {
-        if op.forks() {
-            return runtime.fs(&self.id, &self.bundle, &op).await;
-        }
-        let id = self.id.clone();
-        tokio::task::spawn_blocking(move || op.run())
-            .await
-            .map_err(|e| Error::io("filesystem operation")(std::io::Error::other(e)))?
-            .map_err(|source| Error::Snapshot { id, source })
-    }
-
-    /// The ZFS dataset of a bind-mounted rootfs (crabzfs's), if it is one.
-    pub(super) async fn find_zfs_dataset(&self, runtime: &RuntimeClient) -> Option<String> {
-        let [m] = self.rootfs_mounts.as_slice() else {
-            return None;
-        };
-        if m.type_ != "bind" {
-            return None;
-        }
-        let op = FsOp::ZfsDatasetAt {
-            mountpoint: PathBuf::from(&m.source),
-        };
-        match self.fs(op, runtime).await {
-            Ok(found) => found.filter(|d| !d.is_empty()),
-            Err(e) => {
-                tracing::debug!(error = %crab_api::error_chain(&e), "{}: no ZFS dataset for its rootfs", self.id);
-                None
-            }
-        }
-    }
-
-    /// The subvolume of a rootfs from containerd's btrfs snapshotter, once
-    /// mounted; from then on it is mounted by path (see `btrfs`).
-    pub(super) fn find_btrfs(&mut self, namespace: &str) -> Option<BtrfsRootfs> {
-        let [m] = self.rootfs_mounts.as_mut_slice() else {
-            return None;
-        };
-        match BtrfsRootfs::find(&self.rootfs_target, m, namespace, &self.id) {
-            Ok(found) => found,
-            Err(reason) => {
-                tracing::warn!("{}: its btrfs rootfs cannot be snapshotted: {reason}", self.id);
-                None
-            }
-        }
-    }
-
-    /// Where the backend finds the container's files: its ZFS dataset (a
-    /// crabzfs rootfs), its btrfs subvolume and the shim's store beside it,
-    /// or its overlay upper directory and crabd's store.
-    fn fs_location(&self, target: &FsTarget) -> Result<Location> {
-        if let Some(own) = self.own_fs_location() {
-            return Ok(own);
-        }
-        Ok(Location::OverlayCopy {
-            upper: self.overlay_upper()?,
-            store: target.store.clone(),
-        })
-    }
-
-    /// Where the snapshots of a rootfs that keeps its own are: its ZFS
-    /// dataset or btrfs subvolume (an overlay's copies are crabd's).
-    fn own_fs_location(&self) -> Option<Location> {
-        if let Some(dataset) = &self.zfs_dataset {
-            return Some(Location::Zfs {
-                dataset: dataset.clone(),
-            });
-        }
-        self.btrfs.as_ref().map(BtrfsRootfs::location)
-    }
-
-    /// The btrfs store of the rootfs's snapshots, if it has one: crabd
-    /// deletes it when containerd removes the container (a task that stops
-    /// and starts again keeps its versions and their snapshots).
+    /// Where the rootfs keeps snapshots crabd does not (a btrfs store).
     pub fn own_snapshot_store(&self) -> Option<Location> {
-        self.btrfs.as_ref().map(BtrfsRootfs::location)
+        self.rootfs.own_snapshot_store()
     }
 
     /// Deletes the snapshots `names` of the rootfs's own filesystem; answers
-    /// those deleted, and logs why any other is kept.
+    /// those deleted.
     pub async fn forget_snapshots(
         &self,
         names: &[SnapshotName],
         runtime: &RuntimeClient,
     ) -> Vec<SnapshotName> {
-        let Some(location) = self.own_fs_location() else {
-            tracing::warn!("{}: no snapshots of its own to forget", self.id);
-            return Vec::new();
-        };
-        let mut destroyed = Vec::new();
-        for name in names {
-            let op = FsOp::Destroy {
-                location: location.clone(),
-                name: name.clone(),
-            };
-            match self.fs(op, runtime).await {
-                Ok(_) => destroyed.push(name.clone()),
-                Err(e) => {
-                    tracing::warn!(error = %crab_api::error_chain(&e), "{}: snapshot {name} kept", self.id)
-                }
-            }
-        }
-        destroyed
+        self.rootfs.forget(names, &self.fs_ctx(runtime)).await
     }
 
     /// Freezes the container, snapshots its files and dumps its processes
@@ -203,11 +78,14 @@ impl Container {
         runtime: &RuntimeClient,
     ) -> Result<ShimCheckpointed> {
         self.expect_state(&self.init, ProcessState::Running, "checkpoint")?;
-        let location = req.fs.as_ref().map(|t| self.fs_location(t)).transpose()?;
+        if req.fs.is_some() && self.rootfs.backend().is_none() {
+            // Refused before the freeze, with the reason.
+            self.rootfs.check_backend(&self.id)?;
+        }
         let t0 = Instant::now();
         self.set_frozen(true, runtime).await?;
         let frozen_at = Instant::now();
-        let made = self.checkpoint_frozen(req, location, runtime).await;
+        let made = self.checkpoint_frozen(req, runtime).await;
         let t_thaw = Instant::now();
         let thawed = self.set_frozen(false, runtime).await;
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
@@ -226,22 +104,11 @@ impl Container {
     async fn checkpoint_frozen(
         &self,
         req: &ShimCheckpoint,
-        location: Option<Location>,
         runtime: &RuntimeClient,
     ) -> Result<Option<FsSnapshot>> {
         let mut fs = None;
-        if let (Some(target), Some(location)) = (&req.fs, location) {
-            let backend = location.kind();
-            let name = target.name.clone();
-            self.fs(
-                FsOp::Snapshot {
-                    location,
-                    name: name.clone(),
-                },
-                runtime,
-            )
-            .await?;
-            fs = Some(FsSnapshot { backend, name });
+        if let Some(target) = &req.fs {
+            fs = Some(self.rootfs.snapshot(target, &self.fs_ctx(runtime)).await?);
         }
         if let Some(images) = &req.images_dir {
             // An agent inside the sandbox is waiting on its connection to
@@ -272,10 +139,9 @@ impl Container {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
         check_images(&req.images_dir)?;
-        let target_fs = match &req.fs {
-            Some(target) => Some(self.existing_snapshot(target, runtime).await?),
-            None => None,
-        };
+        if let Some(target) = &req.fs {
+            self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
+        }
 
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
@@ -293,12 +159,10 @@ impl Container {
             self.engine_checkpoint(&undo, runtime).await?;
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
-        let undo_fs = match &undo_fs {
-            Some(t) => Some((self.fs_location(t)?, t.name.clone())),
-            None => None,
-        };
-
-        let (pid, rx, failure) = match self.replace_processes(&req.images_dir, target_fs, runtime).await {
+        let (pid, rx, failure) = match self
+            .replace_processes(&req.images_dir, req.fs.as_ref(), runtime)
+            .await
+        {
             Ok((pid, rx)) => (pid, rx, None),
             Err(failed) if !req.undo => {
                 return Err(Error::RestoreLost {
@@ -309,7 +173,7 @@ impl Container {
             }
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                match self.replace_processes(&undo_dir, undo_fs.clone(), runtime).await {
+                match self.replace_processes(&undo_dir, undo_fs.as_ref(), runtime).await {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
@@ -322,8 +186,8 @@ impl Container {
             }
         };
         let _ = std::fs::remove_dir_all(&undo_dir);
-        if let Some((location, name)) = undo_fs {
-            if let Err(e) = self.fs(FsOp::Destroy { location, name }, runtime).await {
+        if let Some(undo) = &undo_fs {
+            if let Err(e) = self.rootfs.destroy(undo, &self.fs_ctx(runtime)).await {
                 tracing::warn!(error = %crab_api::error_chain(&e), "{}: remove the undo snapshot", self.id);
             }
         }
@@ -338,33 +202,12 @@ impl Container {
         })
     }
 
-    /// The location of an existing snapshot `target`, or why it is not there.
-    async fn existing_snapshot(
-        &self,
-        target: &FsTarget,
-        runtime: &RuntimeClient,
-    ) -> Result<(Location, SnapshotName)> {
-        let location = self.fs_location(target)?;
-        let op = FsOp::Has {
-            location: location.clone(),
-            name: target.name.clone(),
-        };
-        let exists = self.fs(op, runtime).await?.as_deref() == Some("yes");
-        if !exists {
-            return Err(Error::InvalidCheckpoint {
-                path: target.store.clone(),
-                reason: format!("no filesystem snapshot {}", target.name),
-            });
-        }
-        Ok((location, target.name.clone()))
-    }
-
     /// Kills the current processes, rolls the rootfs back to `fs`, restores
     /// `images`, and re-wires stdio and the proxy.
     async fn replace_processes(
         &mut self,
         images: &Path,
-        fs: Option<(Location, SnapshotName)>,
+        fs: Option<&FsTarget>,
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
         // Found while the init lives: docker's pin of its namespace.
@@ -373,8 +216,8 @@ impl Container {
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
         }
-        if let Some((location, name)) = fs {
-            self.rollback_rootfs(location, name, runtime).await?;
+        if let Some(target) = fs {
+            self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?;
         }
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let launch = Launch {
@@ -455,26 +298,6 @@ impl Container {
         }
     }
 
-    /// Unmounts the rootfs, rolls its files back, and mounts it again (an
-    /// overlay must not change under its mount).
-    async fn rollback_rootfs(
-        &mut self,
-        location: Location,
-        name: SnapshotName,
-        runtime: &RuntimeClient,
-    ) -> Result<()> {
-        super::unmount(&self.rootfs_target).map_err(|source| Error::Mount {
-            id: self.id.clone(),
-            source,
-        })?;
-        let rolled = self
-            .fs(FsOp::Rollback { location, name }, runtime)
-            .await
-            .map(drop);
-        self.mount_layers().await?;
-        rolled
-    }
-
     /// Binds the LLM proxy again in the restored network namespace (CRIU
     /// made a new one when the container had its own).
     ///
@@ -485,14 +308,14 @@ impl Container {
         let Some((namespace, plan)) = self.proxy_plan.clone() else {
             return;
         };
-        let config = &crate::service::config().shim.proxy;
+        let config = &crate::config::get().shim.proxy;
         if let Some(p) = &mut self.proxy {
             if let Err(e) = p.rebind(self.init.pid, config.port).await {
                 tracing::error!(error = %crab_api::error_chain(&e), "{}: no LLM proxy listener after restore", self.id);
             }
             return;
         }
-        let hook = crate::sandbox_proxy::turn_hook(config, &crate::service::config().crabd);
+        let hook = crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd);
         match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
             Ok(p) => self.proxy = Some(p),
             Err(e) => {
