@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use containerd_shim::protos::ttrpc;
 
+use crate::runtime::protocol::FailureKind;
+
 /// Everything a task API call of the crab shim can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -77,15 +79,28 @@ pub enum Error {
         /// Container or exec id.
         id: String,
     },
-    /// The runtime helper (libcontainer) reported a failure.
+    /// The runtime helper (libcontainer, CRIU, a filesystem backend)
+    /// reported a failure.
     #[error("{op} {id}: {reason}")]
     Runtime {
-        /// `create`, `start`, `exec`, `delete`.
+        /// `create`, `start`, `exec`, `checkpoint`, `restore`, `fs`, `delete`.
         op: &'static str,
         /// Container id.
         id: String,
-        /// libcontainer's message, as the helper wrote it.
+        /// What kind of failure (its ttrpc code).
+        kind: FailureKind,
+        /// The helper's error chain.
         reason: String,
+    },
+    /// The runtime helper exited without a reply (killed, or a bug).
+    #[error("{op} {id}: the runtime helper exited with status {status} and no reply")]
+    RuntimeDied {
+        /// The operation.
+        op: &'static str,
+        /// Container id.
+        id: String,
+        /// Its exit status.
+        status: i32,
     },
     /// The runtime helper did not finish in time.
     #[error("{op} {id}: runtime helper did not finish within {secs}s")]
@@ -231,7 +246,15 @@ impl Error {
             | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
             Error::NoFsBackend { .. } => ttrpc::Code::FAILED_PRECONDITION,
-            Error::BadState { .. } | Error::Runtime { .. } => ttrpc::Code::FAILED_PRECONDITION,
+            Error::Runtime { kind, .. } => match kind {
+                FailureKind::NoSuchContainer => ttrpc::Code::NOT_FOUND,
+                FailureKind::BadRequest => ttrpc::Code::INTERNAL,
+                FailureKind::Criu | FailureKind::Fs | FailureKind::Container => {
+                    ttrpc::Code::FAILED_PRECONDITION
+                }
+            },
+            Error::RuntimeDied { .. } => ttrpc::Code::INTERNAL,
+            Error::BadState { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Unsupported { .. } => ttrpc::Code::UNIMPLEMENTED,

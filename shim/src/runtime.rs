@@ -8,14 +8,14 @@
 //! runs `runc`. The container's init and exec processes are reparented to the
 //! shim (the nearest subreaper) when the helper exits.
 //!
-//! Protocol: arguments on the command line; the container's stdio is the
-//! helper's own stdio; the created pid goes to `--pid-file`; on failure the
-//! helper writes the error chain to `--log` and exits 1.
+//! Protocol: one JSON [`protocol::Request`] on the command line, one JSON
+//! [`protocol::Reply`] in the reply file (see `protocol`); the container's
+//! stdio is the helper's own stdio.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use libcontainer::container::builder::ContainerBuilder;
 use libcontainer::container::{Container, ContainerStatus};
 use libcontainer::syscall::syscall::SyscallType;
@@ -23,9 +23,11 @@ use libcontainer::workload::default::DefaultExecutor;
 
 mod client;
 mod criu;
+pub(crate) mod protocol;
 
 pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};
+use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
 
 /// First argument that selects the helper personality of the binary.
 pub const SUBCOMMAND: &str = "runtime";
@@ -36,110 +38,36 @@ pub const SUBCOMMAND: &str = "runtime";
     about = "crab shim's runtime helper (internal)"
 )]
 struct Cli {
-    /// libcontainer state root.
+    /// Where the reply goes.
     #[arg(long)]
-    root: PathBuf,
-    /// File that receives the error message on failure.
+    reply: PathBuf,
+    /// The request, as JSON.
     #[arg(long)]
-    log: PathBuf,
-    /// The CRIU binary.
-    #[arg(long, default_value = "criu")]
-    criu: PathBuf,
-    #[command(subcommand)]
-    op: Op,
+    request: String,
 }
 
-#[derive(Subcommand)]
-enum Op {
-    /// Create a container from a bundle; its init waits for `start`.
-    Create {
-        #[arg(long)]
-        bundle: PathBuf,
-        #[command(flatten)]
-        launch: LaunchArgs,
-        id: String,
-    },
-    /// Let a created container's init run its process.
-    Start { id: String },
-    /// Run an additional process (OCI `process.json`) in a running container.
-    Exec {
-        #[arg(long)]
-        process: PathBuf,
-        #[command(flatten)]
-        launch: LaunchArgs,
-        id: String,
-    },
-    /// Dump the container's processes with CRIU into an image directory.
-    Checkpoint {
-        #[arg(long)]
-        image_path: PathBuf,
-        #[arg(long)]
-        work_path: Option<PathBuf>,
-        /// Stop the container after the dump (default: leave it running).
-        #[arg(long)]
-        exit: bool,
-        /// Dump established TCP connections.
-        #[arg(long)]
-        tcp_established: bool,
-        /// Dump external unix sockets.
-        #[arg(long)]
-        ext_unix_sk: bool,
-        /// Dump file locks.
-        #[arg(long)]
-        file_locks: bool,
-        id: String,
-    },
-    /// Restore the container's processes from a CRIU image directory (its
-    /// previous processes must be gone); the restored init's stdio is the
-    /// helper's, its pid goes to `--pid-file`.
-    Restore {
-        #[arg(long)]
-        image_path: PathBuf,
-        #[arg(long)]
-        work_path: PathBuf,
-        /// Restore established TCP connections.
-        #[arg(long)]
-        tcp_established: bool,
-        /// The sandbox's pinned network namespace now (docker's).
-        #[arg(long)]
-        netns: Option<PathBuf>,
-        #[command(flatten)]
-        launch: LaunchArgs,
-        /// The container has no state yet (a sandbox forked or imported
-        /// from a checkpoint): make it, and its cgroups with the spec's limits.
-        #[arg(long)]
-        bundle: Option<PathBuf>,
-        id: String,
-    },
-    /// Run a filesystem backend operation (JSON `FsOp`); its answer, if it
-    /// has one, goes to `--out`.
-    Fs {
-        #[arg(long)]
-        request: String,
-        #[arg(long)]
-        out: PathBuf,
-    },
-    /// Remove a container's state and cgroups; `--force` kills it first.
-    Delete {
-        #[arg(long)]
-        force: bool,
-        id: String,
-    },
+/// A helper failure: its kind, and the chain that explains it.
+struct Failed {
+    kind: FailureKind,
+    error: anyhow::Error,
 }
 
-/// Where a launched process's pid goes, and how it is born: the arguments
-/// of every operation that makes a container process.
-#[derive(clap::Args)]
-struct LaunchArgs {
-    /// File that receives the new process's pid.
-    #[arg(long)]
-    pid_file: PathBuf,
-    /// libcontainer's console socket, for a process with a terminal.
-    #[arg(long)]
-    console_socket: Option<PathBuf>,
-    /// The unified cgroup to be born in (v1-hybrid hosts).
-    #[arg(long)]
-    unified_cgroup: Option<PathBuf>,
+/// `error` as a failure of kind `kind`, unless it is a missing container.
+fn failed(kind: FailureKind) -> impl FnOnce(anyhow::Error) -> Failed {
+    move |error| {
+        let kind = match error.downcast_ref::<NoSuchContainer>() {
+            Some(_) => FailureKind::NoSuchContainer,
+            None => kind,
+        };
+        Failed { kind, error }
+    }
+}
+
+/// libcontainer has no state for the container.
+#[derive(Debug, thiserror::Error)]
+#[error("no state for container {id}")]
+struct NoSuchContainer {
+    id: String,
 }
 
 /// Entry point of the helper personality; returns the process exit code.
@@ -152,143 +80,180 @@ pub fn helper_main(args: &[String]) -> i32 {
             return 2;
         }
     };
-    match run(&cli) {
-        Ok(()) => 0,
-        Err(e) => {
-            let msg = format!("{e:#}");
-            if let Ok(mut f) = std::fs::File::create(&cli.log) {
-                let _ = f.write_all(msg.as_bytes());
-            }
-            1
-        }
+    let reply = match serde_json::from_str::<Request>(&cli.request) {
+        Ok(req) => run(&req).unwrap_or_else(|f| {
+            Reply::Failed(Failure {
+                kind: f.kind,
+                message: format!("{:#}", f.error),
+            })
+        }),
+        Err(e) => Reply::Failed(Failure {
+            kind: FailureKind::BadRequest,
+            message: format!("invalid request: {e}"),
+        }),
+    };
+    let code = match reply {
+        Reply::Failed(_) => 1,
+        _ => 0,
+    };
+    let bytes = serde_json::to_vec(&reply).expect("a reply serializes");
+    match std::fs::File::create(&cli.reply).and_then(|mut f| f.write_all(&bytes)) {
+        Ok(()) => code,
+        Err(_) => 3,
     }
 }
 
-fn run(cli: &Cli) -> anyhow::Result<()> {
+fn run(req: &Request) -> Result<Reply, Failed> {
     use anyhow::Context;
-    match &cli.op {
-        Op::Create { bundle, launch, id } => {
+    let (root, id) = (&req.root, &req.id);
+    let container = failed(FailureKind::Container);
+    match &req.op {
+        Op::Create { bundle, launch } => {
             if let Some(cg) = &launch.unified_cgroup {
-                join_cgroup(cg)?;
+                join_cgroup(cg).map_err(failed(FailureKind::Container))?;
             }
-            let c = ContainerBuilder::new(id.clone(), SyscallType::default())
-                .with_executor(DefaultExecutor {})
-                .with_root_path(&cli.root)?
-                .with_pid_file(Some(&launch.pid_file))?
-                .with_console_socket(launch.console_socket.as_ref())
-                .validate_id()?
-                .as_init(bundle)
-                .with_systemd(false)
-                .with_detach(true)
-                .build()?;
-            // runc brings up the loopback interface of a network namespace
-            // it creates; libcontainer does not, and programs expect it.
-            if let (Some(pid), true) = (c.pid(), creates_netns(bundle)?) {
-                crate::netns::loopback_up(pid.as_raw()).context("bring up lo in the container")?;
-            }
+            let pid = create(root, id, bundle, launch).map_err(container)?;
+            Ok(Reply::Launched { pid })
         }
-        Op::Start { id } => load(&cli.root, id)?.start()?,
-        Op::Exec { process, launch, id } => {
-            if let Some(cg) = &launch.unified_cgroup {
-                join_cgroup(cg)?;
-            }
-            join_time_namespace(&load(&cli.root, id)?)?;
-            ContainerBuilder::new(id.clone(), SyscallType::default())
-                .with_executor(DefaultExecutor {})
-                .with_root_path(&cli.root)?
-                .with_pid_file(Some(&launch.pid_file))?
-                .with_console_socket(launch.console_socket.as_ref())
-                .validate_id()?
-                .as_tenant()
-                .with_process(Some(process))
-                .with_detach(true)
-                .build()?;
+        Op::Start => {
+            load(root, id)
+                .and_then(|mut c| Ok(c.start()?))
+                .map_err(container)?;
+            Ok(Reply::Done)
         }
-        Op::Checkpoint {
-            image_path,
-            work_path,
-            exit,
-            tcp_established,
-            ext_unix_sk,
-            file_locks,
-            id,
-        } => {
-            let c = load(&cli.root, id)?;
+        Op::Exec { process, launch } => {
+            let pid = exec(root, id, process, launch).map_err(container)?;
+            Ok(Reply::Launched { pid })
+        }
+        Op::Checkpoint(dump) => {
+            let c = load(root, id).map_err(failed(FailureKind::Container))?;
             // A frozen container (containerd pauses before Checkpoint, crabd
             // freezes for a consistent filesystem snapshot) stays frozen:
             // CRIU is told the freezer cgroup.
             criu::dump(
                 &c,
                 &criu::DumpOpts {
-                    criu: &cli.criu,
-                    image_path,
-                    work_path: work_path.as_deref(),
-                    leave_running: !*exit,
-                    tcp_established: *tcp_established,
-                    ext_unix_sk: *ext_unix_sk,
-                    file_locks: *file_locks,
+                    criu: &req.criu,
+                    image_path: &dump.image_path,
+                    work_path: dump.work_path.as_deref(),
+                    leave_running: !dump.exit,
+                    tcp_established: dump.tcp_established,
+                    ext_unix_sk: dump.ext_unix_sk,
+                    file_locks: dump.file_locks,
                 },
-            )?;
-            if *exit {
-                let mut c = load(&cli.root, id)?;
-                c.set_status(ContainerStatus::Stopped).save()?;
+            )
+            .map_err(failed(FailureKind::Criu))?;
+            if dump.exit {
+                load(root, id)
+                    .and_then(|mut c| Ok(c.set_status(ContainerStatus::Stopped).save()?))
+                    .map_err(container)?;
             }
+            Ok(Reply::Done)
         }
-        Op::Restore {
-            image_path,
-            work_path,
-            tcp_established,
-            netns,
-            launch,
-            bundle,
-            id,
-        } => {
-            if let Some(bundle) = bundle {
-                new_state(&cli.root, id, bundle)?;
+        Op::Restore(restore) => {
+            let pid = restore_tree(root, &req.criu, id, restore)?;
+            Ok(Reply::Launched { pid })
+        }
+        Op::Fs { fs } => {
+            let text = fs
+                .run()
+                .context("filesystem operation")
+                .map_err(failed(FailureKind::Fs))?;
+            Ok(Reply::Answer { text })
+        }
+        Op::Delete { force } => {
+            match load(root, id) {
+                Ok(mut c) => c.delete(*force).map_err(|e| container(e.into()))?,
+                // Nothing was created (create failed early): nothing to delete.
+                Err(_) if !root.join(id).exists() => {}
+                Err(e) => return Err(container(e)),
             }
-            // CRIU leaves cgroups alone (the image may name another
-            // container's): the restored tree is born in the helper's, which
-            // are the container's own.
-            let mut c = load(&cli.root, id)?;
-            let spec =
-                oci_spec::runtime::Spec::load(c.bundle().join("config.json")).context("read config.json")?;
-            let linux = spec.linux().as_ref();
-            let cgroups_path =
-                crate::cgroup::spec_cgroups_path(linux.and_then(|l| l.cgroups_path().as_deref()), id);
-            let fresh_limits = bundle.as_ref().and(linux.and_then(|l| l.resources().as_ref()));
-            crate::cgroup::join(&cgroups_path, id, std::process::id() as i32, fresh_limits)?;
-            if let Some(cg) = &launch.unified_cgroup {
-                join_cgroup(cg)?;
-            }
-            let pid = criu::restore(
-                &mut c,
-                &criu::RestoreOpts {
-                    criu: &cli.criu,
-                    image_path,
-                    work_path,
-                    tcp_established: *tcp_established,
-                    console_socket: launch.console_socket.as_deref(),
-                    fresh: bundle.is_some(),
-                    netns: netns.as_deref(),
-                },
-            )?;
-            std::fs::write(&launch.pid_file, pid.to_string())
-                .with_context(|| format!("write {}", launch.pid_file.display()))?;
+            Ok(Reply::Done)
         }
-        Op::Fs { request, out } => {
-            let op: crate::fsop::FsOp = serde_json::from_str(request).context("parse the fs request")?;
-            let answer = op.run()?;
-            std::fs::write(out, answer.unwrap_or_default())
-                .with_context(|| format!("write {}", out.display()))?;
-        }
-        Op::Delete { force, id } => match load(&cli.root, id) {
-            Ok(mut c) => c.delete(*force)?,
-            // Nothing was created (create failed early): nothing to delete.
-            Err(_) if !cli.root.join(id).exists() => {}
-            Err(e) => return Err(e).context("load container state"),
-        },
     }
-    Ok(())
+}
+
+/// Creates container `id` from `bundle`; answers its init's pid.
+fn create(root: &Path, id: &str, bundle: &Path, launch: &LaunchSpec) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    let c = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+        .with_executor(DefaultExecutor {})
+        .with_root_path(root)?
+        .with_console_socket(launch.console_socket.as_ref())
+        .validate_id()?
+        .as_init(bundle)
+        .with_systemd(false)
+        .with_detach(true)
+        .build()?;
+    let pid = c.pid().context("the created container has no init pid")?;
+    // runc brings up the loopback interface of a network namespace
+    // it creates; libcontainer does not, and programs expect it.
+    if creates_netns(bundle)? {
+        crate::netns::loopback_up(pid.as_raw()).context("bring up lo in the container")?;
+    }
+    Ok(pid.as_raw())
+}
+
+/// Runs `process` in container `id`; answers its pid.
+fn exec(root: &Path, id: &str, process: &Path, launch: &LaunchSpec) -> anyhow::Result<i32> {
+    if let Some(cg) = &launch.unified_cgroup {
+        join_cgroup(cg)?;
+    }
+    join_time_namespace(&load(root, id)?)?;
+    let pid = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+        .with_executor(DefaultExecutor {})
+        .with_root_path(root)?
+        .with_console_socket(launch.console_socket.as_ref())
+        .validate_id()?
+        .as_tenant()
+        .with_process(Some(process))
+        .with_detach(true)
+        .build()?;
+    Ok(pid.as_raw())
+}
+
+/// Restores container `id`'s tree from `restore`'s images; answers the
+/// restored init's pid.
+fn restore_tree(root: &Path, criu_bin: &Path, id: &str, restore: &protocol::Restore) -> Result<i32, Failed> {
+    use anyhow::Context;
+    let container = failed(FailureKind::Container);
+    let prepared = (|| -> anyhow::Result<Container> {
+        if let Some(bundle) = &restore.bundle {
+            new_state(root, id, bundle)?;
+        }
+        // CRIU leaves cgroups alone (the image may name another
+        // container's): the restored tree is born in the helper's, which
+        // are the container's own.
+        let c = load(root, id)?;
+        let spec =
+            oci_spec::runtime::Spec::load(c.bundle().join("config.json")).context("read config.json")?;
+        let linux = spec.linux().as_ref();
+        let cgroups_path =
+            crate::cgroup::spec_cgroups_path(linux.and_then(|l| l.cgroups_path().as_deref()), id);
+        let fresh_limits = restore
+            .bundle
+            .as_ref()
+            .and(linux.and_then(|l| l.resources().as_ref()));
+        crate::cgroup::join(&cgroups_path, id, std::process::id() as i32, fresh_limits)?;
+        if let Some(cg) = &restore.launch.unified_cgroup {
+            join_cgroup(cg)?;
+        }
+        Ok(c)
+    })();
+    let mut c = prepared.map_err(container)?;
+    criu::restore(
+        &mut c,
+        &criu::RestoreOpts {
+            criu: criu_bin,
+            image_path: &restore.image_path,
+            work_path: &restore.work_path,
+            tcp_established: restore.tcp_established,
+            console_socket: restore.launch.console_socket.as_deref(),
+            fresh: restore.bundle.is_some(),
+            netns: restore.netns.as_deref(),
+        },
+    )
+    .map_err(failed(FailureKind::Criu))
 }
 
 /// Whether the bundle's spec makes a new network namespace (one with no path).
@@ -323,7 +288,11 @@ fn new_state(root: &Path, id: &str, bundle: &Path) -> anyhow::Result<()> {
 
 fn load(root: &Path, id: &str) -> anyhow::Result<Container> {
     use anyhow::Context;
-    Container::load(root.join(id)).with_context(|| format!("load container {id}"))
+    let dir = root.join(id);
+    if !dir.join("state.json").exists() {
+        return Err(NoSuchContainer { id: id.to_owned() }.into());
+    }
+    Container::load(dir).with_context(|| format!("load container {id}"))
 }
 
 /// Moves this helper into the container's unified cgroup, so that every

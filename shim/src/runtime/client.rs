@@ -1,5 +1,6 @@
-//! The shim's side of the runtime helper: spawn, wait through the exit
-//! router, read the pid file or the error.
+//! The shim's side of the runtime helper: one [`Request`] per helper
+//! process, waited for through the exit router, answered by one [`Reply`]
+//! (see `protocol`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use super::protocol::{self, Dump, Op, Reply, Request};
 use super::SUBCOMMAND;
 use crate::config::NetworkLock;
 use crate::error::{Error, Result};
@@ -61,7 +63,7 @@ pub struct RestoreOpts {
 
 /// What a create or exec needs besides the container id.
 pub struct Launch<'a> {
-    /// Where the pid file and error log go (the bundle).
+    /// Where the helper runs and leaves its reply (the bundle).
     pub work_dir: &'a Path,
     /// The container's stdio.
     pub stdio: Stdio,
@@ -87,8 +89,11 @@ impl RuntimeClient {
 
     /// Creates container `id` from `bundle`; returns its init's pid.
     pub async fn create(&self, id: &str, bundle: &Path, launch: Launch<'_>) -> Result<(i32, ExitReceiver)> {
-        let mut args = vec!["create".into(), "--bundle".into(), bundle.as_os_str().to_owned()];
-        self.launch("create", id, &mut args, launch).await
+        let op = Op::Create {
+            bundle: bundle.to_owned(),
+            launch: launch.spec(),
+        };
+        self.launch(id, op, launch).await
     }
 
     /// Runs the process described by `process_json` in container `id`;
@@ -99,18 +104,16 @@ impl RuntimeClient {
         process_json: &Path,
         launch: Launch<'_>,
     ) -> Result<(i32, ExitReceiver)> {
-        let mut args = vec![
-            "exec".into(),
-            "--process".into(),
-            process_json.as_os_str().to_owned(),
-        ];
-        self.launch("exec", id, &mut args, launch).await
+        let op = Op::Exec {
+            process: process_json.to_owned(),
+            launch: launch.spec(),
+        };
+        self.launch(id, op, launch).await
     }
 
     /// Starts container `id`'s process.
     pub async fn start(&self, id: &str, work_dir: &Path) -> Result<()> {
-        let args = vec!["start".into(), id.into()];
-        self.invoke("start", id, work_dir, args, Stdio::null()).await
+        self.done(id, work_dir, Op::Start).await
     }
 
     /// Dumps container `id`'s processes into `image_path` with CRIU.
@@ -121,24 +124,15 @@ impl RuntimeClient {
         image_path: &Path,
         opts: &CheckpointOpts,
     ) -> Result<()> {
-        let mut args: Vec<std::ffi::OsString> =
-            vec!["checkpoint".into(), "--image-path".into(), image_path.into()];
-        if let Some(w) = &opts.work_path {
-            args.push("--work-path".into());
-            args.push(w.into());
-        }
-        for (on, flag) in [
-            (opts.exit, "--exit"),
-            (opts.tcp_established, "--tcp-established"),
-            (opts.ext_unix_sk, "--ext-unix-sk"),
-            (opts.file_locks, "--file-locks"),
-        ] {
-            if on {
-                args.push(flag.into());
-            }
-        }
-        args.push(id.into());
-        self.invoke("checkpoint", id, work_dir, args, Stdio::null()).await
+        let op = Op::Checkpoint(Dump {
+            image_path: image_path.to_owned(),
+            work_path: opts.work_path.clone(),
+            exit: opts.exit,
+            tcp_established: opts.tcp_established,
+            ext_unix_sk: opts.ext_unix_sk,
+            file_locks: opts.file_locks,
+        });
+        self.done(id, work_dir, op).await
     }
 
     /// Restores container `id`'s processes from `image_path` (its previous
@@ -151,55 +145,30 @@ impl RuntimeClient {
         opts: &RestoreOpts,
         launch: Launch<'_>,
     ) -> Result<(i32, ExitReceiver)> {
-        let mut args: Vec<std::ffi::OsString> = vec![
-            "restore".into(),
-            "--image-path".into(),
-            image_path.into(),
-            "--work-path".into(),
-            work_path.into(),
-        ];
-        if opts.tcp_established {
-            args.push("--tcp-established".into());
-        }
-        if let Some(bundle) = &opts.fresh_bundle {
-            args.push("--bundle".into());
-            args.push(bundle.into());
-        }
-        if let Some(netns) = &opts.netns {
-            args.push("--netns".into());
-            args.push(netns.into());
-        }
-        self.launch("restore", id, &mut args, launch).await
+        let op = Op::Restore(protocol::Restore {
+            image_path: image_path.to_owned(),
+            work_path: work_path.to_owned(),
+            tcp_established: opts.tcp_established,
+            netns: opts.netns.clone(),
+            launch: launch.spec(),
+            bundle: opts.fresh_bundle.clone(),
+        });
+        self.launch(id, op, launch).await
     }
 
     /// Runs filesystem operation `op` for container `id` in a helper (it
     /// runs commands); returns its answer, if it has one.
     pub async fn fs(&self, id: &str, work_dir: &Path, op: &crate::fsop::FsOp) -> Result<Option<String>> {
-        let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
-        let out = work_dir.join(format!(".crab-fs-{n}.out"));
-        let request = serde_json::to_string(op).expect("an fs operation serializes");
-        let args = vec![
-            "fs".into(),
-            "--request".into(),
-            request.into(),
-            "--out".into(),
-            out.clone().into(),
-        ];
-        let done = self.invoke("fs", id, work_dir, args, Stdio::null()).await;
-        let answer = std::fs::read_to_string(&out).ok();
-        let _ = std::fs::remove_file(&out);
-        done?;
-        Ok(answer.filter(|a| !a.is_empty()))
+        let op = Op::Fs { fs: op.clone() };
+        match self.invoke(id, work_dir, op, Stdio::null()).await? {
+            (_, Reply::Answer { text }) => Ok(text.filter(|a| !a.is_empty())),
+            (name, other) => Err(unexpected(name, id, &other)),
+        }
     }
 
     /// Deletes container `id`'s state and cgroups (`force`: kill it first).
     pub async fn delete(&self, id: &str, work_dir: &Path, force: bool) -> Result<()> {
-        let mut args = vec!["delete".into()];
-        if force {
-            args.push("--force".into());
-        }
-        args.push(id.into());
-        self.invoke("delete", id, work_dir, args, Stdio::null()).await
+        self.done(id, work_dir, Op::Delete { force }).await
     }
 
     /// Runs CRIU from `path` (a bare name is looked up on `PATH`), locking
@@ -235,67 +204,46 @@ impl RuntimeClient {
         self.root.join(".console")
     }
 
-    async fn launch(
-        &self,
-        op: &'static str,
-        id: &str,
-        args: &mut Vec<std::ffi::OsString>,
-        launch: Launch<'_>,
-    ) -> Result<(i32, ExitReceiver)> {
+    /// Runs `op`, which answers nothing.
+    async fn done(&self, id: &str, work_dir: &Path, op: Op) -> Result<()> {
+        match self.invoke(id, work_dir, op, Stdio::null()).await? {
+            (_, Reply::Done) => Ok(()),
+            (name, other) => Err(unexpected(name, id, &other)),
+        }
+    }
+
+    /// Runs `op`, which makes a process; answers its pid and exit.
+    async fn launch(&self, id: &str, op: Op, launch: Launch<'_>) -> Result<(i32, ExitReceiver)> {
         // The new process can exit before the helper does (an exec of
         // `true`): keep unclaimed exits until its pid is watched.
         let _spawning = self.exits.spawning();
-        let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
-        let pid_file = launch.work_dir.join(format!(".crab-{op}-{n}.pid"));
-        args.push("--pid-file".into());
-        args.push(pid_file.clone().into());
-        if let Stdio::Console { path } = &launch.stdio {
-            args.push("--console-socket".into());
-            args.push(path.into());
+        match self.invoke(id, launch.work_dir, op, launch.stdio).await? {
+            (_, Reply::Launched { pid }) => Ok((pid, self.exits.watch(pid))),
+            (name, other) => Err(unexpected(name, id, &other)),
         }
-        if let Some(cg) = launch.unified_cgroup {
-            args.push("--unified-cgroup".into());
-            args.push(cg.into());
-        }
-        args.push(id.into());
-        let res = self
-            .invoke(op, id, launch.work_dir, std::mem::take(args), launch.stdio)
-            .await;
-        let pid = res.and_then(|()| {
-            let text = std::fs::read_to_string(&pid_file)
-                .map_err(Error::io(format!("read {}", pid_file.display())))?;
-            text.trim().parse::<i32>().map_err(|_| Error::Runtime {
-                op,
-                id: id.to_owned(),
-                reason: format!("pid file holds {text:?}"),
-            })
-        });
-        let _ = std::fs::remove_file(&pid_file);
-        let pid = pid?;
-        Ok((pid, self.exits.watch(pid)))
     }
 
-    async fn invoke(
-        &self,
-        op: &'static str,
-        id: &str,
-        work_dir: &Path,
-        args: Vec<std::ffi::OsString>,
-        stdio: Stdio,
-    ) -> Result<()> {
+    /// Runs one helper for `op` and answers its reply; a failure it
+    /// reports is an [`Error::Runtime`] of its kind.
+    async fn invoke(&self, id: &str, work_dir: &Path, op: Op, stdio: Stdio) -> Result<(&'static str, Reply)> {
+        let name = op_name(&op);
         let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
-        let log = work_dir.join(format!(".crab-{op}-{n}.log"));
+        let reply_path = work_dir.join(format!(".crab-{name}-{n}.reply"));
+        let criu_op = matches!(op, Op::Checkpoint(_) | Op::Restore(_));
+        let request = Request {
+            root: self.root.clone(),
+            criu: self.criu.clone(),
+            id: id.to_owned(),
+            op,
+        };
         let mut cmd = Command::new(&self.exe);
         cmd.arg(SUBCOMMAND)
-            .arg("--root")
-            .arg(&self.root)
-            .arg("--log")
-            .arg(&log)
-            .arg("--criu")
-            .arg(&self.criu)
-            .args(args)
+            .arg("--reply")
+            .arg(&reply_path)
+            .arg("--request")
+            .arg(serde_json::to_string(&request).expect("a request serializes"))
             .current_dir(work_dir);
-        if matches!(op, "checkpoint" | "restore") {
+        if criu_op {
             self.configure_criu(&mut cmd, work_dir)?;
         }
         match stdio {
@@ -319,7 +267,7 @@ impl RuntimeClient {
         // collects it and the exit router hands its status back.
         let child = cmd
             .spawn()
-            .map_err(Error::io(format!("spawn runtime helper for {op}")))?;
+            .map_err(Error::io(format!("spawn runtime helper for {name}")))?;
         let pid = child.id() as i32;
         drop(cmd);
         let exit = self.exits.watch(pid);
@@ -329,27 +277,69 @@ impl RuntimeClient {
             Ok(Err(_)) => unreachable!("the exit router lives as long as the shim"),
             Err(_) => {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = std::fs::remove_file(&reply_path);
                 return Err(Error::RuntimeTimeout {
-                    op,
+                    op: name,
                     id: id.to_owned(),
                     secs: self.timeout.as_secs(),
                 });
             }
         };
-        let reason = std::fs::read_to_string(&log).unwrap_or_default();
-        let _ = std::fs::remove_file(&log);
-        if code != 0 {
-            let reason = if reason.is_empty() {
-                format!("runtime helper exited with status {code}")
-            } else {
-                reason
-            };
-            return Err(Error::Runtime {
-                op,
+        let reply = std::fs::read(&reply_path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<Reply>(&bytes).ok());
+        let _ = std::fs::remove_file(&reply_path);
+        match reply {
+            Some(Reply::Failed(f)) => Err(Error::Runtime {
+                op: name,
                 id: id.to_owned(),
-                reason,
-            });
+                kind: f.kind,
+                reason: f.message,
+            }),
+            Some(reply) => Ok((name, reply)),
+            None => Err(Error::RuntimeDied {
+                op: name,
+                id: id.to_owned(),
+                status: code as i32,
+            }),
         }
-        Ok(())
+    }
+}
+
+/// The operation's name, for errors and the reply file.
+fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Create { .. } => "create",
+        Op::Start => "start",
+        Op::Exec { .. } => "exec",
+        Op::Checkpoint(_) => "checkpoint",
+        Op::Restore(_) => "restore",
+        Op::Fs { .. } => "fs",
+        Op::Delete { .. } => "delete",
+    }
+}
+
+/// A reply that is not the one `op` gives (a helper of another version).
+fn unexpected(op: &'static str, id: &str, reply: &Reply) -> Error {
+    Error::Runtime {
+        op,
+        id: id.to_owned(),
+        kind: protocol::FailureKind::BadRequest,
+        reason: format!("unexpected reply {reply:?}"),
+    }
+}
+
+// === impl Launch ===
+
+impl Launch<'_> {
+    /// How the helper is to launch the process.
+    fn spec(&self) -> protocol::Launch {
+        protocol::Launch {
+            console_socket: match &self.stdio {
+                Stdio::Console { path } => Some(path.clone()),
+                Stdio::Fds { .. } => None,
+            },
+            unified_cgroup: self.unified_cgroup.map(Path::to_owned),
+        }
     }
 }
