@@ -24,6 +24,8 @@
 pub mod client;
 pub mod config;
 pub mod crabd;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 pub mod routes;
 pub mod shim;
 

@@ -147,7 +147,32 @@ pub fn crabctl_ok(ctd: &Containerd, args: &[&str]) -> serde_json::Value {
         "crabctl {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("crabctl prints JSON")
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("crabctl prints JSON");
+    if let Some((method, pattern)) = route_of(args) {
+        // `--json` prints crabd's answer: it must be what openapi.json says.
+        let schema = crab_api::openapi::response_schema(method, pattern, "200")
+            .unwrap_or_else(|| panic!("openapi.json has no answer for {method} {pattern}"));
+        if let Err(e) = crab_api::openapi::validate(schema, &answer) {
+            panic!("crabctl {args:?}: crabd's answer breaks openapi.json: {e}");
+        }
+    }
+    answer
+}
+
+/// The route of crabd that `crabctl args…` calls and prints the answer of.
+fn route_of(args: &[&str]) -> Option<(&'static str, &'static str)> {
+    use crab_api::routes;
+    Some(match *args.first()? {
+        "ps" => ("get", routes::SANDBOXES),
+        "checkpoint" => ("post", routes::CHECKPOINT),
+        "versions" => ("get", routes::VERSIONS),
+        "rollback" => ("post", routes::ROLLBACK),
+        "fork" => ("post", routes::FORK),
+        "turn" => ("post", routes::TURN),
+        "import" => ("post", routes::IMPORT),
+        "rm-version" => ("delete", routes::VERSION),
+        _ => return None,
+    })
 }
 
 /// Runs `crabctl args…`, asserts failure, returns its message.
