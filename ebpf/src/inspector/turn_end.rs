@@ -1,0 +1,232 @@
+//! The turn-end decision: what a sandbox's turn changed, from what the BPF
+//! programs aggregated for its cgroup, then a reset for the next turn.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use super::{drain, shared_writable_maps, Inspector};
+use crate::error::{Error, Result};
+use crate::kernel::Ctl;
+use crate::ledger::Ignore;
+use crate::report::{Class, Reason, TurnReport};
+use crate::{loader, procs};
+
+// === impl Inspector ===
+
+impl Inspector {
+    /// Ends the sandbox's open turn: classifies what it changed, and opens
+    /// the next turn (the reset).
+    ///
+    /// When the inspector cannot vouch for the turn (records lost to a full
+    /// ring, full maps, a drain timeout, detached programs, operations it
+    /// does not follow, a restart mid-turn) the class is `full` and a
+    /// [`Reason::Unsure`] says why.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSandbox`], or a map failure.
+    pub fn turn_end(&self, sandbox: &str) -> Result<TurnReport> {
+        let config = &self.shared.config;
+        let mut guard = self.shared.state.lock();
+        let state = &mut *guard;
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
+        let map_err = |name| move |source| Error::Map { name, source };
+        let mut unsure: Vec<String> = Vec::new();
+
+        // The boundary: bump the generation, then read the sequence number.
+        let (gen, turn) = {
+            let sb = &state.sandboxes[&cg];
+            (sb.gen, sb.turn + 1)
+        };
+        state
+            .maps
+            .ctl
+            .insert(cg, Ctl { gen: gen + 1, turn }, 0)
+            .map_err(map_err("crab_ctl"))?;
+        let stats = state.maps.stats.get(&cg, 0).map_err(map_err("crab_stats"))?;
+        let boundary = stats.seq;
+        if let Some(sb) = state.sandboxes.get_mut(&cg) {
+            sb.boundary = Some(boundary);
+        }
+
+        // Every record numbered before the boundary must be in, or counted
+        // as dropped.
+        let deadline = Instant::now() + config.drain_timeout;
+        let mut lost = 0;
+        loop {
+            drain(state);
+            let sb = &state.sandboxes[&cg];
+            let missing = (boundary - sb.base_seq).saturating_sub(sb.current.n_events);
+            if missing == 0 {
+                break;
+            }
+            let now = state.maps.stats.get(&cg, 0).unwrap_or(stats);
+            if now.n_dropped - sb.base_dropped >= missing {
+                lost = missing;
+                unsure.push(format!("{missing} records were lost: the ring buffer was full"));
+                break;
+            }
+            if Instant::now() > deadline {
+                unsure.push(format!(
+                    "{missing} records did not arrive within {:?}",
+                    config.drain_timeout
+                ));
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        if !loader::links_present(&state.links) {
+            unsure.push("the inspector's programs are detached (pins removed)".into());
+        }
+
+        let sb = state.sandboxes.get_mut(&cg).expect("looked up above");
+        if stats.n_lost > sb.base_lost {
+            unsure.push(format!(
+                "{} task or syscall entries did not fit in the kernel's maps",
+                stats.n_lost - sb.base_lost
+            ));
+        }
+        if sb.restarted {
+            unsure.push("the inspector's owner restarted during this turn".into());
+        }
+        unsure.extend(sb.current.unsure().iter().cloned());
+        let _ = sb.base_unsure; // counted through the UNSURE records themselves
+
+        // Processes: started and still alive, or long-lived and running.
+        let mut proc_reasons: Vec<Reason> = sb.current.proc_reasons().to_vec();
+        let pids = procs::members(&sb.cgroup_dir, "cgroup.procs");
+        let noisy = |comm: &str| config.noisy_comms.iter().any(|n| n == comm);
+        for &pid in &pids {
+            if let Ok(t) = state.maps.tasks.get(&pid, 0) {
+                if t.born_gen == gen {
+                    let comm = procs::task_state(pid).map(|s| s.1).unwrap_or_default();
+                    proc_reasons.push(Reason::Started { pid, comm });
+                }
+            }
+        }
+        for tid in procs::members(&sb.cgroup_dir, "cgroup.threads") {
+            let seen = state
+                .maps
+                .tasks
+                .get(&tid, 0)
+                .is_ok_and(|t| t.born_gen >= gen || t.active_gen >= gen);
+            if seen {
+                continue;
+            }
+            if let Some(('R', comm)) = procs::task_state(tid) {
+                if !noisy(&comm) {
+                    proc_reasons.push(Reason::Ran { pid: tid, comm });
+                }
+            }
+        }
+
+        // Files: the net change, outside the kernel's interfaces.
+        if sb.ignore.is_none() {
+            if let Some(&pid) = pids.first() {
+                sb.ignore = Some(Ignore {
+                    devs: procs::interface_devs(pid),
+                    host_mntns: HashSet::new(),
+                });
+            }
+        }
+        let verdict = sb
+            .current
+            .fs_verdict(sb.ignore.as_ref().unwrap_or(&Ignore::default()));
+        let fs = !verdict.changed.is_empty();
+
+        // A changed file that a live process maps: the old image would not
+        // restore against it.
+        let mut mapped = Vec::new();
+        if fs {
+            let written: HashSet<(u64, u64)> = verdict.written.iter().copied().collect();
+            for &pid in &pids {
+                for m in procs::mappings(pid) {
+                    let replaced = m.deleted && sb.deleted_maps.insert((m.dev, m.ino));
+                    if replaced || written.contains(&(m.dev, m.ino)) {
+                        mapped.push(Reason::MappedFileChanged { pid, path: m.path });
+                    }
+                }
+            }
+        }
+
+        // A long-lived process that ran or exited may have stored into a
+        // shared writable file mapping, made in this turn or an earlier one.
+        let mut touched: HashSet<u32> = sb.current.noisy_ran.clone();
+        for r in &proc_reasons {
+            if let Reason::Ran { pid, .. } | Reason::Exited { pid, .. } = r {
+                touched.insert(*pid);
+            }
+        }
+        let no_ignore = Ignore::default();
+        let ignore = sb.ignore.as_ref().unwrap_or(&no_ignore);
+        for (pid, dev, name) in &sb.current.shared_mapped {
+            if !ignore.devs.contains(dev) {
+                sb.shared_maps.entry(*pid).or_default().push(name.clone());
+            }
+        }
+        let mut shared = Vec::new();
+        for pid in &touched {
+            if let Some(paths) = sb.shared_maps.get(pid) {
+                shared.extend(paths.iter().map(|p| Reason::Changed { path: p.clone() }));
+            }
+        }
+        // What they hold now (gone for the exited ones).
+        let now = shared_writable_maps(&touched.iter().copied().collect::<Vec<_>>(), ignore);
+        for pid in &touched {
+            match now.get(pid) {
+                Some(paths) => {
+                    shared.extend(paths.iter().map(|p| Reason::Changed { path: p.clone() }));
+                    sb.shared_maps.insert(*pid, paths.clone());
+                }
+                None => {
+                    sb.shared_maps.remove(pid);
+                }
+            }
+        }
+        shared.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        shared.dedup();
+        let fs = fs || !shared.is_empty();
+        let proc = !proc_reasons.is_empty() || !mapped.is_empty();
+        let class = if !unsure.is_empty() || !mapped.is_empty() {
+            Class::Full
+        } else {
+            Class::of(fs, proc)
+        };
+        let reasons: Vec<Reason> = unsure
+            .into_iter()
+            .map(|why| Reason::Unsure { why })
+            .chain(mapped)
+            .chain(proc_reasons)
+            .chain(shared)
+            .chain(verdict.changed.into_iter().map(|path| Reason::Changed { path }))
+            .collect();
+        if class == Class::Full && reasons.iter().any(|r| matches!(r, Reason::Unsure { .. })) {
+            log::warn!(
+                "inspector: sandbox {sandbox} turn {turn} is full: {:?}",
+                reasons[0]
+            );
+        }
+
+        // The reset: the records past the boundary open the next turn.
+        sb.current = std::mem::take(&mut sb.next);
+        sb.base_seq = boundary;
+        sb.boundary = None;
+        sb.base_dropped += lost;
+        sb.base_lost = stats.n_lost;
+        sb.base_unsure = stats.n_unsure;
+        sb.restarted = false;
+        sb.gen = gen + 1;
+        sb.turn = turn;
+        let n_reasons = reasons.len();
+        let mut reasons = reasons;
+        reasons.truncate(config.max_reasons);
+        log::debug!("inspector: sandbox {sandbox} turn {turn} class {class} ({n_reasons} reasons)");
+        Ok(TurnReport {
+            turn,
+            class,
+            reasons,
+            n_reasons,
+        })
+    }
+}
