@@ -11,7 +11,7 @@ use hyper::{Method, Request, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::crabd::ErrorBody;
+use crate::crabd::{ErrorBody, ErrorCode};
 
 mod crabd;
 
@@ -55,6 +55,8 @@ pub enum ClientError {
     Refused {
         /// The HTTP status.
         status: u16,
+        /// What kind of refusal, as the server said.
+        code: ErrorCode,
         /// The server's explanation.
         message: String,
     },
@@ -360,17 +362,20 @@ impl UnixClient {
             .map_err(|e| self.transport(e))?
             .to_bytes();
         if status != StatusCode::OK {
-            let message = serde_json::from_slice::<ErrorBody>(&body)
-                .map(|e| e.error)
-                .unwrap_or_else(|_| {
+            let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
+                Ok(e) => (e.code, e.error),
+                Err(_) => (
+                    ErrorCode::Unknown,
                     format!(
                         "{} answered {status}: {}",
                         self.what,
                         String::from_utf8_lossy(&body)
-                    )
-                });
+                    ),
+                ),
+            };
             return Err(ClientError::Refused {
                 status: status.as_u16(),
+                code,
                 message,
             });
         }

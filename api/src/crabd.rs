@@ -189,11 +189,66 @@ pub struct RemovalReport {
     pub removed: Vec<u64>,
 }
 
-/// The body of every error answer.
+/// The body of every error answer (crabd's and a shim's control socket's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
-    /// What went wrong, for a human.
+    /// What went wrong, for a human: the whole error chain.
     pub error: String,
+    /// What kind of failure, for a program (classify by this, never by
+    /// the text); `unknown` from a server that sends none.
+    #[serde(default)]
+    pub code: ErrorCode,
+}
+
+/// The kinds of refusals and failures an error answer names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed (body, path, version, id).
+    InvalidRequest,
+    /// No route has this path.
+    NoRoute,
+    /// No sandbox has this id (or, for a selector, id prefix).
+    UnknownSandbox,
+    /// Several sandboxes start with the prefix.
+    Ambiguous,
+    /// The sandbox's task is not running.
+    NotRunning,
+    /// The sandbox exists already.
+    SandboxExists,
+    /// Its rootfs has no backend that can snapshot it.
+    NoFsBackend,
+    /// The version's files stay on their filesystem (ZFS, btrfs).
+    NotMovable,
+    /// The version has no process image.
+    NoProcessImage,
+    /// The version has no filesystem snapshot.
+    NoFsSnapshot,
+    /// No inspector is loaded.
+    NoInspector,
+    /// The version does not exist, or none is valid.
+    UnknownVersion,
+    /// The version store refused: a version is being written, or in use.
+    Busy,
+    /// A manifest line, a process image or an archive is corrupt.
+    Corrupt,
+    /// The process image to restore is not one (a shim's answer).
+    InvalidCheckpoint,
+    /// A restore failed and the sandbox was put back as it was.
+    RestoreUndone,
+    /// The operation is not supported for this sandbox.
+    Unsupported,
+    /// containerd refused or failed.
+    Containerd,
+    /// The sandbox's shim refused or failed.
+    Shim,
+    /// A filesystem backend failed.
+    Fs,
+    /// Anything else (a disk, a bug).
+    Internal,
+    /// The server sent no code.
+    #[default]
+    Unknown,
 }
 
 /// `POST /v1/import`'s query: where the archive's sandbox goes.

@@ -9,9 +9,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, ErrorBody, ForkReport, ForkRequest, ImportQuery, ImportReport,
-    Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd, TurnReport,
-    VersionView,
+    CheckpointReport, CheckpointRequest, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
+    ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd,
+    TurnReport, VersionView,
 };
 use crab_api::openapi::{
     operation, request_schema, resolve, response_schema, spec, to_json_schema, validate, validate_strict,
@@ -68,6 +68,7 @@ const SCHEMAS: &[&str] = &[
     "RemovalReport",
     "Empty",
     "ErrorBody",
+    "ErrorCode",
 ];
 
 // === building values ===
@@ -551,8 +552,53 @@ fn sandboxes() {
         "ErrorBody",
         &ErrorBody {
             error: "no sandbox matches \"nope\" (see `crabctl ps`)".into(),
+            code: ErrorCode::UnknownSandbox,
         },
     );
+}
+
+#[test]
+fn every_error_code_is_in_the_spec() {
+    use ErrorCode::*;
+    let all = [
+        InvalidRequest,
+        NoRoute,
+        UnknownSandbox,
+        Ambiguous,
+        NotRunning,
+        SandboxExists,
+        NoFsBackend,
+        NotMovable,
+        NoProcessImage,
+        NoFsSnapshot,
+        NoInspector,
+        UnknownVersion,
+        Busy,
+        Corrupt,
+        InvalidCheckpoint,
+        RestoreUndone,
+        Unsupported,
+        Containerd,
+        Shim,
+        Fs,
+        Internal,
+        Unknown,
+    ];
+    for code in all {
+        // A new variant that is not listed here fails to compile below.
+        match code {
+            InvalidRequest | NoRoute | UnknownSandbox | Ambiguous | NotRunning | SandboxExists
+            | NoFsBackend | NotMovable | NoProcessImage | NoFsSnapshot | NoInspector | UnknownVersion
+            | Busy | Corrupt | InvalidCheckpoint | RestoreUndone | Unsupported | Containerd | Shim | Fs
+            | Internal | Unknown => {}
+        }
+        assert_valid("ErrorCode", &code);
+    }
+    let in_spec = spec()["components"]["schemas"]["ErrorCode"]["enum"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(in_spec, all.len(), "the spec names exactly the codes");
 }
 
 #[test]
@@ -711,7 +757,10 @@ fn the_least_the_spec_requires_the_types_take() {
     let _: TurnEnd = least("TurnEnd", json!({"turn": 1, "transcript_turns": 1}));
     let _: ImportQuery = least("ImportQuery", json!({}));
     // And answers with unknown fields still parse (the schemas are open).
-    let _: ErrorBody = least("ErrorBody", json!({"error": "x", "hint": "y"}));
+    let _: ErrorBody = least(
+        "ErrorBody",
+        json!({"error": "x", "code": "internal", "hint": "y"}),
+    );
 }
 
 #[track_caller]

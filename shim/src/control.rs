@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use crab_api::crabd::{ErrorBody, Registration};
+use crab_api::crabd::{ErrorBody, ErrorCode, Registration};
 use crab_api::shim::{ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored};
 use crab_api::{routes, ClientError, Crabd, SandboxId};
 use tokio::sync::Mutex;
@@ -172,6 +172,7 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
         Err(e) => {
             return refuse(
                 StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
                 format!("invalid checkpoint request: {e}"),
             )
         }
@@ -185,14 +186,24 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
-        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("checkpoint task: {e}")),
+        Err(e) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            format!("checkpoint task: {e}"),
+        ),
     }
 }
 
 async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     let req: ShimRestore = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("invalid restore request: {e}")),
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
+                format!("invalid restore request: {e}"),
+            )
+        }
     };
     let done = tokio::spawn(async move {
         let mut c = ctx.container.lock().await;
@@ -222,14 +233,24 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
-        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("restore task: {e}")),
+        Err(e) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            format!("restore task: {e}"),
+        ),
     }
 }
 
 async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     let req: ShimForget = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("invalid forget request: {e}")),
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
+                format!("invalid forget request: {e}"),
+            )
+        }
     };
     let done = tokio::spawn(async move {
         let c = ctx.container.lock().await;
@@ -238,22 +259,26 @@ async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     .await;
     match done {
         Ok(destroyed) => Json(ShimForgotten { destroyed }).into_response(),
-        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("forget task: {e}")),
+        Err(e) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            format!("forget task: {e}"),
+        ),
     }
 }
 
 fn refuse_error(e: Error) -> Response {
-    let status = match &e {
-        Error::InvalidCheckpoint { .. } => StatusCode::BAD_REQUEST,
-        Error::RestoreUndone { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-        Error::BadState { .. } | Error::NoFsBackend { .. } | Error::Unsupported { .. } => {
-            StatusCode::CONFLICT
-        }
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    let (status, code) = match &e {
+        Error::InvalidCheckpoint { .. } => (StatusCode::BAD_REQUEST, ErrorCode::InvalidCheckpoint),
+        Error::RestoreUndone { .. } => (StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::RestoreUndone),
+        Error::BadState { .. } => (StatusCode::CONFLICT, ErrorCode::NotRunning),
+        Error::NoFsBackend { .. } => (StatusCode::CONFLICT, ErrorCode::NoFsBackend),
+        Error::Unsupported { .. } => (StatusCode::CONFLICT, ErrorCode::Unsupported),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal),
     };
-    refuse(status, crab_api::error_chain(&e))
+    refuse(status, code, crab_api::error_chain(&e))
 }
 
-fn refuse(status: StatusCode, error: String) -> Response {
-    (status, Json(ErrorBody { error })).into_response()
+fn refuse(status: StatusCode, code: ErrorCode, error: String) -> Response {
+    (status, Json(ErrorBody { error, code })).into_response()
 }

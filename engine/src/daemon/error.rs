@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use crab_api::crabd::ErrorBody;
+use crab_api::crabd::{ErrorBody, ErrorCode};
 use crab_api::{BackendKind, ClientError, SandboxId};
 
 use crate::containerd::ContainerdError;
@@ -182,10 +182,60 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The kind a client classifies it by.
+    fn code(&self) -> ErrorCode {
+        match self {
+            ApiError::BadRequest { .. } | ApiError::InvalidId(_) => ErrorCode::InvalidRequest,
+            ApiError::NoRoute { .. } => ErrorCode::NoRoute,
+            ApiError::UnknownSandbox { .. } => ErrorCode::UnknownSandbox,
+            ApiError::Ambiguous { .. } => ErrorCode::Ambiguous,
+            ApiError::NotRunning { .. } => ErrorCode::NotRunning,
+            ApiError::NoFsBackend { .. } => ErrorCode::NoFsBackend,
+            ApiError::NotMovable { .. } => ErrorCode::NotMovable,
+            ApiError::NoProcessImage { .. } => ErrorCode::NoProcessImage,
+            ApiError::NoFsSnapshot { .. } => ErrorCode::NoFsSnapshot,
+            ApiError::SandboxExists { .. } => ErrorCode::SandboxExists,
+            ApiError::Containerd(ContainerdError::Unforkable { .. }) => ErrorCode::Unsupported,
+            ApiError::Containerd(_) => ErrorCode::Containerd,
+            ApiError::Fs { .. } => ErrorCode::Fs,
+            ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => ErrorCode::Internal,
+            ApiError::Archive(_) => ErrorCode::Corrupt,
+            ApiError::NoInspector => ErrorCode::NoInspector,
+            ApiError::Store(e) => match e {
+                StoreError::InvalidSandboxId(_) => ErrorCode::InvalidRequest,
+                StoreError::UnknownSandbox { .. } => ErrorCode::UnknownSandbox,
+                StoreError::UnknownVersion { .. } | StoreError::NoValidVersion { .. } => {
+                    ErrorCode::UnknownVersion
+                }
+                StoreError::PendingExists { .. } | StoreError::VersionInUse { .. } => ErrorCode::Busy,
+                StoreError::CorruptManifestLine { .. }
+                | StoreError::NotOfSandbox { .. }
+                | StoreError::MissingImage { .. }
+                | StoreError::CorruptImage { .. }
+                | StoreError::MissingDependency { .. }
+                | StoreError::CannotInherit { .. } => ErrorCode::Corrupt,
+                _ => ErrorCode::Internal,
+            },
+            // The shim's own code when it said one: a restore undone is
+            // one, whoever relays it.
+            ApiError::Shim { source, .. } => match source {
+                ClientError::Refused { code, .. } if *code != ErrorCode::Unknown => *code,
+                _ => ErrorCode::Shim,
+            },
+            ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let error = crab_api::error_chain(&self);
         tracing::info!(status = %self.status(), error, "refused");
-        (self.status(), Json(ErrorBody { error })).into_response()
+        let body = ErrorBody {
+            error,
+            code: self.code(),
+        };
+        (self.status(), Json(body)).into_response()
     }
 }
