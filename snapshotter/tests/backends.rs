@@ -288,6 +288,9 @@ struct Unmount(PathBuf);
 
 impl Drop for Unmount {
     fn drop(&mut self) {
-        let _ = nix::mount::umount(&self.0);
+        // Lazily: a btrfs still busy for a moment (a cleaner, a command
+        // not yet gone) must not leave its read-only snapshots to
+        // `remove_dir_all` on the mounted tree.
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
     }
 }
