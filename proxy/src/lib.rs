@@ -44,6 +44,7 @@ mod outcome;
 mod proxy;
 mod relay;
 mod replay;
+mod replay_layer;
 mod route;
 mod sandbox;
 mod server;

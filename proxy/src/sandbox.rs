@@ -18,7 +18,8 @@ use crate::config::ProxyConfig;
 use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{Replay, ReplayError, ReplayService};
+use crate::replay::{Replay, ReplayError, TurnState};
+use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
 use crate::stats::{SandboxStats, StatsCell};
 use crate::tee::Tee;
@@ -48,15 +49,6 @@ pub(crate) struct Shared {
     pub(crate) cancel: CancellationToken,
     client: UpstreamClient,
     turns: Mutex<TurnState>,
-}
-
-/// The turn counter and the replay, changed together under one lock.
-#[derive(Debug, Default)]
-pub(crate) struct TurnState {
-    /// The newest turn number given out (0 before the first turn end).
-    pub(crate) last_turn: u64,
-    /// The active replay, if any.
-    pub(crate) replay: Option<Replay>,
 }
 
 impl Sandbox {
