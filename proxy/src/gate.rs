@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tower::Service;
 
 use crate::outcome::GateOutcome;
-use crate::sandbox::Shared;
+use crate::shared::Shared;
 use crate::stats::TurnHold;
 use crate::turn::TurnCtx;
 use crate::{Error, ProxyBody};

@@ -48,6 +48,7 @@ mod replay_layer;
 mod route;
 mod sandbox;
 mod server;
+mod shared;
 mod stats;
 mod tee;
 pub mod transcript;

@@ -14,7 +14,7 @@ use tower::Service;
 
 use crate::replay::{step, ReplayError, ReplayStep};
 use crate::route::Route;
-use crate::sandbox::Shared;
+use crate::shared::Shared;
 use crate::transcript::{Entry, RecordedResponse};
 use crate::{Error, ProxyBody};
 

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use crate::outcome::GateOutcome;
 use crate::route::Route;
-use crate::sandbox::Shared;
+use crate::shared::Shared;
 use crate::transcript::unix_ms;
 use crate::{Error, ProxyBody};
 
