@@ -16,31 +16,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower::Service;
 
-use crate::sandbox::Shared;
+use crate::outcome::GateOutcome;
+use crate::shared::Shared;
 use crate::stats::TurnHold;
 use crate::turn::TurnCtx;
 use crate::{Error, ProxyBody};
-
-/// How a turn's gate opened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GateOutcome {
-    /// The hook returned Ok and the transcript rule held.
-    Opened,
-    /// The hook returned an error.
-    HookFailed,
-    /// The hook did not return within the hook timeout.
-    HookTimedOut,
-    /// Earlier records were not durable within the hook timeout.
-    TranscriptTimedOut,
-    /// The sandbox shut down before the gate opened.
-    Cancelled,
-}
 
 /// The tower service that holds turn-end answers behind the gate (stacked in `Sandbox::service`).
 #[derive(Clone)]

@@ -7,9 +7,6 @@ use std::sync::Arc;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use parking_lot::Mutex;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tower::layer::layer_fn;
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
@@ -18,11 +15,13 @@ use crate::config::ProxyConfig;
 use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{Replay, ReplayError, ReplayService};
+use crate::replay::{Replay, ReplayError};
+use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
-use crate::stats::{SandboxStats, StatsCell};
+use crate::shared::Shared;
+use crate::stats::SandboxStats;
 use crate::tee::Tee;
-use crate::transcript::{read_entries, Transcript};
+use crate::transcript::read_entries;
 use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
 use crate::{Error, ProxyBody, SandboxId};
@@ -37,28 +36,6 @@ pub struct Sandbox {
     shared: Arc<Shared>,
 }
 
-/// State shared by a sandbox's layers.
-pub(crate) struct Shared {
-    pub(crate) id: SandboxId,
-    pub(crate) config: Arc<ProxyConfig>,
-    pub(crate) hook: Arc<dyn TurnHook>,
-    pub(crate) transcript: Transcript,
-    pub(crate) stats: Arc<StatsCell>,
-    pub(crate) tracker: TaskTracker,
-    pub(crate) cancel: CancellationToken,
-    client: UpstreamClient,
-    turns: Mutex<TurnState>,
-}
-
-/// The turn counter and the replay, changed together under one lock.
-#[derive(Debug, Default)]
-pub(crate) struct TurnState {
-    /// The newest turn number given out (0 before the first turn end).
-    pub(crate) last_turn: u64,
-    /// The active replay, if any.
-    pub(crate) replay: Option<Replay>,
-}
-
 impl Sandbox {
     pub(crate) async fn open(
         id: SandboxId,
@@ -66,22 +43,8 @@ impl Sandbox {
         hook: Arc<dyn TurnHook>,
         client: UpstreamClient,
     ) -> Result<Self, Error> {
-        let tracker = TaskTracker::new();
-        let stats = Arc::new(StatsCell::default());
-        let path = config.transcript_dir.join(format!("{id}.jsonl"));
-        let transcript = Transcript::open(path, &tracker, stats.clone()).await?;
-        tracing::info!(sandbox = %id, "sandbox added to the proxy");
-        let shared = Shared {
-            id,
-            config,
-            hook,
-            transcript,
-            stats,
-            tracker,
-            cancel: CancellationToken::new(),
-            client,
-            turns: Mutex::new(TurnState::default()),
-        };
+        let shared = Shared::open(id, config, hook, client).await?;
+        tracing::info!(sandbox = %shared.id, "sandbox added to the proxy");
         Ok(Self {
             shared: Arc::new(shared),
         })
@@ -181,21 +144,6 @@ impl Sandbox {
     pub async fn shutdown(&self) {
         self.shared.cancel.cancel();
         self.flush_transcript().await;
-    }
-}
-
-impl Shared {
-    /// Gives out the next turn number.
-    pub(crate) fn next_turn(&self) -> u64 {
-        self.with_turns(|t| {
-            t.last_turn += 1;
-            t.last_turn
-        })
-    }
-
-    /// Runs `f` on the turn state under its lock (never across an await).
-    pub(crate) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnState) -> R) -> R {
-        f(&mut self.turns.lock())
     }
 }
 

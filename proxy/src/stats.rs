@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::gate::GateOutcome;
+use crate::outcome::GateOutcome;
 
 /// How many recent turns a snapshot lists.
 const RECENT_TURNS: usize = 256;

@@ -18,7 +18,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tower::Service;
 
-use crate::sandbox::Shared;
+use crate::shared::Shared;
 use crate::transcript::{
     record_headers, Entry, RecordedBody, RecordedRequest, RecordedResponse, StreamEnd, Timing, TurnRecord,
 };

@@ -41,7 +41,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 use tokio_util::task::TaskTracker;
 
-use crate::gate::GateOutcome;
+use crate::outcome::GateOutcome;
 use crate::route::Api;
 use crate::stats::StatsCell;
 

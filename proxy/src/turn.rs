@@ -14,9 +14,9 @@ use tokio::time::Instant;
 use tower::Service;
 use tracing::Instrument;
 
-use crate::gate::GateOutcome;
+use crate::outcome::GateOutcome;
 use crate::route::Route;
-use crate::sandbox::Shared;
+use crate::shared::Shared;
 use crate::transcript::unix_ms;
 use crate::{Error, ProxyBody};
 

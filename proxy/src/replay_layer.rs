@@ -1,0 +1,102 @@
+//! The replay layer: answers turn-end requests from the transcript while a
+//! replay is active (see `replay` for the matching rule), and turns a
+//! divergence into its 409 and its `divergence` entry.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tower::Service;
+
+use crate::replay::{step, ReplayError, ReplayStep};
+use crate::route::Route;
+use crate::shared::Shared;
+use crate::transcript::{Entry, RecordedResponse};
+use crate::{Error, ProxyBody};
+
+/// The recorded answer as a response, marked `x-crab-replayed: <turn>`.
+fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBody> {
+    let body = recorded.body.to_bytes().unwrap_or_default();
+    let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
+    *resp.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
+    let headers = resp.headers_mut();
+    for (name, value) in &recorded.headers {
+        let skip = matches!(
+            name.as_str(),
+            "content-length" | "transfer-encoding" | "connection"
+        );
+        if let (false, Ok(name), Ok(value)) = (
+            skip,
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert("x-crab-replayed", HeaderValue::from(turn));
+    resp
+}
+
+/// The tower service that answers replayed turns from the transcript (stacked in `Sandbox::service`).
+#[derive(Clone)]
+pub(crate) struct ReplayService<S> {
+    shared: Arc<Shared>,
+    inner: S,
+}
+
+impl<S> ReplayService<S> {
+    pub(crate) fn new(shared: Arc<Shared>, inner: S) -> Self {
+        Self { shared, inner }
+    }
+}
+
+impl<S> Service<Request<Bytes>> for ReplayService<S>
+where
+    S: Service<Request<Bytes>, Response = Response<ProxyBody>, Error = Error> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+        let turn_end = req.extensions().get::<Route>().is_some_and(|r| r.turn_end);
+        if !turn_end {
+            return Box::pin(self.inner.call(req));
+        }
+        let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+        let step = self
+            .shared
+            .with_turns(|state| step(state, self.shared.id.as_str(), path, req.body()));
+        match step {
+            ReplayStep::Live => Box::pin(self.inner.call(req)),
+            ReplayStep::Answer { turn, response } => {
+                self.shared.stats.update(|s| {
+                    s.n_turns += 1;
+                    s.n_replayed += 1;
+                });
+                tracing::info!(sandbox = %self.shared.id, turn, "turn answered from the transcript");
+                Box::pin(std::future::ready(Ok(replayed_response(turn, response))))
+            }
+            ReplayStep::Diverged(record) => {
+                self.shared.stats.update(|s| s.n_divergences += 1);
+                tracing::warn!(sandbox = %self.shared.id, turn = record.turn, "replay diverged");
+                let error = ReplayError::Diverged {
+                    turn: record.turn,
+                    expected_sha256: record.expected_sha256.clone(),
+                    got_sha256: record.got_sha256.clone(),
+                };
+                self.shared.transcript.submit(Entry::Divergence(record));
+                Box::pin(std::future::ready(Err(error.into())))
+            }
+        }
+    }
+}

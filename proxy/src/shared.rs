@@ -1,0 +1,80 @@
+//! The state one sandbox's layers share: its id and config, the hook, the
+//! transcript, the counters, its tasks, and the turn counter with the replay
+//! under one lock. [`crate::Sandbox`] owns it and stacks the layers over it.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::ProxyConfig;
+use crate::hook::TurnHook;
+use crate::replay::TurnState;
+use crate::stats::StatsCell;
+use crate::transcript::Transcript;
+use crate::upstream::UpstreamClient;
+use crate::{Error, SandboxId};
+
+/// State shared by a sandbox's layers.
+pub(crate) struct Shared {
+    /// The sandbox's id.
+    pub(crate) id: SandboxId,
+    /// The proxy's config.
+    pub(crate) config: Arc<ProxyConfig>,
+    /// Called on every live turn end.
+    pub(crate) hook: Arc<dyn TurnHook>,
+    /// The sandbox's transcript writer.
+    pub(crate) transcript: Transcript,
+    /// The sandbox's live counters.
+    pub(crate) stats: Arc<StatsCell>,
+    /// The sandbox's tasks (hook calls, the transcript writer).
+    pub(crate) tracker: TaskTracker,
+    /// Cancelled on shutdown: opens every pending gate.
+    pub(crate) cancel: CancellationToken,
+    /// The proxy's upstream client.
+    pub(crate) client: UpstreamClient,
+    turns: Mutex<TurnState>,
+}
+
+// === impl Shared ===
+
+impl Shared {
+    /// The state of a sandbox just added: its transcript
+    /// (`<transcript_dir>/<id>.jsonl`) opened, no turn given out, no replay.
+    pub(crate) async fn open(
+        id: SandboxId,
+        config: Arc<ProxyConfig>,
+        hook: Arc<dyn TurnHook>,
+        client: UpstreamClient,
+    ) -> Result<Self, Error> {
+        let tracker = TaskTracker::new();
+        let stats = Arc::new(StatsCell::default());
+        let path = config.transcript_dir.join(format!("{id}.jsonl"));
+        let transcript = Transcript::open(path, &tracker, stats.clone()).await?;
+        Ok(Self {
+            id,
+            config,
+            hook,
+            transcript,
+            stats,
+            tracker,
+            cancel: CancellationToken::new(),
+            client,
+            turns: Mutex::new(TurnState::default()),
+        })
+    }
+
+    /// Gives out the next turn number.
+    pub(crate) fn next_turn(&self) -> u64 {
+        self.with_turns(|t| {
+            t.last_turn += 1;
+            t.last_turn
+        })
+    }
+
+    /// Runs `f` on the turn state under its lock (never across an await).
+    pub(crate) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnState) -> R) -> R {
+        f(&mut self.turns.lock())
+    }
+}
