@@ -236,6 +236,9 @@ pub enum ErrorCode {
     InvalidCheckpoint,
     /// A restore failed and the sandbox was put back as it was.
     RestoreUndone,
+    /// A restore failed and so did putting the sandbox back: its
+    /// processes are gone.
+    SandboxLost,
     /// The operation is not supported for this sandbox.
     Unsupported,
     /// containerd refused or failed.
@@ -246,8 +249,9 @@ pub enum ErrorCode {
     Fs,
     /// Anything else (a disk, a bug).
     Internal,
-    /// The server sent no code.
+    /// The server sent no code, or one this client does not know.
     #[default]
+    #[serde(other)]
     Unknown,
 }
 

@@ -10,7 +10,8 @@
 //! - the messages of crabd's management API ([`crabd`]) and of each shim's
 //!   control API ([`shim`]), and their route paths, defined once
 //!   ([`routes`]); `openapi.json` beside this crate describes crabd's API
-//!   and a test checks it against [`routes`];
+//!   (the tests crate checks it against [`routes`] and checks crabd's
+//!   answers against it);
 //! - the typed client [`Crabd`] over [`UnixClient`], HTTP/1.1 on a unix
 //!   socket;
 //! - `crab.toml`'s loader ([`config`]) and crabd's table of it.
@@ -24,8 +25,6 @@
 pub mod client;
 pub mod config;
 pub mod crabd;
-#[cfg(feature = "openapi")]
-pub mod openapi;
 pub mod routes;
 pub mod shim;
 

@@ -407,6 +407,10 @@ async fn write_loop(
         }
         let written = async {
             file.write_all(&buf).await?;
+            // tokio's File writes in the background: flush, so that this
+            // batch's own write error is this batch's (sync_data would
+            // keep it for the next write).
+            file.flush().await?;
             file.sync_data().await
         }
         .await;

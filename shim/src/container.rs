@@ -426,7 +426,7 @@ impl Container {
             tracing::debug!(error = %crab_api::error_chain(&e), "cleanup of {}", self.id);
         }
         self.init.io = None;
-        self.rootfs.release();
+        self.rootfs.release(&self.id);
         if let Some(cg) = &self.unified_cgroup {
             if let Err(e) = cgroup::remove_unified(cg) {
                 tracing::warn!(error = %crab_api::error_chain(&e), "remove cgroup {}", cg.display());

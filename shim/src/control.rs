@@ -25,6 +25,7 @@ use crate::config::CrabdShimConfig;
 use crate::container::Container;
 use crate::error::Error;
 use crate::events::{self, Events};
+use crate::runtime::protocol::FailureKind;
 use crate::runtime::RuntimeClient;
 
 /// A container's control socket and its registration; stopped at delete.
@@ -274,6 +275,12 @@ fn refuse_error(e: Error) -> Response {
         Error::BadState { .. } => (StatusCode::CONFLICT, ErrorCode::NotRunning),
         Error::NoFsBackend { .. } => (StatusCode::CONFLICT, ErrorCode::NoFsBackend),
         Error::Unsupported { .. } => (StatusCode::CONFLICT, ErrorCode::Unsupported),
+        Error::Snapshot { .. }
+        | Error::Runtime {
+            kind: FailureKind::Fs,
+            ..
+        } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Fs),
+        Error::RestoreLost { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::SandboxLost),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal),
     };
     refuse(status, code, crab_api::error_chain(&e))

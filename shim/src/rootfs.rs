@@ -129,7 +129,7 @@ impl Rootfs {
         match run(op, ctx).await {
             Ok(found) => found.filter(|d| !d.is_empty()),
             Err(e) => {
-                tracing::debug!(error = %crab_api::error_chain(&e), "no ZFS dataset for its rootfs");
+                tracing::debug!(sandbox = ctx.id, error = %crab_api::error_chain(&e), "no ZFS dataset for its rootfs");
                 None
             }
         }
@@ -150,7 +150,7 @@ impl Rootfs {
                 Ok(Some(found)) => Kind::Btrfs(found),
                 Ok(None) => plain("a btrfs mount"),
                 Err(reason) => {
-                    tracing::warn!(reason, "its btrfs rootfs cannot be snapshotted");
+                    tracing::warn!(sandbox = id, reason, "its btrfs rootfs cannot be snapshotted");
                     Kind::Plain { reason }
                 }
             },
@@ -286,7 +286,7 @@ impl Rootfs {
         let location = match &self.kind {
             Kind::Zfs { .. } | Kind::Btrfs(_) => self.location(Path::new(""), ctx.id),
             _ => {
-                tracing::warn!("no snapshots of its own to forget");
+                tracing::warn!(sandbox = ctx.id, "no snapshots of its own to forget");
                 return Vec::new();
             }
         };
@@ -324,14 +324,14 @@ impl Rootfs {
     }
 
     /// Unmounts what the shim mounted (at delete; logged, best effort).
-    pub fn release(&mut self) {
+    pub fn release(&mut self, id: &str) {
         if !self.mounted {
             return;
         }
         match unmount(&self.target) {
             Ok(()) => self.mounted = false,
             Err(e) => {
-                tracing::warn!(error = %crab_api::error_chain(&e), rootfs = %self.target.display(), "unmount")
+                tracing::warn!(sandbox = id, error = %crab_api::error_chain(&e), rootfs = %self.target.display(), "unmount")
             }
         }
     }

@@ -164,8 +164,19 @@ fn run(req: &Request) -> Result<Reply, Failed> {
         Op::Delete { force } => {
             match load(root, id) {
                 Ok(mut c) => c.delete(*force).map_err(|e| container(e.into()))?,
-                // Nothing was created (create failed early): nothing to delete.
-                Err(_) if !root.join(id).exists() => {}
+                // Nothing was created, or a create failed before libcontainer
+                // saved any state: what is left of its directory goes.
+                Err(e) if e.downcast_ref::<NoSuchContainer>().is_some() => {
+                    match std::fs::remove_dir_all(root.join(id)) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => {
+                            return Err(container(
+                                anyhow::Error::from(e).context("remove the state directory"),
+                            ))
+                        }
+                    }
+                }
                 Err(e) => return Err(container(e)),
             }
             Ok(Reply::Done)

@@ -195,7 +195,9 @@ async fn remove_unified_cgroup(bundle: &Path, id: &str) {
 /// so equal ids in two namespaces never meet (runc's shim does the same).
 fn runtime_client(exits: Arc<ExitRouter>, namespace: &str) -> RuntimeClient {
     let cfg = &crate::config::get().shim;
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    // This very binary even after a package upgrade replaced its file
+    // (`current_exe` would then name a deleted path or a newer helper).
+    let exe = PathBuf::from("/proc/self/exe");
     RuntimeClient::new(exe, cfg.state_dir.join(namespace), cfg.runtime_timeout(), exits)
         .with_criu(cfg.criu.clone(), cfg.criu_network_lock)
 }

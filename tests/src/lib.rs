@@ -9,6 +9,7 @@ pub mod docker;
 pub mod image;
 pub mod leftovers;
 pub mod llm;
+pub mod openapi;
 pub mod sandbox;
 pub mod snapshotter;
 pub mod zfs;

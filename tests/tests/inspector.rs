@@ -56,7 +56,7 @@ fn crabctl_turn_and_watch_report_what_turns_changed() {
         .read_line(&mut line)
         .unwrap();
     let seen: serde_json::Value = serde_json::from_str(&line).expect("a JSON report");
-    crab_api::openapi::validate("WatchLine", &seen).unwrap_or_else(|e| panic!("{e}"));
+    crab_tests::openapi::validate("WatchLine", &seen).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(seen["turn"], r["turn"], "{line}");
     assert_eq!(seen["class"], r["class"]);
     let _ = watch.kill();

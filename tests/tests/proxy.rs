@@ -167,15 +167,15 @@ fn a_failed_transcript_write_and_turn_hook_reach_containerds_log() {
     .unwrap();
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let full = Tmpfs::mount(&transcripts.join(&ctd.namespace), "size=4k");
-    let post = format!(
-        "wget -qO- --header 'Content-Type: application/json' \
-         --post-data '{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}' \
-         $OPENAI_BASE_URL/chat/completions",
-        "x".repeat(8192)
-    );
+    // Each turn's record is larger than the tmpfs (one page, up to 64 KiB
+    // on some kernels): its append fails.
+    let post = "wget -qO- --header 'Content-Type: application/json' --post-file /tmp/body \
+                $OPENAI_BASE_URL/chat/completions";
+    let body = "{ printf '{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"'; \
+                head -c 70000 /dev/zero | tr '\\0' x; printf '\"}]}'; } > /tmp/body";
     // The second turn's answer waits for the first turn's record: by then
     // its append has failed.
-    let out = run_agent(&ctd, &llm, &format!("{post}; echo; {post}"));
+    let out = run_agent(&ctd, &llm, &format!("{body}; {post}; echo; {post}"));
     // The agent got its answers all the same.
     assert_eq!(out.matches("scripted answer").count(), 2, "{out}");
     let log_path = ctd.dir.join("containerd.log");
@@ -205,7 +205,9 @@ fn a_failed_transcript_write_and_turn_hook_reach_containerds_log() {
         "the cause is in the line: {hook}"
     );
     assert!(
-        append.contains("level=error") && append.contains("no storage space"),
+        append.contains("level=error")
+            && append.contains("turn=\"1\"")
+            && append.contains("No space left on device"),
         "{append}"
     );
     assert_clean(&ctd.scope(), &["agent"]);

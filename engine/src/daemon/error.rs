@@ -220,7 +220,16 @@ impl ApiError {
             // The shim's own code when it said one: a restore undone is
             // one, whoever relays it.
             ApiError::Shim { source, .. } => match source {
-                ClientError::Refused { code, .. } if *code != ErrorCode::Unknown => *code,
+                // What the shim says of the sandbox; not what it says of
+                // crabd's own request to it.
+                ClientError::Refused { code, .. }
+                    if !matches!(
+                        code,
+                        ErrorCode::Unknown | ErrorCode::InvalidRequest | ErrorCode::NoRoute
+                    ) =>
+                {
+                    *code
+                }
                 _ => ErrorCode::Shim,
             },
             ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,

@@ -228,7 +228,14 @@ impl RuntimeClient {
     async fn invoke(&self, id: &str, work_dir: &Path, op: Op, stdio: Stdio) -> Result<(&'static str, Reply)> {
         let name = op_name(&op);
         let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
-        let reply_path = work_dir.join(format!(".crab-{name}-{n}.reply"));
+        // The shim's pid too: a file an earlier shim of this bundle left
+        // must never pass for this helper's reply.
+        let reply_path = work_dir.join(format!(".crab-{name}-{}-{n}.reply", std::process::id()));
+        match std::fs::remove_file(&reply_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(format!("remove {}", reply_path.display()))(e)),
+        }
         let criu_op = matches!(op, Op::Checkpoint(_) | Op::Restore(_));
         let request = Request {
             root: self.root.clone(),
@@ -285,22 +292,28 @@ impl RuntimeClient {
                 });
             }
         };
-        let reply = std::fs::read(&reply_path)
-            .ok()
-            .and_then(|bytes| serde_json::from_slice::<Reply>(&bytes).ok());
+        let bytes = std::fs::read(&reply_path);
         let _ = std::fs::remove_file(&reply_path);
-        match reply {
-            Some(Reply::Failed(f)) => Err(Error::Runtime {
+        let Ok(bytes) = bytes else {
+            return Err(Error::RuntimeDied {
+                op: name,
+                id: id.to_owned(),
+                status: code as i32,
+            });
+        };
+        match serde_json::from_slice::<Reply>(&bytes) {
+            Ok(Reply::Failed(f)) => Err(Error::Runtime {
                 op: name,
                 id: id.to_owned(),
                 kind: f.kind,
                 reason: f.message,
             }),
-            Some(reply) => Ok((name, reply)),
-            None => Err(Error::RuntimeDied {
+            Ok(reply) => Ok((name, reply)),
+            Err(e) => Err(Error::Runtime {
                 op: name,
                 id: id.to_owned(),
-                status: code as i32,
+                kind: protocol::FailureKind::BadRequest,
+                reason: format!("unreadable reply: {e}"),
             }),
         }
     }

@@ -56,8 +56,8 @@ async fn check(d: &Arc<Daemon>, method: &str, path: &str, body: &str) -> (Status
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
     let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
     // Every answer of a route is one openapi.json describes.
-    if crab_api::openapi::pattern_of(path).is_some() {
-        if let Err(e) = crab_api::openapi::check_answer(method, path, status.as_u16(), &json) {
+    if crab_tests::openapi::pattern_of(path).is_some() {
+        if let Err(e) = crab_tests::openapi::check_answer(method, path, status.as_u16(), &json) {
             panic!("{method} {path} answered {status} outside openapi.json: {e}");
         }
     }

@@ -3,8 +3,8 @@
 //! validates against its component schema (and documents the types refuse
 //! are refused by the schemas too).
 //!
-//! The helpers are `crab_api::openapi`'s (feature `openapi`), which the
-//! integration tests use to check what crabd answers them.
+//! The helpers are `crab_tests::openapi`'s, which the integration tests
+//! use to check what crabd answers them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -13,12 +13,12 @@ use crab_api::crabd::{
     ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd,
     TurnReport, VersionView,
 };
-use crab_api::openapi::{
-    operation, request_schema, resolve, response_schema, spec, to_json_schema, validate, validate_strict,
-};
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
     VersionSel,
+};
+use crab_tests::openapi::{
+    operation, request_schema, resolve, response_schema, spec, to_json_schema, validate, validate_strict,
 };
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -577,6 +577,7 @@ fn every_error_code_is_in_the_spec() {
         Corrupt,
         InvalidCheckpoint,
         RestoreUndone,
+        SandboxLost,
         Unsupported,
         Containerd,
         Shim,
@@ -589,8 +590,8 @@ fn every_error_code_is_in_the_spec() {
         match code {
             InvalidRequest | NoRoute | UnknownSandbox | Ambiguous | NotRunning | SandboxExists
             | NoFsBackend | NotMovable | NoProcessImage | NoFsSnapshot | NoInspector | UnknownVersion
-            | Busy | Corrupt | InvalidCheckpoint | RestoreUndone | Unsupported | Containerd | Shim | Fs
-            | Internal | Unknown => {}
+            | Busy | Corrupt | InvalidCheckpoint | RestoreUndone | SandboxLost | Unsupported | Containerd
+            | Shim | Fs | Internal | Unknown => {}
         }
         assert_valid("ErrorCode", &code);
     }

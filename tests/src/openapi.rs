@@ -1,7 +1,7 @@
-//! crabd's API as `openapi.json` (beside this crate) describes it, for
-//! tests: check a message against its component schema, find which schema
-//! a route takes and answers. Behind the `openapi` feature, so that no
-//! client links a JSON Schema validator.
+//! crabd's API as `api/openapi.json` describes it, for tests: check a
+//! message against its component schema, find which schema a route takes
+//! and answers. Here, in the test harness, so that no client of crab-api
+//! links a JSON Schema validator.
 //!
 //! OpenAPI 3.0 schemas are not quite JSON Schema: they are converted (see
 //! [`to_json_schema`]) and then checked by the `jsonschema` crate as
@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use serde_json::{json, Map, Value};
 
 /// The spec's text.
-pub const SPEC_TEXT: &str = include_str!("../openapi.json");
+pub const SPEC_TEXT: &str = include_str!("../../api/openapi.json");
 
 /// The parsed spec.
 pub fn spec() -> &'static Value {
@@ -151,13 +151,13 @@ pub fn schema_name_of(schema: &Value) -> Option<&'static str> {
         .map(String::as_str)
 }
 
-/// The operation `method` on `pattern` (a [`crate::routes`] pattern).
+/// The operation `method` on `pattern` (a [`crab_api::routes`] pattern).
 pub fn operation(method: &str, pattern: &str) -> Option<&'static Value> {
     spec()["paths"].get(pattern)?.get(method.to_ascii_lowercase())
 }
 
 /// The name of the component schema of the body that `method` on
-/// `pattern` (a [`crate::routes`] pattern) answers with `status` (`"200"`,
+/// `pattern` (a [`crab_api::routes`] pattern) answers with `status` (`"200"`,
 /// `"404"`, …): the JSON body's, or a JSON-lines stream's one line's.
 /// `None` when the spec has no such answer or its body is not described by
 /// a component (an archive).
@@ -177,12 +177,12 @@ pub fn request_schema(method: &str, pattern: &str) -> Option<&'static str> {
     schema_name_of(&body["content"].get("application/json")?["schema"])
 }
 
-/// The [`crate::routes`] pattern that concrete `path` (query left out)
+/// The [`crab_api::routes`] pattern that concrete `path` (query left out)
 /// matches, if any: `{…}` segments match any one segment.
 pub fn pattern_of(path: &str) -> Option<&'static str> {
     let path = path.split('?').next().unwrap_or_default();
     let segments: Vec<&str> = path.split('/').collect();
-    crate::routes::ALL.iter().map(|(p, _)| *p).find(|pattern| {
+    crab_api::routes::ALL.iter().map(|(p, _)| *p).find(|pattern| {
         let parts: Vec<&str> = pattern.split('/').collect();
         parts.len() == segments.len()
             && parts
