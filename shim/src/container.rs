@@ -42,10 +42,8 @@ pub struct Container {
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
-    /// The variables pointing SDKs at it, for execs too.
-    proxy_env: Vec<String>,
-    /// How the proxy was set up, to start it again in a restored network
-    /// namespace.
+    /// How the proxy was set up (its variables, which execs get too), to
+    /// start it again in a restored network namespace.
     proxy_plan: Option<(String, ProxyPlan)>,
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
@@ -110,7 +108,6 @@ impl Container {
             rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
             proxy: None,
-            proxy_env: Vec::new(),
             proxy_plan: None,
             pending_restore: spec
                 .annotations()
@@ -144,15 +141,11 @@ impl Container {
             // The init is restored at Start; its proxy starts then, in the
             // restored network namespace.
             c.proxy_plan = plan.map(|p| (proxy.namespace.to_owned(), p));
-            if let Some((_, p)) = &c.proxy_plan {
-                c.proxy_env = p.env.clone();
-            }
             return Ok((c, None));
         }
         match c.create_init(runtime).await {
             Ok(rx) => {
                 if let Some(plan) = plan {
-                    c.proxy_env = plan.env.clone();
                     c.proxy_plan = Some((proxy.namespace.to_owned(), plan.clone()));
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
@@ -252,8 +245,10 @@ impl Container {
             });
         }
         let mut spec = req.spec.as_ref().map(|any| any.value.clone()).unwrap_or_default();
-        if !self.proxy_env.is_empty() && !spec.is_empty() {
-            spec = sandbox_proxy::inject_exec(&spec, &self.proxy_env)?;
+        if let Some((_, plan)) = self.proxy_plan.as_ref().filter(|(_, p)| !p.env.is_empty()) {
+            if !spec.is_empty() {
+                spec = sandbox_proxy::inject_exec(&spec, &plan.env)?;
+            }
         }
         let terminal = serde_json::from_slice::<serde_json::Value>(&spec)
             .ok()
