@@ -64,6 +64,14 @@ pub struct TurnReport {
     pub reasons: Vec<serde_json::Value>,
 }
 
+/// The first line of a watch: the watch is live, and every turn that ends
+/// from now on is reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchStarted {
+    /// The sandbox watched.
+    pub watching: SandboxId,
+}
+
 /// A sandbox as `crabctl ps` lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxInfo {

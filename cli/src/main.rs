@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport};
+use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport, WatchStarted};
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionSel};
 use serde::Serialize;
 
@@ -283,6 +283,9 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 .watch(sandbox, |line, report| {
                     match report {
                         Some(r) if !json => print!("{}", turn_line(&r)),
+                        None if !json && serde_json::from_str::<WatchStarted>(line).is_ok() => {
+                            eprintln!("watching {sandbox}: each turn is printed as it ends (Ctrl-C stops)")
+                        }
                         _ => println!("{line}"),
                     }
                     true

@@ -44,17 +44,21 @@ fn crabctl_turn_and_watch_report_what_turns_changed() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Its first line says the watch is live: no sleep to wait for it.
+    let mut lines = std::io::BufReader::new(watch.stdout.take().unwrap());
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    let started: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+    crab_tests::openapi::validate("WatchStarted", &started).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(started["watching"], id, "{line}");
     exec("sleep 300 >/dev/null 2>&1 &");
     let r = crabctl_ok(&ctd, &["turn", id]);
     assert!(
         r["class"] == "proc" || r["class"] == "full",
         "a process left running: {r}"
     );
-    let mut line = String::new();
-    std::io::BufReader::new(watch.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    line.clear();
+    lines.read_line(&mut line).unwrap();
     let seen: serde_json::Value = serde_json::from_str(&line).expect("a JSON report");
     crab_tests::openapi::validate("WatchLine", &seen).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(seen["turn"], r["turn"], "{line}");

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
     ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd,
-    TurnReport, VersionView,
+    TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -53,6 +53,7 @@ const SCHEMAS: &[&str] = &[
     "SandboxInfoList",
     "TurnReport",
     "WatchLagged",
+    "WatchStarted",
     "WatchLine",
     "TurnEnd",
     "CheckpointRequest",
@@ -682,6 +683,10 @@ fn turns() {
     // What crabd writes when a watcher lags behind.
     assert_valid("WatchLagged", &json!({"lagged": 12}));
     assert_valid("WatchLine", &json!({"lagged": 12}));
+    let started = WatchStarted { watching: id("s1") };
+    assert_valid("WatchStarted", &started);
+    assert_valid("WatchLine", &started);
+    assert_invalid("WatchStarted", json!({"watching": "../x"}));
     assert_valid(
         "TurnEnd",
         &TurnEnd {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use crab_api::config::CrabdConfig;
-use crab_api::crabd::TurnReport;
+use crab_api::crabd::{TurnReport, WatchStarted};
 use crab_api::{Class, SandboxId, SandboxSelector};
 use futures_util::StreamExt;
 use tokio::sync::broadcast;
@@ -172,7 +172,13 @@ impl Daemon {
     /// the caller hangs up.
     pub(super) fn watch(&self, sel: &SandboxSelector) -> Result<Response, ApiError> {
         let id = self.registry.resolve(sel)?.id;
-        let stream = tokio_stream::wrappers::BroadcastStream::new(self.inspection.reports.subscribe())
+        // Subscribed before the first line goes: a caller that has read it
+        // misses no turn that ends after.
+        let mut started =
+            serde_json::to_vec(&WatchStarted { watching: id.clone() }).expect("a line serializes");
+        started.push(b'\n');
+        let first = futures_util::stream::once(std::future::ready(Ok::<_, std::io::Error>(started)));
+        let reports = tokio_stream::wrappers::BroadcastStream::new(self.inspection.reports.subscribe())
             .filter_map(move |r| {
                 let line = match r {
                     Ok(report) if report.sandbox == id => {
@@ -190,7 +196,7 @@ impl Daemon {
             });
         Ok((
             [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
-            Body::from_stream(stream),
+            Body::from_stream(first.chain(reports)),
         )
             .into_response())
     }
