@@ -257,10 +257,57 @@ pub enum ErrorCode {
     Fs,
     /// Anything else (a disk, a bug).
     Internal,
-    /// The server sent no code, or one this client does not know.
+    /// The server sent no code, or one this client does not know (stays
+    /// last: `ALL` is checked by it).
     #[default]
     #[serde(other)]
     Unknown,
+}
+
+// === impl ErrorCode ===
+
+impl ErrorCode {
+    /// Every code, in declaration order.
+    pub const ALL: [ErrorCode; 23] = [
+        ErrorCode::InvalidRequest,
+        ErrorCode::NoRoute,
+        ErrorCode::UnknownSandbox,
+        ErrorCode::Ambiguous,
+        ErrorCode::NotRunning,
+        ErrorCode::SandboxExists,
+        ErrorCode::NoFsBackend,
+        ErrorCode::NotMovable,
+        ErrorCode::NoProcessImage,
+        ErrorCode::NoFsSnapshot,
+        ErrorCode::NoInspector,
+        ErrorCode::UnknownVersion,
+        ErrorCode::Busy,
+        ErrorCode::Corrupt,
+        ErrorCode::InvalidCheckpoint,
+        ErrorCode::RestoreUndone,
+        ErrorCode::SandboxLost,
+        ErrorCode::Unsupported,
+        ErrorCode::Containerd,
+        ErrorCode::Shim,
+        ErrorCode::Fs,
+        ErrorCode::Internal,
+        ErrorCode::Unknown,
+    ];
+
+    /// The HTTP status an answer with this code has: one mapping for
+    /// crabd and the shims.
+    pub fn http_status(self) -> u16 {
+        use ErrorCode::*;
+        match self {
+            InvalidRequest | InvalidCheckpoint => 400,
+            NoRoute | UnknownSandbox | UnknownVersion => 404,
+            Ambiguous | NotRunning | SandboxExists | NoFsBackend | NotMovable | NoProcessImage
+            | NoFsSnapshot | NoInspector | Busy | Unsupported => 409,
+            Corrupt | RestoreUndone => 422,
+            Containerd | Shim => 502,
+            Fs | Internal | SandboxLost | Unknown => 500,
+        }
+    }
 }
 
 /// `POST /v1/import`'s query: where the archive's sandbox goes.
@@ -279,4 +326,21 @@ pub struct ImportQuery {
 
 fn yes() -> bool {
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_holds_every_error_code_once_in_order() {
+        // `Unknown` is declared last: ALL misses none if it ends there and
+        // each code stands at its own index.
+        assert_eq!(ErrorCode::ALL.len(), ErrorCode::Unknown as usize + 1);
+        for (i, code) in ErrorCode::ALL.into_iter().enumerate() {
+            assert_eq!(code as usize, i, "{code:?}");
+        }
+        let unknown: ErrorBody = serde_json::from_str(r#"{"error":"x","code":"from_the_future"}"#).unwrap();
+        assert_eq!(unknown.code, ErrorCode::Unknown);
+    }
 }

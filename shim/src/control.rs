@@ -172,7 +172,6 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
         Ok(r) => r,
         Err(e) => {
             return refuse(
-                StatusCode::BAD_REQUEST,
                 ErrorCode::InvalidRequest,
                 format!("invalid checkpoint request: {e}"),
             )
@@ -187,24 +186,14 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
-        Err(e) => refuse(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Internal,
-            format!("checkpoint task: {e}"),
-        ),
+        Err(e) => refuse(ErrorCode::Internal, format!("checkpoint task: {e}")),
     }
 }
 
 async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     let req: ShimRestore = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => {
-            return refuse(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::InvalidRequest,
-                format!("invalid restore request: {e}"),
-            )
-        }
+        Err(e) => return refuse(ErrorCode::InvalidRequest, format!("invalid restore request: {e}")),
     };
     let done = tokio::spawn(async move {
         let mut c = ctx.container.lock().await;
@@ -234,24 +223,14 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
-        Err(e) => refuse(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Internal,
-            format!("restore task: {e}"),
-        ),
+        Err(e) => refuse(ErrorCode::Internal, format!("restore task: {e}")),
     }
 }
 
 async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     let req: ShimForget = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => {
-            return refuse(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::InvalidRequest,
-                format!("invalid forget request: {e}"),
-            )
-        }
+        Err(e) => return refuse(ErrorCode::InvalidRequest, format!("invalid forget request: {e}")),
     };
     let done = tokio::spawn(async move {
         let c = ctx.container.lock().await;
@@ -260,32 +239,30 @@ async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     .await;
     match done {
         Ok(destroyed) => Json(ShimForgotten { destroyed }).into_response(),
-        Err(e) => refuse(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Internal,
-            format!("forget task: {e}"),
-        ),
+        Err(e) => refuse(ErrorCode::Internal, format!("forget task: {e}")),
     }
 }
 
 fn refuse_error(e: Error) -> Response {
-    let (status, code) = match &e {
-        Error::InvalidCheckpoint { .. } => (StatusCode::BAD_REQUEST, ErrorCode::InvalidCheckpoint),
-        Error::RestoreUndone { .. } => (StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::RestoreUndone),
-        Error::BadState { .. } => (StatusCode::CONFLICT, ErrorCode::NotRunning),
-        Error::NoFsBackend { .. } => (StatusCode::CONFLICT, ErrorCode::NoFsBackend),
-        Error::Unsupported { .. } => (StatusCode::CONFLICT, ErrorCode::Unsupported),
+    let code = match &e {
+        Error::InvalidCheckpoint { .. } => ErrorCode::InvalidCheckpoint,
+        Error::RestoreUndone { .. } => ErrorCode::RestoreUndone,
+        Error::BadState { .. } => ErrorCode::NotRunning,
+        Error::NoFsBackend { .. } => ErrorCode::NoFsBackend,
+        Error::Unsupported { .. } => ErrorCode::Unsupported,
         Error::Snapshot { .. }
         | Error::Runtime {
             kind: FailureKind::Fs,
             ..
-        } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Fs),
-        Error::RestoreLost { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::SandboxLost),
-        _ => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal),
+        } => ErrorCode::Fs,
+        Error::RestoreLost { .. } => ErrorCode::SandboxLost,
+        _ => ErrorCode::Internal,
     };
-    refuse(status, code, crab_api::error_chain(&e))
+    refuse(code, crab_api::error_chain(&e))
 }
 
-fn refuse(status: StatusCode, code: ErrorCode, error: String) -> Response {
+/// An error answer with `code`'s status.
+fn refuse(code: ErrorCode, error: String) -> Response {
+    let status = StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, Json(ErrorBody { error, code })).into_response()
 }

@@ -140,45 +140,17 @@ pub enum ApiError {
 // === impl ApiError ===
 
 impl ApiError {
+    /// Its HTTP status: its code's, but a shim's refusal keeps the
+    /// shim's own status.
     fn status(&self) -> StatusCode {
-        match self {
-            ApiError::BadRequest { .. } | ApiError::InvalidId(_) => StatusCode::BAD_REQUEST,
-            ApiError::UnknownSandbox { .. } | ApiError::NoRoute { .. } => StatusCode::NOT_FOUND,
-            ApiError::Ambiguous { .. } => StatusCode::CONFLICT,
-            ApiError::NoFsBackend { .. }
-            | ApiError::NotMovable { .. }
-            | ApiError::NotRunning { .. }
-            | ApiError::NoProcessImage { .. }
-            | ApiError::NoFsSnapshot { .. }
-            | ApiError::SandboxExists { .. } => StatusCode::CONFLICT,
-            ApiError::Containerd(ContainerdError::Unforkable { .. }) => StatusCode::CONFLICT,
-            ApiError::Containerd(_) => StatusCode::BAD_GATEWAY,
-            ApiError::Fs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::NoInspector => StatusCode::CONFLICT,
-            ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Archive(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::Store(e) => match e {
-                StoreError::InvalidSandboxId(_) => StatusCode::BAD_REQUEST,
-                StoreError::UnknownSandbox { .. }
-                | StoreError::UnknownVersion { .. }
-                | StoreError::NoValidVersion { .. } => StatusCode::NOT_FOUND,
-                StoreError::PendingExists { .. } | StoreError::VersionInUse { .. } => StatusCode::CONFLICT,
-                StoreError::CorruptManifestLine { .. }
-                | StoreError::NotOfSandbox { .. }
-                | StoreError::MissingImage { .. }
-                | StoreError::CorruptImage { .. }
-                | StoreError::MissingDependency { .. }
-                | StoreError::CannotInherit { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-                _ => StatusCode::INTERNAL_SERVER_ERROR,
-            },
-            ApiError::Shim { source, .. } => match source {
-                ClientError::Refused { status, .. } => {
-                    StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
-                }
-                _ => StatusCode::BAD_GATEWAY,
-            },
-            ApiError::Io { .. } | ApiError::Worker(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        let status = match self {
+            ApiError::Shim {
+                source: ClientError::Refused { status, .. },
+                ..
+            } => *status,
+            _ => self.code().http_status(),
+        };
+        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY)
     }
 }
 
