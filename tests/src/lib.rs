@@ -12,6 +12,7 @@ pub mod llm;
 pub mod openapi;
 pub mod sandbox;
 pub mod snapshotter;
+pub mod wire;
 pub mod zfs;
 
 use std::path::PathBuf;

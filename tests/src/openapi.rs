@@ -194,7 +194,8 @@ pub fn pattern_of(path: &str) -> Option<&'static str> {
 
 /// Checks crabd's answer `body` with `status` to `method path` against
 /// the spec: the route and the status must be described, and the body
-/// must validate against the answer's schema.
+/// must validate against the answer's schema, naming no field it does not
+/// ([`validate_strict`]).
 ///
 /// # Errors
 /// What the spec does not describe, or how the body breaks it.
@@ -203,7 +204,7 @@ pub fn check_answer(method: &str, path: &str, status: u16, body: &Value) -> Resu
     let schema = response_schema(method, pattern, &status.to_string()).ok_or_else(|| {
         format!("openapi.json has no {status} answer with a JSON body for {method} {pattern}")
     })?;
-    validate(schema, body)
+    validate_strict(schema, body)
 }
 
 /// Checks a request `body` for `method path` against the spec.

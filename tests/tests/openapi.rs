@@ -920,3 +920,54 @@ fn strict_checking_finds_undeclared_fields() {
     assert!(validate_strict("SandboxInfo", &info).is_err());
     assert!(validate("Nonesuch", &json!({})).is_err());
 }
+
+/// A fake crabd on a unix socket that answers each request with `body`.
+fn fake_crabd(dir: &std::path::Path, body: &'static str) -> std::path::PathBuf {
+    use std::io::{BufRead, Write};
+    let socket = dir.join("crabd.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut r = std::io::BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                line.clear();
+            }
+            let mut w = conn;
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    socket
+}
+
+/// Sends `request` through a checking relay in front of a crabd answering
+/// `body`; answers what the relay found.
+fn through_relay(body: &'static str, request: &str) -> Vec<String> {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let crabd = fake_crabd(dir.path(), body);
+    let relay = crab_tests::wire::CheckedSocket::start(&crabd).expect("the fake crabd answers");
+    let mut client = std::os::unix::net::UnixStream::connect(relay.socket()).unwrap();
+    client.write_all(request.as_bytes()).unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    client.read_to_string(&mut answer).unwrap();
+    assert!(answer.ends_with(body), "the answer goes through: {answer}");
+    relay.finish()
+}
+
+#[test]
+fn the_relay_holds_requests_and_answers_on_the_wire_to_the_spec() {
+    let list = "GET http://crab/v1/sandboxes HTTP/1.1\r\nhost: crab\r\n\r\n";
+    assert_eq!(through_relay("[]", list), Vec::<String>::new());
+    let found = through_relay(r#"{"bogus":1}"#, list);
+    assert_eq!(found.len(), 1, "{found:?}");
+    let bad_request = "POST /v1/sandboxes/s1/checkpoint HTTP/1.1\r\ncontent-type: application/json\r\n\
+                       content-length: 16\r\n\r\n{\"class\":\"most\"}";
+    let found = through_relay("{}", bad_request);
+    assert!(found.iter().any(|f| f.contains("request")), "{found:?}");
+}
