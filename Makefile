@@ -24,9 +24,10 @@ lint:
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # The integration tests run the built binaries (containerd starts the shim
-# from PATH), which `cargo test` alone does not build.
+# from PATH), which `cargo test` alone does not build. --no-fail-fast: one
+# failing test binary must not hide the others.
 test: deps lint build
-	cargo test --workspace --locked
+	cargo test --workspace --locked --no-fail-fast
 
 bench: deps release
 	target/release/crab-bench runtime
