@@ -20,6 +20,7 @@ use crab_api::crabd::{ErrorBody, ErrorCode, Registration};
 use crab_api::shim::{ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored};
 use crab_api::{routes, ClientError, Crabd, SandboxId};
 use tokio::sync::Mutex;
+use tracing::Instrument;
 
 use crate::config::CrabdShimConfig;
 use crate::container::Container;
@@ -37,6 +38,8 @@ pub struct Control {
 
 #[derive(Clone)]
 struct Ctx {
+    /// The container's id, for the spans of its calls.
+    id: String,
     container: Arc<Mutex<Container>>,
     runtime: Arc<RuntimeClient>,
     events: Arc<Events>,
@@ -77,6 +80,7 @@ impl Control {
             .route(routes::shim::RESTORE, post(restore))
             .route(routes::shim::FORGET, post(forget))
             .with_state(Ctx {
+                id: id.clone(),
                 container,
                 runtime,
                 events,
@@ -178,10 +182,14 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
         }
     };
     // Runs to its end even if crabd hangs up: the thaw must happen.
-    let done = tokio::spawn(async move {
-        let c = ctx.container.lock().await;
-        c.engine_checkpoint(&req, &ctx.runtime).await
-    })
+    let span = tracing::info_span!("checkpoint", sandbox = %ctx.id);
+    let done = tokio::spawn(
+        async move {
+            let c = ctx.container.lock().await;
+            c.engine_checkpoint(&req, &ctx.runtime).await
+        }
+        .instrument(span),
+    )
     .await;
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
@@ -195,30 +203,34 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return refuse(ErrorCode::InvalidRequest, format!("invalid restore request: {e}")),
     };
-    let done = tokio::spawn(async move {
-        let mut c = ctx.container.lock().await;
-        let restored = c.engine_restore(&req, &ctx.runtime).await?;
-        drop(c);
-        let pid = restored.pid;
-        events::watch_exit(
-            ctx.events.clone(),
-            ctx.container.clone(),
-            String::new(),
-            pid,
-            restored.rx,
-        );
-        match restored.failure {
-            None => Ok(ShimRestored {
+    let span = tracing::info_span!("restore", sandbox = %ctx.id);
+    let done = tokio::spawn(
+        async move {
+            let mut c = ctx.container.lock().await;
+            let restored = c.engine_restore(&req, &ctx.runtime).await?;
+            drop(c);
+            let pid = restored.pid;
+            events::watch_exit(
+                ctx.events.clone(),
+                ctx.container.clone(),
+                String::new(),
                 pid,
-                restore_ms: restored.restore_ms,
-                undo_ms: restored.undo_ms,
-            }),
-            Some(e) => Err(Error::RestoreUndone {
-                source: Box::new(e),
-                pid,
-            }),
+                restored.rx,
+            );
+            match restored.failure {
+                None => Ok(ShimRestored {
+                    pid,
+                    restore_ms: restored.restore_ms,
+                    undo_ms: restored.undo_ms,
+                }),
+                Some(e) => Err(Error::RestoreUndone {
+                    source: Box::new(e),
+                    pid,
+                }),
+            }
         }
-    })
+        .instrument(span),
+    )
     .await;
     match done {
         Ok(Ok(r)) => Json(r).into_response(),
@@ -232,10 +244,14 @@ async fn forget(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return refuse(ErrorCode::InvalidRequest, format!("invalid forget request: {e}")),
     };
-    let done = tokio::spawn(async move {
-        let c = ctx.container.lock().await;
-        c.forget_snapshots(&req.snapshots, &ctx.runtime).await
-    })
+    let span = tracing::info_span!("forget", sandbox = %ctx.id);
+    let done = tokio::spawn(
+        async move {
+            let c = ctx.container.lock().await;
+            c.forget_snapshots(&req.snapshots, &ctx.runtime).await
+        }
+        .instrument(span),
+    )
     .await;
     match done {
         Ok(destroyed) => Json(ShimForgotten { destroyed }).into_response(),

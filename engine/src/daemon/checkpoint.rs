@@ -31,6 +31,7 @@ impl Daemon {
     /// Makes a version of `reg`'s sandbox as `class` asks, one operation per
     /// sandbox at a time, and publishes it. `turn` is the turn end it
     /// belongs to, if a turn's proxy asked.
+    #[tracing::instrument(skip_all, fields(sandbox = %reg.id, %class))]
     pub(super) async fn checkpoint(
         &self,
         reg: Registration,

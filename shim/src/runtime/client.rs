@@ -225,6 +225,7 @@ impl RuntimeClient {
 
     /// Runs one helper for `op` and answers its reply; a failure it
     /// reports is an [`Error::Runtime`] of its kind.
+    #[tracing::instrument(level = "debug", skip_all, fields(helper = op_name(&op), sandbox = id))]
     async fn invoke(&self, id: &str, work_dir: &Path, op: Op, stdio: Stdio) -> Result<(&'static str, Reply)> {
         let name = op_name(&op);
         let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
