@@ -68,11 +68,16 @@ fn basic_signals() {
         }
     }
     let _pidfile = Remove(pidfile.clone());
-    // Waits until sleep sleeps: its start-up would otherwise run into the next turn.
+    // Waits until sleep sleeps in its nanosleep (/proc/PID/syscall names
+    // the call it is blocked in: x86-64 35/230, arm64 101/115): its start-up
+    // would otherwise run into the next turn, and a state of S alone can be
+    // a moment's wait during that start-up.
     step(
         &format!(
             "sleep 1000 > /dev/null 2>&1 & echo $! > {pidfile}; \
-             until [ \"$(cat /proc/$!/comm)\" = sleep ] && grep -q 'State:.S' /proc/$!/status; do :; done"
+             until s=$(cut -d' ' -f1 /proc/$!/syscall 2>/dev/null); \
+                   [ \"$(cat /proc/$!/comm)\" = sleep ] && case $s in 35|230|101|115) true;; *) false;; esac; \
+             do :; done"
         ),
         Class::Proc,
     );

@@ -929,10 +929,17 @@ fn fake_crabd(dir: &std::path::Path, body: &'static str) -> std::path::PathBuf {
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
             let mut r = std::io::BufReader::new(conn.try_clone().unwrap());
-            let mut line = String::new();
+            let (mut line, mut len) = (String::new(), 0);
             while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
                 line.clear();
             }
+            // The whole request is read before the answer: a unix socket
+            // closed with unread data resets its peer.
+            let mut request_body = vec![0; len];
+            let _ = std::io::Read::read_exact(&mut r, &mut request_body);
             let mut w = conn;
             let _ = write!(
                 w,
