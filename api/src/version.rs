@@ -38,6 +38,11 @@ pub struct VersionRecord {
     pub turn: Option<u64>,
     /// The class of the change it captured.
     pub class: Class,
+    /// The version it descends from: the sandbox's head when it was taken
+    /// (see `crabctl versions`). None for a first version, one after a
+    /// restart, and lines written before versions named their parent.
+    #[serde(default)]
+    pub parent: Option<u64>,
     /// The version whose images directory holds its process image.
     pub process_image: Option<u64>,
     /// The filesystem snapshot it uses.

@@ -1,9 +1,11 @@
 //! The version store: a durable, versioned record of each sandbox's
 //! recoverable points.
 //!
-//! A version is `V_i = (P_j, F_k, T_i)` (DESIGN.md): the newest process
-//! image, the newest filesystem snapshot and the transcript prefix at turn
-//! i. The store keeps, per sandbox, an append-only manifest of versions and
+//! A version is `V_i = (P_j, F_k, T_i)` (DESIGN.md): a process image, a
+//! filesystem snapshot and the transcript prefix at turn i. What a version
+//! did not capture itself it takes from its parent, the sandbox's head (the
+//! version the running state descends from, see `head.rs`), so versions
+//! form a tree: a rollback moves the head and keeps every newer version. The store keeps, per sandbox, an append-only manifest of versions and
 //! the process images they hold; filesystem snapshots live in their backend
 //! and are only named here.
 //!
@@ -13,6 +15,8 @@
 //! <root>/lock                         flock(2)ed by the one open store
 //! <root>/sandboxes/<id>/versions.log  the manifest: a header line, then one
 //!                                     line per version (format: record.rs)
+//! <root>/sandboxes/<id>/head.json     where the head last moved other than
+//!                                     by a publish (format: head.rs)
 //! <root>/images/<id>/<version>/       the process image that version wrote:
 //!                                     opaque files (CRIU's), any tree
 //! <root>/images/<id>/.tmp-<version>/  a process image being written
@@ -22,7 +26,8 @@
 //! A manifest line is `<sha256-hex of json> <json>\n`; the json is
 //! `{"v":1,"kind":"header","sandbox":…,"next_version":…}` on line 1 and
 //! `{"v":1,"kind":"version","sandbox":…,"version":…,"created_unix_ms":…,
-//! "turn":…,"class":"none|fs|proc|full","process_image":<version>|null,
+//! "turn":…,"class":"none|fs|proc|full","parent":<version>|null,
+//! "process_image":<version>|null,
 //! "fs_snapshot":{"backend":…,"name":…}|null,"transcript_turns":…,
 //! "images":[{"path":…,"bytes":…,"sha256":…}]}` after it.
 //!
@@ -53,6 +58,7 @@
 
 mod durable;
 mod error;
+mod head;
 mod images;
 mod manifest;
 mod publish;
@@ -77,7 +83,8 @@ pub use self::recover::{Recovery, TornLine};
 pub use self::retain::Removal;
 pub use crab_api::SandboxId;
 
-use self::manifest::{Entry, Manifest};
+use self::head::Head;
+use self::manifest::{Lookup, Manifest};
 use self::record::Header;
 
 /// Where the store lives unless configured otherwise.
@@ -144,20 +151,13 @@ struct SandboxState {
     id: SandboxId,
     /// The number the next version gets.
     next_version: u64,
-    /// The newest line, for versions that reuse what it uses.
-    last: Last,
+    /// The version the running sandbox descends from: what a new version
+    /// reuses, and its parent.
+    head: Head,
     /// The version being written, if any.
     pending: Option<Pending>,
     /// What opening the store repaired.
     recovery: Recovery,
-}
-
-/// The newest manifest line.
-#[derive(Debug, Clone)]
-enum Last {
-    Empty,
-    Intact(VersionRecord),
-    Bad { line: u64 },
 }
 
 /// What a pending version reuses: retention keeps it.
@@ -312,6 +312,47 @@ impl VersionStore {
         self.inner.sandboxes.lock().keys().cloned().collect()
     }
 
+    /// The head of `sandbox`: the version its running state descends from,
+    /// which a new version inherits from and names as its parent. None when
+    /// the next version must capture everything (a new sandbox, a restarted
+    /// task, a removed or corrupt head).
+    pub fn head(&self, sandbox: &SandboxId) -> Result<Option<u64>> {
+        Ok(self.inner.sandbox(sandbox)?.lock().head.version())
+    }
+
+    /// Moves the head of `sandbox` to `version` (a rollback restored it) or
+    /// to none (its task started afresh), durably.
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownVersion`] when no intact line holds `version`;
+    /// [`StoreError::PendingExists`] while a version is being written.
+    pub fn set_head(&self, sandbox: &SandboxId, version: Option<u64>) -> Result<()> {
+        let state = self.inner.sandbox(sandbox)?;
+        let mut state = state.lock();
+        if let Some(p) = &state.pending {
+            return Err(StoreError::PendingExists {
+                sandbox: sandbox.clone(),
+                version: p.version,
+            });
+        }
+        let head = match version {
+            None => Head::None,
+            Some(v) => match self.inner.read_manifest(sandbox)?.lookup(v) {
+                Lookup::Found(r) => Head::Intact(r.clone()),
+                Lookup::Bad { .. } | Lookup::Unknown => {
+                    return Err(StoreError::UnknownVersion {
+                        sandbox: sandbox.clone(),
+                        version: v,
+                    })
+                }
+            },
+        };
+        head.store(&self.inner, sandbox, state.next_version)?;
+        tracing::info!(sandbox = %sandbox, head = ?version, "head moved");
+        state.head = head;
+        Ok(())
+    }
+
     /// What opening the store found and repaired for `sandbox`.
     pub fn recovery(&self, sandbox: &SandboxId) -> Result<Recovery> {
         Ok(self.inner.sandbox(sandbox)?.lock().recovery.clone())
@@ -369,20 +410,6 @@ impl Inner {
 
     fn read_manifest(&self, sandbox: &SandboxId) -> Result<Manifest> {
         Manifest::read(&self.manifest_path(sandbox), sandbox)
-    }
-}
-
-// === impl Last ===
-
-impl Last {
-    fn of(manifest: &Manifest) -> Last {
-        match manifest.last() {
-            None => Last::Empty,
-            Some(line) => match &line.entry {
-                Entry::Version(r) => Last::Intact(r.clone()),
-                Entry::Bad(_) => Last::Bad { line: line.number },
-            },
-        }
     }
 }
 

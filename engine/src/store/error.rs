@@ -103,9 +103,9 @@ pub enum StoreError {
         /// The pending version.
         version: u64,
     },
-    /// The new version would reuse what the newest version holds, but the
-    /// newest manifest line is corrupt: take a full checkpoint instead.
-    #[error("cannot reuse the images of sandbox {sandbox}: its newest manifest line {line} is corrupt")]
+    /// The new version would reuse what the head holds, but the head's
+    /// manifest line is corrupt: take a full checkpoint instead.
+    #[error("cannot reuse the images of sandbox {sandbox}: its head, manifest line {line}, is corrupt")]
     CannotInherit {
         /// The sandbox.
         sandbox: SandboxId,

@@ -303,6 +303,7 @@ mod tests {
             created_unix_ms: 0,
             turn: None,
             class: Class::Proc,
+            parent: None,
             process_image: Some(holder),
             fs_snapshot: None,
             transcript_turns: 0,

@@ -8,8 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
+use super::head::Head;
 use super::record::{self, Class, FsSnapshot, VersionRecord};
-use super::{crash_point, durable, images, manifest, Inner, Last, Pending, SandboxId, SandboxState};
+use super::{crash_point, durable, images, manifest, Inner, Pending, SandboxId, SandboxState};
 use super::{StoreError, VersionStore};
 
 /// What a new version is made of.
@@ -19,7 +20,7 @@ pub struct NewVersion {
     pub turn: Option<u64>,
     /// How many turns of the transcript belong to it.
     pub transcript_turns: u64,
-    /// What it captured anew; the rest it reuses from the newest version.
+    /// What it captured anew; the rest it reuses from the sandbox's head.
     pub capture: Capture,
 }
 
@@ -27,7 +28,7 @@ pub struct NewVersion {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Capture {
     /// Nothing (class `none`): it reuses the process image and filesystem
-    /// snapshot of the newest version; publishing costs one manifest line.
+    /// snapshot of the head; publishing costs one manifest line.
     Nothing,
     /// A filesystem snapshot (class `fs`); it reuses the process image.
     Fs(FsSnapshot),
@@ -49,6 +50,7 @@ pub struct PendingVersion {
     sandbox: SandboxId,
     version: u64,
     new: NewVersion,
+    parent: Option<u64>,
     process_image: Option<u64>,
     fs_snapshot: Option<FsSnapshot>,
     tmp: Option<PathBuf>,
@@ -77,8 +79,8 @@ impl VersionStore {
     ///
     /// # Errors
     /// [`StoreError::UnknownSandbox`]; [`StoreError::PendingExists`];
-    /// [`StoreError::CannotInherit`] when `new` reuses what the newest
-    /// version uses but the newest manifest line is corrupt.
+    /// [`StoreError::CannotInherit`] when `new` reuses what the head uses
+    /// but the head's manifest line is corrupt.
     ///
     /// ```no_run
     /// # use crab_engine::{Capture, NewVersion, SandboxId, VersionStore};
@@ -99,17 +101,18 @@ impl VersionStore {
             });
         }
         let reuses = !matches!(new.capture, Capture::Full(_));
-        let (old_image, old_fs) = match &state.last {
-            Last::Empty => (None, None),
-            Last::Intact(r) => (r.process_image, r.fs_snapshot.clone()),
-            Last::Bad { line } if reuses => {
+        let (old_image, old_fs) = match &state.head {
+            Head::None => (None, None),
+            Head::Intact(r) => (r.process_image, r.fs_snapshot.clone()),
+            Head::Bad { line } if reuses => {
                 return Err(StoreError::CannotInherit {
                     sandbox: sandbox.clone(),
                     line: *line,
                 })
             }
-            Last::Bad { .. } => (None, None),
+            Head::Bad { .. } => (None, None),
         };
+        let parent = state.head.version();
         let version = state.next_version;
         let (process_image, fs_snapshot) = match &new.capture {
             Capture::Nothing => (old_image, old_fs),
@@ -137,6 +140,7 @@ impl VersionStore {
             sandbox: sandbox.clone(),
             version,
             new,
+            parent,
             process_image,
             fs_snapshot,
             tmp,
@@ -200,6 +204,7 @@ impl PendingVersion {
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             turn: self.new.turn,
             class: self.new.capture.class(),
+            parent: self.parent,
             process_image: self.process_image,
             fs_snapshot: self.fs_snapshot.clone(),
             transcript_turns: self.new.transcript_turns,
@@ -232,7 +237,7 @@ impl PendingVersion {
             return Err(e);
         }
         state.next_version = self.version + 1;
-        state.last = Last::Intact(record.clone());
+        state.head = Head::Intact(record.clone());
         state.pending = None;
         Ok(record)
     }

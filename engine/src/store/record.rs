@@ -8,12 +8,15 @@
 //! header  = {"v":1,"kind":"header","sandbox":"s1","next_version":8}
 //! version = {"v":1,"kind":"version","sandbox":"s1","version":7,
 //!            "created_unix_ms":1764417600000,"turn":7,"class":"fs",
+//!            "parent":6,                              // or null (or absent)
 //!            "process_image":5,                       // or null
 //!            "fs_snapshot":{"backend":"zfs","name":"crab-7"},   // or null
 //!            "transcript_turns":7,
 //!            "images":[{"path":"pages-1.img","bytes":4096,"sha256":"…"}]}
 //! ```
 //!
+//! `parent` is the version this one descends from (the sandbox's head when
+//! it was taken); lines written before parents were recorded have none.
 //! `process_image` is the version whose images directory holds the process
 //! image this version uses: itself when it wrote one (then `images` lists
 //! every file of it: relative path, size, sha256), an older version when it
@@ -73,7 +76,10 @@ fn is_consistent(r: &VersionRecord) -> bool {
         Some(h) => h < r.version && r.images.is_empty(),
         None => r.images.is_empty(),
     };
-    image_ok && r.version >= 1 && r.images.iter().all(|f| is_safe_relative(&f.path))
+    image_ok
+        && r.version >= 1
+        && r.parent.is_none_or(|p| p < r.version)
+        && r.images.iter().all(|f| is_safe_relative(&f.path))
 }
 
 /// Whether `path` is a relative path that stays inside its directory.
@@ -145,6 +151,7 @@ mod tests {
             created_unix_ms: 1,
             turn: Some(version),
             class: Class::Full,
+            parent: None,
             process_image,
             fs_snapshot: Some(FsSnapshot {
                 backend: BackendKind::Zfs,
@@ -207,6 +214,10 @@ mod tests {
         check(&record(4, Some(4), &["/etc/shadow"]), |_| {}, false);
         check(&record(4, Some(4), &["a/./b"]), |_| {}, true);
         check(&record(0, None, &[]), |_| {}, false);
+        // A parent must be older.
+        let mut own_parent = record(4, Some(4), &[]);
+        own_parent.parent = Some(4);
+        check(&own_parent, |_| {}, false);
     }
 
     #[test]

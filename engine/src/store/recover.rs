@@ -3,8 +3,9 @@
 
 use std::fs;
 
+use super::head::Head;
 use super::manifest::{self, Manifest};
-use super::{durable, Inner, Last, SandboxId, SandboxState, StoreError};
+use super::{durable, Inner, SandboxId, SandboxState, StoreError};
 
 /// What loading a sandbox found and repaired.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,7 +55,7 @@ pub(crate) fn load(inner: &Inner, sandbox: SandboxId) -> Result<SandboxState, St
     recovery.removed_images = swept.images;
     let next_version = m.next_version().max(swept.highest_kept + 1);
     Ok(SandboxState {
-        last: Last::of(&m),
+        head: Head::load(inner, &sandbox, &m)?,
         id: sandbox,
         next_version,
         pending: None,

@@ -4,9 +4,10 @@
 use std::collections::BTreeSet;
 use std::fs;
 
+use super::head::Head;
 use super::manifest::{self, Entry, Line, Manifest};
 use super::record::{FsSnapshot, Header};
-use super::{durable, recover, Inner, Last, SandboxId, SandboxState, StoreError, VersionStore};
+use super::{durable, recover, Inner, SandboxId, SandboxState, StoreError, VersionStore};
 
 /// What a retention call removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,14 +27,20 @@ pub struct Removal {
 
 impl VersionStore {
     /// Keeps the newest `keep_newest` manifest lines of `sandbox` (corrupt
-    /// ones count) and every version a kept or pending version takes its
-    /// process image from; removes the rest.
+    /// ones count), the head, and every version a kept or pending version
+    /// takes its process image from; removes the rest.
     pub fn retain(&self, sandbox: &SandboxId, keep_newest: usize) -> Result<Removal, StoreError> {
         let state = self.inner.sandbox(sandbox)?;
         let mut state = state.lock();
         let m = self.inner.read_manifest(sandbox)?;
         let first_kept = m.lines.len().saturating_sub(keep_newest);
-        let mut keep: Vec<bool> = (0..m.lines.len()).map(|idx| idx >= first_kept).collect();
+        let head = state.head.version();
+        let mut keep: Vec<bool> = m
+            .lines
+            .iter()
+            .enumerate()
+            .map(|(idx, l)| idx >= first_kept || head.is_some_and(|h| is_version(l, h)))
+            .collect();
         let mut holders: BTreeSet<u64> = state.pending.iter().filter_map(|p| p.process_image).collect();
         for (line, kept) in m.lines.iter().zip(&keep) {
             if let (Entry::Version(r), true) = (&line.entry, kept) {
@@ -48,7 +55,8 @@ impl VersionStore {
         compact(&self.inner, &mut state, &m, &keep)
     }
 
-    /// Removes version `version` of `sandbox`.
+    /// Removes version `version` of `sandbox`. Removing the head leaves the
+    /// sandbox without one: its next version captures everything.
     ///
     /// # Errors
     /// [`StoreError::VersionInUse`] when another (or the pending) version
@@ -201,7 +209,13 @@ fn compact(
         state.pending.as_ref().map(|p| p.version),
     )?;
     removal.removed_images = swept.images;
-    state.last = Last::of(&compacted);
+    if let Some(h) = state.head.version().filter(|h| removal.versions.contains(h)) {
+        // The running state descends from a version that is gone: the next
+        // version captures everything.
+        tracing::info!(sandbox = %state.id, head = h, "head removed: the next version is whole");
+        state.head = Head::None;
+        state.head.store(inner, &state.id, state.next_version)?;
+    }
     tracing::info!(
         sandbox = %state.id,
         versions = ?removal.versions,

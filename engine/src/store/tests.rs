@@ -3,6 +3,7 @@
 
 mod crash;
 mod integrity;
+mod lineage;
 mod retention;
 
 use std::fs;

@@ -38,7 +38,9 @@ fn retain_keeps_the_newest_and_their_dependencies() {
     check("a f f f", 1, &[2, 3], &["crab-2", "crab-3"], &[], "v1 v4");
     check("a a n f", 2, &[1], &["crab-1"], &[1], "v2 v3 v4");
     check("p p p", 1, &[1, 2], &[], &[1, 2], "v3");
-    check("a n", 0, &[1, 2], &["crab-1"], &[1], "");
+    // The head (the newest here) and what it uses stay, whatever `keep`.
+    check("a n", 0, &[], &[], &[], "v1 v2");
+    check("p a", 0, &[1], &[], &[1], "v2");
     check("a n", 5, &[], &[], &[], "v1 v2");
     check("", 1, &[], &[], &[], "");
 }
