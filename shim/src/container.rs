@@ -247,7 +247,7 @@ impl Container {
         let mut spec = req.spec.as_ref().map(|any| any.value.clone()).unwrap_or_default();
         if let Some((_, plan)) = self.proxy_plan.as_ref().filter(|(_, p)| !p.env.is_empty()) {
             if !spec.is_empty() {
-                spec = sandbox_proxy::inject_exec(&spec, &plan.env)?;
+                spec = sandbox_proxy::inject_exec(&spec, &plan.env, &plan.replaced)?;
             }
         }
         let terminal = serde_json::from_slice::<serde_json::Value>(&spec)

@@ -44,6 +44,9 @@ pub struct ProxyPlan {
     upstreams: (String, String),
     /// The variables (`NAME=value`) that point SDKs at the proxy.
     pub env: Vec<String>,
+    /// The spec's own values (`NAME=value`) that `env` replaced: an exec
+    /// that carries one inherited it from the container's spec.
+    pub replaced: Vec<String>,
     /// Where to serve the sandbox on the host (for crabd's host listener).
     pub host_socket: Option<PathBuf>,
 }
@@ -76,6 +79,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
     let mut openai = cfg.openai_upstream.clone();
     let mut anthropic = cfg.anthropic_upstream.clone();
     let mut injected = Vec::new();
+    let mut replaced = Vec::new();
     let mut set = |name: &str, local: String, upstream: &mut String, strip_v1: bool| {
         let prefix = format!("{name}=");
         let var = format!("{prefix}{local}");
@@ -90,7 +94,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
                 match base {
                     Some(b) => {
                         *upstream = b;
-                        vars[i] = var.clone();
+                        replaced.push(std::mem::replace(&mut vars[i], var.clone()));
                         injected.push(var);
                     }
                     // An OpenAI base without /v1 cannot be fronted by a
@@ -125,6 +129,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
     Ok(Some(ProxyPlan {
         upstreams: (openai, anthropic),
         env: injected,
+        replaced,
         host_socket: None,
     }))
 }
@@ -283,8 +288,11 @@ pub fn turn_hook(cfg: &ProxyShimConfig, crabd: &crate::config::CrabdShimConfig) 
 /// Adds the proxy variables `env` to an exec's OCI process spec (JSON), so
 /// an agent started with `exec` finds the proxy too (containerd builds exec
 /// specs from its own copy of the container's spec, which the shim did not
-/// rewrite). A variable the exec sets itself is left alone.
-pub fn inject_exec(spec: &[u8], env: &[String]) -> Result<Vec<u8>> {
+/// rewrite). A variable the exec carries with the spec's own value
+/// (`replaced`: inherited, as `docker exec` and `ctr task exec` do) is
+/// pointed at the proxy too, which forwards to that value; one the exec set
+/// to a value of its own is left alone.
+pub fn inject_exec(spec: &[u8], env: &[String], replaced: &[String]) -> Result<Vec<u8>> {
     let mut process: Value = serde_json::from_slice(spec).map_err(|e| Error::InvalidExecSpec {
         reason: e.to_string(),
     })?;
@@ -297,11 +305,16 @@ pub fn inject_exec(spec: &[u8], env: &[String]) -> Result<Vec<u8>> {
     if let Some(list) = vars.as_array_mut() {
         for var in env {
             let name = var.split('=').next().unwrap_or_default();
-            let set = list
+            let prefix = format!("{name}=");
+            match list
                 .iter()
-                .any(|v| v.as_str().is_some_and(|s| s.starts_with(&format!("{name}="))));
-            if !set {
-                list.push(Value::String(var.clone()));
+                .position(|v| v.as_str().is_some_and(|s| s.starts_with(&prefix)))
+            {
+                None => list.push(Value::String(var.clone())),
+                Some(i) if list[i].as_str().is_some_and(|s| replaced.iter().any(|r| r == s)) => {
+                    list[i] = Value::String(var.clone());
+                }
+                Some(_) => {}
             }
         }
     }
@@ -382,17 +395,27 @@ mod tests {
     #[test]
     fn exec_specs_get_the_variables_they_lack() {
         let env = vec!["OPENAI_BASE_URL=http://127.0.0.1:7878/v1".to_owned()];
-        let out = inject_exec(br#"{"args":["sh"],"env":["PATH=/bin"]}"#, &env).unwrap();
-        let v: Value = serde_json::from_slice(&out).unwrap();
+        let spec_own = vec!["OPENAI_BASE_URL=https://llm.example/v1".to_owned()];
+        let env_of = |spec: &[u8]| {
+            let out = inject_exec(spec, &env, &spec_own).unwrap();
+            serde_json::from_slice::<Value>(&out).unwrap()["env"].clone()
+        };
         assert_eq!(
-            v["env"],
+            env_of(br#"{"args":["sh"],"env":["PATH=/bin"]}"#),
             serde_json::json!(["PATH=/bin", "OPENAI_BASE_URL=http://127.0.0.1:7878/v1"])
         );
-        let out = inject_exec(br#"{"env":["OPENAI_BASE_URL=http://mine/v1"]}"#, &env).unwrap();
-        let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["env"], serde_json::json!(["OPENAI_BASE_URL=http://mine/v1"]));
-        assert!(inject_exec(b"[1]", &env).is_err());
-        assert!(inject_exec(b"not json", &env).is_err());
+        // Inherited from the container's spec: through the proxy too.
+        assert_eq!(
+            env_of(br#"{"env":["OPENAI_BASE_URL=https://llm.example/v1","A=1"]}"#),
+            serde_json::json!(["OPENAI_BASE_URL=http://127.0.0.1:7878/v1", "A=1"])
+        );
+        // The exec's own choice stays.
+        assert_eq!(
+            env_of(br#"{"env":["OPENAI_BASE_URL=http://mine/v1"]}"#),
+            serde_json::json!(["OPENAI_BASE_URL=http://mine/v1"])
+        );
+        assert!(inject_exec(b"[1]", &env, &spec_own).is_err());
+        assert!(inject_exec(b"not json", &env, &spec_own).is_err());
     }
 
     #[test]
