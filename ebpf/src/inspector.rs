@@ -89,6 +89,9 @@ struct Sandbox {
     /// Generation and turn number of the open turn.
     gen: u64,
     turn: u64,
+    /// The generation the open turn started in: `gen` moves past it when
+    /// a checkpoint's own activity is forgiven.
+    turn_gen: u64,
     /// Records of the open turn, and of the next one while a turn end
     /// drains past its boundary.
     current: Ledger,
@@ -248,6 +251,7 @@ impl Inspector {
                 cgroup_dir: cgroup_dir.to_owned(),
                 gen: ctl.gen,
                 turn: ctl.turn,
+                turn_gen: ctl.gen,
                 current: Ledger::default(),
                 next: Ledger::default(),
                 base_seq: stats.seq,

@@ -138,6 +138,20 @@ impl Ledger {
         }
     }
 
+    /// Forgets what a checkpoint made the sandbox's tasks do: which
+    /// long-lived tasks ran, and every change to the files in `own` (the
+    /// checkpoint's own directories and files, as (user-space dev, ino):
+    /// CRIU's helpers that run in the sandbox write its log there).
+    pub(crate) fn forget_checkpoint(&mut self, own: &HashSet<(u64, u64)>) {
+        self.procs.retain(|r| !matches!(r, Reason::Ran { .. }));
+        self.proc_seen.retain(|(_, k)| *k != kind::ACTIVE);
+        self.noisy_ran.clear();
+        let outside = |k: &PathKey| !own.contains(&(k.dev, k.ino));
+        self.paths.retain(|k, _| outside(k));
+        self.aliases.retain(|k, _| outside(k));
+        self.written.retain(|k, _| !own.contains(k));
+    }
+
     /// Records a process change `make(pid, comm)` once per pid and kind.
     fn proc(&mut self, ev: &Event, make: impl FnOnce(u32, String) -> Reason) {
         if self.proc_seen.insert((ev.pid, ev.kind)) {

@@ -35,9 +35,9 @@ impl Inspector {
         let mut unsure: Vec<String> = Vec::new();
 
         // The boundary: bump the generation, then read the sequence number.
-        let (gen, turn) = {
+        let (gen, turn_gen, turn) = {
             let sb = &state.sandboxes[&cg];
-            (sb.gen, sb.turn + 1)
+            (sb.gen, sb.turn_gen, sb.turn + 1)
         };
         state
             .maps
@@ -99,7 +99,7 @@ impl Inspector {
         let noisy = |comm: &str| config.noisy_comms.iter().any(|n| n == comm);
         for &pid in &pids {
             if let Ok(t) = state.maps.tasks.get(&pid, 0) {
-                if t.born_gen == gen {
+                if t.born_gen >= turn_gen {
                     let comm = procs::task_state(pid).map(|s| s.1).unwrap_or_default();
                     proc_reasons.push(Reason::Started { pid, comm });
                 }
@@ -217,6 +217,7 @@ impl Inspector {
         sb.base_unsure = stats.n_unsure;
         sb.restarted = false;
         sb.gen = gen + 1;
+        sb.turn_gen = gen + 1;
         sb.turn = turn;
         let n_reasons = reasons.len();
         let mut reasons = reasons;
@@ -228,5 +229,57 @@ impl Inspector {
             reasons,
             n_reasons,
         })
+    }
+
+    /// Forgives what the sandbox's tasks did only because a checkpoint
+    /// froze, dumped and thawed them since the last turn end (CRIU's code
+    /// runs in each task; a thawed task restarts its system call): their
+    /// running so far no longer counts, and each is watched afresh, so its
+    /// next system call counts again; changes to the directories `own`
+    /// (the checkpoint's output, e.g. CRIU's log) and the files in them do
+    /// not count. Other file changes and processes started, exited or
+    /// execed still count.
+    ///
+    /// Records that arrive after the drain here still count (safe: they
+    /// can only make the turn bigger).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSandbox`], or a map failure.
+    pub fn forgive_activity(&self, sandbox: &str, own: &[std::path::PathBuf]) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let mut inodes = HashSet::new();
+        for dir in own {
+            let Ok(meta) = std::fs::symlink_metadata(dir) else {
+                continue;
+            };
+            inodes.insert((meta.dev(), meta.ino()));
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                if let Ok(m) = entry.metadata() {
+                    inodes.insert((m.dev(), m.ino()));
+                }
+            }
+        }
+        let mut guard = self.shared.state.lock();
+        let state = &mut *guard;
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
+        drain(state);
+        let sb = state
+            .sandboxes
+            .get_mut(&cg)
+            .expect("named sandboxes are registered");
+        sb.current.forget_checkpoint(&inodes);
+        let gen = sb.gen + 1;
+        state
+            .maps
+            .ctl
+            .insert(cg, Ctl { gen, turn: sb.turn }, 0)
+            .map_err(|source| Error::Map {
+                name: "crab_ctl",
+                source,
+            })?;
+        sb.gen = gen;
+        Ok(())
     }
 }
