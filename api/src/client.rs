@@ -130,6 +130,21 @@ impl UnixClient {
         self.call(Method::POST, path, Some(body)).await
     }
 
+    /// `GET path`, answering the body as text (a non-JSON answer).
+    pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
+        let work = async {
+            let req = Request::builder()
+                .method(Method::GET)
+                .uri(format!("http://crab{path}"))
+                .body(Full::new(Bytes::new()))
+                .expect("a well-formed request");
+            let resp = self.send(req).await?;
+            let body = self.ok_body(resp).await?;
+            Ok(String::from_utf8_lossy(&body).into_owned())
+        };
+        self.limited(work).await
+    }
+
     /// `DELETE path`, decoding the JSON answer.
     pub async fn delete<R: DeserializeOwned>(&self, path: &str) -> Result<R, ClientError> {
         self.call(Method::DELETE, path, None::<&()>).await

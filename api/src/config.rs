@@ -49,6 +49,26 @@ pub struct CrabdConfig {
     /// Seconds between two looks at stopped sandboxes, whose history goes
     /// once containerd has removed their container.
     pub gc_interval_secs: u64,
+    /// The host's checkpoint queue (`[crabd.schedule]`).
+    pub schedule: ScheduleConfig,
+}
+
+/// `[crabd.schedule]`: how crabd shapes the checkpoint work of every
+/// sandbox on the host.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    /// Checkpoints that run at once; 0: half the host's cores (at least 1).
+    pub slots: usize,
+    /// Bytes per second checkpoints may write; 0: half of what a disk probe
+    /// measured (run once, kept in `<root>/disk-probe.json`); -1: no limit.
+    pub bytes_per_sec: i64,
+    /// The answer time a sandbox's turn is expected to take until its
+    /// proxy has seen one, in milliseconds.
+    pub default_answer_ms: u64,
+    /// A TCP address (`127.0.0.1:9479`) on which crabd also serves
+    /// `/metrics`; empty: only on its socket.
+    pub metrics_address: String,
 }
 
 /// What reading the configuration can fail with.

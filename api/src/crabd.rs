@@ -47,6 +47,11 @@ pub struct Registration {
     /// the sandbox's history when its container is removed.
     #[serde(default)]
     pub own_snapshots: Option<Location>,
+    /// Whether the task's init came back from a process image (a fork or
+    /// an import) rather than from the spec's process: a task started
+    /// afresh descends from no version, so its next version is whole.
+    #[serde(default)]
+    pub restored: bool,
 }
 
 /// What a turn of a sandbox changed, as the inspector saw it
@@ -98,6 +103,20 @@ pub struct TurnEnd {
     pub turn: u64,
     /// How many turns of the transcript belong to the turn's version.
     pub transcript_turns: u64,
+    /// When the proxy expects the turn's answer, in milliseconds from now
+    /// (its running estimate of the sandbox's LLM): the checkpoint's
+    /// deadline in crabd's queue. None: crabd's default.
+    #[serde(default)]
+    pub expected_answer_ms: Option<u64>,
+}
+
+/// The answer to `POST /v1/sandboxes/{id}/turns/{turn}/answered`: the
+/// turn's LLM answer arrived while its version was not yet safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnAnswered {
+    /// Whether the sandbox's checkpoint was still queued and now goes
+    /// first (false: it was already running, or done).
+    pub promoted: bool,
 }
 
 /// `POST /v1/sandboxes/{sel}/checkpoint`.
@@ -238,6 +257,8 @@ pub enum ErrorCode {
     UnknownVersion,
     /// The version store refused: a version is being written, or in use.
     Busy,
+    /// A turn end got no version: a rollback of its sandbox came first.
+    Superseded,
     /// A manifest line, a process image or an archive is corrupt.
     Corrupt,
     /// The process image to restore is not one (a shim's answer).
@@ -268,7 +289,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 23] = [
+    pub const ALL: [ErrorCode; 24] = [
         ErrorCode::InvalidRequest,
         ErrorCode::NoRoute,
         ErrorCode::UnknownSandbox,
@@ -282,6 +303,7 @@ impl ErrorCode {
         ErrorCode::NoInspector,
         ErrorCode::UnknownVersion,
         ErrorCode::Busy,
+        ErrorCode::Superseded,
         ErrorCode::Corrupt,
         ErrorCode::InvalidCheckpoint,
         ErrorCode::RestoreUndone,
@@ -302,7 +324,7 @@ impl ErrorCode {
             InvalidRequest | InvalidCheckpoint => 400,
             NoRoute | UnknownSandbox | UnknownVersion => 404,
             Ambiguous | NotRunning | SandboxExists | NoFsBackend | NotMovable | NoProcessImage
-            | NoFsSnapshot | NoInspector | Busy | Unsupported => 409,
+            | NoFsSnapshot | NoInspector | Busy | Superseded | Unsupported => 409,
             Corrupt | RestoreUndone => 422,
             Containerd | Shim => 502,
             Fs | Internal | SandboxLost | Unknown => 500,

@@ -10,6 +10,7 @@
 //! | DELETE | [`SANDBOX`] | → `{}` (a shim unregisters, by exact id; versions stay) |
 //! | POST | [`CHECKPOINT`] | `CheckpointRequest` → `CheckpointReport` |
 //! | POST | [`TURNS`] | `TurnEnd` → `CheckpointReport` (a shim's proxy, by exact id: a turn ended) |
+//! | POST | [`ANSWERED`] | → `TurnAnswered` (a shim's proxy: the turn's answer waits on its version) |
 //! | GET | [`VERSIONS`] | → `[VersionView]` |
 //! | POST | [`ROLLBACK`] | `RollbackRequest` → `RollbackReport` |
 //! | DELETE | [`VERSION`] | → `RemovalReport` |
@@ -18,6 +19,7 @@
 //! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
 //! | GET | [`EXPORT`] | → a tar archive |
 //! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
+//! | GET | [`METRICS`] | → Prometheus text |
 //!
 //! `{sel}` is what a person typed ([`crate::SandboxSelector`]: an id or a
 //! unique prefix); `{id}` is an exact [`crate::SandboxId`]. Routes that
@@ -40,6 +42,9 @@ pub const SANDBOX: &str = "/v1/sandboxes/{sel}";
 pub const CHECKPOINT: &str = "/v1/sandboxes/{sel}/checkpoint";
 /// A turn of a sandbox ended (its proxy, an exact id).
 pub const TURNS: &str = "/v1/sandboxes/{id}/turns";
+/// A turn's LLM answer arrived while its version was not yet safe (its
+/// proxy, an exact id): crabd moves the checkpoint to the queue's front.
+pub const ANSWERED: &str = "/v1/sandboxes/{id}/turns/{turn}/answered";
 /// A sandbox's versions.
 pub const VERSIONS: &str = "/v1/sandboxes/{sel}/versions";
 /// Roll a sandbox back.
@@ -58,6 +63,8 @@ pub const EXPORT: &str = "/v1/sandboxes/{sel}/versions/{version}/export";
 pub const IMPORT: &str = "/v1/import";
 /// The host listener's prefix for a sandbox's LLM proxy.
 pub const HOST_PROXY_PREFIX: &str = "/s/";
+/// crabd's metrics, in the Prometheus text format.
+pub const METRICS: &str = "/metrics";
 
 /// Every pattern of crabd's management API with its methods, for the
 /// tests that hold `openapi.json` and the router to it.
@@ -67,6 +74,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (SANDBOX, &["get", "delete"]),
     (CHECKPOINT, &["post"]),
     (TURNS, &["post"]),
+    (ANSWERED, &["post"]),
     (VERSIONS, &["get"]),
     (ROLLBACK, &["post"]),
     (FORK, &["post"]),
@@ -75,6 +83,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (VERSION, &["delete"]),
     (EXPORT, &["get"]),
     (IMPORT, &["post"]),
+    (METRICS, &["get"]),
 ];
 
 /// The shim's control API.
@@ -87,13 +96,15 @@ pub mod shim {
     pub const FORGET: &str = "/forget";
 }
 
-/// `pattern` with `{sel}`/`{id}` and `{version}` filled in.
-fn fill(pattern: &str, sandbox: &dyn Display, version: Option<&dyn Display>) -> String {
+/// `pattern` with `{sel}`/`{id}` and `{version}` (or `{turn}`) filled in.
+fn fill(pattern: &str, sandbox: &dyn Display, number: Option<&dyn Display>) -> String {
     let path = pattern
         .replace("{sel}", &sandbox.to_string())
         .replace("{id}", &sandbox.to_string());
-    match version {
-        Some(v) => path.replace("{version}", &v.to_string()),
+    match number {
+        Some(v) => path
+            .replace("{version}", &v.to_string())
+            .replace("{turn}", &v.to_string()),
         None => path,
     }
 }
@@ -111,6 +122,11 @@ pub fn checkpoint(sel: &dyn Display) -> String {
 /// [`TURNS`] for `id`.
 pub fn turns(id: &SandboxId) -> String {
     fill(TURNS, id, None)
+}
+
+/// [`ANSWERED`] for `id` and turn `turn`.
+pub fn answered(id: &SandboxId, turn: u64) -> String {
+    fill(ANSWERED, id, Some(&turn))
 }
 
 /// [`VERSIONS`] for `sel`.
@@ -156,6 +172,7 @@ mod tests {
     fn paths_fill_their_patterns() {
         let id = SandboxId::new("s1").unwrap();
         assert_eq!(turns(&id), "/v1/sandboxes/s1/turns");
+        assert_eq!(answered(&id, 4), "/v1/sandboxes/s1/turns/4/answered");
         assert_eq!(version(&id, 3), "/v1/sandboxes/s1/versions/3");
         assert_eq!(
             export(&id, VersionSel::Latest),

@@ -40,6 +40,10 @@ pub struct ShimCheckpointed {
     pub frozen_ms: f64,
     /// The snapshot taken, if one was asked for.
     pub fs: Option<FsSnapshot>,
+    /// Where CRIU worked (its log): the checkpoint's own output, not a
+    /// change of the sandbox's files.
+    #[serde(default)]
+    pub work_dir: Option<PathBuf>,
 }
 
 /// `POST /restore` to a shim: replace the sandbox's processes (and files)

@@ -6,12 +6,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport, WatchStarted};
-use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionSel};
+use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport, VersionView, WatchStarted};
+use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
 
 mod progress;
 mod table;
+mod tree;
 
 /// Checkpoint, roll back and inspect Crab sandboxes.
 #[derive(Parser)]
@@ -51,7 +52,8 @@ enum Command {
         #[arg(long)]
         full: bool,
     },
-    /// List a sandbox's versions.
+    /// List a sandbox's versions, each under its parent (the version it
+    /// descends from: a rollback starts a branch).
     Versions {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
@@ -67,8 +69,8 @@ enum Command {
         #[arg(long)]
         no_undo: bool,
     },
-    /// End a sandbox's current turn by hand and print what it changed
-    /// (`none`, `fs`, `proc` or `full`, and why).
+    /// End a sandbox's current turn by hand: make its version and print
+    /// what it changed (`none`, `fs`, `proc` or `full`, and why).
     Turn {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
@@ -78,6 +80,9 @@ enum Command {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
     },
+    /// Print crabd's metrics (Prometheus text format): turns by class,
+    /// versions, bytes written, the checkpoint queue, latencies.
+    Metrics,
     /// Start a new sandbox from a version; both then run independently.
     Fork {
         /// Container id, or a unique prefix of one.
@@ -213,34 +218,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         }
         Command::Versions { sandbox } => {
             let list = crabd.versions(sandbox).await?;
-            print(cli.json, &list, || {
-                let rows = list.iter().map(|v| match &v.record {
-                    Some(r) => vec![
-                        r.version.to_string(),
-                        r.turn.map_or("-".to_owned(), |t| t.to_string()),
-                        r.class.to_string(),
-                        r.process_image.map_or("-".to_owned(), |p| p.to_string()),
-                        r.fs_snapshot
-                            .as_ref()
-                            .map_or("-".to_owned(), |f| f.name.to_string()),
-                        r.created_unix_ms.to_string(),
-                        v.defect.clone().unwrap_or_else(|| "ok".to_owned()),
-                    ],
-                    None => vec![
-                        "?".to_owned(),
-                        "?".to_owned(),
-                        "?".to_owned(),
-                        "-".to_owned(),
-                        "-".to_owned(),
-                        "-".to_owned(),
-                        v.defect.clone().unwrap_or_default(),
-                    ],
-                });
-                table::render(
-                    &["VERSION", "TURN", "CLASS", "IMAGE", "FS", "CREATED_MS", "STATUS"],
-                    rows,
-                )
-            });
+            print(cli.json, &list, || versions_table(&list));
         }
         Command::ProxyUrl { sandbox } => {
             let info = crabd.show(sandbox).await?;
@@ -277,6 +255,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             let r = crabd.turn(sandbox).await?;
             print(cli.json, &r, || turn_line(&r));
         }
+        Command::Metrics => print!("{}", crabd.metrics().await?),
         Command::Watch { sandbox } => {
             let json = cli.json;
             crabd
@@ -361,6 +340,54 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         }
     }
     Ok(())
+}
+
+/// The versions as a tree: each under its parent (the version it
+/// descends from), then the lines that are no intact version.
+fn versions_table(list: &[VersionView]) -> String {
+    let records: Vec<&VersionRecord> = list.iter().filter_map(|v| v.record.as_ref()).collect();
+    let pairs: Vec<(u64, Option<u64>)> = records.iter().map(|r| (r.version, r.parent)).collect();
+    let dash = |n: Option<u64>| n.map_or("-".to_owned(), |n| n.to_string());
+    let mut rows: Vec<Vec<String>> = tree::layout(&pairs)
+        .into_iter()
+        .filter_map(|(n, prefix)| {
+            let view = list
+                .iter()
+                .find(|v| v.record.as_ref().is_some_and(|r| r.version == n))?;
+            let r = view.record.as_ref()?;
+            Some(vec![
+                format!("{prefix}{n}"),
+                dash(r.parent),
+                dash(r.turn),
+                r.class.to_string(),
+                dash(r.process_image),
+                r.fs_snapshot
+                    .as_ref()
+                    .map_or("-".to_owned(), |f| f.name.to_string()),
+                r.created_unix_ms.to_string(),
+                view.defect.clone().unwrap_or_else(|| "ok".to_owned()),
+            ])
+        })
+        .collect();
+    rows.extend(list.iter().filter(|v| v.record.is_none()).map(|v| {
+        let mut row = vec!["?".to_owned(), "-".to_owned(), "?".to_owned(), "?".to_owned()];
+        row.extend(["-", "-", "-"].map(str::to_owned));
+        row.push(v.defect.clone().unwrap_or_default());
+        row
+    }));
+    table::render(
+        &[
+            "VERSION",
+            "PARENT",
+            "TURN",
+            "CLASS",
+            "IMAGE",
+            "FS",
+            "CREATED_MS",
+            "STATUS",
+        ],
+        rows.into_iter(),
+    )
 }
 
 /// One line per turn report: turn, class, and the reasons in short.

@@ -27,6 +27,7 @@ use crab_api::SandboxId;
 use crate::{StoreError, VersionStore};
 
 mod checkpoint;
+mod disk_probe;
 mod error;
 mod export;
 mod files;
@@ -36,9 +37,11 @@ mod host_listener;
 mod http;
 mod import;
 mod inspect;
+mod metrics;
 mod registry;
 mod rollback;
 mod sandboxes;
+mod schedule;
 mod turn_end;
 mod versions;
 mod work;
@@ -89,6 +92,12 @@ pub struct Daemon {
     proxy_port: Option<u16>,
     /// Turn classes from the inspector.
     inspection: Inspection,
+    /// The host's checkpoint queue.
+    scheduler: Arc<schedule::Scheduler>,
+    /// Turn ends waiting for their version.
+    turns: turn_end::TurnQueue,
+    /// What crabd counts.
+    metrics: Arc<metrics::Metrics>,
 }
 
 // === impl Daemon ===
@@ -113,7 +122,17 @@ impl Daemon {
                 tracing::warn!(dir = %staging.display(), error = %e, "clear staging");
             }
         }
+        let metrics = Arc::new(metrics::Metrics::new());
+        let shape = schedule_shape(&config);
+        tracing::info!(
+            slots = shape.slots,
+            bytes_per_sec = shape.bytes_per_sec,
+            "checkpoint queue"
+        );
         Ok(Daemon {
+            scheduler: schedule::Scheduler::new(shape, metrics.clone()),
+            turns: turn_end::TurnQueue::default(),
+            metrics,
             files: files::Files::new(config.root.join("fs")),
             config,
             store,
@@ -161,6 +180,24 @@ impl Daemon {
     pub fn router(self: Arc<Self>) -> axum::Router {
         http::router(self)
     }
+}
+
+/// The checkpoint queue's shape from `[crabd.schedule]`: 0 slots is half
+/// the cores; a budget of 0 is half the disk probe's rate, -1 none.
+fn schedule_shape(config: &CrabdConfig) -> schedule::Shape {
+    let s = &config.schedule;
+    let slots = match s.slots {
+        0 => std::thread::available_parallelism()
+            .map_or(1, |n| n.get() / 2)
+            .max(1),
+        n => n,
+    };
+    let bytes_per_sec = match s.bytes_per_sec {
+        0 => disk_probe::load_or_measure(&config.root).map(|p| p.write_bytes_per_sec / 2.0),
+        n if n < 0 => None,
+        n => Some(n as f64),
+    };
+    schedule::Shape { slots, bytes_per_sec }
 }
 
 /// Runs crabd until SIGTERM or SIGINT.

@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,13 +36,22 @@ pub(crate) struct Gate<S> {
 
 /// Awaits `answer` and `gate` together; returns the answer, the outcome and
 /// the hold: how long the answer waited for the gate (zero if the gate
-/// opened first).
+/// opened first). `on_answer` runs when the answer arrives, told whether
+/// it must wait (the gate is still closed).
 pub(crate) async fn hold<R>(
     gate: impl Future<Output = (GateOutcome, Instant)>,
     answer: impl Future<Output = R>,
+    on_answer: impl FnOnce(bool),
 ) -> (R, GateOutcome, Duration) {
+    let opened = AtomicBool::new(false);
+    let gate = async {
+        let g = gate.await;
+        opened.store(true, Ordering::SeqCst);
+        g
+    };
     let answer = async {
         let r = answer.await;
+        on_answer(!opened.load(Ordering::SeqCst));
         (r, Instant::now())
     };
     let ((r, answered_at), (outcome, opened_at)) = tokio::join!(answer, gate);
@@ -51,6 +61,7 @@ pub(crate) async fn hold<R>(
 /// Starts the gate of `turn`: the hook and the durability wait, in a task of
 /// the sandbox (so the hook runs to its end even if the agent leaves).
 fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutcome, Instant)> {
+    let expected = shared.expected_answer();
     let (tx, rx) = oneshot::channel();
     let durable_target = shared.transcript.submitted();
     let durable = shared.transcript.wait_durable(durable_target);
@@ -61,7 +72,7 @@ fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutco
     shared.tracker.spawn(async move {
         let deadline = Instant::now() + timeout;
         let work = async {
-            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn));
+            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn, expected));
             let durable = tokio::time::timeout_at(deadline, durable);
             match tokio::join!(hook, durable) {
                 (Err(_), _) => GateOutcome::HookTimedOut,
@@ -111,8 +122,19 @@ where
         };
         let gate = open_gate(&self.shared, ctx.turn);
         let stats = self.shared.stats.clone();
+        let shared = self.shared.clone();
         Box::pin(async move {
-            let (result, outcome, held) = hold(gate, inner.call(req)).await;
+            let sent = Instant::now();
+            let on_answer = |waits: bool| {
+                shared.saw_answer(sent.elapsed());
+                if waits {
+                    let (hook, sandbox, turn) = (shared.hook.clone(), shared.id.clone(), ctx.turn);
+                    shared
+                        .tracker
+                        .spawn(async move { hook.answer_waiting(&sandbox, turn).await });
+                }
+            };
+            let (result, outcome, held) = hold(gate, inner.call(req), on_answer).await;
             ctx.set_released(outcome, held);
             stats.turn_released(TurnHold {
                 turn: ctx.turn,
@@ -143,7 +165,7 @@ mod tests {
             (GateOutcome::Opened, Instant::now())
         };
         let answer = tokio::time::sleep(Duration::from_millis(answer_ms));
-        let ((), outcome, held) = hold(gate, answer).await;
+        let ((), outcome, held) = hold(gate, answer, |_| {}).await;
         assert_eq!(outcome, GateOutcome::Opened);
         assert_eq!(
             held,

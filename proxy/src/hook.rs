@@ -1,6 +1,7 @@
 //! The turn-end hook: how the proxy asks the engine whether a turn is safe.
 
 use std::error::Error as StdError;
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -15,12 +16,25 @@ use crate::SandboxId;
 /// disconnects: the turn did end.
 #[async_trait]
 pub trait TurnHook: Send + Sync + 'static {
-    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended.
+    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended; its
+    /// answer is expected in about `expected_answer` (the proxy's running
+    /// estimate of the sandbox's LLM, once it has seen an answer).
     ///
     /// # Errors
     /// Any [`HookError`]; the proxy then releases the answer anyway and
     /// records the failure (the agent is never wedged by the engine).
-    async fn turn_ended(&self, sandbox: &SandboxId, turn: u64) -> Result<(), HookError>;
+    async fn turn_ended(
+        &self,
+        sandbox: &SandboxId,
+        turn: u64,
+        expected_answer: Option<Duration>,
+    ) -> Result<(), HookError>;
+
+    /// Turn `turn`'s answer arrived while [`TurnHook::turn_ended`] had not
+    /// returned: the answer is held now, so the engine may hurry. Called at
+    /// most once per turn, in a task of its own; its failure is only
+    /// logged.
+    async fn answer_waiting(&self, _sandbox: &SandboxId, _turn: u64) {}
 }
 
 /// Why a [`TurnHook`] could not make a turn safe.
@@ -48,7 +62,12 @@ pub struct NoopHook;
 
 #[async_trait]
 impl TurnHook for NoopHook {
-    async fn turn_ended(&self, _sandbox: &SandboxId, _turn: u64) -> Result<(), HookError> {
+    async fn turn_ended(
+        &self,
+        _sandbox: &SandboxId,
+        _turn: u64,
+        _expected_answer: Option<Duration>,
+    ) -> Result<(), HookError> {
         Ok(())
     }
 }

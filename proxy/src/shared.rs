@@ -3,6 +3,7 @@
 //! under one lock. [`crate::Sandbox`] owns it and stacks the layers over it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -35,6 +36,8 @@ pub(crate) struct Shared {
     /// The proxy's upstream client.
     pub(crate) client: UpstreamClient,
     turns: Mutex<TurnState>,
+    /// The running estimate of the time from a turn end to its answer.
+    answer_time: Mutex<Option<Duration>>,
 }
 
 // === impl Shared ===
@@ -62,7 +65,23 @@ impl Shared {
             cancel: CancellationToken::new(),
             client,
             turns: Mutex::new(TurnState::default()),
+            answer_time: Mutex::new(None),
         })
+    }
+
+    /// When a turn's answer is expected, from the answers seen so far.
+    pub(crate) fn expected_answer(&self) -> Option<Duration> {
+        *self.answer_time.lock()
+    }
+
+    /// A turn's answer (its response head) came `took` after its request.
+    pub(crate) fn saw_answer(&self, took: Duration) {
+        let mut t = self.answer_time.lock();
+        *t = Some(match *t {
+            // An exponential average: recent turns weigh most.
+            Some(avg) => avg.mul_f64(0.7) + took.mul_f64(0.3),
+            None => took,
+        });
     }
 
     /// Gives out the next turn number.

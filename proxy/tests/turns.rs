@@ -94,6 +94,14 @@ async fn a_held_turn_delays_exactly_its_answer() {
     let record = h.turns().await.into_iter().find(|t| t.turn == 3).expect("turn 3");
     assert!(record.timing.hold_us.expect("hold") >= 400_000);
     assert_eq!(record.gate, Some(GateOutcome::Opened));
+    // Turn 3's answer waited on its hook, and the hook was told.
+    assert!(h.hook.waiting.lock().contains(&3), "{:?}", h.hook.waiting.lock());
+    // The first turn end knows no answer time yet; later ones carry the
+    // proxy's estimate.
+    let expected = h.hook.expected.lock().clone();
+    assert_eq!(expected.len(), 5);
+    assert_eq!(expected[0], None);
+    assert!(expected[1..].iter().all(Option::is_some), "{expected:?}");
 }
 
 #[tokio::test]

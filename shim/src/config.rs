@@ -201,6 +201,9 @@ mod tests {
     fn missing_file_gives_defaults() {
         let cfg = Config::load_from(Path::new("/nonexistent/crab.toml")).unwrap();
         assert_eq!(cfg.shim.runtime_timeout(), Duration::from_secs(60));
-        assert!(!cfg.shim.proxy.checkpoint_on_turn, "turn checkpoints are opt-in");
+        assert!(
+            cfg.shim.proxy.checkpoint_on_turn,
+            "every turn is a version by default"
+        );
     }
 }

@@ -51,12 +51,15 @@ impl Control {
     /// Serves `container`'s control socket and registers it with crabd
     /// (starting crabd when it is not running and the config says so).
     /// Failing to reach crabd is logged: the container runs on without.
+    /// `restored`: the init came back from a process image (a fork or an
+    /// import), not from the spec's process.
     pub async fn start(
         container: Arc<Mutex<Container>>,
         runtime: Arc<RuntimeClient>,
         events: Arc<Events>,
         (namespace, containerd): (&str, &str),
         config: &CrabdShimConfig,
+        restored: bool,
     ) -> std::io::Result<Control> {
         let (id, pid, fs_backend, proxy, cgroup, own_snapshots, layer) = {
             let c = container.lock().await;
@@ -116,6 +119,7 @@ impl Control {
                 proxy,
                 own_snapshots,
                 layer,
+                restored,
             };
             match register(&client, &reg, config).await {
                 Ok(()) => control.crabd = Some((client, id)),

@@ -84,6 +84,7 @@ impl Task for TaskService {
     async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
         let container = self.container(&req.id)?;
         let (pid, rx) = container.lock().await.start(&req.exec_id, &self.runtime).await?;
+        let restored = rx.is_some();
         if let Some(rx) = rx {
             // An exec, or an init restored from a checkpoint.
             self.watch_exit(container.clone(), req.exec_id.clone(), pid, rx);
@@ -108,6 +109,7 @@ impl Task for TaskService {
                 self.events.clone(),
                 (&self.namespace, &self.containerd),
                 config,
+                restored,
             )
             .await
             {

@@ -36,13 +36,19 @@ impl EngineHook {
 
 #[async_trait]
 impl TurnHook for EngineHook {
-    async fn turn_ended(&self, sandbox: &SandboxId, turn: u64) -> Result<(), HookError> {
+    async fn turn_ended(
+        &self,
+        sandbox: &SandboxId,
+        turn: u64,
+        expected_answer: Option<Duration>,
+    ) -> Result<(), HookError> {
         // Turn N ends when request N arrives; the gate has made the records
         // of turns 1..N-1 durable before it releases N's answer, so those
         // are the conversation that belongs to this version.
         let end = TurnEnd {
             turn,
             transcript_turns: turn.saturating_sub(1),
+            expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         };
         match self.crabd.turn_ended(sandbox, &end).await {
             Ok(r) => {
@@ -68,6 +74,15 @@ impl TurnHook for EngineHook {
                 | ClientError::Local { .. }
                 | ClientError::Truncated { .. } => Err(HookError::CheckpointFailed { source: Box::new(e) }),
             },
+        }
+    }
+
+    async fn answer_waiting(&self, sandbox: &SandboxId, turn: u64) {
+        match self.crabd.turn_answered(sandbox, turn).await {
+            Ok(r) => tracing::debug!(%sandbox, turn, promoted = r.promoted, "answer waits on its version"),
+            Err(e) => {
+                tracing::debug!(%sandbox, turn, error = %crab_api::error_chain(&e), "answer waits: crabd not told")
+            }
         }
     }
 }

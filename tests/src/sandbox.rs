@@ -16,6 +16,8 @@ use crate::{bin_dir, wait_until, CRAB};
 pub const COUNTER: u16 = 7000;
 /// Port of the key-value store (`set k v`, `get k`, `exit CODE`).
 pub const STORE: u16 = 7001;
+/// Port of the server `spawn` starts (a process left running).
+pub const SPAWNED: u16 = 7002;
 
 /// Starts the stateful sandbox `id` with the crab runtime and waits until
 /// both its servers answer; returns the init's pid.

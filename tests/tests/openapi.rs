@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
-    ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd,
-    TurnReport, VersionView, WatchStarted,
+    ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered,
+    TurnEnd, TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -34,6 +34,7 @@ const STATUSES: &[&str] = &["200", "400", "404", "409", "422", "500", "502"];
 /// Every component schema, each exercised below. A schema added to the spec
 /// and not here (or the other way round) fails [`every_schema_is_listed`].
 const SCHEMAS: &[&str] = &[
+    "TurnAnswered",
     "SandboxId",
     "SandboxSelector",
     "Class",
@@ -110,6 +111,7 @@ fn record(version: u64, class: Class) -> VersionRecord {
         created_unix_ms: 1_767_225_600_123,
         turn: Some(version),
         class,
+        parent: version.checked_sub(1).filter(|p| *p > 0),
         process_image: class.needs_proc().then_some(version),
         fs_snapshot: class.needs_fs().then(|| FsSnapshot {
             backend: BackendKind::OverlayCopy,
@@ -150,6 +152,7 @@ fn registrations() -> Vec<Registration> {
             subvolume: "/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/active/17".into(),
             store: "/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/crab/17".into(),
         }),
+        restored: true,
     };
     let bare = Registration {
         id: id("web-1"),
@@ -162,6 +165,7 @@ fn registrations() -> Vec<Registration> {
         cgroup: None,
         layer: None,
         own_snapshots: None,
+        restored: false,
     };
     let overlay = Registration {
         id: id("agent.test_2"),
@@ -412,6 +416,8 @@ fn the_helpers_find_each_routes_messages() {
             Some("CheckpointReport"),
         ),
         ("post", routes::TURNS, Some("TurnEnd"), Some("CheckpointReport")),
+        ("post", routes::ANSWERED, None, Some("TurnAnswered")),
+        ("get", routes::METRICS, None, None),
         ("get", routes::VERSIONS, None, Some("VersionViewList")),
         (
             "post",
@@ -654,13 +660,17 @@ fn turns() {
     assert_valid("WatchStarted", &started);
     assert_valid("WatchLine", &started);
     assert_invalid("WatchStarted", json!({"watching": "../x"}));
-    assert_valid(
-        "TurnEnd",
-        &TurnEnd {
-            turn: 7,
-            transcript_turns: 14,
-        },
-    );
+    for expected_answer_ms in [None, Some(4_200)] {
+        assert_valid(
+            "TurnEnd",
+            &TurnEnd {
+                turn: 7,
+                transcript_turns: 14,
+                expected_answer_ms,
+            },
+        );
+    }
+    assert_valid("TurnAnswered", &TurnAnswered { promoted: true });
 }
 
 #[test]

@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::{ClientError, UnixClient};
 use crate::crabd::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportQuery, ImportReport, Registration,
-    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd, TurnReport, VersionView,
+    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport,
+    VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -74,6 +75,17 @@ impl Crabd {
     /// A turn of sandbox `id` ended: answers once its version is published.
     pub async fn turn_ended(&self, id: &SandboxId, end: &TurnEnd) -> Result<CheckpointReport, ClientError> {
         self.http.post(&routes::turns(id), end).await
+    }
+
+    /// Turn `turn` of sandbox `id` (exact) has its LLM answer waiting on
+    /// its version: a checkpoint still queued goes first.
+    pub async fn turn_answered(&self, id: &SandboxId, turn: u64) -> Result<TurnAnswered, ClientError> {
+        self.http.post(&routes::answered(id, turn), &()).await
+    }
+
+    /// crabd's metrics, in the Prometheus text format.
+    pub async fn metrics(&self) -> Result<String, ClientError> {
+        self.http.get_text(routes::METRICS).await
     }
 
     /// Sandbox `sel`'s versions, one per manifest line.

@@ -1,8 +1,15 @@
 //! A checkpoint: a version of a sandbox of the class asked for. `none` is
 //! a manifest line only; otherwise the shim freezes the sandbox, snapshots
 //! its files (`fs`, `full`), dumps its processes (`proc`, `full`) and thaws
-//! it, and crabd publishes the version. Retention runs after.
+//! it, and crabd hashes, fsyncs and publishes the version after the thaw.
+//! Retention runs after.
+//!
+//! Every checkpoint takes the sandbox's lock, then a slot of the host's
+//! queue (`schedule`), then captures. A sandbox without a head (new,
+//! restarted, or its head removed) gets a whole version whatever the class:
+//! there is nothing for a partial one to inherit.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,6 +17,8 @@ use crab_api::crabd::{CheckpointReport, Registration, TurnEnd};
 use crab_api::shim::{FsTarget, ShimCheckpoint, ShimCheckpointed};
 use crab_api::{routes, Class, FsSnapshot, SnapshotName};
 
+use super::metrics::Metrics;
+use super::schedule::Slot;
 use super::work::{blocking, detached, unix_ms};
 use super::{ApiError, Daemon};
 use crate::{Capture, NewVersion};
@@ -17,30 +26,44 @@ use crate::{Capture, NewVersion};
 // === impl Daemon ===
 
 impl Daemon {
-    /// [`Daemon::checkpoint`] on a task of its own: the version is made
-    /// whole even if the caller hangs up.
+    /// A checkpoint asked for by a person (`crabctl checkpoint`), on a
+    /// task of its own: the version is made whole even if the caller hangs
+    /// up. It is due now in the host's queue.
     pub(super) async fn checkpoint_detached(
         self: &Arc<Self>,
         reg: Registration,
         class: Class,
     ) -> Result<CheckpointReport, ApiError> {
         let d = self.clone();
-        detached(async move { d.checkpoint(reg, class, None).await }).await
+        detached(async move {
+            let busy = d.busy(&reg.id);
+            let _one_at_a_time = busy.lock().await;
+            let slot = d.scheduler.admit(&reg.id, tokio::time::Instant::now()).await;
+            d.capture(&reg, class, None, slot).await
+        })
+        .await
     }
 
-    /// Makes a version of `reg`'s sandbox as `class` asks, one operation per
-    /// sandbox at a time, and publishes it. `turn` is the turn end it
-    /// belongs to, if a turn's proxy asked.
+    /// Makes a version of `reg`'s sandbox as `class` asks and publishes it;
+    /// `turn` is the turn end it belongs to, if a proxy asked. The caller
+    /// holds the sandbox's lock and `slot`, which is freed here.
     #[tracing::instrument(skip_all, fields(sandbox = %reg.id, %class))]
-    pub(super) async fn checkpoint(
-        &self,
-        reg: Registration,
+    pub(super) async fn capture(
+        self: &Arc<Self>,
+        reg: &Registration,
         class: Class,
         turn: Option<TurnEnd>,
+        slot: Slot,
     ) -> Result<CheckpointReport, ApiError> {
-        let busy = self.busy(&reg.id);
-        let _one_at_a_time = busy.lock().await;
         let started = Instant::now();
+        let (urgent, queued_ms) = (slot.urgent, slot.waited.as_secs_f64() * 1e3);
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        let class = match blocking(move || store.head(&sid)).await? {
+            Some(_) => class,
+            None if reg.fs_backend.is_some() => Class::Full,
+            None => Class::Proc,
+        };
         let fs = if class.needs_fs() {
             let backend = reg
                 .fs_backend
@@ -80,27 +103,51 @@ impl Daemon {
                     store: self.files.store_dir(&reg.id),
                 }),
             };
-            let done: ShimCheckpointed = self.call_shim(&reg, routes::shim::CHECKPOINT, &call).await?;
+            let done: ShimCheckpointed = self.call_shim(reg, routes::shim::CHECKPOINT, &call).await?;
+            let own: Vec<PathBuf> = pending
+                .images_dir()
+                .map(ToOwned::to_owned)
+                .into_iter()
+                .chain(done.work_dir)
+                .collect();
+            let d = self.clone();
+            let sid = reg.id.clone();
+            tokio::task::spawn_blocking(move || d.inspection.forgive(&sid, &own)).await?;
             done.frozen_ms
         };
+        // The sandbox runs again: hashing and fsyncs happen after the thaw.
         let version = blocking(move || pending.publish()).await?;
+        let bytes: u64 = version.images.iter().map(|f| f.bytes).sum();
+        slot.finish(bytes);
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        let m = &self.metrics;
+        m.versions.get_or_create(&Metrics::class(version.class)).inc();
+        m.bytes
+            .get_or_create(&Metrics::kind("process_image"))
+            .inc_by(bytes);
+        m.checkpoint.observe(total_ms / 1e3);
+        if class != Class::None {
+            m.frozen.observe(frozen_ms / 1e3);
+        }
         if self.config.keep_versions > 0 {
             let store = self.store.clone();
             let keep = self.config.keep_versions;
             let sid = reg.id.clone();
             match blocking(move || store.retain(&sid, keep)).await {
-                Ok(removal) => self.destroy_unused(&reg, &removal).await,
+                Ok(removal) => self.destroy_unused(reg, &removal).await,
                 Err(e) => tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "retention"),
             }
         }
         tracing::info!(
             sandbox = %reg.id,
             version = version.version,
+            parent = version.parent,
             turn = version.turn,
             class = %version.class,
             frozen_ms,
             elapsed_ms = total_ms,
+            queued_ms,
+            urgent,
             "version published"
         );
         Ok(CheckpointReport {

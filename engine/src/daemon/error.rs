@@ -132,6 +132,19 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
+    /// A turn end got no version: a rollback came first.
+    #[error("turn {turn} of sandbox {id} has no version: {why}")]
+    Superseded {
+        /// The sandbox.
+        id: SandboxId,
+        /// The turn.
+        turn: u64,
+        /// What came first.
+        why: &'static str,
+    },
+    /// The failure of a version that several turn ends shared.
+    #[error(transparent)]
+    Shared(std::sync::Arc<ApiError>),
     /// A worker task died (a bug: it panicked).
     #[error("a worker task of crabd died")]
     Worker(#[from] tokio::task::JoinError),
@@ -148,6 +161,7 @@ impl ApiError {
                 source: ClientError::Refused { status, .. },
                 ..
             } => *status,
+            ApiError::Shared(e) => return e.status(),
             _ => self.code().http_status(),
         };
         StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY)
@@ -204,6 +218,8 @@ impl ApiError {
                 }
                 _ => ErrorCode::Shim,
             },
+            ApiError::Superseded { .. } => ErrorCode::Superseded,
+            ApiError::Shared(e) => e.code(),
             ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,
         }
     }

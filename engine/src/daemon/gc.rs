@@ -227,5 +227,7 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     })
     .await?;
     d.registry.remove_if(&reg.id, |e| e.same_sandbox(entry));
+    d.scheduler.forget(&reg.id);
+    d.turns.forget(&reg.id);
     Ok(())
 }

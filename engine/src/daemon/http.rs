@@ -14,7 +14,8 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportQuery, ImportReport, Registration,
-    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnEnd, TurnReport, VersionView,
+    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport,
+    VersionView,
 };
 use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use serde::de::DeserializeOwned;
@@ -30,6 +31,8 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::SANDBOX, get(show).delete(unregister))
         .route(routes::CHECKPOINT, post(checkpoint))
         .route(routes::TURNS, post(turn_ended))
+        .route(routes::ANSWERED, post(turn_answered))
+        .route(routes::METRICS, get(metrics))
         .route(routes::VERSIONS, get(versions))
         .route(routes::ROLLBACK, post(rollback))
         .route(routes::FORK, post(fork))
@@ -101,6 +104,27 @@ async fn turn_ended(
 ) -> Reply<CheckpointReport> {
     let end: TurnEnd = parse(&body)?;
     d.turn_ended(&exact(&id)?, end).await.map(Json)
+}
+
+async fn turn_answered(
+    State(d): State<Arc<Daemon>>,
+    Path((id, turn)): Path<(String, String)>,
+) -> Reply<TurnAnswered> {
+    let turn = turn.parse::<u64>().map_err(|_| ApiError::BadRequest {
+        reason: format!("invalid turn {turn:?}: a turn number"),
+    })?;
+    d.turn_answered(&exact(&id)?, turn).map(Json)
+}
+
+async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
+    let text = d.metrics.render();
+    Response::builder()
+        .header(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
+        .body(Body::from(text))
+        .expect("a well-formed response")
 }
 
 async fn versions(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<Vec<VersionView>> {

@@ -5,8 +5,7 @@
 //! (crate `crab-inspector`) implements it. Without one, every turn is
 //! `full`, the class that never loses work, and says so.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -29,6 +28,10 @@ pub trait TurnInspector: Send + Sync {
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
     fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError>;
+    /// Forgets what a checkpoint just made the sandbox's tasks do (it
+    /// froze, dumped and thawed them; its helpers wrote into `own`, its
+    /// output directories); their later running counts again.
+    fn forgive_activity(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError>;
 }
 
 /// The inspector (if one is loaded) and the watchers of its reports.
@@ -81,6 +84,27 @@ impl Inspection {
         report
     }
 
+    /// Starts the sandbox's ledger afresh (its state was just restored):
+    /// what it did before no longer counts. Watchers are not told.
+    pub fn reset(&self, sandbox: &SandboxId) {
+        if let Some(i) = &self.inspector {
+            if let Err(e) = i.turn_end(sandbox) {
+                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector reset");
+            }
+        }
+    }
+
+    /// A checkpoint of the sandbox just thawed it: what the checkpoint made
+    /// its tasks do is not the next turn's change (logged when it cannot:
+    /// the next turn is then only bigger).
+    pub fn forgive(&self, sandbox: &SandboxId, own: &[PathBuf]) {
+        if let Some(i) = &self.inspector {
+            if let Err(e) = i.forgive_activity(sandbox, own) {
+                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector forgive");
+            }
+        }
+    }
+
     /// Whether an inspector is loaded.
     pub fn loaded(&self) -> bool {
         self.inspector.is_some()
@@ -105,6 +129,14 @@ impl TurnInspector for crab_inspector::Inspector {
         if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox.as_str()) {
             tracing::debug!(%sandbox, error = %crab_api::error_chain(&e), "inspector unregister");
         }
+    }
+
+    fn forgive_activity(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::forgive_activity(
+            self,
+            sandbox.as_str(),
+            own,
+        )?)
     }
 
     fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError> {
@@ -154,20 +186,6 @@ fn full(sandbox: &SandboxId, why: &str) -> TurnReport {
 // === impl Daemon ===
 
 impl Daemon {
-    /// Ends sandbox `sel`'s current turn by hand and answers its report
-    /// (no version is made).
-    pub(super) async fn end_turn_by_hand(
-        self: &Arc<Self>,
-        sel: &SandboxSelector,
-    ) -> Result<TurnReport, ApiError> {
-        let reg = self.registry.resolve(sel)?;
-        if !self.inspection.loaded() {
-            return Err(ApiError::NoInspector);
-        }
-        let d = self.clone();
-        Ok(tokio::task::spawn_blocking(move || d.inspection.turn_end(&reg.id)).await?)
-    }
-
     /// Sandbox `sel`'s turn reports as JSON lines, as its turns end, until
     /// the caller hangs up.
     pub(super) fn watch(&self, sel: &SandboxSelector) -> Result<Response, ApiError> {

@@ -1,5 +1,8 @@
 //! A rollback: the shim replaces the sandbox's processes (and files) with a
-//! verified version's, after an undo checkpoint unless asked not to.
+//! verified version's, after an undo checkpoint unless asked not to. The
+//! restored version becomes the sandbox's head: the next version descends
+//! from it, and the inspector's ledger starts again from the restored
+//! state. Turn ends whose capture had not started are superseded.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,7 +12,7 @@ use crab_api::shim::{FsTarget, ShimRestore, ShimRestored};
 use crab_api::{routes, SandboxSelector};
 use tracing::Instrument;
 
-use super::work::detached;
+use super::work::{blocking, detached};
 use super::{ApiError, Daemon};
 
 // === impl Daemon ===
@@ -28,6 +31,8 @@ impl Daemon {
             async move {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
+                d.turns.rolling_back(&reg.id);
+                let _done = on_drop(|| d.turns.rolled_back(&reg.id));
                 let started = Instant::now();
                 let (version, images_dir) = d.restorable(&reg.id, req.version).await?;
                 let number = version.record.version;
@@ -41,6 +46,13 @@ impl Daemon {
                 };
                 let done: ShimRestored = d.call_shim(&reg, routes::shim::RESTORE, &call).await?;
                 d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
+                let store = d.store.clone();
+                let sid = reg.id.clone();
+                blocking(move || store.set_head(&sid, Some(number))).await?;
+                let d2 = d.clone();
+                let sid = reg.id.clone();
+                tokio::task::spawn_blocking(move || d2.inspection.reset(&sid)).await?;
+                d.metrics.restore.observe(done.restore_ms / 1e3);
                 let total_ms = started.elapsed().as_secs_f64() * 1e3;
                 tracing::info!(
                     version = number,
@@ -61,4 +73,17 @@ impl Daemon {
         )
         .await
     }
+}
+
+/// Runs `f` when dropped: on success, on error, and when the task ends.
+fn on_drop(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
 }

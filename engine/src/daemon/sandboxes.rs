@@ -5,6 +5,7 @@ use crab_api::crabd::{Registration, SandboxInfo};
 use crab_api::{SandboxId, SandboxSelector};
 
 use super::registry::Entry;
+use super::work::blocking;
 use super::{gc, ApiError, Daemon};
 use crate::StoreError;
 
@@ -40,6 +41,16 @@ impl Daemon {
         match self.store.register(&reg.id) {
             Ok(()) | Err(StoreError::SandboxExists { .. }) => {}
             Err(e) => return Err(e.into()),
+        }
+        if !reg.restored {
+            // A task started afresh (a restart) descends from no version:
+            // its next version captures everything. A restored one (an
+            // import) keeps the head its restore set.
+            let store = self.store.clone();
+            let sid = reg.id.clone();
+            if let Err(e) = blocking(move || store.set_head(&sid, None)).await {
+                tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "head not reset");
+            }
         }
         let entry = Entry {
             registration: reg.clone(),

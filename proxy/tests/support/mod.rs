@@ -35,6 +35,10 @@ pub enum HookStep {
 pub struct ScriptedHook {
     pub script: HashMap<u64, HookStep>,
     pub calls: Mutex<Vec<(String, u64)>>,
+    /// Each call's expected answer time.
+    pub expected: Mutex<Vec<Option<Duration>>>,
+    /// Turns whose answer arrived before the hook returned.
+    pub waiting: Mutex<Vec<u64>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +47,14 @@ struct ScriptedFailure;
 
 #[async_trait]
 impl TurnHook for ScriptedHook {
-    async fn turn_ended(&self, sandbox: &SandboxId, turn: u64) -> Result<(), HookError> {
+    async fn turn_ended(
+        &self,
+        sandbox: &SandboxId,
+        turn: u64,
+        expected_answer: Option<Duration>,
+    ) -> Result<(), HookError> {
         self.calls.lock().push((sandbox.to_string(), turn));
+        self.expected.lock().push(expected_answer);
         match self.script.get(&turn) {
             None => Ok(()),
             Some(HookStep::Delay(d)) => {
@@ -56,6 +66,10 @@ impl TurnHook for ScriptedHook {
             }),
             Some(HookStep::Never) => std::future::pending().await,
         }
+    }
+
+    async fn answer_waiting(&self, _sandbox: &SandboxId, turn: u64) {
+        self.waiting.lock().push(turn);
     }
 }
 
@@ -102,7 +116,7 @@ impl Harness {
         tweak(&mut cfg);
         let hook = Arc::new(ScriptedHook {
             script,
-            calls: Mutex::new(Vec::new()),
+            ..Default::default()
         });
         let proxy = Proxy::new(cfg, hook.clone()).expect("proxy");
         let sandbox = proxy

@@ -44,6 +44,11 @@ const KILL_LIMIT: Duration = Duration::from_secs(10);
 // === impl Container ===
 
 impl Container {
+    /// Where CRIU works and logs during a checkpoint of this container.
+    fn criu_work_dir(&self) -> PathBuf {
+        self.bundle.join(".crab-criu")
+    }
+
     /// The filesystem backend that can snapshot this container's rootfs.
     pub fn fs_backend(&self) -> Option<BackendKind> {
         self.rootfs.backend()
@@ -98,7 +103,11 @@ impl Container {
             (t_thaw - frozen_at).as_secs_f64() * 1e3,
             t_thaw.elapsed().as_secs_f64() * 1e3
         );
-        Ok(ShimCheckpointed { frozen_ms, fs })
+        Ok(ShimCheckpointed {
+            frozen_ms,
+            fs,
+            work_dir: Some(self.criu_work_dir()),
+        })
     }
 
     async fn checkpoint_frozen(
@@ -115,7 +124,7 @@ impl Container {
             // the proxy at every turn end: CRIU refuses to dump a connected
             // TCP socket unless told to keep it.
             let opts = CheckpointOpts {
-                work_path: Some(self.bundle.join(".crab-criu")),
+                work_path: Some(self.criu_work_dir()),
                 tcp_established: true,
                 ..Default::default()
             };

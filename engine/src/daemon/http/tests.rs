@@ -35,6 +35,7 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                     cgroup: None,
                     layer: None,
                     own_snapshots: None,
+                    restored: false,
                 },
                 running: true,
                 incarnation: None,
