@@ -218,6 +218,7 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let host_task =
         host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
     let gc_task = tokio::spawn(gc::collect(daemon.clone()));
+    let metrics_task = serve_metrics(&daemon).await;
     let pid_file = daemon.config.root.join("crabd.pid");
     if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
         tracing::warn!(path = %pid_file.display(), error = %e, "write pid file");
@@ -234,6 +235,9 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
         });
     stop_host.cancel();
     gc_task.abort();
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
     if let Some(task) = host_task {
         let _ = task.await;
     }
@@ -241,6 +245,29 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let _ = std::fs::remove_file(&pid_file);
     tracing::info!("crabd stopped");
     served
+}
+
+/// Serves `/metrics` alone on `[crabd.schedule] metrics_address`, if set
+/// (logged when it cannot bind: crabd runs on without it).
+async fn serve_metrics(daemon: &Arc<Daemon>) -> Option<tokio::task::JoinHandle<()>> {
+    let address = daemon.config.schedule.metrics_address.trim();
+    if address.is_empty() {
+        return None;
+    }
+    let listener = match tokio::net::TcpListener::bind(address).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(address, error = %e, "metrics address not bound: /metrics only on the socket");
+            return None;
+        }
+    };
+    tracing::info!(address, "serving /metrics");
+    let app = http::metrics_router(daemon.clone());
+    Some(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "metrics listener");
+        }
+    }))
 }
 
 /// Binds the socket, root-only; a stale socket is replaced, a live one is

@@ -346,3 +346,42 @@ fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// An agent started by `ctr task exec` in a sandbox whose spec set
+/// `OPENAI_BASE_URL` (as mini-swe-agent's `docker exec … python agent.py`
+/// does) talks to its LLM through the sandbox's proxy: the exec inherits
+/// the spec's variable, which the shim points at the proxy, and the proxy
+/// forwards to the spec's upstream. Its turn is a version.
+#[test]
+fn an_execd_agent_reaches_its_llm_through_the_proxy() {
+    let llm = ScriptedLlm::scripted(vec![completion("through the proxy")]);
+    let (ctd, base) = containerd("");
+    let id = "execpx";
+    run_sandbox(&ctd, &llm, id);
+    let out = crab_tests::sandbox::exec_sh(
+        &ctd,
+        id,
+        "echo $OPENAI_BASE_URL; wget -qO- --header 'Content-Type: application/json' \
+         --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions",
+    );
+    assert_eq!(out.lines().next(), Some("http://127.0.0.1:7878/v1"), "{out}");
+    assert!(out.contains("through the proxy"), "{out}");
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    crab_tests::wait_until(10, || (!turn_records(&path).is_empty()).then_some(()))
+        .expect("the proxy recorded the exec's turn");
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    let turns: Vec<u64> = versions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["turn"].as_u64())
+        .collect();
+    assert_eq!(turns, [1], "{versions}");
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -45,6 +45,15 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .with_state(d)
 }
 
+/// `/metrics` alone, for the TCP metrics address: nothing else of the
+/// management API is reachable there.
+pub(super) fn metrics_router(d: Arc<Daemon>) -> Router {
+    Router::new()
+        .route(routes::METRICS, get(metrics))
+        .fallback(not_found)
+        .with_state(d)
+}
+
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest {
         reason: e.to_string(),

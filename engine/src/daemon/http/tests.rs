@@ -143,3 +143,53 @@ async fn bad_input_is_refused_before_anything_is_done() {
         assert!(!error.is_empty(), "{method} {path} answers why");
     }
 }
+
+#[tokio::test]
+async fn an_answer_that_waits_promotes_only_a_queued_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["s1"]);
+    // Nothing queued: nothing to promote.
+    let (status, _) = check(&d, "POST", "/v1/sandboxes/s1/turns/3/answered", "").await;
+    assert_eq!(status, StatusCode::OK);
+    for (path, expected) in [
+        ("/v1/sandboxes/s1/turns/x/answered", StatusCode::BAD_REQUEST),
+        ("/v1/sandboxes/nobody/turns/3/answered", StatusCode::NOT_FOUND),
+        ("/v1/sandboxes/..%2Fx/turns/3/answered", StatusCode::BAD_REQUEST),
+    ] {
+        let (status, error) = check(&d, "POST", path, "").await;
+        assert_eq!(status, expected, "{path}: {error}");
+    }
+}
+
+/// `GET path` on `router`: the status and the body as text.
+async fn get_text(router: axum::Router, path: &str) -> (StatusCode, String) {
+    let req = Request::builder().uri(path).body(Body::empty()).unwrap();
+    let resp = router.oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[tokio::test]
+async fn metrics_are_prometheus_text_and_alone_on_the_metrics_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["s1"]);
+    let (status, text) = get_text(d.clone().router(), "/metrics").await;
+    assert_eq!(status, StatusCode::OK);
+    for name in [
+        "crab_queue_depth",
+        "crab_slots_in_use",
+        "crab_urgent_promotions_total",
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {}", name.trim_end_matches("_total"))),
+            "{name}:\n{text}"
+        );
+    }
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    let (status, _) = get_text(super::metrics_router(d.clone()), "/metrics").await;
+    assert_eq!(status, StatusCode::OK);
+    // Nothing else of the management API is reachable there.
+    let (status, _) = get_text(super::metrics_router(d), "/v1/sandboxes").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
