@@ -9,6 +9,7 @@
 use clap::{Parser, Subcommand};
 
 mod checkpoint;
+mod density;
 mod fs;
 mod inspector;
 mod proxy;
@@ -63,6 +64,23 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         runs: usize,
     },
+    /// Many sandboxes replaying real agent runs (../shared/traces), every
+    /// turn a version: Crab's queue vs every checkpoint at once vs one
+    /// full checkpoint per turn vs none (hold, bytes, frozen time, e2e).
+    Density {
+        /// Sandboxes per run, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "8,16,32")]
+        sandboxes: Vec<usize>,
+        /// Traced turns per sandbox.
+        #[arg(long, default_value_t = 12)]
+        turns: usize,
+        /// Scale of the traced LLM times (1.0: as traced).
+        #[arg(long, default_value_t = 0.1)]
+        scale: f64,
+        /// The traces (mini-swe-agent steps, JSON lines).
+        #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/mini-swe-agent.jsonl"))]
+        traces: std::path::PathBuf,
+    },
     /// The inspector: turn-end decision latency (p50/p99) for turns of
     /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
     /// sandbox with the programs attached vs detached.
@@ -92,6 +110,12 @@ fn main() -> anyhow::Result<()> {
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
         Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
         Bench::Turn { runs } => turn::run(runs),
+        Bench::Density {
+            sandboxes,
+            turns,
+            scale,
+            traces,
+        } => density::run(&sandboxes, turns, scale, &traces),
         Bench::Inspector { turns, reps } => inspector::run(turns, reps),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))

@@ -2,6 +2,8 @@
 //! loopback that answers every POST with a fixed chat completion (or the
 //! next one of a script; as an SSE stream when the request asks to stream)
 //! and every GET with an empty model list, and records what it was asked.
+//! A request with `x-crab-think-ms: N` is answered after N ms (an LLM that
+//! thinks: benchmarks replay traced think times with it).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -19,6 +21,9 @@ struct Script {
     answers: Vec<String>,
     n_posts: usize,
 }
+
+/// The header that makes the answer wait (milliseconds).
+pub const THINK_HEADER: &str = "x-crab-think-ms";
 
 /// The answer to every POST.
 pub const ANSWER: &str = r#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"scripted answer"},"finish_reason":"stop"}]}"#;
@@ -105,6 +110,7 @@ fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>, script: &Mutex<S
         }
         let request = line.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
         let mut length = 0usize;
+        let mut think_ms = 0u64;
         loop {
             let mut h = String::new();
             if reader.read_line(&mut h).unwrap_or(0) == 0 {
@@ -116,6 +122,8 @@ fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>, script: &Mutex<S
             if let Some((k, v)) = h.split_once(':') {
                 if k.eq_ignore_ascii_case("content-length") {
                     length = v.trim().parse().unwrap_or(0);
+                } else if k.eq_ignore_ascii_case(THINK_HEADER) {
+                    think_ms = v.trim().parse().unwrap_or(0);
                 }
             }
         }
@@ -123,6 +131,7 @@ fn serve(stream: std::net::TcpStream, log: &Mutex<Vec<String>>, script: &Mutex<S
         if reader.read_exact(&mut body).is_err() {
             return;
         }
+        std::thread::sleep(std::time::Duration::from_millis(think_ms));
         let streaming = serde_json::from_slice::<serde_json::Value>(&body)
             .is_ok_and(|v| v["stream"] == serde_json::Value::Bool(true));
         let (answer, content_type) = if request.starts_with("POST") {
