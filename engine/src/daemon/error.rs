@@ -142,6 +142,14 @@ pub enum ApiError {
         /// What came first.
         why: &'static str,
     },
+    /// Too many turn ends of one sandbox wait for their version.
+    #[error("sandbox {id} has {waiting} turn ends waiting for their version: this one gets none")]
+    TooManyTurns {
+        /// The sandbox.
+        id: SandboxId,
+        /// How many wait.
+        waiting: usize,
+    },
     /// The failure of a version that several turn ends shared.
     #[error(transparent)]
     Shared(std::sync::Arc<ApiError>),
@@ -219,6 +227,7 @@ impl ApiError {
                 _ => ErrorCode::Shim,
             },
             ApiError::Superseded { .. } => ErrorCode::Superseded,
+            ApiError::TooManyTurns { .. } => ErrorCode::Busy,
             ApiError::Shared(e) => e.code(),
             ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,
         }

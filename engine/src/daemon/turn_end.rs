@@ -30,6 +30,10 @@ use tracing::Instrument;
 use super::metrics::Metrics;
 use super::{ApiError, Daemon};
 
+/// Turn ends of one sandbox that may wait at once; more are refused
+/// (`busy`): a sandbox flooding its proxy cannot grow crabd without bound.
+const MAX_WAITING: usize = 256;
+
 /// What a turn end is answered with.
 type Answer = Result<(CheckpointReport, TurnReport), Arc<ApiError>>;
 
@@ -68,6 +72,12 @@ impl TurnQueue {
         let t = all.entry(id.clone()).or_default();
         t.epoch += 1;
         t.rolling_back = true;
+    }
+
+    /// How many turn ends of `id` wait.
+    #[cfg(test)]
+    pub(super) fn n_waiting(&self, id: &SandboxId) -> usize {
+        self.sandboxes.lock().get(id).map_or(0, |t| t.waiting.len())
     }
 
     /// Forgets `id` (its history is gone), unless turn ends still wait.
@@ -131,6 +141,13 @@ impl Daemon {
         let lead = {
             let mut all = self.turns.sandboxes.lock();
             let t = all.entry(reg.id.clone()).or_default();
+            if t.waiting.len() >= MAX_WAITING {
+                self.metrics.skipped_turns.inc();
+                return Err(ApiError::TooManyTurns {
+                    id: reg.id.clone(),
+                    waiting: t.waiting.len(),
+                });
+            }
             if t.rolling_back {
                 self.metrics.skipped_turns.inc();
                 return Err(ApiError::Superseded {

@@ -18,6 +18,9 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
     let mut config = CrabdConfig::load_from(&root.join("absent.toml")).unwrap();
     config.root = root.to_owned();
     config.shim_timeout_secs = 1;
+    // One slot, no byte budget (and so no disk probe).
+    config.schedule.slots = 1;
+    config.schedule.bytes_per_sec = -1;
     let d = Daemon::open(config).unwrap();
     for id in running {
         let id = SandboxId::new(*id).unwrap();
@@ -192,4 +195,80 @@ async fn metrics_are_prometheus_text_and_alone_on_the_metrics_address() {
     // Nothing else of the management API is reachable there.
     let (status, _) = get_text(super::metrics_router(d), "/v1/sandboxes").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+/// Polls `f` (every 10 ms, at most 10 s) until it holds.
+async fn until(mut f: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the condition never held");
+}
+
+fn turn_body(turn: u64) -> String {
+    format!(r#"{{"turn":{turn},"transcript_turns":{}}}"#, turn - 1)
+}
+
+#[tokio::test]
+async fn queued_turn_ends_merge_and_each_is_answered_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["s1", "s2"]);
+    let s1 = SandboxId::new("s1").unwrap();
+    // Another sandbox's checkpoint holds the only slot.
+    let held = d
+        .scheduler
+        .admit(&SandboxId::new("s2").unwrap(), tokio::time::Instant::now())
+        .await;
+    let ends: Vec<_> = (1..=3)
+        .map(|turn| {
+            let d = d.clone();
+            tokio::spawn(async move { check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(turn)).await })
+        })
+        .collect();
+    until(|| d.turns.n_waiting(&s1) == 3).await;
+    // Its answer arrived: the queued checkpoint goes first.
+    assert!(d.scheduler.promote(&s1));
+    drop(held);
+    // One capture for the three (it fails here: there is no shim), and
+    // each turn end hears of it once.
+    for end in ends {
+        let (status, error) = end.await.unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{error}");
+    }
+    assert_eq!(d.metrics.merged_turns.get(), 2);
+    assert_eq!(d.metrics.skipped_turns.get(), 3);
+    assert_eq!(d.turns.n_waiting(&s1), 0);
+}
+
+#[tokio::test]
+async fn a_rollback_supersedes_the_turn_ends_it_overtakes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &["s1", "s2"]);
+    let s1 = SandboxId::new("s1").unwrap();
+    let held = d
+        .scheduler
+        .admit(&SandboxId::new("s2").unwrap(), tokio::time::Instant::now())
+        .await;
+    let queued = {
+        let d = d.clone();
+        tokio::spawn(async move { check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(1)).await })
+    };
+    until(|| d.turns.n_waiting(&s1) == 1).await;
+    // A rollback starts: the queued turn end is overtaken, and one that
+    // arrives while it runs is refused at once.
+    d.turns.rolling_back(&s1);
+    let (status, error) = check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(2)).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert!(error.contains("a rollback of the sandbox is running"), "{error}");
+    d.turns.rolled_back(&s1);
+    drop(held);
+    let (status, error) = queued.await.unwrap();
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert!(error.contains("turn 1 of sandbox s1 has no version"), "{error}");
+    // After the rollback, turn ends go on (to the absent shim).
+    let (status, error) = check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(3)).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{error}");
 }
