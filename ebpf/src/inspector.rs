@@ -92,6 +92,8 @@ struct Sandbox {
     /// The generation the open turn started in: `gen` moves past it when
     /// a checkpoint's own activity is forgiven.
     turn_gen: u64,
+    /// The tasks that had run when a checkpoint began (theirs, not its).
+    before_capture: Option<HashSet<u32>>,
     /// Records of the open turn, and of the next one while a turn end
     /// drains past its boundary.
     current: Ledger,
@@ -252,6 +254,7 @@ impl Inspector {
                 gen: ctl.gen,
                 turn: ctl.turn,
                 turn_gen: ctl.gen,
+                before_capture: None,
                 current: Ledger::default(),
                 next: Ledger::default(),
                 base_seq: stats.seq,

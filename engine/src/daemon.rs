@@ -182,8 +182,8 @@ impl Daemon {
     }
 }
 
-/// The checkpoint queue's shape from `[crabd.schedule]`: 0 slots is half
-/// the cores; a budget of 0 is half the disk probe's rate, -1 none.
+/// The checkpoint queue's shape from `[crabd.schedule]`: 0 slots is one
+/// per core; a budget of 0 is half the disk probe's rate, -1 none.
 fn schedule_shape(config: &CrabdConfig) -> schedule::Shape {
     let s = &config.schedule;
     let slots = match s.slots {

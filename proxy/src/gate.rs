@@ -36,12 +36,12 @@ pub(crate) struct Gate<S> {
 
 /// Awaits `answer` and `gate` together; returns the answer, the outcome and
 /// the hold: how long the answer waited for the gate (zero if the gate
-/// opened first). `on_answer` runs when the answer arrives, told whether
-/// it must wait (the gate is still closed).
+/// opened first). `on_answer` runs when the answer arrives, with it, told
+/// whether it must wait (the gate is still closed).
 pub(crate) async fn hold<R>(
     gate: impl Future<Output = (GateOutcome, Instant)>,
     answer: impl Future<Output = R>,
-    on_answer: impl FnOnce(bool),
+    on_answer: impl FnOnce(&R, bool),
 ) -> (R, GateOutcome, Duration) {
     let opened = AtomicBool::new(false);
     let gate = async {
@@ -51,7 +51,7 @@ pub(crate) async fn hold<R>(
     };
     let answer = async {
         let r = answer.await;
-        on_answer(!opened.load(Ordering::SeqCst));
+        on_answer(&r, !opened.load(Ordering::SeqCst));
         (r, Instant::now())
     };
     let ((r, answered_at), (outcome, opened_at)) = tokio::join!(answer, gate);
@@ -125,8 +125,12 @@ where
         let shared = self.shared.clone();
         Box::pin(async move {
             let sent = Instant::now();
-            let on_answer = |waits: bool| {
-                shared.saw_answer(sent.elapsed());
+            let on_answer = |answer: &Result<Response<ProxyBody>, Error>, waits: bool| {
+                // Only a real answer tells how long the LLM takes: an error
+                // at once would make every deadline the earliest.
+                if answer.as_ref().is_ok_and(|r| r.status().is_success()) {
+                    shared.saw_answer(sent.elapsed());
+                }
                 if waits {
                     let (hook, sandbox, turn) = (shared.hook.clone(), shared.id.clone(), ctx.turn);
                     shared
@@ -165,7 +169,7 @@ mod tests {
             (GateOutcome::Opened, Instant::now())
         };
         let answer = tokio::time::sleep(Duration::from_millis(answer_ms));
-        let ((), outcome, held) = hold(gate, answer, |_| {}).await;
+        let ((), outcome, held) = hold(gate, answer, |_, _| {}).await;
         assert_eq!(outcome, GateOutcome::Opened);
         assert_eq!(
             held,

@@ -181,7 +181,8 @@ fn each_turn_is_a_version_of_its_class_and_rollbacks_branch() {
     assert!(value("crab_turns_total{class=\"fs\"}") >= 1.0, "{text}");
     assert_eq!(value("crab_versions_total{class=\"fs\"}"), 2.0, "{text}");
     assert_eq!(value("crab_slots_in_use"), 0.0, "{text}");
-    assert!(value("crab_queue_wait_seconds_count") >= 7.0, "{text}");
+    // Every capture took a slot; the `none` turns took none.
+    assert!(value("crab_queue_wait_seconds_count") >= 5.0, "{text}");
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);

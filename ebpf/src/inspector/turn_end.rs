@@ -11,6 +11,9 @@ use crate::ledger::Ignore;
 use crate::report::{Class, Reason, TurnReport};
 use crate::{loader, procs};
 
+/// The longest [`Inspector::forgive_activity`] waits for thawed tasks.
+const SETTLE: Duration = Duration::from_millis(250);
+
 // === impl Inspector ===
 
 impl Inspector {
@@ -231,17 +234,39 @@ impl Inspector {
         })
     }
 
-    /// Forgives what the sandbox's tasks did only because a checkpoint
-    /// froze, dumped and thawed them since the last turn end (CRIU's code
-    /// runs in each task; a thawed task restarts its system call): their
-    /// running so far no longer counts, and each is watched afresh, so its
-    /// next system call counts again; changes to the directories `own`
-    /// (the checkpoint's output, e.g. CRIU's log) and the files in them do
-    /// not count. Other file changes and processes started, exited or
-    /// execed still count.
+    /// A checkpoint of the sandbox starts: what its tasks ran so far is
+    /// theirs (kept by [`Inspector::forgive_activity`] after it).
     ///
-    /// Records that arrive after the drain here still count (safe: they
-    /// can only make the turn bigger).
+    /// # Errors
+    /// [`Error::UnknownSandbox`].
+    pub fn begin_capture(&self, sandbox: &str) -> Result<()> {
+        let mut guard = self.shared.state.lock();
+        let state = &mut *guard;
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
+        drain(state);
+        let sb = state
+            .sandboxes
+            .get_mut(&cg)
+            .expect("named sandboxes are registered");
+        sb.before_capture = Some(sb.current.ran());
+        Ok(())
+    }
+
+    /// Forgives what the sandbox's tasks did only because a checkpoint
+    /// froze, dumped and thawed them since [`Inspector::begin_capture`]
+    /// (CRIU's code runs in each task; a thawed task restarts its system
+    /// call): that running no longer counts, and each task is watched
+    /// afresh, so its next system call counts again; changes to the
+    /// directories `own` (the checkpoint's output, e.g. CRIU's log) and
+    /// the files in them do not count. Running seen before the capture,
+    /// file changes and processes started, exited or execed still count.
+    ///
+    /// It first waits (at most [`SETTLE`]) until every task blocked in the
+    /// kernel has made its system call again since the capture began, so
+    /// that the thaw's restarts are in. A task that runs and then blocks
+    /// within that window is forgiven too: the one change it can hide.
     ///
     /// # Errors
     /// [`Error::UnknownSandbox`], or a map failure.
@@ -259,17 +284,27 @@ impl Inspector {
                 }
             }
         }
+        let cg = *self
+            .shared
+            .state
+            .lock()
+            .names
+            .get(sandbox)
+            .ok_or_else(|| Error::UnknownSandbox {
+                sandbox: sandbox.to_owned(),
+            })?;
+        self.settle(cg);
         let mut guard = self.shared.state.lock();
         let state = &mut *guard;
-        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
-            sandbox: sandbox.to_owned(),
-        })?;
         drain(state);
         let sb = state
             .sandboxes
             .get_mut(&cg)
-            .expect("named sandboxes are registered");
-        sb.current.forget_checkpoint(&inodes);
+            .ok_or_else(|| Error::UnknownSandbox {
+                sandbox: sandbox.to_owned(),
+            })?;
+        let keep = sb.before_capture.take().unwrap_or_default();
+        sb.current.forget_checkpoint(&inodes, &keep);
         let gen = sb.gen + 1;
         state
             .maps
@@ -281,5 +316,36 @@ impl Inspector {
             })?;
         sb.gen = gen;
         Ok(())
+    }
+
+    /// Waits (at most [`SETTLE`]) until every thread of cgroup `cg` that
+    /// sleeps in the kernel has entered a system call in the open
+    /// generation (a thawed task restarts the one it was in).
+    fn settle(&self, cg: u64) {
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            let pending = {
+                let state = self.shared.state.lock();
+                let Some(sb) = state.sandboxes.get(&cg) else {
+                    return;
+                };
+                let gen = sb.gen;
+                procs::members(&sb.cgroup_dir, "cgroup.threads")
+                    .into_iter()
+                    .any(|tid| {
+                        let seen = state
+                            .maps
+                            .tasks
+                            .get(&tid, 0)
+                            .is_ok_and(|t| t.born_gen >= gen || t.active_gen >= gen);
+                        // Running in user space: it counts when it next calls.
+                        !seen && !matches!(procs::task_state(tid), Some(('R', _)) | None)
+                    })
+            };
+            if !pending || Instant::now() > deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

@@ -38,32 +38,46 @@ impl Daemon {
         detached(async move {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let slot = d.scheduler.admit(&reg.id, tokio::time::Instant::now()).await;
-            d.capture(&reg, class, None, slot).await
+            let class = d.effective_class(&reg, class).await?;
+            let slot = d
+                .scheduler
+                .admit(&reg.id, tokio::time::Instant::now(), true)
+                .await;
+            d.capture(&reg, class, None, Some(slot)).await
         })
         .await
     }
 
-    /// Makes a version of `reg`'s sandbox as `class` asks and publishes it;
-    /// `turn` is the turn end it belongs to, if a proxy asked. The caller
-    /// holds the sandbox's lock and `slot`, which is freed here.
+    /// The class a version of `reg`'s sandbox must have when `class` is
+    /// asked for: whole when the sandbox has no head (nothing to inherit),
+    /// processes only when it has no filesystem backend. The caller holds
+    /// the sandbox's lock.
+    pub(super) async fn effective_class(&self, reg: &Registration, class: Class) -> Result<Class, ApiError> {
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        Ok(match blocking(move || store.head(&sid)).await? {
+            Some(_) => class,
+            None if reg.fs_backend.is_some() => Class::Full,
+            None => Class::Proc,
+        })
+    }
+
+    /// Makes a version of `reg`'s sandbox of `class` (see
+    /// [`Daemon::effective_class`]) and publishes it; `turn` is the turn
+    /// end it belongs to, if a proxy asked. The caller holds the sandbox's
+    /// lock and, unless `class` is `none`, a `slot`, which is freed here.
     #[tracing::instrument(skip_all, fields(sandbox = %reg.id, %class))]
     pub(super) async fn capture(
         self: &Arc<Self>,
         reg: &Registration,
         class: Class,
         turn: Option<TurnEnd>,
-        slot: Slot,
+        slot: Option<Slot>,
     ) -> Result<CheckpointReport, ApiError> {
         let started = Instant::now();
-        let (urgent, queued_ms) = (slot.urgent, slot.waited.as_secs_f64() * 1e3);
-        let store = self.store.clone();
-        let sid = reg.id.clone();
-        let class = match blocking(move || store.head(&sid)).await? {
-            Some(_) => class,
-            None if reg.fs_backend.is_some() => Class::Full,
-            None => Class::Proc,
-        };
+        let (urgent, queued_ms) = slot
+            .as_ref()
+            .map_or((false, 0.0), |s| (s.urgent, s.waited.as_secs_f64() * 1e3));
         let fs = if class.needs_fs() {
             let backend = reg
                 .fs_backend
@@ -103,6 +117,9 @@ impl Daemon {
                     store: self.files.store_dir(&reg.id),
                 }),
             };
+            let d = self.clone();
+            let sid = reg.id.clone();
+            tokio::task::spawn_blocking(move || d.inspection.begin_capture(&sid)).await?;
             let done: ShimCheckpointed = self.call_shim(reg, routes::shim::CHECKPOINT, &call).await?;
             let own: Vec<PathBuf> = pending
                 .images_dir()
@@ -118,7 +135,9 @@ impl Daemon {
         // The sandbox runs again: hashing and fsyncs happen after the thaw.
         let version = blocking(move || pending.publish()).await?;
         let bytes: u64 = version.images.iter().map(|f| f.bytes).sum();
-        slot.finish(bytes);
+        if let Some(slot) = slot {
+            slot.finish(bytes);
+        }
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         let m = &self.metrics;
         m.versions.get_or_create(&Metrics::class(version.class)).inc();

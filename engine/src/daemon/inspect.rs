@@ -28,6 +28,9 @@ pub trait TurnInspector: Send + Sync {
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
     fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError>;
+    /// A checkpoint of the sandbox begins: what its tasks ran so far stays
+    /// theirs.
+    fn begin_capture(&self, sandbox: &SandboxId) -> Result<(), InspectorError>;
     /// Forgets what a checkpoint just made the sandbox's tasks do (it
     /// froze, dumped and thawed them; its helpers wrote into `own`, its
     /// output directories); their later running counts again.
@@ -94,6 +97,15 @@ impl Inspection {
         }
     }
 
+    /// A checkpoint of the sandbox begins (see [`Inspection::forgive`]).
+    pub fn begin_capture(&self, sandbox: &SandboxId) {
+        if let Some(i) = &self.inspector {
+            if let Err(e) = i.begin_capture(sandbox) {
+                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector begin capture");
+            }
+        }
+    }
+
     /// A checkpoint of the sandbox just thawed it: what the checkpoint made
     /// its tasks do is not the next turn's change (logged when it cannot:
     /// the next turn is then only bigger).
@@ -129,6 +141,10 @@ impl TurnInspector for crab_inspector::Inspector {
         if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox.as_str()) {
             tracing::debug!(%sandbox, error = %crab_api::error_chain(&e), "inspector unregister");
         }
+    }
+
+    fn begin_capture(&self, sandbox: &SandboxId) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::begin_capture(self, sandbox.as_str())?)
     }
 
     fn forgive_activity(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError> {

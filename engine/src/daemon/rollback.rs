@@ -31,11 +31,18 @@ impl Daemon {
             async move {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
-                d.turns.rolling_back(&reg.id);
-                let _done = on_drop(|| d.turns.rolled_back(&reg.id));
                 let started = Instant::now();
                 let (version, images_dir) = d.restorable(&reg.id, req.version).await?;
                 let number = version.record.version;
+                // From here the sandbox's state is replaced: turn ends not
+                // yet captured are overtaken, and until the restore is done
+                // the sandbox descends from no version (a crash in between
+                // makes the next version whole, never a wrong pairing).
+                d.turns.rolling_back(&reg.id);
+                let _done = on_drop(|| d.turns.rolled_back(&reg.id));
+                let store = d.store.clone();
+                let sid = reg.id.clone();
+                blocking(move || store.set_head(&sid, None)).await?;
                 let call = ShimRestore {
                     undo: req.undo,
                     images_dir,

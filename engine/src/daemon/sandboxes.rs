@@ -45,12 +45,14 @@ impl Daemon {
         if !reg.restored {
             // A task started afresh (a restart) descends from no version:
             // its next version captures everything. A restored one (an
-            // import) keeps the head its restore set.
+            // import, whose crabd holds the sandbox's lock now) keeps the
+            // head its restore set. Under the sandbox's lock: no checkpoint
+            // reads the head meanwhile.
+            let busy = self.busy(&reg.id);
+            let _one_at_a_time = busy.lock().await;
             let store = self.store.clone();
             let sid = reg.id.clone();
-            if let Err(e) = blocking(move || store.set_head(&sid, None)).await {
-                tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "head not reset");
-            }
+            blocking(move || store.set_head(&sid, None)).await?;
         }
         let entry = Entry {
             registration: reg.clone(),

@@ -108,8 +108,14 @@ impl Scheduler {
         })
     }
 
-    /// Waits for a slot for a checkpoint of `sandbox` due at `deadline`.
-    pub(super) async fn admit(self: &Arc<Self>, sandbox: &SandboxId, deadline: Instant) -> Slot {
+    /// Waits for a slot for a checkpoint of `sandbox` due at `deadline`;
+    /// `urgent` when its turn's answer already waits on it.
+    pub(super) async fn admit(
+        self: &Arc<Self>,
+        sandbox: &SandboxId,
+        deadline: Instant,
+        urgent: bool,
+    ) -> Slot {
         let (tx, rx) = oneshot::channel();
         {
             let mut s = self.state.lock();
@@ -119,7 +125,7 @@ impl Scheduler {
                 seq,
                 sandbox: sandbox.clone(),
                 deadline,
-                urgent: None,
+                urgent: urgent.then_some(seq),
                 enqueued: Instant::now(),
                 tx,
             });
@@ -240,9 +246,9 @@ impl Scheduler {
         {
             let mut s = self.state.lock();
             s.running -= 1;
-            if self.shape.bytes_per_sec.is_some() {
+            if let Some(rate) = self.shape.bytes_per_sec {
                 self.refill(&mut s);
-                s.tokens += reserved - bytes.unwrap_or(0) as f64;
+                s.tokens = (s.tokens + reserved - bytes.unwrap_or(0) as f64).min(rate);
             }
             if let Some(b) = bytes {
                 s.last_bytes.insert(sandbox.clone(), b);
@@ -306,7 +312,7 @@ mod tests {
         let (sched, order, name) = (sched.clone(), order.clone(), name.to_owned());
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_millis(due_ms);
-            let slot = sched.admit(&id(&name), deadline).await;
+            let slot = sched.admit(&id(&name), deadline, false).await;
             order.lock().push(name);
             tokio::time::sleep(Duration::from_millis(hold_ms)).await;
             slot.finish(bytes);
@@ -393,11 +399,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_dropped_slot_is_freed() {
         let s = sched(1, None);
-        let a = s.admit(&id("a"), Instant::now()).await;
+        let a = s.admit(&id("a"), Instant::now(), false).await;
         assert_eq!(s.metrics.slots_in_use.get(), 1);
         drop(a);
         assert_eq!(s.metrics.slots_in_use.get(), 0);
-        let b = s.admit(&id("b"), Instant::now()).await;
+        let b = s.admit(&id("b"), Instant::now(), true).await;
         b.finish(0);
     }
 }

@@ -1,27 +1,31 @@
 //! Turn ends: a sandbox's proxy (in its shim) reports that turn N ended and
-//! holds that turn's answer until crabd answers. crabd queues the turn's
-//! checkpoint in the host's queue (due when the proxy expects the answer),
-//! asks the inspector for the class once the checkpoint has its slot (so
-//! the class covers every change up to the capture), makes a version of
-//! that class (a manifest line only for `none`), and the answer releases
-//! the agent.
+//! holds that turn's answer until crabd answers. crabd asks the inspector
+//! for the turn's class at once: a `none` turn is a manifest line, made
+//! without waiting for the host's queue; any other waits for a slot (due
+//! when the proxy expects the answer, at once when the proxy says the
+//! answer already waits), then the sandbox is captured and the answer
+//! releases the agent.
 //!
-//! Turn ends of one sandbox merge: while its checkpoint waits for a slot,
-//! later turn ends join it, and the one version answers them all. A turn
-//! end that a rollback overtook (it arrived before or during the rollback
-//! and its checkpoint had not started) gets no version and is refused as
-//! `superseded`: the state it ended on is gone.
+//! Turn ends of one sandbox merge: those that arrive while its checkpoint
+//! waits for a slot join it (the inspector is asked again, the larger class
+//! wins), and the one version answers them all. A turn end that a rollback
+//! overtook (it arrived before or during the rollback and its checkpoint
+//! had not started) gets no version and is refused as `superseded`: the
+//! state it ended on is gone. Changes made between the inspector's answer
+//! and the capture are in the capture and count again in the next turn.
 //!
 //! Invariants: a turn end names its sandbox by exact id; it is never
 //! resolved as a prefix, so it cannot checkpoint another sandbox. Every
 //! turn end is answered once: with a version, or with an error.
 
 use std::collections::HashMap;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crab_api::crabd::{CheckpointReport, Registration, TurnAnswered, TurnEnd, TurnReport};
-use crab_api::SandboxId;
+use crab_api::{Class, SandboxId};
+use futures_util::FutureExt;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -33,6 +37,9 @@ use super::{ApiError, Daemon};
 /// Turn ends of one sandbox that may wait at once; more are refused
 /// (`busy`): a sandbox flooding its proxy cannot grow crabd without bound.
 const MAX_WAITING: usize = 256;
+
+/// The longest answer time a proxy may announce (one hour).
+const MAX_EXPECTED_MS: u64 = 3_600_000;
 
 /// What a turn end is answered with.
 type Answer = Result<(CheckpointReport, TurnReport), Arc<ApiError>>;
@@ -52,6 +59,11 @@ struct Turns {
     epoch: u64,
     /// Whether a rollback is running.
     rolling_back: bool,
+    /// The turns of the checkpoint queued for a slot now, if one is.
+    queued: Option<RangeInclusive<u64>>,
+    /// The newest turn whose answer waits, told before its checkpoint was
+    /// queued: that checkpoint is urgent from the start.
+    answered: u64,
 }
 
 #[derive(Debug)]
@@ -95,30 +107,67 @@ impl TurnQueue {
         }
     }
 
-    /// The earliest deadline of `id`'s waiting turn ends; when none waits,
-    /// the leader steps down (in the same lock: a turn end that arrives
-    /// after starts a new leader).
-    fn deadline_or_step_down(&self, id: &SandboxId) -> Option<Instant> {
+    /// Takes `id`'s waiting turn ends, split into current ones and ones a
+    /// rollback superseded; `None` when none waits, and then the leader
+    /// steps down (in the same lock: a turn end that arrives after starts a
+    /// new leader).
+    fn take_or_step_down(&self, id: &SandboxId) -> Option<(Vec<Waiter>, Vec<Waiter>)> {
         let mut all = self.sandboxes.lock();
         let t = all.get_mut(id)?;
-        let deadline = t.waiting.iter().map(|w| w.deadline).min();
-        if deadline.is_none() {
+        if t.waiting.is_empty() {
             t.leader = false;
+            return None;
         }
-        deadline
+        let epoch = t.epoch;
+        Some(
+            std::mem::take(&mut t.waiting)
+                .into_iter()
+                .partition(|w| w.epoch == epoch),
+        )
     }
 
-    /// Takes `id`'s waiting turn ends, split into current ones and ones a
-    /// rollback superseded.
-    fn take(&self, id: &SandboxId) -> (Vec<Waiter>, Vec<Waiter>) {
+    /// Takes `id`'s waiting turn ends (the leader holds the sandbox's lock,
+    /// so no rollback supersedes them meanwhile).
+    fn take_more(&self, id: &SandboxId) -> Vec<Waiter> {
+        let mut all = self.sandboxes.lock();
+        all.get_mut(id)
+            .map(|t| std::mem::take(&mut t.waiting))
+            .unwrap_or_default()
+    }
+
+    /// `id`'s checkpoint of `turns` waits for a slot (or no longer does,
+    /// `None`); whether one of them has its answer waiting already.
+    fn set_queued(&self, id: &SandboxId, turns: Option<RangeInclusive<u64>>) -> bool {
         let mut all = self.sandboxes.lock();
         let Some(t) = all.get_mut(id) else {
-            return (Vec::new(), Vec::new());
+            return false;
         };
-        let epoch = t.epoch;
+        let urgent = turns.as_ref().is_some_and(|r| *r.start() <= t.answered);
+        t.queued = turns;
+        urgent
+    }
+
+    /// Turn `turn` of `id` has its answer waiting: whether its checkpoint
+    /// is queued now (else a later one starts urgent).
+    fn answered(&self, id: &SandboxId, turn: u64) -> bool {
+        let mut all = self.sandboxes.lock();
+        let Some(t) = all.get_mut(id) else {
+            return false;
+        };
+        t.answered = t.answered.max(turn);
+        t.queued.as_ref().is_some_and(|r| r.contains(&turn))
+    }
+
+    /// The leader of `id` died: a new turn end starts another; those that
+    /// wait are answered with `why`.
+    fn abandon(&self, id: &SandboxId) -> Vec<Waiter> {
+        let mut all = self.sandboxes.lock();
+        let Some(t) = all.get_mut(id) else {
+            return Vec::new();
+        };
+        t.leader = false;
+        t.queued = None;
         std::mem::take(&mut t.waiting)
-            .into_iter()
-            .partition(|w| w.epoch == epoch)
     }
 }
 
@@ -136,7 +185,8 @@ impl Daemon {
         let reg = self.registry.resolve_exact(id)?;
         let expected = end
             .expected_answer_ms
-            .unwrap_or(self.config.schedule.default_answer_ms);
+            .unwrap_or(self.config.schedule.default_answer_ms)
+            .min(MAX_EXPECTED_MS);
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut all = self.turns.sandboxes.lock();
@@ -167,7 +217,23 @@ impl Daemon {
         if lead {
             let d = self.clone();
             let span = tracing::info_span!("turns", sandbox = %reg.id);
-            tokio::spawn(async move { d.lead_turns(reg).await }.instrument(span));
+            tokio::spawn(
+                async move {
+                    let id = reg.id.clone();
+                    let led = std::panic::AssertUnwindSafe(d.clone().lead_turns(reg)).catch_unwind();
+                    if led.await.is_err() {
+                        tracing::error!(sandbox = %id, "the turn task died: its waiting turn ends get no version");
+                        for w in d.turns.abandon(&id) {
+                            d.metrics.skipped_turns.inc();
+                            let _ = w.tx.send(Err(Arc::new(ApiError::Io {
+                                op: "make the turn's version",
+                                source: std::io::Error::other("crabd's turn task died"),
+                            })));
+                        }
+                    }
+                }
+                .instrument(span),
+            );
         }
         match rx.await {
             Ok(Ok((report, _))) => Ok(report),
@@ -193,8 +259,14 @@ impl Daemon {
         super::work::detached(async move {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let slot = d.scheduler.admit(&reg.id, Instant::now()).await;
-            Ok(d.turn_version(&reg, None, slot).await?.1)
+            let report = d.classify(&reg.id).await?;
+            let class = d.effective_class(&reg, report.class).await?;
+            let slot = match class {
+                Class::None => None,
+                _ => Some(d.scheduler.admit(&reg.id, Instant::now(), true).await),
+            };
+            d.turn_version(&reg, class, None, slot).await?;
+            Ok(report)
         })
         .await
     }
@@ -203,7 +275,7 @@ impl Daemon {
     /// the sandbox's queued checkpoint, if any, goes first.
     pub(super) fn turn_answered(&self, id: &SandboxId, turn: u64) -> Result<TurnAnswered, ApiError> {
         let reg = self.registry.resolve_exact(id)?;
-        let promoted = self.scheduler.promote(&reg.id);
+        let promoted = self.turns.answered(&reg.id, turn) && self.scheduler.promote(&reg.id);
         tracing::debug!(sandbox = %reg.id, turn, promoted, "answer waits on its version");
         Ok(TurnAnswered { promoted })
     }
@@ -213,25 +285,17 @@ impl Daemon {
         loop {
             let busy = self.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let Some(deadline) = self.turns.deadline_or_step_down(&reg.id) else {
+            let Some((mut current, stale)) = self.turns.take_or_step_down(&reg.id) else {
                 return;
             };
-            let slot = self.scheduler.admit(&reg.id, deadline).await;
-            // Everything that waits now is covered by this capture.
-            let (current, stale) = self.turns.take(&reg.id);
             self.answer_stale(&reg.id, stale);
-            let Some(newest) = current.iter().map(|w| w.end).max_by_key(|e| e.turn) else {
-                drop(slot);
+            if current.is_empty() {
                 continue;
-            };
+            }
+            let answer = self.batch_version(&reg, &mut current).await.map_err(Arc::new);
             if current.len() > 1 {
                 self.metrics.merged_turns.inc_by(current.len() as u64 - 1);
             }
-            let end = TurnEnd {
-                transcript_turns: current.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
-                ..newest
-            };
-            let answer = self.turn_version(&reg, Some(end), slot).await.map_err(Arc::new);
             if answer.is_err() {
                 self.metrics.skipped_turns.inc_by(current.len() as u64);
             }
@@ -239,19 +303,61 @@ impl Daemon {
         }
     }
 
-    /// Classifies the turn that ends now and makes its version. The
-    /// inspector forgets what it saw once asked: when the capture then
-    /// fails, the sandbox loses its head, so its next version is whole
-    /// and no change goes unsaved.
+    /// The one version of the turn ends `batch`, and of those that join it
+    /// while it waits for a slot. The caller holds the sandbox's lock.
+    async fn batch_version(
+        self: &Arc<Self>,
+        reg: &Registration,
+        batch: &mut Vec<Waiter>,
+    ) -> Result<(CheckpointReport, TurnReport), ApiError> {
+        let mut report = self.classify(&reg.id).await?;
+        let mut class = self.effective_class(reg, report.class).await?;
+        let slot = if class == Class::None {
+            None
+        } else {
+            let turns = batch.iter().map(|w| w.end.turn);
+            let queued = turns.clone().min().unwrap_or(0)..=turns.max().unwrap_or(0);
+            let urgent = self.turns.set_queued(&reg.id, Some(queued));
+            let deadline = batch
+                .iter()
+                .map(|w| w.deadline)
+                .min()
+                .unwrap_or_else(Instant::now);
+            let slot = self.scheduler.admit(&reg.id, deadline, urgent).await;
+            self.turns.set_queued(&reg.id, None);
+            // Everything that waits now is covered by this capture.
+            let more = self.turns.take_more(&reg.id);
+            if !more.is_empty() {
+                let again = self.classify(&reg.id).await?;
+                class = union(class, again.class);
+                report.class = union(report.class, again.class);
+                report.reasons.extend(again.reasons);
+                batch.extend(more);
+            }
+            Some(slot)
+        };
+        let newest = batch.iter().map(|w| w.end).max_by_key(|e| e.turn);
+        let end = newest.map(|e| TurnEnd {
+            transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
+            ..e
+        });
+        let version = self.turn_version(reg, class, end, slot).await?;
+        Ok((version, report))
+    }
+
+    /// Makes the version of a turn the inspector classified as `class`.
+    /// The inspector forgot what it saw once asked: when the capture
+    /// fails, the sandbox loses its head, so its next version is whole and
+    /// no change goes unsaved.
     async fn turn_version(
         self: &Arc<Self>,
         reg: &Registration,
+        class: Class,
         end: Option<TurnEnd>,
-        slot: super::schedule::Slot,
-    ) -> Result<(CheckpointReport, TurnReport), ApiError> {
-        let report = self.classify(&reg.id).await?;
-        match self.capture(reg, report.class, end, slot).await {
-            Ok(version) => Ok((version, report)),
+        slot: Option<super::schedule::Slot>,
+    ) -> Result<CheckpointReport, ApiError> {
+        match self.capture(reg, class, end, slot).await {
+            Ok(version) => Ok(version),
             Err(e) => {
                 let store = self.store.clone();
                 let sid = reg.id.clone();
@@ -297,4 +403,9 @@ impl Daemon {
             })));
         }
     }
+}
+
+/// The class that covers both `a` and `b`.
+fn union(a: Class, b: Class) -> Class {
+    Class::of(a.needs_fs() || b.needs_fs(), a.needs_proc() || b.needs_proc())
 }

@@ -15,11 +15,13 @@
 //!
 //! Loading: the newest intact version numbered `since` or more, if any
 //! (published after the move, so descended from it); otherwise `version`.
-//! Without the file (a manifest older than heads), the newest line.
+//! Without the file (a manifest older than heads), the newest line. A line
+//! after the chosen one that is not intact may be a newer head: then there
+//! is no head (the next version is whole), never an older one.
 
 use serde::{Deserialize, Serialize};
 
-use super::manifest::{Entry, Lookup, Manifest};
+use super::manifest::{Entry, Manifest};
 use super::record::VersionRecord;
 use super::{durable, Inner, SandboxId, StoreError};
 
@@ -81,16 +83,31 @@ impl Head {
                 },
             });
         };
-        if let Some(r) = m.records().rfind(|r| r.version >= file.since) {
-            return Ok(Head::Intact(r.clone()));
+        // The line that names the head, and whether a line after it is not
+        // intact (it may be a newer head: then there is none to trust).
+        let chosen = m
+            .lines
+            .iter()
+            .rposition(|l| matches!(&l.entry, Entry::Version(r) if r.version >= file.since))
+            .or_else(|| {
+                let v = file.version?;
+                m.lines
+                    .iter()
+                    .position(|l| matches!(&l.entry, Entry::Version(r) if r.version == v))
+            });
+        // None: the head was removed, or its line is not intact.
+        let Some(at) = chosen else {
+            return Ok(Head::None);
+        };
+        let later_bad = (at + 1..m.lines.len())
+            .any(|idx| matches!(m.lines[idx].entry, Entry::Bad(_)) && m.bounds(idx).end > file.since);
+        match &m.lines[at].entry {
+            Entry::Version(r) if !later_bad => Ok(Head::Intact(r.clone())),
+            _ => {
+                tracing::warn!(sandbox = %sandbox, "a manifest line after the head is corrupt: no head");
+                Ok(Head::None)
+            }
         }
-        Ok(match file.version {
-            None => Head::None,
-            Some(v) => match m.lookup(v) {
-                Lookup::Found(r) => Head::Intact(r.clone()),
-                Lookup::Bad { .. } | Lookup::Unknown => Head::None,
-            },
-        })
     }
 
     /// Writes `head` as `sandbox`'s head, durably, when the next version

@@ -153,7 +153,7 @@ impl Manifest {
 
     /// The version numbers the bad line at `idx` may hold: strictly between
     /// its intact neighbours', and below [`Manifest::next_version`].
-    fn bounds(&self, idx: usize) -> std::ops::Range<u64> {
+    pub(crate) fn bounds(&self, idx: usize) -> std::ops::Range<u64> {
         let below = self.lines[..idx]
             .iter()
             .rev()

@@ -189,6 +189,14 @@ fn compact(
             removal.unused_snapshots.push(snapshot.clone());
         }
     }
+    if let Some(h) = state.head.version().filter(|h| removal.versions.contains(h)) {
+        // The running state descends from a version that goes: the next
+        // version captures everything. Written before the manifest loses
+        // it, so a crash in between never makes its parent the head.
+        tracing::info!(sandbox = %state.id, head = h, "head removed: the next version is whole");
+        Head::None.store(inner, &state.id, state.next_version)?;
+        state.head = Head::None;
+    }
     let header = Header {
         sandbox: state.id.clone(),
         next_version: state.next_version,
@@ -209,13 +217,7 @@ fn compact(
         state.pending.as_ref().map(|p| p.version),
     )?;
     removal.removed_images = swept.images;
-    if let Some(h) = state.head.version().filter(|h| removal.versions.contains(h)) {
-        // The running state descends from a version that is gone: the next
-        // version captures everything.
-        tracing::info!(sandbox = %state.id, head = h, "head removed: the next version is whole");
-        state.head = Head::None;
-        state.head.store(inner, &state.id, state.next_version)?;
-    }
+
     tracing::info!(
         sandbox = %state.id,
         versions = ?removal.versions,

@@ -220,17 +220,21 @@ async fn queued_turn_ends_merge_and_each_is_answered_once() {
     // Another sandbox's checkpoint holds the only slot.
     let held = d
         .scheduler
-        .admit(&SandboxId::new("s2").unwrap(), tokio::time::Instant::now())
+        .admit(&SandboxId::new("s2").unwrap(), tokio::time::Instant::now(), false)
         .await;
-    let ends: Vec<_> = (1..=3)
-        .map(|turn| {
-            let d = d.clone();
-            tokio::spawn(async move { check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(turn)).await })
-        })
-        .collect();
-    until(|| d.turns.n_waiting(&s1) == 3).await;
+    let end = |turn: u64| {
+        let d = d.clone();
+        tokio::spawn(async move { check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(turn)).await })
+    };
+    // Turn 1's checkpoint waits for the slot; turns 2 and 3 end meanwhile.
+    let mut ends = vec![end(1)];
+    until(|| d.metrics.queue_depth.get() == 1).await;
+    ends.extend([end(2), end(3)]);
+    until(|| d.turns.n_waiting(&s1) == 2).await;
     // Its answer arrived: the queued checkpoint goes first.
-    assert!(d.scheduler.promote(&s1));
+    let (status, _) = check(&d, "POST", "/v1/sandboxes/s1/turns/1/answered", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(d.metrics.urgent_promotions.get(), 1);
     drop(held);
     // One capture for the three (it fails here: there is no shim), and
     // each turn end hears of it once.
@@ -246,25 +250,24 @@ async fn queued_turn_ends_merge_and_each_is_answered_once() {
 #[tokio::test]
 async fn a_rollback_supersedes_the_turn_ends_it_overtakes() {
     let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), &["s1", "s2"]);
+    let d = daemon(dir.path(), &["s1"]);
     let s1 = SandboxId::new("s1").unwrap();
-    let held = d
-        .scheduler
-        .admit(&SandboxId::new("s2").unwrap(), tokio::time::Instant::now())
-        .await;
+    // A rollback holds the sandbox; turn 1 ended just before it began.
+    let busy = d.busy(&s1);
+    let rolling = busy.lock().await;
     let queued = {
         let d = d.clone();
         tokio::spawn(async move { check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(1)).await })
     };
     until(|| d.turns.n_waiting(&s1) == 1).await;
-    // A rollback starts: the queued turn end is overtaken, and one that
-    // arrives while it runs is refused at once.
     d.turns.rolling_back(&s1);
+    // A turn end while it runs is refused at once.
     let (status, error) = check(&d, "POST", "/v1/sandboxes/s1/turns", &turn_body(2)).await;
     assert_eq!(status, StatusCode::CONFLICT, "{error}");
     assert!(error.contains("a rollback of the sandbox is running"), "{error}");
     d.turns.rolled_back(&s1);
-    drop(held);
+    drop(rolling);
+    // The one it overtook gets no version.
     let (status, error) = queued.await.unwrap();
     assert_eq!(status, StatusCode::CONFLICT, "{error}");
     assert!(error.contains("turn 1 of sandbox s1 has no version"), "{error}");

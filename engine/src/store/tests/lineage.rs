@@ -106,3 +106,42 @@ fn retention_keeps_the_head_and_removal_clears_it() {
     assert_eq!(fx.store.head(&fx.s1).unwrap(), None);
     assert_eq!(shape(&publish(&fx.store, &fx.s1, "n")), "5:none ^- p- f-");
 }
+
+/// A corrupt line after the head may be a newer head: no head then (the
+/// next version is whole), never an older one.
+#[test]
+fn a_corrupt_line_after_the_head_leaves_no_head() {
+    let fx = fixture();
+    fx.run("a p");
+    fx.store.set_head(&fx.s1, Some(1)).unwrap();
+    publish(&fx.store, &fx.s1, "f");
+    let path = fx.manifest();
+    let mut bytes = fs::read(&path).unwrap();
+    let last_line = bytes[..bytes.len() - 1]
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .unwrap()
+        + 1;
+    bytes[last_line + 70] ^= 1;
+    fs::write(&path, bytes).unwrap();
+    let fx = fx.reopen();
+    assert_eq!(fx.store.head(&fx.s1).unwrap(), None);
+    // Corrupt lines older than the move do not matter.
+    let fx = fixture();
+    fx.run("a p a");
+    fx.store.set_head(&fx.s1, Some(3)).unwrap();
+    let path = fx.manifest();
+    let mut bytes = fs::read(&path).unwrap();
+    let second = bytes
+        .iter()
+        .enumerate()
+        .filter(|(_, &b)| b == b'\n')
+        .nth(1)
+        .unwrap()
+        .0
+        + 1;
+    bytes[second + 70] ^= 1;
+    fs::write(&path, bytes).unwrap();
+    let fx = fx.reopen();
+    assert_eq!(fx.store.head(&fx.s1).unwrap(), Some(3));
+}
