@@ -35,6 +35,7 @@ bench: deps release
 	target/release/crab-bench checkpoint
 	target/release/crab-bench turn
 	target/release/crab-bench inspector
+	target/release/crab-bench density
 
 install: release
 	packaging/install.sh
