@@ -333,13 +333,16 @@ impl Inspector {
                 procs::members(&sb.cgroup_dir, "cgroup.threads")
                     .into_iter()
                     .any(|tid| {
-                        let seen = state
+                        // Only a followed task asleep in the kernel owes a
+                        // restarted call: one running in user space counts
+                        // when it next calls; a zombie or a stopped one
+                        // never calls.
+                        let behind = state
                             .maps
                             .tasks
                             .get(&tid, 0)
-                            .is_ok_and(|t| t.born_gen >= gen || t.active_gen >= gen);
-                        // Running in user space: it counts when it next calls.
-                        !seen && !matches!(procs::task_state(tid), Some(('R', _)) | None)
+                            .is_ok_and(|t| t.born_gen < gen && t.active_gen < gen);
+                        behind && matches!(procs::task_state(tid), Some(('S' | 'D', _)))
                     })
             };
             if !pending || Instant::now() > deadline {

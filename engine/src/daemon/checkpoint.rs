@@ -107,6 +107,7 @@ impl Daemon {
             )
         })
         .await?;
+        let mut forgive = None;
         let frozen_ms = if class == Class::None {
             0.0
         } else {
@@ -127,9 +128,7 @@ impl Daemon {
                 .into_iter()
                 .chain(done.work_dir)
                 .collect();
-            let d = self.clone();
-            let sid = reg.id.clone();
-            tokio::task::spawn_blocking(move || d.inspection.forgive(&sid, &own)).await?;
+            forgive = Some(own);
             done.frozen_ms
         };
         // The sandbox runs again: hashing and fsyncs happen after the thaw.
@@ -137,6 +136,13 @@ impl Daemon {
         let bytes: u64 = version.images.iter().map(|f| f.bytes).sum();
         if let Some(slot) = slot {
             slot.finish(bytes);
+        }
+        // Bookkeeping, after the slot is free; before the next turn end,
+        // which waits for the sandbox's lock the caller holds.
+        if let Some(own) = forgive {
+            let d = self.clone();
+            let sid = reg.id.clone();
+            tokio::task::spawn_blocking(move || d.inspection.forgive(&sid, &own)).await?;
         }
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         let m = &self.metrics;

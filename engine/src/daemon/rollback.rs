@@ -58,7 +58,14 @@ impl Daemon {
                 blocking(move || store.set_head(&sid, Some(number))).await?;
                 let d2 = d.clone();
                 let sid = reg.id.clone();
-                tokio::task::spawn_blocking(move || d2.inspection.reset(&sid)).await?;
+                // The restored state is the next turn's start; the restored
+                // tasks resuming their calls are the restore's doing.
+                tokio::task::spawn_blocking(move || {
+                    d2.inspection.reset(&sid);
+                    d2.inspection.begin_capture(&sid);
+                    d2.inspection.forgive(&sid, &[]);
+                })
+                .await?;
                 d.metrics.restore.observe(done.restore_ms / 1e3);
                 let total_ms = started.elapsed().as_secs_f64() * 1e3;
                 tracing::info!(

@@ -5,8 +5,8 @@
 //! - A byte budget (a token bucket, bytes per second, a second's worth of
 //!   burst) bounds what they write: a slot is given when the bucket holds
 //!   what the job is expected to write (what its sandbox's last checkpoint
-//!   wrote; the host's average, or a whole second's worth, before it has
-//!   one), which is reserved; when it ends it pays what it really wrote.
+//!   wrote; the host's average before it has one), which is reserved; when
+//!   it ends it pays what it really wrote, and the bucket may go into debt.
 //! - Order: urgent jobs first (their turn's answer already arrived and
 //!   waits on them), in the order they were promoted; then by deadline (the
 //!   turn's predicted answer time), earliest first; then by arrival.
@@ -177,9 +177,13 @@ impl Scheduler {
                 .expect("the queue is not empty");
             let reserved = match self.shape.bytes_per_sec {
                 Some(rate) => {
+                    // A sandbox's first checkpoint is expected to write
+                    // what others write on average (nothing before any
+                    // wrote): a guess of a whole second's worth would hold
+                    // every new sandbox a second.
                     let expected = match s.last_bytes.get(&s.queue[best].sandbox) {
                         Some(b) => *b as f64,
-                        None => s.avg_bytes.unwrap_or(rate),
+                        None => s.avg_bytes.unwrap_or(0.0),
                     };
                     // Never more than the bucket holds when full.
                     let reserve = expected.min(rate);
