@@ -164,7 +164,7 @@ async fn register(client: &Crabd, reg: &Registration, config: &CrabdShimConfig) 
 
 /// Starts crabd in a process group of its own, detached from the shim's
 /// stdio; it reads the same `crab.toml` (`$CRAB_CONFIG` is inherited).
-fn spawn_crabd(binary: &Path) -> std::io::Result<()> {
+pub(crate) fn spawn_crabd(binary: &Path) -> std::io::Result<()> {
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new(binary);
     cmd.stdin(std::process::Stdio::null())

@@ -278,7 +278,8 @@ async fn listen_in_sandbox(pid: i32, port: u16) -> Result<tokio::net::TcpListene
 pub fn turn_hook(cfg: &ProxyShimConfig, crabd: &crate::config::CrabdShimConfig) -> Arc<dyn TurnHook> {
     if cfg.checkpoint_on_turn && crabd.register {
         let limit = Duration::from_secs(cfg.hold_timeout);
-        Arc::new(crate::turn_hook::EngineHook::new(&crabd.socket, limit))
+        let autostart = crabd.autostart.then_some(crabd.binary.as_path());
+        Arc::new(crate::turn_hook::EngineHook::new(&crabd.socket, limit, autostart))
     } else {
         // Every turn is safe at once.
         Arc::new(NoopHook)

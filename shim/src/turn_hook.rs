@@ -10,27 +10,55 @@
 //! handler alone). The gate bounds the wait (`hold_timeout`) and releases
 //! the answer on failure: the agent is never wedged by crabd.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use crab_api::crabd::TurnEnd;
+use crab_api::crabd::{CheckpointReport, TurnEnd};
 use crab_api::{ClientError, Crabd};
 use crab_proxy::{HookError, SandboxId, TurnHook};
 
 /// A [`TurnHook`] that has crabd checkpoint the sandbox at each turn end.
 pub struct EngineHook {
     crabd: Crabd,
+    /// The crabd binary to start when nothing listens (`[crabd] autostart`).
+    autostart: Option<PathBuf>,
 }
 
 // === impl EngineHook ===
 
 impl EngineHook {
-    /// A hook calling crabd at `socket`, each call limited to `limit`.
-    pub fn new(socket: &Path, limit: Duration) -> Self {
+    /// A hook calling crabd at `socket`, each call limited to `limit`;
+    /// when nothing listens there (crabd died or the host restarted it
+    /// away), it starts `autostart` and tries again for a few seconds.
+    pub fn new(socket: &Path, limit: Duration, autostart: Option<&Path>) -> Self {
         EngineHook {
             crabd: Crabd::new(socket, limit),
+            autostart: autostart.map(ToOwned::to_owned),
         }
+    }
+
+    /// crabd's answer to `end`, starting crabd once if it is not running
+    /// (its registry on disk still knows the sandbox).
+    async fn send(&self, sandbox: &SandboxId, end: &TurnEnd) -> Result<CheckpointReport, ClientError> {
+        let first = self.crabd.turn_ended(sandbox, end).await;
+        let (Err(ClientError::Connect { .. }), Some(binary)) = (&first, &self.autostart) else {
+            return first;
+        };
+        tracing::warn!(%sandbox, turn = end.turn, "crabd is not running: starting it");
+        if let Err(e) = crate::control::spawn_crabd(binary) {
+            tracing::warn!(binary = %binary.display(), error = %e, "start crabd");
+            return first;
+        }
+        let mut last = first;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            last = self.crabd.turn_ended(sandbox, end).await;
+            if !matches!(last, Err(ClientError::Connect { .. })) {
+                break;
+            }
+        }
+        last
     }
 }
 
@@ -50,7 +78,7 @@ impl TurnHook for EngineHook {
             transcript_turns: turn.saturating_sub(1),
             expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         };
-        match self.crabd.turn_ended(sandbox, &end).await {
+        match self.send(sandbox, &end).await {
             Ok(r) => {
                 tracing::info!(
                     %sandbox,

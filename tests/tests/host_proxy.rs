@@ -385,3 +385,49 @@ fn an_execd_agent_reaches_its_llm_through_the_proxy() {
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// crabd killed between two turns: the next turn end starts it again (the
+/// shim's hook, with `[crabd] autostart`), and that turn is a version too,
+/// numbered after the first; nothing is lost or made twice.
+#[test]
+fn a_turn_after_crabd_died_starts_it_and_is_a_version() {
+    let llm = ScriptedLlm::start();
+    let (ctd, base) = containerd("");
+    let id = "deadpx";
+    run_sandbox(&ctd, &llm, id);
+    let post = "wget -qO- --header 'Content-Type: application/json' \
+                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    crab_tests::sandbox::exec_sh(&ctd, id, post);
+    let old = ctd.crabd_pid().expect("crabd runs");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old), nix::sys::signal::Signal::SIGKILL).unwrap();
+    crab_tests::wait_until(10, || {
+        std::os::unix::net::UnixStream::connect(ctd.crabd_socket())
+            .is_err()
+            .then_some(())
+    })
+    .expect("crabd is gone");
+    let out = crab_tests::sandbox::exec_sh(&ctd, id, post);
+    assert!(out.contains("scripted answer"), "{out}");
+    let new = ctd.crabd_pid().expect("crabd runs again");
+    assert_ne!(new, old);
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    let got: Vec<(u64, u64)> = versions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|v| (v["version"].as_u64().unwrap(), v["turn"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(got, [(1, 1), (2, 2)], "{versions}");
+    let path = base
+        .join("transcripts")
+        .join(&ctd.namespace)
+        .join(format!("{id}.jsonl"));
+    crab_tests::wait_until(10, || (turn_records(&path).len() == 2).then_some(()))
+        .expect("two turns recorded");
+    let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
+    assert_eq!(gates, ["opened"; 2]);
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}
