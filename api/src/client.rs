@@ -133,12 +133,7 @@ impl UnixClient {
     /// `GET path`, answering the body as text (a non-JSON answer).
     pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
         let work = async {
-            let req = Request::builder()
-                .method(Method::GET)
-                .uri(format!("http://crab{path}"))
-                .body(Full::new(Bytes::new()))
-                .expect("a well-formed request");
-            let resp = self.send(req).await?;
+            let resp = self.send(bare_get(path)).await?;
             let body = self.ok_body(resp).await?;
             Ok(String::from_utf8_lossy(&body).into_owned())
         };
@@ -296,12 +291,7 @@ impl UnixClient {
     /// until the server ends it or `on_line` returns false. No time limit:
     /// a watch runs as long as its caller wants.
     pub async fn lines(&self, path: &str, mut on_line: impl FnMut(&str) -> bool) -> Result<(), ClientError> {
-        let req = Request::builder()
-            .method(Method::GET)
-            .uri(format!("http://crab{path}"))
-            .body(Full::new(Bytes::new()))
-            .expect("a well-formed request");
-        let resp = self.send(req).await?;
+        let resp = self.send(bare_get(path)).await?;
         if resp.status() != StatusCode::OK {
             self.ok_body(resp).await?;
             unreachable!("ok_body refuses every other status");
@@ -396,4 +386,13 @@ impl UnixClient {
         }
         Ok(body)
     }
+}
+
+/// `GET path` with no body.
+fn bare_get(path: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(Method::GET)
+        .uri(format!("http://crab{path}"))
+        .body(Full::new(Bytes::new()))
+        .expect("a well-formed request")
 }

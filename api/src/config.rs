@@ -58,7 +58,7 @@ pub struct CrabdConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleConfig {
-    /// Checkpoints that run at once; 0: one per core of the host.
+    /// Checkpoints that run at once; 0: four per core of the host (a capture mostly waits).
     pub slots: usize,
     /// Bytes per second checkpoints may write; 0: half of what a disk probe
     /// measured (run once, kept in `<root>/disk-probe.json`); -1: no limit.

@@ -58,6 +58,9 @@ struct Outcome {
     /// Frozen seconds per checkpoint (mean), and checkpoints.
     frozen_mean: f64,
     n_checkpoints: f64,
+    /// Seconds a capture waited for its slot, and took after (means).
+    wait_mean: f64,
+    capture_mean: f64,
     /// Versions by class: none, fs, proc, full.
     classes: [f64; 4],
 }
@@ -224,11 +227,17 @@ fn measure(mode: Mode, tasks: &[Vec<Step>], llm: &ScriptedLlm) -> anyhow::Result
         };
         let n = value("crab_frozen_seconds_count");
         outcome.n_checkpoints = n;
-        outcome.frozen_mean = if n > 0.0 {
-            value("crab_frozen_seconds_sum") / n
-        } else {
-            0.0
+        let mean_of = |name: &str| {
+            let count = value(&format!("{name}_count"));
+            if count > 0.0 {
+                value(&format!("{name}_sum")) / count
+            } else {
+                0.0
+            }
         };
+        outcome.frozen_mean = mean_of("crab_frozen_seconds");
+        outcome.wait_mean = mean_of("crab_queue_wait_seconds");
+        outcome.capture_mean = mean_of("crab_checkpoint_seconds");
         for (i, class) in ["none", "fs", "proc", "full"].iter().enumerate() {
             outcome.classes[i] = value(&format!("crab_versions_total{{class=\"{class}\"}}"));
         }
@@ -323,7 +332,7 @@ fn print(n: usize, turns: usize, scale: f64, rows: &mut [(Mode, Outcome)]) {
         .unwrap_or(f64::NAN);
     println!("\ndensity: {n} sandboxes, {turns} traced turns each (think times x{scale}), wall clock");
     println!(
-        "{:<30} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>17}",
+        "{:<30} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>17}",
         "configuration",
         "hold p50",
         "hold p95",
@@ -333,13 +342,15 @@ fn print(n: usize, turns: usize, scale: f64, rows: &mut [(Mode, Outcome)]) {
         "share p99",
         "kept MB",
         "frozen",
+        "wait",
+        "capture",
         "e2e",
         "none/fs/proc/full"
     );
     for (mode, o) in rows.iter_mut() {
         let share = |p: f64, v: &mut Vec<f64>| format!("{:.3}%", percentile_f64(v, p) * 100.0);
         println!(
-            "{:<30} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9.1} {:>9} {:>7.3}x {:>17}",
+            "{:<30} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9.1} {:>9} {:>9} {:>9} {:>7.3}x {:>17}",
             mode.name(),
             crate::stats::ms(percentile(&mut o.holds, 50.0)),
             crate::stats::ms(percentile(&mut o.holds, 95.0)),
@@ -349,6 +360,8 @@ fn print(n: usize, turns: usize, scale: f64, rows: &mut [(Mode, Outcome)]) {
             share(99.0, &mut o.shares),
             o.kept_bytes as f64 / 1e6,
             format!("{:.1}ms", o.frozen_mean * 1e3),
+            format!("{:.1}ms", o.wait_mean * 1e3),
+            format!("{:.1}ms", o.capture_mean * 1e3),
             mean(&o.task_times) / baseline,
             format!(
                 "{}/{}/{}/{}",
@@ -356,7 +369,10 @@ fn print(n: usize, turns: usize, scale: f64, rows: &mut [(Mode, Outcome)]) {
             ),
         );
     }
-    println!("(hold: ms an answer waited for its version; share: a task's held time over its time; targets: share p95 <= 0.2%, e2e <= 1.01x)");
+    println!(
+        "(hold: ms an answer waited for its version; share: a task's held time over its time; frozen, wait \
+         (for a slot) and capture: means per checkpoint; targets: share p95 <= 0.2%, e2e <= 1.01x)"
+    );
 }
 
 fn mean(v: &[Duration]) -> f64 {

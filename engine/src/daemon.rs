@@ -182,8 +182,11 @@ impl Daemon {
     }
 }
 
-/// The checkpoint queue's shape from `[crabd.schedule]`: 0 slots is one
-/// per core; a budget of 0 is half the disk probe's rate, -1 none.
+/// The checkpoint queue's shape from `[crabd.schedule]`: 0 slots is four
+/// per core (a capture mostly waits: on fsyncs, on CRIU's ptrace of the
+/// sandbox, on its helper processes; `crab-bench density` held answers
+/// longer with one or two per core); a budget of 0 is half the disk
+/// probe's rate, -1 none.
 fn schedule_shape(config: &CrabdConfig) -> schedule::Shape {
     let s = &config.schedule;
     let slots = match s.slots {

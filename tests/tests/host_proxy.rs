@@ -88,6 +88,25 @@ fn host_agent(url: &str, n_turns: u32, extras: bool) -> Vec<Value> {
     got["answers"].as_array().expect("answers").clone()
 }
 
+/// The turns of sandbox `id`'s versions, in order.
+fn version_turns(ctd: &Containerd, id: &str) -> Vec<u64> {
+    crabctl_ok(ctd, &["versions", id])
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["turn"].as_u64())
+        .collect()
+}
+
+/// Removes sandbox `id`, checks it left nothing, stops containerd and
+/// removes the test's directory.
+fn finish(ctd: Containerd, id: &str, base: &Path) {
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(base);
+}
+
 /// The turn records of a transcript.
 fn turn_records(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -299,14 +318,7 @@ fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
 
     // Each turn end is a version, taken while the agent's request to the
     // proxy was open (CRIU keeps the connection).
-    let versions = crabctl_ok(&ctd, &["versions", id]);
-    let turns: Vec<u64> = versions
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|v| v["turn"].as_u64())
-        .collect();
-    assert_eq!(turns, [1, 2, 3]);
+    assert_eq!(version_turns(&ctd, id), [1, 2, 3]);
     let path = base
         .join("transcripts")
         .join(&ctd.namespace)
@@ -372,18 +384,8 @@ fn an_execd_agent_reaches_its_llm_through_the_proxy() {
         .join(format!("{id}.jsonl"));
     crab_tests::wait_until(10, || (!turn_records(&path).is_empty()).then_some(()))
         .expect("the proxy recorded the exec's turn");
-    let versions = crabctl_ok(&ctd, &["versions", id]);
-    let turns: Vec<u64> = versions
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|v| v["turn"].as_u64())
-        .collect();
-    assert_eq!(turns, [1], "{versions}");
-    ctd.remove(id);
-    assert_clean(&ctd.scope(), &[id]);
-    drop(ctd);
-    let _ = std::fs::remove_dir_all(&base);
+    assert_eq!(version_turns(&ctd, id), [1]);
+    finish(ctd, id, &base);
 }
 
 /// crabd killed between two turns: the next turn end starts it again (the
@@ -410,14 +412,9 @@ fn a_turn_after_crabd_died_starts_it_and_is_a_version() {
     assert!(out.contains("scripted answer"), "{out}");
     let new = ctd.crabd_pid().expect("crabd runs again");
     assert_ne!(new, old);
-    let versions = crabctl_ok(&ctd, &["versions", id]);
-    let got: Vec<(u64, u64)> = versions
-        .as_array()
-        .expect("a list")
-        .iter()
-        .map(|v| (v["version"].as_u64().unwrap(), v["turn"].as_u64().unwrap()))
-        .collect();
-    assert_eq!(got, [(1, 1), (2, 2)], "{versions}");
+    // Versions 1 and 2, of turns 1 and 2.
+    assert_eq!(crab_tests::sandbox::version_numbers(&ctd, id), [1, 2]);
+    assert_eq!(version_turns(&ctd, id), [1, 2]);
     let path = base
         .join("transcripts")
         .join(&ctd.namespace)
@@ -426,8 +423,5 @@ fn a_turn_after_crabd_died_starts_it_and_is_a_version() {
         .expect("two turns recorded");
     let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
     assert_eq!(gates, ["opened"; 2]);
-    ctd.remove(id);
-    assert_clean(&ctd.scope(), &[id]);
-    drop(ctd);
-    let _ = std::fs::remove_dir_all(&base);
+    finish(ctd, id, &base);
 }

@@ -92,6 +92,27 @@ fn snap(name: &str) -> FsSnapshot {
     }
 }
 
+/// Flips a bit of byte `at` of line `line` (from 0: the header) of the
+/// manifest at `path`, which then fails its checksum.
+fn corrupt_line(path: &std::path::Path, line: usize, at: usize) {
+    let mut bytes = fs::read(path).unwrap();
+    let start = match line {
+        0 => 0,
+        n => {
+            bytes
+                .iter()
+                .enumerate()
+                .filter(|(_, &b)| b == b'\n')
+                .nth(n - 1)
+                .unwrap()
+                .0
+                + 1
+        }
+    };
+    bytes[start + at] ^= 1;
+    fs::write(path, bytes).unwrap();
+}
+
 /// Publishes one version of class `code` (`n`one, `f`s, `p`roc, `a`ll =
 /// full); fs snapshots are named `crab-<version>`, process images are
 /// `pages.img` and `core/core.img`.

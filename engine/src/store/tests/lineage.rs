@@ -115,33 +115,15 @@ fn a_corrupt_line_after_the_head_leaves_no_head() {
     fx.run("a p");
     fx.store.set_head(&fx.s1, Some(1)).unwrap();
     publish(&fx.store, &fx.s1, "f");
-    let path = fx.manifest();
-    let mut bytes = fs::read(&path).unwrap();
-    let last_line = bytes[..bytes.len() - 1]
-        .iter()
-        .rposition(|&b| b == b'\n')
-        .unwrap()
-        + 1;
-    bytes[last_line + 70] ^= 1;
-    fs::write(&path, bytes).unwrap();
+    // Lines: the header, then versions 1, 2 and 3.
+    corrupt_line(&fx.manifest(), 3, 70);
     let fx = fx.reopen();
     assert_eq!(fx.store.head(&fx.s1).unwrap(), None);
     // Corrupt lines older than the move do not matter.
     let fx = fixture();
     fx.run("a p a");
     fx.store.set_head(&fx.s1, Some(3)).unwrap();
-    let path = fx.manifest();
-    let mut bytes = fs::read(&path).unwrap();
-    let second = bytes
-        .iter()
-        .enumerate()
-        .filter(|(_, &b)| b == b'\n')
-        .nth(1)
-        .unwrap()
-        .0
-        + 1;
-    bytes[second + 70] ^= 1;
-    fs::write(&path, bytes).unwrap();
+    corrupt_line(&fx.manifest(), 2, 70);
     let fx = fx.reopen();
     assert_eq!(fx.store.head(&fx.s1).unwrap(), Some(3));
 }

@@ -50,17 +50,7 @@ fn retain_drops_old_corrupt_lines() {
     let fx = fixture();
     fx.run("a n n n");
     let path = fx.manifest();
-    let mut bytes = fs::read(&path).unwrap();
-    let line3 = bytes
-        .iter()
-        .enumerate()
-        .filter(|(_, &b)| b == b'\n')
-        .nth(1)
-        .unwrap()
-        .0
-        + 1;
-    bytes[line3 + 3] ^= 1;
-    fs::write(&path, bytes).unwrap();
+    corrupt_line(&path, 2, 3);
     assert_eq!(fx.summary(), "v1 #3!line3 v3 v4");
     let removal = fx.store.retain(&fx.s1, 2).unwrap();
     assert_eq!((removal.versions.len(), removal.n_bad_lines), (0, 1));
