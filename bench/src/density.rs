@@ -242,6 +242,13 @@ fn measure(mode: Mode, tasks: &[Vec<Step>], llm: &ScriptedLlm) -> anyhow::Result
             outcome.classes[i] = value(&format!("crab_versions_total{{class=\"{class}\"}}"));
         }
         outcome.kept_bytes = du(&ctd.crabd_root());
+        if let Some(line) = std::fs::read_to_string(ctd.crabd_root().join("crabd.log"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains("checkpoint queue"))
+        {
+            eprintln!("{}: {line}", mode.name());
+        }
     }
     for id in &ids {
         ctd.remove(id);

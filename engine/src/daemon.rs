@@ -190,9 +190,7 @@ impl Daemon {
 fn schedule_shape(config: &CrabdConfig) -> schedule::Shape {
     let s = &config.schedule;
     let slots = match s.slots {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get() / 2)
-            .max(1),
+        0 => 4 * std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
     let bytes_per_sec = match s.bytes_per_sec {
