@@ -250,7 +250,15 @@ impl Inspector {
             .sandboxes
             .get_mut(&cg)
             .expect("named sandboxes are registered");
-        sb.before_capture = Some(sb.current.ran());
+        // Also every thread not asleep in the kernel: what it does until
+        // the freeze is its own work, and its next call counts.
+        let mut keep = sb.current.ran();
+        for tid in procs::members(&sb.cgroup_dir, "cgroup.threads") {
+            if !matches!(procs::task_state(tid), Some(('S' | 'D', _))) {
+                keep.insert(tid);
+            }
+        }
+        sb.before_capture = Some(keep);
         Ok(())
     }
 

@@ -107,6 +107,11 @@ impl Daemon {
             )
         })
         .await?;
+        if class == Class::None && pending.parent().is_none() {
+            // The head went (a restart raced this turn end): a line that
+            // inherits nothing would restore nothing.
+            return Err(ApiError::HeadMoved { id: reg.id.clone() });
+        }
         let mut forgive = None;
         let frozen_ms = if class == Class::None {
             0.0
@@ -131,18 +136,22 @@ impl Daemon {
             forgive = Some(own);
             done.frozen_ms
         };
-        // The sandbox runs again: hashing and fsyncs happen after the thaw.
-        let version = blocking(move || pending.publish()).await?;
+        // The sandbox runs again: hashing and fsyncs happen after the thaw,
+        // beside the inspector's forgiveness of the capture (soon after the
+        // thaw: what the sandbox does after it counts).
+        let d = self.clone();
+        let sid = reg.id.clone();
+        let forgiven = tokio::task::spawn_blocking(move || {
+            if let Some(own) = forgive {
+                d.inspection.forgive(&sid, &own);
+            }
+        });
+        let published = blocking(move || pending.publish()).await;
+        forgiven.await?;
+        let version = published?;
         let bytes: u64 = version.images.iter().map(|f| f.bytes).sum();
         if let Some(slot) = slot {
             slot.finish(bytes);
-        }
-        // Bookkeeping, after the slot is free; before the next turn end,
-        // which waits for the sandbox's lock the caller holds.
-        if let Some(own) = forgive {
-            let d = self.clone();
-            let sid = reg.id.clone();
-            tokio::task::spawn_blocking(move || d.inspection.forgive(&sid, &own)).await?;
         }
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         let m = &self.metrics;

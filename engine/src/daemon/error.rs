@@ -142,6 +142,13 @@ pub enum ApiError {
         /// What came first.
         why: &'static str,
     },
+    /// The sandbox's head went while a `none` version began (its task
+    /// restarted): a line inheriting nothing would restore nothing.
+    #[error("sandbox {id} started afresh while this version began: none made, the next is whole")]
+    HeadMoved {
+        /// The sandbox.
+        id: SandboxId,
+    },
     /// Too many turn ends of one sandbox wait for their version.
     #[error("sandbox {id} has {waiting} turn ends waiting for their version: this one gets none")]
     TooManyTurns {
@@ -227,7 +234,7 @@ impl ApiError {
                 _ => ErrorCode::Shim,
             },
             ApiError::Superseded { .. } => ErrorCode::Superseded,
-            ApiError::TooManyTurns { .. } => ErrorCode::Busy,
+            ApiError::TooManyTurns { .. } | ApiError::HeadMoved { .. } => ErrorCode::Busy,
             ApiError::Shared(e) => e.code(),
             ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,
         }

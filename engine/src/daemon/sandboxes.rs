@@ -45,14 +45,19 @@ impl Daemon {
         if !reg.restored {
             // A task started afresh (a restart) descends from no version:
             // its next version captures everything. A restored one (an
-            // import, whose crabd holds the sandbox's lock now) keeps the
-            // head its restore set. Under the sandbox's lock: no checkpoint
-            // reads the head meanwhile.
-            let busy = self.busy(&reg.id);
-            let _one_at_a_time = busy.lock().await;
+            // import) keeps the head its restore set. Not under the
+            // sandbox's lock (a queued checkpoint may hold it for long, and
+            // the shim waits only seconds): a capture that raced this and
+            // would inherit nothing is refused (`capture`); one still being
+            // written makes the reset wait on a task of its own.
+            self.turns.reset_answered(&reg.id);
             let store = self.store.clone();
             let sid = reg.id.clone();
-            blocking(move || store.set_head(&sid, None)).await?;
+            match blocking(move || store.set_head(&sid, None)).await {
+                Ok(()) => {}
+                Err(ApiError::Store(StoreError::PendingExists { .. })) => self.reset_head_later(&reg.id),
+                Err(e) => return Err(e),
+            }
         }
         let entry = Entry {
             registration: reg.clone(),
@@ -63,6 +68,21 @@ impl Daemon {
         self.inspection.register(&reg.id, reg.cgroup.as_deref());
         tracing::info!(sandbox = %reg.id, namespace = reg.namespace, pid = reg.pid, "registered");
         Ok(self.info(entry))
+    }
+
+    /// Resets sandbox `id`'s head once the version being written is done
+    /// (under the sandbox's lock, on a task of its own).
+    fn reset_head_later(&self, id: &SandboxId) {
+        let busy = self.busy(id);
+        let store = self.store.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            let _one_at_a_time = busy.lock().await;
+            let sid = id.clone();
+            if let Err(e) = blocking(move || store.set_head(&sid, None)).await {
+                tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "head not reset after a restart");
+            }
+        });
     }
 
     /// Sandbox `id`'s task is gone. Its versions stay until containerd

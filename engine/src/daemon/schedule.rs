@@ -187,7 +187,9 @@ impl Scheduler {
                     };
                     // Never more than the bucket holds when full.
                     let reserve = expected.min(rate);
-                    if s.tokens < reserve {
+                    // A job expected to write nothing never waits for
+                    // another's debt.
+                    if reserve > 0.0 && s.tokens < reserve {
                         self.arm_wake(&mut s, reserve);
                         break;
                     }

@@ -158,6 +158,13 @@ impl TurnQueue {
         t.queued.as_ref().is_some_and(|r| r.contains(&turn))
     }
 
+    /// `id`'s task started afresh: its turn numbers start again.
+    pub(super) fn reset_answered(&self, id: &SandboxId) {
+        if let Some(t) = self.sandboxes.lock().get_mut(id) {
+            t.answered = 0;
+        }
+    }
+
     /// The leader of `id` died: a new turn end starts another; those that
     /// wait are answered with `why`.
     fn abandon(&self, id: &SandboxId) -> Vec<Waiter> {
@@ -293,6 +300,11 @@ impl Daemon {
                 continue;
             }
             let answer = self.batch_version(&reg, &mut current).await.map_err(Arc::new);
+            if answer.is_err() {
+                // The inspector may have been asked: what it saw must not
+                // go unsaved, so the next version is whole.
+                self.clear_head(&reg.id).await;
+            }
             if current.len() > 1 {
                 self.metrics.merged_turns.inc_by(current.len() as u64 - 1);
             }
@@ -356,16 +368,20 @@ impl Daemon {
         end: Option<TurnEnd>,
         slot: Option<super::schedule::Slot>,
     ) -> Result<CheckpointReport, ApiError> {
-        match self.capture(reg, class, end, slot).await {
-            Ok(version) => Ok(version),
-            Err(e) => {
-                let store = self.store.clone();
-                let sid = reg.id.clone();
-                if let Err(e) = super::work::blocking(move || store.set_head(&sid, None)).await {
-                    tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "head not cleared after a failed turn version");
-                }
-                Err(e)
-            }
+        let version = self.capture(reg, class, end, slot).await;
+        if version.is_err() {
+            self.clear_head(&reg.id).await;
+        }
+        version
+    }
+
+    /// Clears sandbox `id`'s head after a failed turn version (logged when
+    /// it cannot). The caller holds the sandbox's lock.
+    async fn clear_head(&self, id: &SandboxId) {
+        let store = self.store.clone();
+        let sid = id.clone();
+        if let Err(e) = super::work::blocking(move || store.set_head(&sid, None)).await {
+            tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "head not cleared after a failed turn version");
         }
     }
 

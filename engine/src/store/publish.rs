@@ -157,6 +157,11 @@ impl PendingVersion {
         self.version
     }
 
+    /// The version it descends from (the sandbox's head when it began).
+    pub fn parent(&self) -> Option<u64> {
+        self.parent
+    }
+
     /// The sandbox it belongs to.
     pub fn sandbox(&self) -> &SandboxId {
         &self.sandbox
