@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use crab_tests::llm::{ScriptedLlm, THINK_HEADER};
+use crab_tests::llm::{chat_turn, ScriptedLlm};
 use crab_tests::sandbox::{crabctl, crabctl_ok, wait_registered};
 use crab_tests::{Containerd, CRAB};
 
@@ -275,35 +275,11 @@ fn agent(ctd: &Containerd, id: &str, url: &str, steps: &[Step]) -> Duration {
         if !out.status.success() {
             eprintln!("{id} step {i}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        if let Err(e) = turn(url, step.think) {
+        if let Err(e) = chat_turn(url, step.think) {
             eprintln!("{id} step {i}: turn: {e}");
         }
     }
     started.elapsed()
-}
-
-/// A chat completion through the proxy URL; the LLM answers after `think`.
-fn turn(url: &str, think: Duration) -> std::io::Result<()> {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://").unwrap_or(url);
-    let (addr, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let body = r#"{"model":"m","messages":[{"role":"user","content":"next"}]}"#;
-    let mut s = std::net::TcpStream::connect(addr)?;
-    write!(
-        s,
-        "POST /{path}/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-         {THINK_HEADER}: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        think.as_millis(),
-        body.len()
-    )?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer)?;
-    if !answer.starts_with("HTTP/1.1 200") {
-        return Err(std::io::Error::other(
-            answer.lines().next().unwrap_or("").to_owned(),
-        ));
-    }
-    Ok(())
 }
 
 /// Each turn's hold, from the sandbox's transcript.

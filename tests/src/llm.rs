@@ -62,6 +62,34 @@ impl ScriptedLlm {
     }
 }
 
+/// One turn of an agent outside its sandbox: a chat completion posted to
+/// `url` (a `crabctl proxy-url`, `http://127.0.0.1:PORT/s/<id>`) that the
+/// scripted LLM answers after `think`; returns once the answer is released.
+///
+/// # Errors
+/// The connection failed, or the answer was not a 200.
+pub fn chat_turn(url: &str, think: std::time::Duration) -> std::io::Result<()> {
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let (addr, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"next"}]}"#;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(
+        s,
+        "POST /{path}/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         {THINK_HEADER}: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        think.as_millis(),
+        body.len()
+    )?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    if !answer.starts_with("HTTP/1.1 200") {
+        return Err(std::io::Error::other(
+            answer.lines().next().unwrap_or("").to_owned(),
+        ));
+    }
+    Ok(())
+}
+
 /// A complete chat completion whose message says `content`.
 pub fn completion(content: &str) -> String {
     serde_json::json!({

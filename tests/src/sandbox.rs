@@ -198,6 +198,17 @@ pub fn wait_forgotten(ctd: &Containerd, id: &str) {
         .unwrap_or_else(|| panic!("crabd still lists {id}"));
 }
 
+/// The turns of the versions `crabctl versions` lists for sandbox `id`.
+#[track_caller]
+pub fn version_turns(ctd: &Containerd, id: &str) -> Vec<u64> {
+    crabctl_ok(ctd, &["versions", id])
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|v| v["turn"].as_u64())
+        .collect()
+}
+
 /// The version numbers `crabctl versions` lists for sandbox `id`.
 #[track_caller]
 pub fn version_numbers(ctd: &Containerd, id: &str) -> Vec<i64> {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::llm::{completion, ScriptedLlm};
-use crab_tests::sandbox::{crabctl_err, crabctl_ok, wait_registered};
+use crab_tests::sandbox::{crabctl_err, crabctl_ok, version_turns, wait_registered};
 use crab_tests::{Containerd, CRAB};
 use serde_json::Value;
 
@@ -86,16 +86,6 @@ fn host_agent(url: &str, n_turns: u32, extras: bool) -> Vec<Value> {
     );
     let got: Value = serde_json::from_slice(&out.stdout).expect("the agent prints JSON");
     got["answers"].as_array().expect("answers").clone()
-}
-
-/// The turns of sandbox `id`'s versions, in order.
-fn version_turns(ctd: &Containerd, id: &str) -> Vec<u64> {
-    crabctl_ok(ctd, &["versions", id])
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|v| v["turn"].as_u64())
-        .collect()
 }
 
 /// Removes sandbox `id`, checks it left nothing, stops containerd and

@@ -7,10 +7,8 @@
 //! The agent runs on the host (as mini-swe-agent does): it talks to its LLM
 //! through `crabctl proxy-url` and runs its commands with `ctr task exec`.
 
-use std::io::{Read, Write};
-
 use crab_tests::leftovers::assert_clean;
-use crab_tests::llm::ScriptedLlm;
+use crab_tests::llm::{chat_turn, ScriptedLlm};
 use crab_tests::sandbox::{ask, crabctl_ok, exec_sh, run_stateful, try_ask, wait_registered, SPAWNED, STORE};
 use crab_tests::{unique, Containerd};
 
@@ -30,23 +28,9 @@ fn containerd(llm: &ScriptedLlm) -> (Containerd, std::path::PathBuf) {
     (ctd, config)
 }
 
-/// One turn of the host agent: a chat completion through the sandbox's
-/// proxy URL; returns once the answer is released.
+/// One turn of the host agent, answered at once.
 fn turn(url: &str) {
-    let rest = url.strip_prefix("http://").expect("an http URL");
-    let (addr, path) = rest.split_once('/').expect("a path");
-    let body = r#"{"model":"m","messages":[{"role":"user","content":"go on"}]}"#;
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to the host listener");
-    write!(
-        s,
-        "POST /{path}/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("read the answer");
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    chat_turn(url, std::time::Duration::ZERO).expect("the turn is answered");
 }
 
 /// `(version, parent, class, process image)` of each version.

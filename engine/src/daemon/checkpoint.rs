@@ -38,7 +38,7 @@ impl Daemon {
         detached(async move {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let class = d.effective_class(&reg, class).await?;
+            let class = d.effective_class(&reg, class)?;
             let slot = d
                 .scheduler
                 .admit(&reg.id, tokio::time::Instant::now(), true)
@@ -52,10 +52,9 @@ impl Daemon {
     /// asked for: whole when the sandbox has no head (nothing to inherit),
     /// processes only when it has no filesystem backend. The caller holds
     /// the sandbox's lock.
-    pub(super) async fn effective_class(&self, reg: &Registration, class: Class) -> Result<Class, ApiError> {
-        let store = self.store.clone();
-        let sid = reg.id.clone();
-        Ok(match blocking(move || store.head(&sid)).await? {
+    pub(super) fn effective_class(&self, reg: &Registration, class: Class) -> Result<Class, ApiError> {
+        // In memory: no blocking thread needed.
+        Ok(match self.store.head(&reg.id)? {
             Some(_) => class,
             None if reg.fs_backend.is_some() => Class::Full,
             None => Class::Proc,

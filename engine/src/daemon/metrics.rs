@@ -6,7 +6,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use crab_api::Class;
 
@@ -69,78 +69,69 @@ impl Metrics {
     /// Fresh metrics, registered.
     pub(super) fn new() -> Self {
         let mut registry = Registry::with_prefix("crab");
-        let seconds = || Histogram::new(exponential_buckets(0.000_5, 2.0, 18));
-        let m = Metrics {
-            turns: Family::default(),
-            versions: Family::default(),
-            merged_turns: Counter::default(),
-            skipped_turns: Counter::default(),
-            bytes: Family::default(),
-            queue_depth: Gauge::default(),
-            queue_wait: seconds(),
-            slots_in_use: Gauge::default(),
-            urgent_promotions: Counter::default(),
-            inspector_decision: seconds(),
-            frozen: seconds(),
-            checkpoint: seconds(),
-            restore: seconds(),
-            registry: Registry::default(),
-        };
         let r = &mut registry;
-        r.register("turns", "Turn ends classified, by class", m.turns.clone());
-        r.register("versions", "Versions published, by class", m.versions.clone());
-        r.register(
-            "merged_turns",
-            "Turn ends that shared a queued turn's version",
-            m.merged_turns.clone(),
-        );
-        r.register(
-            "skipped_turns",
-            "Turn ends that got no version",
-            m.skipped_turns.clone(),
-        );
-        r.register(
-            "checkpoint_bytes",
-            "Bytes written by checkpoints, by kind",
-            m.bytes.clone(),
-        );
-        r.register(
-            "queue_depth",
-            "Checkpoints waiting for a slot",
-            m.queue_depth.clone(),
-        );
-        r.register(
-            "queue_wait_seconds",
-            "Time a checkpoint waited for a slot",
-            m.queue_wait.clone(),
-        );
-        r.register("slots_in_use", "Checkpoint slots in use", m.slots_in_use.clone());
-        r.register(
-            "urgent_promotions",
-            "Queued checkpoints promoted because their answer arrived",
-            m.urgent_promotions.clone(),
-        );
-        r.register(
-            "inspector_decision_seconds",
-            "Time the inspector took to classify a turn",
-            m.inspector_decision.clone(),
-        );
-        r.register(
-            "frozen_seconds",
-            "Time a sandbox was frozen for a capture",
-            m.frozen.clone(),
-        );
-        r.register(
-            "checkpoint_seconds",
-            "Time a checkpoint took, queue wait excluded",
-            m.checkpoint.clone(),
-        );
-        r.register(
-            "restore_seconds",
-            "Time a rollback's restore took",
-            m.restore.clone(),
-        );
-        Metrics { registry, ..m }
+        let seconds = || Histogram::new(exponential_buckets(0.000_5, 2.0, 18));
+        Metrics {
+            turns: add(r, "turns", "Turn ends classified, by class", Family::default()),
+            versions: add(r, "versions", "Versions published, by class", Family::default()),
+            merged_turns: add(
+                r,
+                "merged_turns",
+                "Turn ends that shared a queued turn's version",
+                Counter::default(),
+            ),
+            skipped_turns: add(
+                r,
+                "skipped_turns",
+                "Turn ends that got no version",
+                Counter::default(),
+            ),
+            bytes: add(
+                r,
+                "checkpoint_bytes",
+                "Bytes written by checkpoints, by kind",
+                Family::default(),
+            ),
+            queue_depth: add(
+                r,
+                "queue_depth",
+                "Checkpoints waiting for a slot",
+                Gauge::default(),
+            ),
+            queue_wait: add(
+                r,
+                "queue_wait_seconds",
+                "Time a checkpoint waited for a slot",
+                seconds(),
+            ),
+            slots_in_use: add(r, "slots_in_use", "Checkpoint slots in use", Gauge::default()),
+            urgent_promotions: add(
+                r,
+                "urgent_promotions",
+                "Queued checkpoints promoted because their answer arrived",
+                Counter::default(),
+            ),
+            inspector_decision: add(
+                r,
+                "inspector_decision_seconds",
+                "Time the inspector took to classify a turn",
+                seconds(),
+            ),
+            frozen: add(
+                r,
+                "frozen_seconds",
+                "Time a sandbox was frozen for a capture",
+                seconds(),
+            ),
+            checkpoint: add(
+                r,
+                "checkpoint_seconds",
+                "Time a checkpoint took, queue wait excluded",
+                seconds(),
+            ),
+            restore: add(r, "restore_seconds", "Time a rollback's restore took", seconds()),
+            registry,
+        }
     }
 
     /// The label of `class`.
@@ -165,4 +156,11 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String");
         out
     }
+}
+
+/// Registers `metric` in `r` as `name` and answers it (a handle that shares
+/// its value with the registered one).
+fn add<M: Metric + Clone>(r: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    r.register(name, help, metric.clone());
+    metric
 }

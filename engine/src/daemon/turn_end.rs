@@ -267,7 +267,7 @@ impl Daemon {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
             let report = d.classify(&reg.id).await?;
-            let class = d.effective_class(&reg, report.class).await?;
+            let class = d.effective_class(&reg, report.class)?;
             let slot = match class {
                 Class::None => None,
                 _ => Some(d.scheduler.admit(&reg.id, Instant::now(), true).await),
@@ -323,7 +323,7 @@ impl Daemon {
         batch: &mut Vec<Waiter>,
     ) -> Result<(CheckpointReport, TurnReport), ApiError> {
         let mut report = self.classify(&reg.id).await?;
-        let mut class = self.effective_class(reg, report.class).await?;
+        let mut class = self.effective_class(reg, report.class)?;
         let slot = if class == Class::None {
             None
         } else {
