@@ -59,6 +59,15 @@ impl Class {
         (self.needs_fs() || !other.needs_fs()) && (self.needs_proc() || !other.needs_proc())
     }
 
+    /// The smallest class that covers both `self` and `other` (two turns
+    /// saved by one version).
+    pub fn union(self, other: Class) -> Class {
+        Class::of(
+            self.needs_fs() || other.needs_fs(),
+            self.needs_proc() || other.needs_proc(),
+        )
+    }
+
     /// Whether a version of this class takes a filesystem snapshot.
     pub fn needs_fs(self) -> bool {
         matches!(self, Class::Fs | Class::Full)
@@ -90,6 +99,24 @@ impl FromStr for Class {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_union_covers_both_and_no_more() {
+        let all = [Class::None, Class::Fs, Class::Proc, Class::Full];
+        for a in all {
+            for b in all {
+                let u = a.union(b);
+                assert!(u.covers(a) && u.covers(b), "{a} {b}");
+                assert!(
+                    all.iter()
+                        .filter(|c| c.covers(a) && c.covers(b))
+                        .all(|c| c.covers(u)),
+                    "{a} {b}"
+                );
+            }
+        }
+        assert_eq!(Class::Fs.union(Class::Proc), Class::Full);
+    }
 
     #[test]
     fn names_round_trip_as_text_and_json() {

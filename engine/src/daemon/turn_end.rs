@@ -341,8 +341,8 @@ impl Daemon {
             let more = self.turns.take_more(&reg.id);
             if !more.is_empty() {
                 let again = self.classify(&reg.id).await?;
-                class = union(class, again.class);
-                report.class = union(report.class, again.class);
+                class = class.union(again.class);
+                report.class = report.class.union(again.class);
                 report.reasons.extend(again.reasons);
                 batch.extend(more);
             }
@@ -419,9 +419,4 @@ impl Daemon {
             })));
         }
     }
-}
-
-/// The class that covers both `a` and `b`.
-fn union(a: Class, b: Class) -> Class {
-    Class::of(a.needs_fs() || b.needs_fs(), a.needs_proc() || b.needs_proc())
 }
