@@ -23,6 +23,10 @@ pub struct Registration {
     pub control: PathBuf,
     /// The init's pid on the host.
     pub pid: i32,
+    /// The init is crab-init, the shim's pid 1 (its own running, reaping
+    /// the sandbox's processes, changes nothing).
+    #[serde(default)]
+    pub crab_init: bool,
     /// The filesystem backend that can snapshot its rootfs, if one can.
     pub fs_backend: Option<BackendKind>,
     /// The unix socket on which the shim serves the sandbox's LLM proxy on

@@ -165,10 +165,9 @@ fn command(kind: &str, i: usize) -> String {
         "install" => {
             format!("mkdir -p /work/pkg{i} && for f in a b c d e f g h; do echo $f > /work/pkg{i}/$f; done")
         }
-        // A process left running by an exec is not in the init's tree, which
-        // CRIU cannot dump yet: the traced background steps (6 of 20,163)
-        // run in the foreground here.
-        "background" => "sleep 0.2".to_owned(),
+        // A process left running by the exec (crab-init adopts it): the
+        // next turn's version holds it.
+        "background" => format!("sleep {} </dev/null >/dev/null 2>&1 &", 30 + i),
         // read, submit, no_command: they change nothing.
         _ => "cat /etc/passwd >/dev/null; ls -R /bin >/dev/null".to_owned(),
     }

@@ -108,6 +108,8 @@ struct Sandbox {
     /// The kernel had state for this sandbox before we registered it (an
     /// owner restarted mid-turn): the open turn's start is unknown.
     restarted: bool,
+    /// The sandbox's init is crab-init, whose running is no change.
+    quiet_init: bool,
     ignore: Option<Ignore>,
     /// Deleted-file mappings already seen, (dev, ino).
     deleted_maps: HashSet<(u64, u64)>,
@@ -263,6 +265,7 @@ impl Inspector {
                 base_lost: stats.n_lost,
                 base_unsure: stats.n_unsure,
                 restarted: existing.is_some(),
+                quiet_init: false,
                 ignore: None,
                 deleted_maps: HashSet::new(),
                 shared_maps: shared_writable_maps(
@@ -272,6 +275,23 @@ impl Inspector {
             },
         );
         Ok(cg)
+    }
+
+    /// Tells that the sandbox's init is crab-init (the pid 1 of its pid
+    /// namespace, whose parent is outside it): that it ran, reaping the
+    /// sandbox's processes, is no process change.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSandbox`].
+    pub fn quiet_init(&self, sandbox: &str) -> Result<()> {
+        let mut state = self.shared.state.lock();
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
+        if let Some(sb) = state.sandboxes.get_mut(&cg) {
+            sb.quiet_init = true;
+        }
+        Ok(())
     }
 
     /// Stops following a sandbox and forgets its kernel state.

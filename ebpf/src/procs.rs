@@ -32,6 +32,19 @@ fn parse_stat(stat: &str) -> Option<(char, String)> {
     Some((state, comm))
 }
 
+/// Whether `pid` is the init of the sandbox's pid namespace: pid 1 there,
+/// with a parent outside the sandbox (`members`). A pid 1 of a namespace
+/// the sandbox made has its parent inside.
+pub(crate) fn is_namespace_init(pid: u32, members: &[u32]) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+    let ns_pid = field("NSpid:").and_then(|p| p.split_whitespace().last());
+    let parent = field("PPid:").and_then(|p| p.parse::<u32>().ok());
+    ns_pid == Some("1") && parent.is_some_and(|p| !members.contains(&p))
+}
+
 /// A file mapping of a process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Mapping {

@@ -121,12 +121,16 @@ fn corpus() {
         );
         assert!(ok, "daemons do not answer: {out}");
     }
+    // Both run crab-init as their pid 1 (the shim's default), as crabd
+    // hears at registration.
     insp_plain
         .register("plain", &plain.cgroup_dir())
         .expect("register");
+    insp_plain.quiet_init("plain").expect("quiet init");
     insp_noisy
         .register("noisy", &noisy.cgroup_dir())
         .expect("register");
+    insp_noisy.quiet_init("noisy").expect("quiet init");
     insp_plain.turn_end("plain").expect("first turn");
     insp_noisy.turn_end("noisy").expect("first turn");
 

@@ -149,7 +149,7 @@ impl Daemon {
     pub fn with_inspector(mut self, inspector: Box<dyn TurnInspector>) -> Self {
         self.inspection = Inspection::new(Some(inspector));
         for reg in self.registry.running() {
-            self.inspection.register(&reg.id, reg.cgroup.as_deref());
+            self.inspection.register(&reg);
         }
         self
     }

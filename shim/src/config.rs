@@ -51,6 +51,9 @@ pub struct ShimConfig {
     /// How CRIU keeps the sandbox's network still while it dumps or
     /// restores TCP connections.
     pub criu_network_lock: NetworkLock,
+    /// Run crab-init as the pid 1 of containers with their own pid
+    /// namespace (see `crate::init`).
+    pub init: bool,
     /// The sandbox's LLM proxy.
     pub proxy: ProxyShimConfig,
 }

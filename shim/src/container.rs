@@ -2,7 +2,9 @@
 //! lifecycle calls that change them.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest};
 use nix::sys::signal::Signal;
@@ -14,10 +16,11 @@ use crate::cgroup;
 use crate::config::ProxyShimConfig;
 use crate::error::{validate_id, Error, Result};
 use crate::exits::Exit;
+use crate::init::{self, Adoptions};
 use crate::io::{self, StdioPaths};
 use crate::process::{Process, ProcessState};
 use crate::rootfs::{FsCtx, Rootfs};
-use crate::runtime::{CheckpointOpts, Launch, RuntimeClient};
+use crate::runtime::{CheckpointOpts, Launch, Personality, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
 mod snapshot;
@@ -48,6 +51,11 @@ pub struct Container {
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
     pending_restore: Option<PathBuf>,
+    /// crab-init is mounted in the container (it can be its init).
+    init_mounted: bool,
+    /// The init is crab-init: the commands it adopted from execs, and the
+    /// task following its report (see `crate::init`).
+    adopted: Option<(Arc<Adoptions>, tokio::task::JoinHandle<()>)>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -114,6 +122,8 @@ impl Container {
                 .as_ref()
                 .and_then(|a| a.get(crab_api::shim::RESTORE_ANNOTATION))
                 .map(PathBuf::from),
+            init_mounted: false,
+            adopted: None,
         };
         if c.pending_restore.is_some() && c.init.stdio.terminal {
             return Err(Error::Unsupported {
@@ -124,6 +134,9 @@ impl Container {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };
+        if crate::config::get().shim.init {
+            c.init_mounted = init::inject(&bundle, &init::installed(runtime.root())?)?;
+        }
         if let Some(plan) = &mut plan {
             // Beside the control socket (validated id: a safe file name).
             plan.host_socket = Some(runtime.root().join(".ctl").join(format!("{}.proxy.sock", c.id)));
@@ -171,15 +184,36 @@ impl Container {
 
     async fn create_init(&mut self, runtime: &RuntimeClient) -> Result<ExitReceiver> {
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let report = self.init_mounted.then(report_pipe).transpose()?;
+        let (report, theirs) = report.unzip();
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,
             unified_cgroup: self.unified_cgroup.as_deref(),
+            crab_init: theirs.map(|fd| (Personality::Init, fd)),
         };
         let (pid, rx) = runtime.create(&self.id, &self.bundle, launch).await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
+        self.follow_init(report, runtime)?;
         Ok(rx)
+    }
+
+    /// Follows the report of a new init that is crab-init (`report`, its
+    /// read end), or forgets the old one's.
+    fn follow_init(&mut self, report: Option<OwnedFd>, runtime: &RuntimeClient) -> Result<()> {
+        // An old init's report ends by itself (its init is gone): the
+        // commands it adopted are reported killed.
+        self.adopted = report
+            .map(|fd| Adoptions::follow(runtime.exits().clone(), fd))
+            .transpose()?;
+        Ok(())
+    }
+
+    /// crab-init's report pipe for an init restored from `images`, when
+    /// the image's init is crab-init.
+    fn restore_report(images: &Path) -> Result<Option<(OwnedFd, OwnedFd)>> {
+        init::in_image(images).then(report_pipe).transpose()
     }
 
     /// Starts the init (empty `exec_id`) or an exec; returns the pid and,
@@ -212,14 +246,34 @@ impl Container {
         let spec = p.spec.clone().unwrap_or_default();
         std::fs::write(&spec_path, spec).map_err(Error::io(format!("write {}", spec_path.display())))?;
         let (child, pending) = io::prepare(&p.stdio, &runtime.console_dir()).await?;
+        let handshake = match &self.adopted {
+            Some(_) => Some(
+                std::os::unix::net::UnixStream::pair()
+                    .map_err(Error::io("make the exec handshake".to_owned()))?,
+            ),
+            None => None,
+        };
+        let (ours, theirs) = handshake.unzip();
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,
             unified_cgroup: self.unified_cgroup.as_deref(),
+            crab_init: theirs.map(|s| (Personality::Exec, OwnedFd::from(s))),
         };
         let res = runtime.exec(&self.id, &spec_path, launch).await;
         let _ = std::fs::remove_file(&spec_path);
-        let (pid, rx) = res?;
+        let (mut pid, mut rx) = res?;
+        if let (Some(ours), Some((adopted, _))) = (ours, &self.adopted) {
+            // The exec's process hands its command to crab-init and exits:
+            // the command is the exec.
+            match adopted.hand_over(ours, pid, runtime.timeout()).await {
+                Ok((command, exit)) => (pid, rx) = (command, exit),
+                Err(e) => {
+                    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    return Err(e);
+                }
+            }
+        }
         let io = pending.finish().await?;
         let p = self.exec_mut(exec_id)?;
         p.pid = pid;
@@ -297,6 +351,13 @@ impl Container {
     async fn kill_all(&self, sig: Signal) -> Result<()> {
         let pids = cgroup::pids(&self.cgroups_path, &self.id).unwrap_or_default();
         for pid in pids {
+            // The spec's process gets it through crab-init, which passes on
+            // only what a pid 1 would get.
+            if let Some((adopted, _)) = &self.adopted {
+                if sig != Signal::SIGKILL && adopted.is_main(pid as i32) {
+                    continue;
+                }
+            }
             let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), sig);
         }
         Ok(())
@@ -349,7 +410,10 @@ impl Container {
                 op: "checkpoint",
             });
         }
-        let mut opts = CheckpointOpts::default();
+        let mut opts = CheckpointOpts {
+            crab_init: self.adopted.is_some(),
+            ..Default::default()
+        };
         let mut image_path = PathBuf::from(&req.path);
         if let Some(any) = req.options.as_ref() {
             use containerd_shim::protos::protobuf::Message;
@@ -417,6 +481,9 @@ impl Container {
         if let Some(task) = self.oom_task.take() {
             task.abort();
         }
+        if let Some((_, task)) = self.adopted.take() {
+            task.abort();
+        }
         if let Err(e) = runtime.delete(&self.id, &self.bundle, true).await {
             tracing::debug!(error = %crab_api::error_chain(&e), "cleanup of {}", self.id);
         }
@@ -441,6 +508,11 @@ impl Container {
     /// The host-side socket of the sandbox's LLM proxy, if it runs.
     pub fn proxy_socket(&self) -> Option<PathBuf> {
         self.proxy.as_ref()?.host_socket().map(Path::to_owned)
+    }
+
+    /// Whether the running init is crab-init.
+    pub fn init_is_crab_init(&self) -> bool {
+        self.adopted.is_some()
     }
 
     /// The init (empty id) or an exec.
@@ -491,4 +563,11 @@ impl Container {
         }
         Ok(())
     }
+}
+
+/// A pipe for crab-init's report: (the shim's read end, the init's write
+/// end), both close-on-exec (the helper gets its end as descriptor 3).
+fn report_pipe() -> Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| Error::io("make crab-init's report pipe".to_owned())(e.into()))
 }

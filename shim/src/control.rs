@@ -61,11 +61,12 @@ impl Control {
         config: &CrabdShimConfig,
         restored: bool,
     ) -> std::io::Result<Control> {
-        let (id, pid, fs_backend, proxy, cgroup, own_snapshots, layer) = {
+        let (id, pid, crab_init, fs_backend, proxy, cgroup, own_snapshots, layer) = {
             let c = container.lock().await;
             (
                 c.id.clone(),
                 c.init.pid,
+                c.init_is_crab_init(),
                 c.fs_backend(),
                 c.proxy_socket(),
                 crate::cgroup::cgroup2_dir(&c.cgroups_path),
@@ -114,6 +115,7 @@ impl Control {
                 containerd: PathBuf::from(containerd.trim_start_matches("unix://")),
                 control: socket,
                 pid,
+                crab_init,
                 fs_backend,
                 cgroup,
                 proxy,

@@ -102,6 +102,14 @@ pub enum Error {
         /// Its exit status.
         status: i32,
     },
+    /// An exec's process (crab-init) did not hand its command over.
+    #[error("exec process {pid}: {reason}")]
+    ExecHandover {
+        /// The exec's process on the host.
+        pid: i32,
+        /// What went wrong.
+        reason: String,
+    },
     /// The runtime helper did not finish in time.
     #[error("{op} {id}: runtime helper did not finish within {secs}s")]
     RuntimeTimeout {
@@ -254,6 +262,7 @@ impl Error {
                 }
             },
             Error::RuntimeDied { .. } => ttrpc::Code::INTERNAL,
+            Error::ExecHandover { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::BadState { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,

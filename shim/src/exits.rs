@@ -90,7 +90,8 @@ impl ExitRouter {
         rx
     }
 
-    fn deliver(&self, pid: i32, code: i32) {
+    /// Hands `pid`'s exit status (`128 + N` for signal N) to its watcher.
+    pub fn deliver(&self, pid: i32, code: i32) {
         let exit = Exit {
             code: code as u32,
             at: SystemTime::now(),

@@ -23,6 +23,7 @@ mod error;
 mod events;
 mod exits;
 mod fsop;
+mod init;
 mod io;
 mod logging;
 mod metrics;

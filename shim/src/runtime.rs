@@ -20,6 +20,7 @@ use libcontainer::container::builder::ContainerBuilder;
 use libcontainer::container::{Container, ContainerStatus};
 use libcontainer::syscall::syscall::SyscallType;
 use libcontainer::workload::default::DefaultExecutor;
+use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
@@ -27,6 +28,7 @@ pub(crate) mod protocol;
 
 pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};
+pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
 
 /// First argument that selects the helper personality of the binary.
@@ -140,6 +142,7 @@ fn run(req: &Request) -> Result<Reply, Failed> {
                     tcp_established: dump.tcp_established,
                     ext_unix_sk: dump.ext_unix_sk,
                     file_locks: dump.file_locks,
+                    crab_init: dump.crab_init,
                 },
             )
             .map_err(failed(FailureKind::Criu))?;
@@ -188,9 +191,10 @@ fn run(req: &Request) -> Result<Reply, Failed> {
 fn create(root: &Path, id: &str, bundle: &Path, launch: &LaunchSpec) -> anyhow::Result<i32> {
     use anyhow::Context;
     let c = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-        .with_executor(DefaultExecutor {})
+        .with_executor(CrabExecutor::of(launch))
         .with_root_path(root)?
         .with_console_socket(launch.console_socket.as_ref())
+        .with_preserved_fds(preserved(launch))
         .validate_id()?
         .as_init(bundle)
         .with_systemd(false)
@@ -212,9 +216,10 @@ fn exec(root: &Path, id: &str, process: &Path, launch: &LaunchSpec) -> anyhow::R
     }
     join_time_namespace(&load(root, id)?)?;
     let pid = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-        .with_executor(DefaultExecutor {})
+        .with_executor(CrabExecutor::of(launch))
         .with_root_path(root)?
         .with_console_socket(launch.console_socket.as_ref())
+        .with_preserved_fds(preserved(launch))
         .validate_id()?
         .as_tenant()
         .with_process(Some(process))
@@ -260,11 +265,71 @@ fn restore_tree(root: &Path, criu_bin: &Path, id: &str, restore: &protocol::Rest
             work_path: &restore.work_path,
             tcp_established: restore.tcp_established,
             console_socket: restore.launch.console_socket.as_deref(),
+            report_fd: (restore.launch.crab_init == Some(Personality::Init))
+                .then_some(crate::init::CHANNEL_FD),
             fresh: restore.bundle.is_some(),
             netns: restore.netns.as_deref(),
         },
     )
     .map_err(failed(FailureKind::Criu))
+}
+
+/// Runs the spec's process, or crab-init in its place (which runs it).
+///
+/// The spec's process is validated as libcontainer's own executor does, so
+/// a missing binary fails the create or exec as before.
+#[derive(Clone)]
+struct CrabExecutor {
+    personality: Option<Personality>,
+}
+
+impl CrabExecutor {
+    fn of(launch: &LaunchSpec) -> Self {
+        CrabExecutor {
+            personality: launch.crab_init,
+        }
+    }
+}
+
+impl Executor for CrabExecutor {
+    fn exec(&self, spec: &oci_spec::runtime::Spec) -> Result<(), ExecutorError> {
+        let Some(personality) = self.personality else {
+            return DefaultExecutor {}.exec(spec);
+        };
+        let args = spec
+            .process()
+            .as_ref()
+            .and_then(|p| p.args().as_ref())
+            .ok_or(ExecutorError::InvalidArg)?;
+        let (mode, flag) = match personality {
+            Personality::Init => ("init", "--report-fd"),
+            Personality::Exec => ("exec", "--handshake-fd"),
+        };
+        let fd = crate::init::CHANNEL_FD.to_string();
+        let argv = ["crab-init", mode, flag, &fd, "--"]
+            .into_iter()
+            .chain(args.iter().map(String::as_str))
+            .map(|a| std::ffi::CString::new(a).map_err(|_| ExecutorError::InvalidArg))
+            .collect::<Result<Vec<_>, _>>()?;
+        let path = std::ffi::CString::new(crate::init::MOUNT_POINT).expect("no NUL in the mount point");
+        let err = nix::unistd::execv(&path, &argv).unwrap_err();
+        Err(ExecutorError::Execution(
+            format!("exec {}: {err}", crate::init::MOUNT_POINT).into(),
+        ))
+    }
+
+    fn validate(&self, spec: &oci_spec::runtime::Spec) -> Result<(), ExecutorValidationError> {
+        DefaultExecutor {}.validate(spec)
+    }
+}
+
+/// How many descriptors above stdio the launched process keeps: crab-init's
+/// channel.
+fn preserved(launch: &LaunchSpec) -> i32 {
+    match launch.crab_init {
+        Some(_) => 1,
+        None => 0,
+    }
 }
 
 /// Whether the bundle's spec makes a new network namespace (one with no path).

@@ -93,8 +93,9 @@ fn exec_id_reused() {
         "{}",
         stderr(&out)
     );
-    // The first exec is untouched.
-    assert_eq!(ctd.ctr_ok(&["task", "ps", "ex"]).lines().count(), 3);
+    // The first exec is untouched: crab-init, the init's sleep and the
+    // exec's, under the header.
+    assert_eq!(ctd.ctr_ok(&["task", "ps", "ex"]).lines().count(), 4);
     ctd.remove("ex");
     assert_clean(&ctd.scope(), &["ex"]);
 }

@@ -121,6 +121,7 @@ fn exec_with_and_without_tty() {
     assert_eq!(out.status.code(), Some(6));
 
     // The exec'd process is in the container: same pid namespace, same root.
+    // Its pid 1 is crab-init, which runs the spec's process as pid 2.
     let out = ctd.ctr_ok(&[
         "task",
         "exec",
@@ -129,9 +130,9 @@ fn exec_with_and_without_tty() {
         "e",
         "sh",
         "-c",
-        "cat /proc/1/cmdline | tr '\\0' ' '",
+        "cat /proc/1/cmdline /proc/2/cmdline | tr '\\0' ' '",
     ]);
-    assert_eq!(out.trim(), "sleep 300");
+    assert_eq!(out.trim(), "crab-init init --report-fd 3 -- sleep 300 sleep 300");
     ctd.remove("e");
     assert_clean(&ctd.scope(), &["e"]);
 }
@@ -228,13 +229,12 @@ fn kill_all_reaches_every_process() {
             "trap 'echo term >> /tmp/log' TERM; sleep 300 & while true; do wait; sleep 1; done",
         ],
     );
-    let init = ctd.task_pid("a").expect("task listed");
     let child = wait_until(10, || {
         ctd.ctr_ok(&["task", "ps", "a"])
             .lines()
             .skip(1)
             .filter_map(|l| l.split_whitespace().next()?.parse::<i32>().ok())
-            .find(|&p| p != init)
+            .find(|&p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.starts_with(b"sleep")))
     })
     .expect("child started");
     ctd.ctr_ok(&["task", "kill", "--all", "-s", "SIGTERM", "a"]);

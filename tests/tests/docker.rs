@@ -265,7 +265,7 @@ fn docker_sandbox_rolls_back() {
         })
         .expect("a count in /n")
     };
-    let fetch = || {
+    let fetch_from = |port: u16| {
         wait_until(10, || {
             let out = d.docker(&[
                 "run",
@@ -277,26 +277,63 @@ fn docker_sandbox_rolls_back() {
                 BB,
                 "wget",
                 "-qO-",
-                "http://rb:8080/index.html",
+                &format!("http://rb:{port}/index.html"),
             ]);
             out.status
                 .success()
                 .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
         })
     };
+    let fetch = || fetch_from(8080);
     assert_eq!(fetch().as_deref(), Some("one"));
+    // `docker exec -d` processes are the sandbox's too: a server, and a
+    // counter kept in memory (written to /m), are in every checkpoint.
+    d.docker_ok(&[
+        "exec",
+        "-d",
+        "rb",
+        "sh",
+        "-c",
+        "echo $$ > /hpid; exec httpd -f -p 8081 -h /www",
+    ]);
+    d.docker_ok(&[
+        "exec",
+        "-d",
+        "rb",
+        "sh",
+        "-c",
+        "echo $$ > /mpid; j=0; while true; do j=$((j+1)); echo $j > /m; sleep 0.05; done",
+    ]);
+    assert_eq!(fetch_from(8081).as_deref(), Some("one"));
+    let counted = || -> u64 {
+        wait_until(5, || {
+            String::from_utf8_lossy(&sh("cat /m").stdout).trim().parse().ok()
+        })
+        .expect("a count in /m")
+    };
 
     let v1 = crabctl_ok(&d.containerd, &["checkpoint", &id[..12]]);
     assert_eq!(v1["version"]["fs_snapshot"]["backend"], "overlay-copy", "{v1}");
     let at_v1 = count();
+    let m_at_v1 = counted();
     assert!(sh("echo two > /www/index.html; echo x > /extra").status.success());
     assert_eq!(fetch().as_deref(), Some("two"));
+    assert!(sh("kill $(cat /hpid) $(cat /mpid)").status.success());
 
     crabctl_ok(&d.containerd, &["rollback", &id[..12], "1"]);
     let n = count();
     assert!(n + 10 >= at_v1 && n < at_v1 + 60, "{n} after v1's {at_v1}");
     assert!(!sh("cat /extra").status.success(), "/extra is gone");
     assert_eq!(fetch().as_deref(), Some("one"), "the server is v1's and answers");
+    assert_eq!(
+        fetch_from(8081).as_deref(),
+        Some("one"),
+        "the exec's server is back"
+    );
+    let m = counted();
+    assert!(m + 10 >= m_at_v1 && m < m_at_v1 + 60, "{m} after v1's {m_at_v1}");
+    let moved = wait_until(5, || (counted() > m).then_some(()));
+    assert!(moved.is_some(), "the exec's counter runs again, from its memory");
     assert_eq!(
         d.docker_ok(&["inspect", "-f", "{{.State.Running}}", "rb"]).trim(),
         "true"

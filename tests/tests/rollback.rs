@@ -418,8 +418,11 @@ fn terminal_sandbox_rolls_back() {
         back >= at_v1.saturating_sub(5) && back < at_v1 + 15,
         "{back} after v1's {at_v1}"
     );
-    // Its stdio is a terminal again.
-    let tty = std::fs::read_link(format!("/proc/{pid}/fd/1")).unwrap();
+    // Its stdio is a terminal again: the spec's process's, which crab-init
+    // (the init) runs as its first child.
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let main = children.split_whitespace().next().expect("the init's child");
+    let tty = std::fs::read_link(format!("/proc/{main}/fd/1")).unwrap();
     assert!(tty.starts_with("/dev/pts/"), "{}", tty.display());
     std::thread::sleep(std::time::Duration::from_secs(1));
     assert!(count() > back + 5, "the loop goes on");

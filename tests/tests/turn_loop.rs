@@ -166,3 +166,82 @@ fn each_turn_is_a_version_of_its_class_and_rollbacks_branch() {
     assert_clean(&ctd.scope(), &[id]);
     let _ = std::fs::remove_file(&config);
 }
+
+/// A server started by `ctr task exec -d` and still running at a turn end
+/// is in that turn's version (crab-init, the sandbox's pid 1, adopted it):
+/// a rollback brings it back, listening, with its memory of then. The
+/// exec itself behaves as before: its pid is the server's, a signal to the
+/// exec reaches it, and its exit status is the server's.
+#[test]
+fn an_execd_server_is_in_its_turns_version() {
+    let llm = ScriptedLlm::start();
+    let (ctd, config) = containerd(&llm);
+    let id = "execd";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
+        .as_str()
+        .expect("url")
+        .to_owned();
+    const PORT: u16 = 7005;
+    turn(&url);
+
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "-d",
+        "--exec-id",
+        "srv",
+        id,
+        "/opt/crab/sdk-venv/bin/python3",
+        "/fixtures/stateful.py",
+        "serve",
+        &PORT.to_string(),
+    ]);
+    crab_tests::wait_until(20, || try_ask(pid, PORT, "get x").ok()).expect("the exec's server answers");
+    assert_eq!(ask(pid, PORT, "set x 42"), "ok");
+    // The exec's pid is the server's, a child of the sandbox's init.
+    let ps = ctd.ctr_ok(&["task", "ps", id]);
+    let server = ps
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse::<i32>().ok())
+        .find(|&p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("serve")))
+        .expect("the server is one of the task's processes");
+    let status = std::fs::read_to_string(format!("/proc/{server}/status")).unwrap();
+    let ppid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .unwrap()
+        .trim();
+    assert_eq!(ppid, pid.to_string(), "adopted by the init");
+    turn(&url);
+    let class = newest_class(&ctd, id);
+    assert!(
+        class == "proc" || class == "full",
+        "a server left running: {class}"
+    );
+    let version = tree(&ctd, id).last().unwrap().0.to_string();
+
+    // A signal to the exec reaches the server; its exit is the exec's.
+    assert_eq!(ask(pid, PORT, "set x 43"), "ok");
+    ctd.ctr_ok(&["task", "kill", "--exec-id", "srv", "-s", "SIGTERM", id]);
+    crab_tests::wait_until(20, || try_ask(pid, PORT, "get x").is_err().then_some(()))
+        .expect("the server got the signal");
+
+    let r = crabctl_ok(&ctd, &["rollback", id, &version]);
+    let pid = r["pid"].as_i64().unwrap() as i32;
+    assert_eq!(
+        ask(pid, PORT, "get x"),
+        "42",
+        "the server of then, with its memory"
+    );
+    assert_eq!(ask(pid, STORE, "get nothing"), "-");
+    // An exec after the restore is adopted by the restored init.
+    assert_eq!(exec_sh(&ctd, id, "echo hi"), "hi\n");
+    let out = ctd.ctr(&["task", "exec", "--exec-id", "seven", id, "sh", "-c", "exit 7"]);
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    let _ = std::fs::remove_file(&config);
+}

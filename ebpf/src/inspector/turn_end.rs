@@ -124,6 +124,11 @@ impl Inspector {
             }
         }
 
+        if sb.quiet_init {
+            proc_reasons
+                .retain(|r| !matches!(r, Reason::Ran { pid, .. } if procs::is_namespace_init(*pid, &pids)));
+        }
+
         // Files: the net change, outside the kernel's interfaces.
         if sb.ignore.is_none() {
             if let Some(&pid) = pids.first() {

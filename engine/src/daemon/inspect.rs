@@ -24,6 +24,9 @@ pub type InspectorError = Box<dyn std::error::Error + Send + Sync>;
 pub trait TurnInspector: Send + Sync {
     /// Starts following sandbox `sandbox`, whose tasks are in `cgroup`.
     fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), InspectorError>;
+    /// The sandbox's init is crab-init: its running (it reaps the
+    /// sandbox's processes) is no change of the sandbox.
+    fn quiet_init(&self, sandbox: &SandboxId) -> Result<(), InspectorError>;
     /// Stops following sandbox `sandbox`.
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
@@ -56,12 +59,16 @@ impl Inspection {
 
     /// Follows a registered sandbox (logged when it cannot: its turns are
     /// then `full`).
-    pub fn register(&self, sandbox: &SandboxId, cgroup: Option<&Path>) {
-        let (Some(i), Some(cgroup)) = (&self.inspector, cgroup) else {
+    pub fn register(&self, reg: &crab_api::crabd::Registration) {
+        let (Some(i), Some(cgroup)) = (&self.inspector, reg.cgroup.as_deref()) else {
             return;
         };
-        if let Err(e) = i.register(sandbox, cgroup) {
-            tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow it: its turns will be full");
+        let followed = i.register(&reg.id, cgroup).and_then(|()| match reg.crab_init {
+            true => i.quiet_init(&reg.id),
+            false => Ok(()),
+        });
+        if let Err(e) = followed {
+            tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow it: its turns will be full");
         }
     }
 
@@ -135,6 +142,10 @@ impl std::fmt::Debug for Inspection {
 impl TurnInspector for crab_inspector::Inspector {
     fn register(&self, sandbox: &SandboxId, cgroup: &Path) -> Result<(), InspectorError> {
         Ok(crab_inspector::Inspector::register(self, sandbox.as_str(), cgroup).map(drop)?)
+    }
+
+    fn quiet_init(&self, sandbox: &SandboxId) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::quiet_init(self, sandbox.as_str())?)
     }
 
     fn unregister(&self, sandbox: &SandboxId) {

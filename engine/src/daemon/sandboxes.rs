@@ -65,7 +65,7 @@ impl Daemon {
             incarnation,
         };
         self.registry.insert(entry.clone())?;
-        self.inspection.register(&reg.id, reg.cgroup.as_deref());
+        self.inspection.register(&reg);
         tracing::info!(sandbox = %reg.id, namespace = reg.namespace, pid = reg.pid, "registered");
         Ok(self.info(entry))
     }

@@ -12,7 +12,7 @@ use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
 use crate::io;
 use crate::process::ProcessState;
-use crate::runtime::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
+use crate::runtime::{CheckpointOpts, Launch, Personality, RestoreOpts, RuntimeClient};
 use crate::sandbox_proxy::SandboxProxy;
 
 /// A restore's outcome: the init that now runs, and why the checkpoint
@@ -126,6 +126,7 @@ impl Container {
             let opts = CheckpointOpts {
                 work_path: Some(self.criu_work_dir()),
                 tcp_established: true,
+                crab_init: self.adopted.is_some(),
                 ..Default::default()
             };
             let t = Instant::now();
@@ -229,10 +230,12 @@ impl Container {
             self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?;
         }
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let (report, theirs) = Self::restore_report(images)?.unzip();
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,
             unified_cgroup: self.unified_cgroup.as_deref(),
+            crab_init: theirs.map(|fd| (Personality::Init, fd)),
         };
         let work = self.bundle.join(".crab-criu");
         // Connections were dumped (see `checkpoint_frozen`). One to the
@@ -246,6 +249,7 @@ impl Container {
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
+        self.follow_init(report, runtime)?;
         self.restart_proxy().await;
         Ok((pid, rx))
     }
@@ -259,10 +263,12 @@ impl Container {
     ) -> Result<(i32, ExitReceiver)> {
         check_images(images)?;
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
+        let (report, theirs) = Self::restore_report(images)?.unzip();
         let launch = Launch {
             work_dir: &self.bundle,
             stdio: child,
             unified_cgroup: self.unified_cgroup.as_deref(),
+            crab_init: theirs.map(|fd| (Personality::Init, fd)),
         };
         let opts = RestoreOpts {
             tcp_established: true,
@@ -273,6 +279,7 @@ impl Container {
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
+        self.follow_init(report, runtime)?;
         self.init.state = ProcessState::Running;
         self.restart_proxy().await;
         tracing::info!(

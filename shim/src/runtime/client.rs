@@ -2,6 +2,8 @@
 //! process, waited for through the exit router, answered by one [`Reply`]
 //! (see `protocol`).
 
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +48,8 @@ pub struct CheckpointOpts {
     pub ext_unix_sk: bool,
     /// Dump file locks.
     pub file_locks: bool,
+    /// The init is crab-init (its report pipe is recorded).
+    pub crab_init: bool,
 }
 
 /// How to restore.
@@ -69,6 +73,9 @@ pub struct Launch<'a> {
     pub stdio: Stdio,
     /// The unified cgroup to be born in (v1-hybrid hosts).
     pub unified_cgroup: Option<&'a Path>,
+    /// Run it through crab-init, with this end of its channel (see
+    /// `crate::init`).
+    pub crab_init: Option<(protocol::Personality, OwnedFd)>,
 }
 
 // === impl RuntimeClient ===
@@ -131,6 +138,7 @@ impl RuntimeClient {
             tcp_established: opts.tcp_established,
             ext_unix_sk: opts.ext_unix_sk,
             file_locks: opts.file_locks,
+            crab_init: opts.crab_init,
         });
         self.done(id, work_dir, op).await
     }
@@ -160,7 +168,7 @@ impl RuntimeClient {
     /// runs commands); returns its answer, if it has one.
     pub async fn fs(&self, id: &str, work_dir: &Path, op: &crate::fsop::FsOp) -> Result<Option<String>> {
         let op = Op::Fs { fs: op.clone() };
-        match self.invoke(id, work_dir, op, Stdio::null()).await? {
+        match self.invoke(id, work_dir, op, Stdio::null(), None).await? {
             (_, Reply::Answer { text }) => Ok(text.filter(|a| !a.is_empty())),
             (name, other) => Err(unexpected(name, id, &other)),
         }
@@ -194,6 +202,16 @@ impl RuntimeClient {
         Ok(())
     }
 
+    /// The router of reaped exits.
+    pub fn exits(&self) -> &Arc<ExitRouter> {
+        &self.exits
+    }
+
+    /// Deadline of one runtime operation.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// libcontainer's state root.
     pub fn root(&self) -> &Path {
         &self.root
@@ -206,7 +224,7 @@ impl RuntimeClient {
 
     /// Runs `op`, which answers nothing.
     async fn done(&self, id: &str, work_dir: &Path, op: Op) -> Result<()> {
-        match self.invoke(id, work_dir, op, Stdio::null()).await? {
+        match self.invoke(id, work_dir, op, Stdio::null(), None).await? {
             (_, Reply::Done) => Ok(()),
             (name, other) => Err(unexpected(name, id, &other)),
         }
@@ -217,7 +235,11 @@ impl RuntimeClient {
         // The new process can exit before the helper does (an exec of
         // `true`): keep unclaimed exits until its pid is watched.
         let _spawning = self.exits.spawning();
-        match self.invoke(id, launch.work_dir, op, launch.stdio).await? {
+        let channel = launch.crab_init.map(|(_, fd)| fd);
+        match self
+            .invoke(id, launch.work_dir, op, launch.stdio, channel)
+            .await?
+        {
             (_, Reply::Launched { pid }) => Ok((pid, self.exits.watch(pid))),
             (name, other) => Err(unexpected(name, id, &other)),
         }
@@ -226,7 +248,14 @@ impl RuntimeClient {
     /// Runs one helper for `op` and answers its reply; a failure it
     /// reports is an [`Error::Runtime`] of its kind.
     #[tracing::instrument(level = "debug", skip_all, fields(helper = op_name(&op), sandbox = id))]
-    async fn invoke(&self, id: &str, work_dir: &Path, op: Op, stdio: Stdio) -> Result<(&'static str, Reply)> {
+    async fn invoke(
+        &self,
+        id: &str,
+        work_dir: &Path,
+        op: Op,
+        stdio: Stdio,
+        channel: Option<OwnedFd>,
+    ) -> Result<(&'static str, Reply)> {
         let name = op_name(&op);
         let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
         // The shim's pid too: a file an earlier shim of this bundle left
@@ -270,6 +299,26 @@ impl RuntimeClient {
                 cmd.stderr(std::process::Stdio::null());
             }
         }
+        if let Some(fd) = &channel {
+            let raw = fd.as_raw_fd();
+            let target = crate::init::CHANNEL_FD;
+            // SAFETY: between fork and exec the closure only calls dup2 or
+            // fcntl, which are async-signal-safe; `raw` stays open until
+            // `spawn` returns (the parent keeps `channel`).
+            unsafe {
+                cmd.pre_exec(move || {
+                    let done = if raw == target {
+                        libc::fcntl(target, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(raw, target)
+                    };
+                    match done {
+                        -1 => Err(std::io::Error::last_os_error()),
+                        _ => Ok(()),
+                    }
+                });
+            }
+        }
         let guard = self.exits.spawning();
         // The child is never waited on through `Child`: the shim's reaper
         // collects it and the exit router hands its status back.
@@ -278,6 +327,8 @@ impl RuntimeClient {
             .map_err(Error::io(format!("spawn runtime helper for {name}")))?;
         let pid = child.id() as i32;
         drop(cmd);
+        // The helper and what it starts hold the channel now.
+        drop(channel);
         let exit = self.exits.watch(pid);
         drop(guard);
         let code = match tokio::time::timeout(self.timeout, exit).await {
@@ -354,6 +405,7 @@ impl Launch<'_> {
                 Stdio::Fds { .. } => None,
             },
             unified_cgroup: self.unified_cgroup.map(Path::to_owned),
+            crab_init: self.crab_init.as_ref().map(|(p, _)| *p),
         }
     }
 }

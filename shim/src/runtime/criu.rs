@@ -57,6 +57,9 @@ pub struct DumpOpts<'a> {
     pub ext_unix_sk: bool,
     /// Dump file locks.
     pub file_locks: bool,
+    /// The init is crab-init: its report pipe (descriptor 3) is recorded
+    /// with its stdio and re-wired at restore.
+    pub crab_init: bool,
 }
 
 /// Dumps container `c`'s process tree.
@@ -65,8 +68,10 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
     std::fs::create_dir_all(opts.image_path)
         .with_context(|| format!("create {}", opts.image_path.display()))?;
-    // The init's stdio targets, for re-wiring at restore.
-    let descriptors: Vec<String> = (0..3)
+    // The init's stdio targets (and crab-init's report pipe), for
+    // re-wiring at restore.
+    let recorded = if opts.crab_init { 4 } else { 3 };
+    let descriptors: Vec<String> = (0..recorded)
         .map(|n| {
             std::fs::read_link(format!("/proc/{pid}/fd/{n}"))
                 .map(|p| p.to_string_lossy().into_owned())
@@ -144,6 +149,8 @@ pub struct RestoreOpts<'a> {
     pub console_socket: Option<&'a Path>,
     /// The container is new (a fork or an import), not the one dumped.
     pub fresh: bool,
+    /// The helper's descriptor that stands in for crab-init's report pipe.
+    pub report_fd: Option<RawFd>,
     /// The sandbox's network namespace as it is pinned now, for an image
     /// that keeps its namespace outside.
     pub netns: Option<&'a Path>,
@@ -196,7 +203,13 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
             "/dev/null" => "dev/null".to_owned(),
             _ => continue,
         };
-        let fd = inheritable(n as RawFd)?;
+        let source = match n {
+            0..=2 => n as RawFd,
+            _ => opts
+                .report_fd
+                .context("the image's init is crab-init, and no report pipe was given")?,
+        };
+        let fd = inheritable(source)?;
         criu.add_inherit_fd(fd.as_raw_fd(), key)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         keep.push(fd);

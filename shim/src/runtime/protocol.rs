@@ -80,6 +80,20 @@ pub struct Launch {
     pub console_socket: Option<PathBuf>,
     /// The unified cgroup to be born in (v1-hybrid hosts).
     pub unified_cgroup: Option<PathBuf>,
+    /// Run the process through crab-init, whose channel is the helper's
+    /// descriptor 3 (for a restore: the restored init's report pipe).
+    #[serde(default)]
+    pub crab_init: Option<Personality>,
+}
+
+/// How crab-init runs a launched process (see `crate::init`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Personality {
+    /// As the container's init, reporting what it reaps.
+    Init,
+    /// As an exec's process, handing its command to the init.
+    Exec,
 }
 
 /// A CRIU dump.
@@ -97,6 +111,9 @@ pub struct Dump {
     pub ext_unix_sk: bool,
     /// Dump file locks.
     pub file_locks: bool,
+    /// The init is crab-init: record its report pipe beside its stdio.
+    #[serde(default)]
+    pub crab_init: bool,
 }
 
 /// A CRIU restore.

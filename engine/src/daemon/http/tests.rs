@@ -33,6 +33,7 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                     containerd: root.join("no-containerd.sock"),
                     control: root.join(format!("{id}.sock")),
                     pid: 1,
+                    crab_init: false,
                     fs_backend: Some(crab_api::BackendKind::OverlayCopy),
                     proxy: None,
                     cgroup: None,
