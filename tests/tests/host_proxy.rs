@@ -415,3 +415,107 @@ fn a_turn_after_crabd_died_starts_it_and_is_a_version() {
     assert_eq!(gates, ["opened"; 2]);
     finish(ctd, id, &base);
 }
+
+/// crabd killed while turn ends wait in its queue (one slot, six sandboxes
+/// ending a turn at once): every agent gets its answer, and every turn is
+/// either a version or recorded in its transcript as a failed hook; no
+/// turn is a version twice, and the next turn of each sandbox is one.
+#[test]
+fn crabd_killed_with_turns_queued_loses_none_and_makes_none_twice() {
+    let llm = ScriptedLlm::start();
+    let (ctd, base) = containerd("[crabd.schedule]\nslots = 1\nbytes_per_sec = -1\n");
+    let ids: Vec<String> = (0..6).map(|i| format!("q{i}")).collect();
+    for id in &ids {
+        run_sandbox(&ctd, &llm, id);
+    }
+    let post = "wget -qO- --header 'Content-Type: application/json' \
+                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    let queued = || {
+        let out = crab_tests::sandbox::crabctl(&ctd, &["metrics"]);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| l.strip_prefix("crab_queue_depth ")?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // A round: every sandbox ends a turn at once; crabd is killed as soon
+    // as a turn end waits in its queue. A round whose queue was never seen
+    // (all done first) is played again.
+    let mut killed = false;
+    for _round in 0..5 {
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for id in &ids {
+                let (ctd, done) = (&ctd, &done);
+                s.spawn(move || {
+                    let out = crab_tests::sandbox::exec_sh(ctd, id, post);
+                    assert!(out.contains("scripted answer"), "{id}: {out}");
+                    done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                });
+            }
+            while done.load(std::sync::atomic::Ordering::SeqCst) < ids.len() {
+                if queued() >= 1.0 {
+                    let pid = ctd.crabd_pid().expect("crabd runs");
+                    nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    )
+                    .unwrap();
+                    killed = true;
+                    break;
+                }
+            }
+        });
+        if killed {
+            break;
+        }
+    }
+    assert!(killed, "no round had a turn end in crabd's queue");
+
+    // One more turn each: it starts crabd again, and is a version.
+    for id in &ids {
+        crab_tests::sandbox::exec_sh(&ctd, id, post);
+    }
+    let mut failed = 0;
+    for id in &ids {
+        let turns = version_turns(&ctd, id);
+        let unique: std::collections::HashSet<&u64> = turns.iter().collect();
+        assert_eq!(unique.len(), turns.len(), "{id}: a turn made twice: {turns:?}");
+        let path = base
+            .join("transcripts")
+            .join(&ctd.namespace)
+            .join(format!("{id}.jsonl"));
+        let records = turn_records(&path);
+        let last = records.last().expect("turns recorded");
+        assert_eq!(last["gate"], "opened", "{id}: {last}");
+        assert_eq!(
+            turns.last(),
+            last["turn"].as_u64().as_ref(),
+            "{id}: the last turn is a version"
+        );
+        for r in &records {
+            let turn = r["turn"].as_u64().expect("a turn number");
+            match r["gate"].as_str() {
+                Some("opened") => assert!(
+                    turns.contains(&turn),
+                    "{id}: turn {turn} answered as saved, no version"
+                ),
+                Some("hook_failed") => failed += 1,
+                other => panic!("{id}: turn {turn}: gate {other:?}"),
+            }
+        }
+        for t in &turns {
+            assert!(
+                records.iter().any(|r| r["turn"].as_u64() == Some(*t)),
+                "{id}: version of unknown turn {t}"
+            );
+        }
+    }
+    assert!(
+        failed >= 1,
+        "a turn end in the queue when crabd died is recorded as failed"
+    );
+    for id in &ids[1..] {
+        ctd.remove(id);
+    }
+    finish(ctd, &ids[0], &base);
+}
