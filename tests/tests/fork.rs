@@ -69,6 +69,10 @@ fn fork_runs_independently_of_its_source() {
     // manifest line copied from the source) is refused.
     let c1 = crabctl_ok(&ctd, &["checkpoint", copy]);
     assert_eq!(c1["version"]["version"], 1);
+    // Its versions are a tree of their own: the first is whole and has no
+    // parent (nothing of the source's history is the fork's).
+    assert!(c1["version"]["parent"].is_null(), "{c1}");
+    assert_eq!(c1["version"]["class"], "full", "{c1}");
     let manifests = ctd.crabd_root().join("sandboxes");
     let theirs = std::fs::read_to_string(manifests.join(id).join("versions.log")).unwrap();
     let foreign = theirs.lines().last().unwrap().to_owned();

@@ -68,6 +68,12 @@ fn export_then_import_on_another_containerd() {
     assert_eq!(tree_digest(bpid, "/data"), files);
     let versions = crabctl_ok(&b, &["versions", id]);
     assert_eq!(versions.as_array().unwrap().len(), 1);
+    // The import's head is its version: a files-only version next descends
+    // from it and pairs its files with that version's processes.
+    crab_tests::sandbox::exec_sh(&b, id, "echo after > /data/y");
+    let v2 = crabctl_ok(&b, &["checkpoint", "--fs", id]);
+    assert_eq!(v2["version"]["parent"], 1, "{v2}");
+    assert_eq!(v2["version"]["process_image"], 1, "{v2}");
 
     // The source runs on; a second import under the same name is refused.
     assert_eq!(ask(pid, STORE, "get a"), "7");
