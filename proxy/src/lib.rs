@@ -49,6 +49,7 @@ mod route;
 mod sandbox;
 mod server;
 mod shared;
+mod side_call;
 mod stats;
 mod tee;
 pub mod transcript;

@@ -66,6 +66,7 @@ pub struct InvalidRoutePattern {
 #[derive(Debug, Clone)]
 pub struct TurnEndRules {
     patterns: Vec<RoutePattern>,
+    side_calls: bool,
 }
 
 /// Tower layer that classifies each request and inserts its [`Route`].
@@ -118,12 +119,34 @@ impl FromStr for RoutePattern {
     }
 }
 
+impl<'de> Deserialize<'de> for RoutePattern {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 // === impl TurnEndRules ===
 
 impl TurnEndRules {
-    /// Rules from explicit patterns.
+    /// Rules from explicit patterns; every request on them ends a turn.
     pub fn new(patterns: Vec<RoutePattern>) -> Self {
-        Self { patterns }
+        Self {
+            patterns,
+            side_calls: false,
+        }
+    }
+
+    /// With `on`, a request on a turn-end route whose conversation is not
+    /// the one the turns follow (a title, a summary, a sub-agent's first
+    /// question) ends no turn (see the `side_call` module).
+    pub fn with_side_calls(mut self, on: bool) -> Self {
+        self.side_calls = on;
+        self
+    }
+
+    /// Whether side calls are told from turn ends.
+    pub fn side_calls(&self) -> bool {
+        self.side_calls
     }
 
     /// The agent main loop of the three supported APIs:
@@ -140,7 +163,7 @@ impl TurnEndRules {
             p.parse().unwrap_or_else(|_| unreachable!("built-in pattern {p}"))
         })
         .collect();
-        Self { patterns }
+        Self::new(patterns)
     }
 
     /// Classifies a request by method, path and headers.

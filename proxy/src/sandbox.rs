@@ -19,6 +19,7 @@ use crate::replay::{Replay, ReplayError};
 use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
 use crate::shared::Shared;
+use crate::side_call::SideCalls;
 use crate::stats::SandboxStats;
 use crate::tee::Tee;
 use crate::transcript::read_entries;
@@ -110,8 +111,9 @@ impl Sandbox {
         Ok(())
     }
 
-    /// The request path: route detect → body limit → replay → turn-end mark
-    /// → hold gate → transcript tee → upstream client; errors become answers.
+    /// The request path: route detect → body limit → side calls → replay →
+    /// turn-end mark → hold gate → transcript tee → upstream client; errors
+    /// become answers.
     pub fn service(&self) -> SandboxService {
         let shared = &self.shared;
         let config = &shared.config;
@@ -124,6 +126,7 @@ impl Sandbox {
         let stack = ServiceBuilder::new()
             .layer(RouteLayer::new(config.turn_ends.clone()))
             .layer(LimitLayer::new(config.limits.max_request_body))
+            .layer(layer_fn(with_shared(shared, SideCalls::new)))
             .layer(layer_fn(with_shared(shared, ReplayService::new)))
             .layer(layer_fn(with_shared(shared, TurnMark::new)))
             .layer(layer_fn(with_shared(shared, Gate::new)))

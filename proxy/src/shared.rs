@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     turns: Mutex<TurnState>,
     /// The running estimate of the time from a turn end to its answer.
     answer_time: Mutex<Option<Duration>>,
+    /// The conversations seen, to tell side calls (never across an await).
+    pub(crate) conversations: Mutex<crate::side_call::Conversations>,
 }
 
 // === impl Shared ===
@@ -66,6 +68,7 @@ impl Shared {
             client,
             turns: Mutex::new(TurnState::default()),
             answer_time: Mutex::new(None),
+            conversations: Mutex::new(Default::default()),
         })
     }
 

@@ -19,6 +19,8 @@ pub struct SandboxStats {
     pub n_turns: u64,
     /// Requests that did not end a turn.
     pub n_aux_requests: u64,
+    /// Of which requests on a turn-end route told as side calls.
+    pub n_side_calls: u64,
     /// Turns answered from the transcript by a replay.
     pub n_replayed: u64,
     /// Replay divergences reported (409).

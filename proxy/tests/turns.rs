@@ -53,6 +53,43 @@ async fn only_main_loop_requests_count_as_turns() {
     );
 }
 
+/// With side calls told apart, a title request beside the main loop (its
+/// own, shorter conversation) gets its answer and ends no turn; the main
+/// loop's requests do, and a sub-agent's once its conversation grows.
+#[tokio::test]
+async fn side_calls_end_no_turn() {
+    let h = Harness::start(HashMap::new(), |c| {
+        c.turn_ends = crab_proxy::TurnEndRules::main_loop().with_side_calls(true);
+    })
+    .await;
+    let chat = |system: &str, n: usize| {
+        let mut messages = vec![json!({"role": "system", "content": system})];
+        messages.extend((1..n).map(|i| json!({"role": "user", "content": format!("step {i}")})));
+        json!({"model": "gpt-test", "messages": messages})
+    };
+    for (body, what) in [
+        (chat("you are an agent", 2), "turn 1"),
+        (chat("you are an agent", 4), "turn 2"),
+        (chat("write a title", 2), "side call"),
+        (chat("you are an agent", 6), "turn 3"),
+        (chat("a sub-agent", 2), "side call"),
+        (chat("a sub-agent", 4), "turn 4"),
+    ] {
+        let resp = h.post("/v1/chat/completions", &body).send().await.expect("send");
+        assert_eq!(resp.status(), 200, "{what}");
+        resp.bytes().await.expect("answer");
+    }
+    let stats = h.sandbox.stats();
+    assert_eq!(
+        (stats.n_turns, stats.n_side_calls, stats.n_aux_requests),
+        (4, 2, 2)
+    );
+    let calls: Vec<u64> = h.hook.calls.lock().iter().map(|(_, t)| *t).collect();
+    assert_eq!(calls, [1, 2, 3, 4]);
+    assert_eq!(h.turns().await.len(), 4);
+    assert_eq!(h.upstream.seen().len(), 6, "every request reached the upstream");
+}
+
 #[tokio::test]
 async fn a_held_turn_delays_exactly_its_answer() {
     let hold = Duration::from_millis(500);

@@ -120,6 +120,11 @@ pub struct ProxyShimConfig {
     /// Whether each turn end asks crabd for a checkpoint (and holds the
     /// turn's answer until its version is published).
     pub checkpoint_on_turn: bool,
+    /// The requests that end a turn (`METHOD /path`, or `METHOD /prefix*`).
+    pub turn_end_routes: Vec<crab_proxy::RoutePattern>,
+    /// Whether a request on those routes that is a side call (another,
+    /// shorter conversation than the turns') ends no turn.
+    pub side_calls: bool,
 }
 
 pub use crab_api::config::ConfigError;
@@ -198,6 +203,11 @@ mod tests {
         check("[shim]\nbogus = 1\n", None);
         check("[shim]\nstate_dir = 3\n", None);
         check("not toml", None);
+        check(
+            "[shim.proxy]\nturn_end_routes = [\"POST /v1/agents/*\"]\n",
+            Some("/run/crab/runtime"),
+        );
+        check("[shim.proxy]\nturn_end_routes = [\"/no-method\"]\n", None);
     }
 
     #[test]

@@ -163,7 +163,7 @@ impl SandboxProxy {
                 openai: upstream(&plan.upstreams.0)?,
                 anthropic: upstream(&plan.upstreams.1)?,
             },
-            turn_ends: TurnEndRules::main_loop(),
+            turn_ends: TurnEndRules::new(cfg.turn_end_routes.clone()).with_side_calls(cfg.side_calls),
             limits: Limits {
                 max_request_body: cfg.max_request_body,
                 transcript_body_cap: cfg.transcript_body_cap,
