@@ -37,6 +37,9 @@ pub struct CrabdConfig {
     pub register: bool,
     /// Whether shims start crabd (read by the shim).
     pub autostart: bool,
+    /// What a shim does when its sandbox's init dies unasked (read by the
+    /// shim).
+    pub recover: RecoverPolicy,
     /// The crabd binary the shim starts.
     pub binary: PathBuf,
     /// containerd's socket, where imported sandboxes are created by default.
@@ -51,6 +54,19 @@ pub struct CrabdConfig {
     pub gc_interval_secs: u64,
     /// The host's checkpoint queue (`[crabd.schedule]`).
     pub schedule: ScheduleConfig,
+}
+
+/// `[crabd] recover`: what happens to a sandbox whose init dies without
+/// containerd or docker having asked (killed from outside, OOM, a crash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecoverPolicy {
+    /// Its head version is restored into the same container (the task
+    /// keeps running with a new pid); repeated crashes back off, then the
+    /// exit is reported as usual.
+    OnCrash,
+    /// The exit is reported as usual.
+    Off,
 }
 
 /// `[crabd.schedule]`: how crabd shapes the checkpoint work of every

@@ -97,6 +97,13 @@ pub struct SandboxInfo {
     /// The base URL of its LLM proxy on crabd's host listener
     /// (`http://127.0.0.1:PORT/s/<id>`), when both exist.
     pub proxy_url: Option<String>,
+    /// How many times its task was recovered after a crash (since its
+    /// task started), and the last recovery.
+    #[serde(default)]
+    pub recoveries: u32,
+    /// The last recovery, if any.
+    #[serde(default)]
+    pub last_recovery: Option<Recovery>,
 }
 
 /// `POST /v1/sandboxes/{id}/turns` (an exact id): the sandbox's proxy saw a turn end and
@@ -149,6 +156,30 @@ pub struct RollbackRequest {
     /// Take an undo checkpoint first (see [`ShimRestore::undo`]).
     #[serde(default = "yes")]
     pub undo: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/recover`: how the sandbox's init died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Crash {
+    /// Its exit status (`128 + N` after signal N).
+    pub exit_status: u32,
+}
+
+/// An automatic recovery: the sandbox's init died unasked and its head
+/// version was restored into the same container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recovery {
+    /// The version restored.
+    pub version: u64,
+    /// The restored init's pid on the host.
+    pub pid: i32,
+    /// The dead init's exit status.
+    pub exit_status: u32,
+    /// When it was restored, in milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+    /// How long the recovery took, from crabd's hearing of the crash, in
+    /// milliseconds.
+    pub total_ms: u64,
 }
 
 /// What a rollback did.

@@ -13,6 +13,7 @@
 //! | POST | [`ANSWERED`] | → `TurnAnswered` (a shim's proxy: the turn's answer waits on its version) |
 //! | GET | [`VERSIONS`] | → `[VersionView]` |
 //! | POST | [`ROLLBACK`] | `RollbackRequest` → `RollbackReport` |
+//! | POST | [`RECOVER`] | `Crash` → `Recovery` (a shim, by exact id: its init died unasked) |
 //! | DELETE | [`VERSION`] | → `RemovalReport` |
 //! | POST | [`FORK`] | `ForkRequest` → `ForkReport` |
 //! | POST | [`TURN`] | → `TurnReport` (ends the inspector's turn by hand) |
@@ -49,6 +50,8 @@ pub const ANSWERED: &str = "/v1/sandboxes/{id}/turns/{turn}/answered";
 pub const VERSIONS: &str = "/v1/sandboxes/{sel}/versions";
 /// Roll a sandbox back.
 pub const ROLLBACK: &str = "/v1/sandboxes/{sel}/rollback";
+/// A shim's sandbox crashed: restore its head version into it.
+pub const RECOVER: &str = "/v1/sandboxes/{id}/recover";
 /// Fork a sandbox's version into a new sandbox.
 pub const FORK: &str = "/v1/sandboxes/{sel}/fork";
 /// End the inspector's current turn by hand.
@@ -77,6 +80,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (ANSWERED, &["post"]),
     (VERSIONS, &["get"]),
     (ROLLBACK, &["post"]),
+    (RECOVER, &["post"]),
     (FORK, &["post"]),
     (TURN, &["post"]),
     (WATCH, &["get"]),
@@ -132,6 +136,11 @@ pub fn answered(id: &SandboxId, turn: u64) -> String {
 /// [`VERSIONS`] for `sel`.
 pub fn versions(sel: &dyn Display) -> String {
     fill(VERSIONS, sel, None)
+}
+
+/// [`RECOVER`] for `id`.
+pub fn recover(id: &SandboxId) -> String {
+    fill(RECOVER, id, None)
 }
 
 /// [`ROLLBACK`] for `sel`.

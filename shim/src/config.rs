@@ -32,6 +32,11 @@ pub struct CrabdShimConfig {
     pub register: bool,
     /// Whether the shim starts crabd when it is not running.
     pub autostart: bool,
+    /// What happens when the sandbox's init dies unasked.
+    pub recover: crab_api::config::RecoverPolicy,
+    /// How long crabd may take for a shim's checkpoint or restore (the
+    /// shim waits as long for a recovery), in seconds.
+    pub shim_timeout_secs: u64,
     /// The crabd binary.
     pub binary: PathBuf,
 }

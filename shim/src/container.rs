@@ -56,6 +56,12 @@ pub struct Container {
     /// The init is crab-init: the commands it adopted from execs, and the
     /// task following its report (see `crate::init`).
     adopted: Option<(Arc<Adoptions>, tokio::task::JoinHandle<()>)>,
+    /// containerd asked the init to stop (Kill, Delete): its exit is the
+    /// task's, never a crash to recover from.
+    pub stop_requested: bool,
+    /// How the sandbox comes back after a crash, once registered with
+    /// crabd (see `crate::recovery`).
+    pub recovery: Option<crate::recovery::Recovery>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -124,6 +130,8 @@ impl Container {
                 .map(PathBuf::from),
             init_mounted: false,
             adopted: None,
+            stop_requested: false,
+            recovery: None,
         };
         if c.pending_restore.is_some() && c.init.stdio.terminal {
             return Err(Error::Unsupported {
@@ -324,9 +332,18 @@ impl Container {
 
     /// Sends `signal` to the init (with `all`, to every process of the
     /// container) or to an exec.
-    pub async fn kill(&self, exec_id: &str, signal: u32, all: bool) -> Result<()> {
-        let p = self.process(exec_id)?;
+    pub async fn kill(&mut self, exec_id: &str, signal: u32, all: bool) -> Result<()> {
         let sig = Signal::try_from(signal as i32).map_err(|_| Error::InvalidSignal { signal })?;
+        use Signal::*;
+        let no_stop = matches!(
+            sig,
+            SIGUSR1 | SIGUSR2 | SIGWINCH | SIGCONT | SIGSTOP | SIGTSTP | SIGTTIN | SIGTTOU | SIGCHLD | SIGURG
+        );
+        if exec_id.is_empty() && !no_stop {
+            // The init's end that follows is asked for, not a crash.
+            self.stop_requested = true;
+        }
+        let p = self.process(exec_id)?;
         if p.state == ProcessState::Stopped || p.pid <= 0 {
             if all && exec_id.is_empty() {
                 // Kill-all after the init exited: stragglers of a container

@@ -85,7 +85,7 @@ impl Control {
             .route(routes::shim::FORGET, post(forget))
             .with_state(Ctx {
                 id: id.clone(),
-                container,
+                container: container.clone(),
                 runtime,
                 events,
             });
@@ -124,7 +124,16 @@ impl Control {
                 restored,
             };
             match register(&client, &reg, config).await {
-                Ok(()) => control.crabd = Some((client, id)),
+                Ok(()) => {
+                    if config.recover == crab_api::config::RecoverPolicy::OnCrash {
+                        // A restore may take as long as crabd gives a shim.
+                        let limit = Duration::from_secs(config.shim_timeout_secs + 30);
+                        let crabd = Crabd::new(&config.socket, limit);
+                        container.lock().await.recovery =
+                            Some(crate::recovery::Recovery::new(crabd, id.clone()));
+                    }
+                    control.crabd = Some((client, id));
+                }
                 Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "not registered with crabd"),
             }
         }

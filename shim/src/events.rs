@@ -91,6 +91,9 @@ pub fn watch_exit(
     // Ends when the process exits; the exit router outlives it.
     tokio::spawn(async move {
         let Ok(exit) = rx.await else { return };
+        if exec_id.is_empty() && crate::recovery::recovered(&container, pid, exit).await {
+            return;
+        }
         let (cid, io) = {
             let mut c = container.lock().await;
             let cid = c.id.clone();

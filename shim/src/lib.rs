@@ -30,6 +30,7 @@ mod metrics;
 mod netns;
 mod oom;
 mod process;
+mod recovery;
 mod rootfs;
 mod runtime;
 mod sandbox_proxy;

@@ -9,9 +9,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
-    ImportReport, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered,
-    TurnEnd, TurnReport, VersionView, WatchStarted,
+    CheckpointReport, CheckpointRequest, Crash, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
+    ImportReport, Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo,
+    TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -52,6 +52,8 @@ const SCHEMAS: &[&str] = &[
     "Registration",
     "SandboxInfo",
     "SandboxInfoList",
+    "Crash",
+    "Recovery",
     "TurnReport",
     "WatchLagged",
     "WatchStarted",
@@ -191,6 +193,14 @@ fn sandbox_infos() -> Vec<SandboxInfo> {
             running: i != 1,
             versions: i * 3,
             latest: (i > 0).then_some(i as u64 * 3),
+            recoveries: i as u32,
+            last_recovery: (i > 0).then(|| Recovery {
+                version: i as u64 * 3,
+                pid: 7_000 + i as i32,
+                exit_status: 137,
+                at_unix_ms: 1_780_000_000_000,
+                total_ms: 412,
+            }),
         })
         .collect()
 }
@@ -427,6 +437,7 @@ fn the_helpers_find_each_routes_messages() {
             Some("RollbackRequest"),
             Some("RollbackReport"),
         ),
+        ("post", routes::RECOVER, Some("Crash"), Some("Recovery")),
         ("delete", routes::VERSION, None, Some("RemovalReport")),
         ("post", routes::FORK, Some("ForkRequest"), Some("ForkReport")),
         ("post", routes::TURN, None, Some("TurnReport")),
@@ -673,6 +684,7 @@ fn turns() {
         );
     }
     assert_valid("TurnAnswered", &TurnAnswered { promoted: true });
+    assert_valid("Crash", &Crash { exit_status: 139 });
 }
 
 #[test]
@@ -740,6 +752,7 @@ fn the_least_the_spec_requires_the_types_take() {
     assert_eq!(fork.name, None);
     let _: CheckpointRequest = least("CheckpointRequest", json!({"class": "full"}));
     let _: TurnEnd = least("TurnEnd", json!({"turn": 1, "transcript_turns": 1}));
+    let _: Crash = least("Crash", json!({"exit_status": 137}));
     let _: ImportQuery = least("ImportQuery", json!({}));
     // And answers with unknown fields still parse (the schemas are open).
     let _: ErrorBody = least(

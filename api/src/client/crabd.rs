@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use super::{ClientError, UnixClient};
 use crate::crabd::{
-    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportQuery, ImportReport, Registration,
-    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport,
-    VersionView,
+    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ImportQuery, ImportReport, Recovery,
+    Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
+    TurnReport, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -100,6 +100,12 @@ impl Crabd {
         req: &RollbackRequest,
     ) -> Result<RollbackReport, ClientError> {
         self.http.post(&routes::rollback(sel), req).await
+    }
+
+    /// Sandbox `id`'s init died without containerd asking: crabd restores
+    /// its head version into it; answers what it restored.
+    pub async fn recover(&self, id: &SandboxId, crash: &Crash) -> Result<Recovery, ClientError> {
+        self.http.post(&routes::recover(id), crash).await
     }
 
     /// Removes version `n` of sandbox `sel` (and what only it used).

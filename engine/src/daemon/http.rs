@@ -13,9 +13,9 @@ use axum::response::Response;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, ForkReport, ForkRequest, ImportQuery, ImportReport, Registration,
-    RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport,
-    VersionView,
+    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ImportQuery, ImportReport, Recovery,
+    Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
+    TurnReport, VersionView,
 };
 use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use serde::de::DeserializeOwned;
@@ -35,6 +35,7 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::METRICS, get(metrics))
         .route(routes::VERSIONS, get(versions))
         .route(routes::ROLLBACK, post(rollback))
+        .route(routes::RECOVER, post(recover))
         .route(routes::FORK, post(fork))
         .route(routes::TURN, post(turn))
         .route(routes::WATCH, get(watch))
@@ -113,6 +114,11 @@ async fn turn_ended(
 ) -> Reply<CheckpointReport> {
     let end: TurnEnd = parse(&body)?;
     d.turn_ended(&exact(&id)?, end).await.map(Json)
+}
+
+async fn recover(State(d): State<Arc<Daemon>>, Path(id): Path<String>, body: Bytes) -> Reply<Recovery> {
+    let crash: Crash = parse(&body)?;
+    d.recover(&exact(&id)?, crash).await.map(Json)
 }
 
 async fn turn_answered(

@@ -61,6 +61,8 @@ pub(super) struct Metrics {
     pub checkpoint: Histogram,
     /// Seconds a rollback's restore took.
     pub restore: Histogram,
+    /// Sandboxes recovered after a crash.
+    pub recoveries: Counter,
 }
 
 // === impl Metrics ===
@@ -130,6 +132,12 @@ impl Metrics {
                 seconds(),
             ),
             restore: add(r, "restore_seconds", "Time a rollback's restore took", seconds()),
+            recoveries: add(
+                r,
+                "recoveries",
+                "Sandboxes restored after their init crashed",
+                Counter::default(),
+            ),
             registry,
         }
     }

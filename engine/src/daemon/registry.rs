@@ -26,6 +26,12 @@ pub struct Entry {
     /// registration names no writable layer).
     #[serde(default)]
     pub incarnation: Option<String>,
+    /// How many times its task was recovered after a crash.
+    #[serde(default)]
+    pub recoveries: u32,
+    /// The last recovery.
+    #[serde(default)]
+    pub last_recovery: Option<crab_api::crabd::Recovery>,
 }
 
 // === impl Entry ===

@@ -2,14 +2,16 @@
 //! verified version's, after an undo checkpoint unless asked not to. The
 //! restored version becomes the sandbox's head: the next version descends
 //! from it, and the inspector's ledger starts again from the restored
-//! state. Turn ends whose capture had not started are superseded.
+//! state. Turn ends whose capture had not started are superseded. A
+//! recovery is the same restore of the head version, asked by the shim of
+//! a sandbox whose init crashed.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use crab_api::crabd::{RollbackReport, RollbackRequest};
+use crab_api::crabd::{Crash, Recovery, Registration, RollbackReport, RollbackRequest};
 use crab_api::shim::{FsTarget, ShimRestore, ShimRestored};
-use crab_api::{routes, SandboxSelector};
+use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use tracing::Instrument;
 
 use super::work::{blocking, detached};
@@ -31,61 +33,128 @@ impl Daemon {
             async move {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
-                let started = Instant::now();
-                let (version, images_dir) = d.restorable(&reg.id, req.version).await?;
-                let number = version.record.version;
-                // From here the sandbox's state is replaced: turn ends not
-                // yet captured are overtaken, and until the restore is done
-                // the sandbox descends from no version (a crash in between
-                // makes the next version whole, never a wrong pairing).
-                d.turns.rolling_back(&reg.id);
-                let _done = on_drop(|| d.turns.rolled_back(&reg.id));
-                let store = d.store.clone();
-                let sid = reg.id.clone();
-                blocking(move || store.set_head(&sid, None)).await?;
-                let call = ShimRestore {
-                    undo: req.undo,
-                    images_dir,
-                    fs: version.record.fs_snapshot.map(|f| FsTarget {
-                        name: f.name,
-                        store: d.files.store_dir(&reg.id),
-                    }),
-                };
-                let done: ShimRestored = d.call_shim(&reg, routes::shim::RESTORE, &call).await?;
-                d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
-                let store = d.store.clone();
-                let sid = reg.id.clone();
-                blocking(move || store.set_head(&sid, Some(number))).await?;
-                let d2 = d.clone();
-                let sid = reg.id.clone();
-                // The restored state is the next turn's start; the restored
-                // tasks resuming their calls are the restore's doing.
-                tokio::task::spawn_blocking(move || {
-                    d2.inspection.reset(&sid);
-                    d2.inspection.begin_capture(&sid);
-                    d2.inspection.forgive(&sid, &[]);
-                })
-                .await?;
-                d.metrics.restore.observe(done.restore_ms / 1e3);
-                let total_ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(
-                    version = number,
-                    pid = done.pid,
-                    restore_ms = done.restore_ms,
-                    elapsed_ms = total_ms,
-                    "rolled back"
-                );
-                Ok(RollbackReport {
-                    version: number,
-                    pid: done.pid,
-                    restore_ms: done.restore_ms,
-                    undo_ms: done.undo_ms,
-                    total_ms,
-                })
+                d.restore_version(&reg, req.version, req.undo).await
             }
             .instrument(span),
         )
         .await
+    }
+
+    /// Sandbox `id`'s init died without containerd asking (its shim says):
+    /// its head version (else its newest valid one) is restored into the
+    /// same container, without an undo checkpoint (nothing runs to save).
+    pub(super) async fn recover(
+        self: &Arc<Self>,
+        id: &SandboxId,
+        crash: Crash,
+    ) -> Result<Recovery, ApiError> {
+        let reg = self
+            .registry
+            .get(id)
+            .map(|e| e.registration)
+            .ok_or_else(|| ApiError::UnknownSandbox {
+                sel: id.as_str().to_owned(),
+            })?;
+        let d = self.clone();
+        let span = tracing::warn_span!("recover", sandbox = %reg.id, exit_status = crash.exit_status);
+        detached(
+            async move {
+                let busy = d.busy(&reg.id);
+                let _one_at_a_time = busy.lock().await;
+                let started = Instant::now();
+                let store = d.store.clone();
+                let sid = reg.id.clone();
+                let head = blocking(move || store.head(&sid)).await?;
+                let which = head.map_or(VersionSel::Latest, VersionSel::Number);
+                let done = d.restore_version(&reg, which, false).await?;
+                let recovery = Recovery {
+                    version: done.version,
+                    pid: done.pid,
+                    exit_status: crash.exit_status,
+                    at_unix_ms: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |t| t.as_millis() as u64),
+                    total_ms: started.elapsed().as_millis() as u64,
+                };
+                d.registry.update(&reg.id, |e| {
+                    e.recoveries += 1;
+                    e.last_recovery = Some(recovery.clone());
+                })?;
+                d.metrics.recoveries.inc();
+                tracing::warn!(
+                    version = recovery.version,
+                    pid = recovery.pid,
+                    total_ms = recovery.total_ms,
+                    "recovered after a crash"
+                );
+                Ok(recovery)
+            }
+            .instrument(span),
+        )
+        .await
+    }
+
+    /// Replaces the processes (and files) of sandbox `reg` with version
+    /// `which`'s, under the caller's hold of its busy lock, and makes that
+    /// version its head.
+    async fn restore_version(
+        self: &Arc<Self>,
+        reg: &Registration,
+        which: VersionSel,
+        undo: bool,
+    ) -> Result<RollbackReport, ApiError> {
+        let d = self;
+        let started = Instant::now();
+        let (version, images_dir) = d.restorable(&reg.id, which).await?;
+        let number = version.record.version;
+        // From here the sandbox's state is replaced: turn ends not yet
+        // captured are overtaken, and until the restore is done the sandbox
+        // descends from no version (a crash in between makes the next
+        // version whole, never a wrong pairing).
+        d.turns.rolling_back(&reg.id);
+        let _done = on_drop(|| d.turns.rolled_back(&reg.id));
+        let store = d.store.clone();
+        let sid = reg.id.clone();
+        blocking(move || store.set_head(&sid, None)).await?;
+        let call = ShimRestore {
+            undo,
+            images_dir,
+            fs: version.record.fs_snapshot.map(|f| FsTarget {
+                name: f.name,
+                store: d.files.store_dir(&reg.id),
+            }),
+        };
+        let done: ShimRestored = d.call_shim(reg, routes::shim::RESTORE, &call).await?;
+        d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
+        let store = d.store.clone();
+        let sid = reg.id.clone();
+        blocking(move || store.set_head(&sid, Some(number))).await?;
+        let d2 = d.clone();
+        let sid = reg.id.clone();
+        // The restored state is the next turn's start; the restored tasks
+        // resuming their calls are the restore's doing.
+        tokio::task::spawn_blocking(move || {
+            d2.inspection.reset(&sid);
+            d2.inspection.begin_capture(&sid);
+            d2.inspection.forgive(&sid, &[]);
+        })
+        .await?;
+        d.metrics.restore.observe(done.restore_ms / 1e3);
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            version = number,
+            pid = done.pid,
+            restore_ms = done.restore_ms,
+            elapsed_ms = total_ms,
+            "restored"
+        );
+        Ok(RollbackReport {
+            version: number,
+            pid: done.pid,
+            restore_ms: done.restore_ms,
+            undo_ms: done.undo_ms,
+            total_ms,
+        })
     }
 }
 

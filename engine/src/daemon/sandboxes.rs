@@ -63,6 +63,8 @@ impl Daemon {
             registration: reg.clone(),
             running: true,
             incarnation,
+            recoveries: 0,
+            last_recovery: None,
         };
         self.registry.insert(entry.clone())?;
         self.inspection.register(&reg);
@@ -100,6 +102,8 @@ impl Daemon {
         let Entry {
             registration,
             running,
+            recoveries,
+            last_recovery,
             ..
         } = entry;
         let versions = self.store.versions(&registration.id).unwrap_or_default();
@@ -116,6 +120,8 @@ impl Daemon {
                 .iter()
                 .rev()
                 .find_map(|v| v.record.as_ref().map(|r| r.version)),
+            recoveries,
+            last_recovery,
         }
     }
 }

@@ -43,6 +43,8 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                 },
                 running: true,
                 incarnation: None,
+                recoveries: 0,
+                last_recovery: None,
             })
             .unwrap();
     }
