@@ -325,7 +325,7 @@ fn loopback_is_up() {
         let out = ctd.ctr(&[
             "run", "--rm", "--runtime", rt, BUSYBOX, "lo", "sh", "-c",
             "ip addr show lo; (echo hello | nc -l -p 8080 127.0.0.1 &); \
-             for i in 1 2 3 4 5 6 7 8 9 10; do nc 127.0.0.1 8080 </dev/null && exit 0; sleep 0.1; done; exit 1",
+             i=0; until nc 127.0.0.1 8080 </dev/null; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done",
         ]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("LOOPBACK,UP"), "{rt}: {text}");
