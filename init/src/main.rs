@@ -14,9 +14,10 @@
 //!   CMD as its child, in a session of its own with the terminal the init
 //!   had; forwards to CMD the signals CMD handles (a pid 1 without a handler
 //!   ignores the others, so CMD sees what it saw as pid 1); reaps every
-//!   orphan; writes `main <pid>` on fd N, then `exit <pid> <code>` for each
-//!   reaped process that is not CMD; and exits with CMD's code (`128 + N`
-//!   after signal N).
+//!   orphan; writes `exit <pid> <code>` on fd N for each reaped process that
+//!   is not CMD; and when CMD ends, writes `end exited <code>` or `end
+//!   signaled <N>` and exits with CMD's code (`128 + N` after signal N).
+//!   CMD is pid 2 of the namespace, its first child.
 //! - `crab-init exec --handshake-fd N -- CMD…` is an exec's process. It forks
 //!   CMD, writes CMD's pid on fd N, waits for the shim's acknowledgement and
 //!   exits; CMD, orphaned, is adopted by `crab-init init` and only then runs
@@ -41,6 +42,9 @@ extern "C" {
     fn fork() -> i32;
     fn waitpid(pid: i32, status: *mut i32, options: i32) -> i32;
     fn sigfillset(set: *mut SigSet) -> i32;
+    fn sigemptyset(set: *mut SigSet) -> i32;
+    fn sigaddset(set: *mut SigSet, sig: i32) -> i32;
+    fn sigtimedwait(set: *const SigSet, info: *mut u8, timeout: *const u8) -> i32;
     fn pthread_sigmask(how: i32, set: *const SigSet, old: *mut SigSet) -> i32;
     fn sigwait(set: *const SigSet, sig: *mut i32) -> i32;
     fn kill(pid: i32, sig: i32) -> i32;
@@ -57,6 +61,8 @@ extern "C" {
 }
 
 const SIG_SETMASK: i32 = 2;
+const SIGHUP: i32 = 1;
+const SIGCONT: i32 = 18;
 const SIGKILL: i32 = 9;
 const SIGCHLD: i32 = 17;
 const SIGSTOP: i32 = 19;
@@ -122,6 +128,18 @@ fn init(mut report: File, cmd: &[OsString]) -> ! {
     if tty {
         // SAFETY: TIOCNOTTY takes no argument.
         unsafe { ioctl(0, TIOCNOTTY) };
+        // It hung up this process's group (itself): those signals are no
+        // one's to pass on.
+        let mut hangup = SigSet([0; 16]);
+        let zero = [0i64; 2];
+        // SAFETY: valid set and timespec; sigtimedwait with a zero timeout
+        // only takes signals already pending.
+        unsafe {
+            sigemptyset(&mut hangup);
+            sigaddset(&mut hangup, SIGHUP);
+            sigaddset(&mut hangup, SIGCONT);
+            while sigtimedwait(&hangup, std::ptr::null_mut(), zero.as_ptr().cast()) > 0 {}
+        }
     }
     // SAFETY: this process is single-threaded; the child only calls
     // async-signal-safe functions before it execs (see `run`).
@@ -131,7 +149,9 @@ fn init(mut report: File, cmd: &[OsString]) -> ! {
         std::process::exit(126);
     }
     if main == 0 {
-        // SAFETY: `old` is the mask the init was started with.
+        // CMD starts with the mask the init was started with (exec keeps
+        // a blocked mask).
+        // SAFETY: `old` is a valid set.
         unsafe { pthread_sigmask(SIG_SETMASK, &old, std::ptr::null_mut()) };
         run(cmd, tty);
     }
@@ -149,9 +169,6 @@ fn init(mut report: File, cmd: &[OsString]) -> ! {
             }
         }
     }
-    // The shim signals the others of the sandbox directly, and CMD only
-    // through this init (a `kill --all` of a pid 1 that CMD once was).
-    let _ = report.write_all(format!("main {main}\n").as_bytes());
     loop {
         let mut sig = 0;
         // SAFETY: `all` is a valid set and `sig` a valid out pointer.
@@ -165,7 +182,7 @@ fn init(mut report: File, cmd: &[OsString]) -> ! {
             }
             continue;
         }
-        let mut main_code = None;
+        let mut main_end = None;
         loop {
             let mut status = 0;
             // SAFETY: `status` is a valid out pointer.
@@ -175,15 +192,22 @@ fn init(mut report: File, cmd: &[OsString]) -> ! {
             }
             let code = exit_code(status);
             if pid == main {
-                main_code = Some(code);
+                main_end = Some(status);
             } else {
                 // The shim may be gone (its read end closed): the child is
                 // reaped all the same.
                 let _ = report.write_all(format!("exit {pid} {code}\n").as_bytes());
             }
         }
-        if let Some(code) = main_code {
-            std::process::exit(code);
+        if let Some(status) = main_end {
+            // How CMD ended, which its code alone does not tell (a crash
+            // and an `exit 139` look alike).
+            let how = match status & 0x7f {
+                0 => format!("end exited {}\n", (status >> 8) & 0xff),
+                sig => format!("end signaled {sig}\n"),
+            };
+            let _ = report.write_all(how.as_bytes());
+            std::process::exit(exit_code(status));
         }
     }
 }

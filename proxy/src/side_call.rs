@@ -10,6 +10,11 @@
 //! progress (a sub-agent, a conversation after compaction) and its
 //! requests end turns from then on; a request that is not a JSON
 //! conversation ends a turn.
+//!
+//! Off by default (`[shim.proxy] side_calls`): an agent whose requests each
+//! start differently (one that trims its history from the front) and are
+//! no longer than the last turn's would have every request taken for a side
+//! call, and its turns would go unsaved.
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
@@ -32,6 +37,8 @@ const REMEMBERED: usize = 16;
 #[derive(Debug, Default)]
 pub(crate) struct Conversations {
     seen: VecDeque<Seen>,
+    /// Messages of the latest request that ended a turn.
+    current: Option<usize>,
 }
 
 /// One conversation: its start, its last length, whether it ends turns.
@@ -71,20 +78,23 @@ impl Conversations {
     /// Whether a request of conversation `(start, len)` is a side call;
     /// remembers what it saw.
     pub(crate) fn is_side_call(&mut self, start: u64, len: usize) -> bool {
-        let longest = self.seen.iter().filter(|c| c.turns).map(|c| c.len).max();
+        let current = self.current;
         let known = self
             .seen
             .iter()
             .position(|c| c.start == start)
             .and_then(|i| self.seen.remove(i));
-        let turns = match (known, longest) {
+        let turns = match (known, current) {
             // A conversation whose requests end turns, or the first one.
             (Some(Seen { turns: true, .. }), _) | (_, None) => true,
             // It grows: a conversation in progress (a sub-agent).
             (Some(c), _) if len > c.len => true,
-            // As long as the turns' conversation: a new main loop.
-            (_, Some(longest)) => len >= longest,
+            // As long as the one the turns follow now: a new main loop.
+            (_, Some(current)) => len >= current,
         };
+        if turns {
+            self.current = Some(len);
+        }
         if self.seen.len() == REMEMBERED {
             // Side conversations are forgotten first.
             let i = self.seen.iter().position(|c| !c.turns).unwrap_or(0);

@@ -56,9 +56,15 @@ pub struct Container {
     /// The init is crab-init: the commands it adopted from execs, and the
     /// task following its report (see `crate::init`).
     adopted: Option<(Arc<Adoptions>, tokio::task::JoinHandle<()>)>,
-    /// containerd asked the init to stop (Kill, Delete): its exit is the
-    /// task's, never a crash to recover from.
-    pub stop_requested: bool,
+    /// The signals containerd sent the current init (Kill): an end by one
+    /// of them is asked for, never a crash to recover from.
+    pub asked: Vec<Signal>,
+    /// The init died and is being recovered: it has no live pid, so
+    /// signals are kept for the restored init and execs wait.
+    pub recovering: bool,
+    /// The network namespace docker pinned for the sandbox, found while
+    /// its init lived (a dead init's pid may be another's).
+    netns_pin: Option<PathBuf>,
     /// How the sandbox comes back after a crash, once registered with
     /// crabd (see `crate::recovery`).
     pub recovery: Option<crate::recovery::Recovery>,
@@ -130,7 +136,9 @@ impl Container {
                 .map(PathBuf::from),
             init_mounted: false,
             adopted: None,
-            stop_requested: false,
+            asked: Vec::new(),
+            recovering: false,
+            netns_pin: None,
             recovery: None,
         };
         if c.pending_restore.is_some() && c.init.stdio.terminal {
@@ -208,13 +216,19 @@ impl Container {
     }
 
     /// Follows the report of a new init that is crab-init (`report`, its
-    /// read end), or forgets the old one's.
+    /// read end), or forgets the old one's, and finds docker's pin of its
+    /// network namespace.
     fn follow_init(&mut self, report: Option<OwnedFd>, runtime: &RuntimeClient) -> Result<()> {
-        // An old init's report ends by itself (its init is gone): the
-        // commands it adopted are reported killed.
+        // The old init is gone: its adopted commands' pidfds tell their
+        // ends, with or without its report.
+        if let Some((old, reader)) = self.adopted.take() {
+            reader.abort();
+            old.close();
+        }
         self.adopted = report
             .map(|fd| Adoptions::follow(runtime.exits().clone(), fd))
             .transpose()?;
+        self.netns_pin = crate::runtime::pinned_netns(self.init.pid);
         Ok(())
     }
 
@@ -239,12 +253,17 @@ impl Container {
             }
             runtime.start(&self.id, &self.bundle).await?;
             self.init.state = ProcessState::Running;
+            self.netns_pin = crate::runtime::pinned_netns(self.init.pid);
             return Ok((self.init.pid, None));
         }
-        if self.init.state != ProcessState::Running {
+        if self.init.state != ProcessState::Running || self.recovering {
             return Err(Error::BadState {
                 id: self.id.clone(),
-                state: self.init.state.name(),
+                state: if self.recovering {
+                    "recovering"
+                } else {
+                    self.init.state.name()
+                },
                 op: "exec",
             });
         }
@@ -271,13 +290,20 @@ impl Container {
         let res = runtime.exec(&self.id, &spec_path, launch).await;
         let _ = std::fs::remove_file(&spec_path);
         let (mut pid, mut rx) = res?;
+        let mut pidfd = None;
         if let (Some(ours), Some((adopted, _))) = (ours, &self.adopted) {
             // The exec's process hands its command to crab-init and exits:
             // the command is the exec.
-            match adopted.hand_over(ours, pid, runtime.timeout()).await {
-                Ok((command, exit)) => (pid, rx) = (command, exit),
+            match adopted.hand_over(ours, pid, HANDOVER_LIMIT).await {
+                Ok(command) => {
+                    (pid, rx) = (command.pid, command.exit);
+                    pidfd = Some(command.pidfd);
+                }
                 Err(e) => {
-                    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    // Unless it is gone already (its pid may be another's).
+                    if rx.try_recv().is_err() {
+                        let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    }
                     return Err(e);
                 }
             }
@@ -285,6 +311,7 @@ impl Container {
         let io = pending.finish().await?;
         let p = self.exec_mut(exec_id)?;
         p.pid = pid;
+        p.pidfd = pidfd;
         p.io = Some(io);
         p.state = ProcessState::Running;
         Ok((pid, Some(rx)))
@@ -334,14 +361,13 @@ impl Container {
     /// container) or to an exec.
     pub async fn kill(&mut self, exec_id: &str, signal: u32, all: bool) -> Result<()> {
         let sig = Signal::try_from(signal as i32).map_err(|_| Error::InvalidSignal { signal })?;
-        use Signal::*;
-        let no_stop = matches!(
-            sig,
-            SIGUSR1 | SIGUSR2 | SIGWINCH | SIGCONT | SIGSTOP | SIGTSTP | SIGTTIN | SIGTTOU | SIGCHLD | SIGURG
-        );
-        if exec_id.is_empty() && !no_stop {
-            // The init's end that follows is asked for, not a crash.
-            self.stop_requested = true;
+        if exec_id.is_empty() {
+            // An end of the init by this signal is asked for, not a crash.
+            self.asked.push(sig);
+            if self.recovering {
+                // The restored init gets it (see `crate::recovery`).
+                return Ok(());
+            }
         }
         let p = self.process(exec_id)?;
         if p.state == ProcessState::Stopped || p.pid <= 0 {
@@ -357,7 +383,17 @@ impl Container {
         if all && exec_id.is_empty() {
             return self.kill_all(sig).await;
         }
-        nix::sys::signal::kill(Pid::from_raw(p.pid), sig).map_err(|e| match e {
+        let sent = match &p.pidfd {
+            // An adopted command: through its pidfd, never a reused pid.
+            Some(fd) => {
+                // SAFETY: `sig` is a valid signal number (it came from nix's `Signal`).
+                let rsig = unsafe { rustix::process::Signal::from_raw_unchecked(sig as i32) };
+                rustix::process::pidfd_send_signal(fd, rsig)
+                    .map_err(|e| nix::errno::Errno::from_raw(e.raw_os_error()))
+            }
+            None => nix::sys::signal::kill(Pid::from_raw(p.pid), sig),
+        };
+        sent.map_err(|e| match e {
             nix::errno::Errno::ESRCH => Error::Finished {
                 id: self.process_id(exec_id),
             },
@@ -371,7 +407,7 @@ impl Container {
             // The spec's process gets it through crab-init, which passes on
             // only what a pid 1 would get.
             if let Some((adopted, _)) = &self.adopted {
-                if sig != Signal::SIGKILL && adopted.is_main(pid as i32) {
+                if sig != Signal::SIGKILL && adopted.is_main(pid as i32, self.init.pid) {
                     continue;
                 }
             }
@@ -428,7 +464,7 @@ impl Container {
             });
         }
         let mut opts = CheckpointOpts {
-            crab_init: self.adopted.is_some(),
+            crab_init: self.init_is_crab_init(),
             ..Default::default()
         };
         let mut image_path = PathBuf::from(&req.path);
@@ -532,6 +568,11 @@ impl Container {
         self.adopted.is_some()
     }
 
+    /// What crab-init, the running init, reported (none without it).
+    pub fn adoptions(&self) -> Option<Arc<Adoptions>> {
+        self.adopted.as_ref().map(|(a, _)| a.clone())
+    }
+
     /// The init (empty id) or an exec.
     pub fn process(&self, exec_id: &str) -> Result<&Process> {
         if exec_id.is_empty() {
@@ -581,6 +622,9 @@ impl Container {
         Ok(())
     }
 }
+
+/// How long an exec's process may take to name its command.
+const HANDOVER_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A pipe for crab-init's report: (the shim's read end, the init's write
 /// end), both close-on-exec (the helper gets its end as descriptor 3).

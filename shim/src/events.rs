@@ -110,6 +110,11 @@ pub fn watch_exit(
             io.drain(DRAIN_LIMIT).await;
         }
         if let Ok(p) = container.lock().await.process_mut(&exec_id) {
+            if p.pid != pid {
+                // Restored while its output drained (a late recovery).
+                tracing::info!("{exec_id}: replaced pid {pid} exited");
+                return;
+            }
             p.set_exited(exit);
         }
         tracing::info!("{cid} {exec_id}: pid {pid} exited with status {}", exit.code);

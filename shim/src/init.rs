@@ -7,16 +7,16 @@
 //! process, which it then runs as its only child). An exec's process forks
 //! the command and exits, so the command is adopted by crab-init: it is in
 //! the init's tree, which is what CRIU dumps. The shim learns each
-//! command's pid at the handshake and its exit from crab-init's report,
-//! and hands it to the exit router as if it had reaped it. Everything
-//! written on those channels comes from inside the sandbox and is parsed
-//! as untrusted: a forged line can at worst misreport an exec of that
-//! sandbox, which its code could kill anyway.
+//! command's pid at the handshake, holds a pidfd of it (its end, and every
+//! signal to it), takes its exit code from crab-init's report, and hands
+//! the exit to the exit router as if it had reaped it. Everything on those
+//! channels comes from inside the sandbox and is parsed as untrusted, with
+//! bounded lines: a forged or stolen line can misstate an exec's code,
+//! never its end, and never points the shim at another process.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,7 +53,9 @@ pub fn installed(dir: &Path) -> Result<PathBuf> {
     }
     std::fs::DirBuilder::new()
         .recursive(true)
-        .mode(0o700)
+        // Traversable by a user namespace's root, which the bind mount's
+        // source is looked up as; not listable.
+        .mode(0o711)
         .create(&dir)
         .map_err(Error::io(format!("create {}", dir.display())))?;
     let tmp = dir.join(format!(".tmp-{}", std::process::id()));
@@ -95,7 +97,7 @@ pub fn inject(bundle: &Path, binary: &Path) -> Result<bool> {
         .as_ref()
         .and_then(|p| p.args().as_ref())
         .is_some_and(|a| !a.is_empty());
-    if !own_pid_ns || !has_args {
+    if !own_pid_ns || !has_args || opted_out(&spec) {
         return Ok(false);
     }
     let mut mounts = spec.mounts().clone().unwrap_or_default();
@@ -115,6 +117,39 @@ pub fn inject(bundle: &Path, binary: &Path) -> Result<bool> {
     Ok(true)
 }
 
+/// Annotation that keeps crab-init out of one container (`"false"`).
+pub const ANNOTATION: &str = "io.crab.init";
+
+/// Inits that must be pid 1 themselves (they refuse to run otherwise, or
+/// manage the whole namespace): the spec's process is then the init, and
+/// running execs are left out of checkpoints as before.
+const OWN_INITS: &[&str] = &[
+    "init",
+    "systemd",
+    "s6-svscan",
+    "runit",
+    "runit-init",
+    "openrc-init",
+];
+
+/// Whether the spec opts out of crab-init, by annotation or by running an
+/// init that must be pid 1.
+fn opted_out(spec: &Spec) -> bool {
+    let annotated = spec
+        .annotations()
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION))
+        .is_some_and(|v| v == "false");
+    let own_init = spec
+        .process()
+        .as_ref()
+        .and_then(|p| p.args().as_ref())
+        .and_then(|a| a.first())
+        .and_then(|a0| Path::new(a0).file_name())
+        .is_some_and(|name| OWN_INITS.iter().any(|i| name == *i));
+    annotated || own_init
+}
+
 /// Whether the init of a process image is crab-init (its report pipe was
 /// recorded beside its stdio).
 pub fn in_image(images: &Path) -> bool {
@@ -124,30 +159,99 @@ pub fn in_image(images: &Path) -> bool {
         .is_some_and(|d| d.len() > CHANNEL_FD as usize)
 }
 
-/// The commands crab-init has adopted for the shim: their pids as the
-/// sandbox sees them, to their pids on the host.
+/// The spec's process in the sandbox's pid namespace: crab-init's first
+/// child in a namespace of its own (CRIU restores it with the same pid).
+pub const MAIN_NS_PID: i32 = 2;
+
+/// How long an adopted command's exit code may take to arrive after its
+/// pidfd says it exited (crab-init reaps it, then reports); past that, or
+/// when the report ends, it is reported killed.
+const CODE_WAIT: Duration = Duration::from_secs(2);
+
+/// The commands crab-init has adopted for the shim, and what its report
+/// said about them and about the spec's process.
+///
+/// A command's exit is known from its pidfd (opened while it cannot have
+/// been reaped, so never another process's); the report only adds its
+/// code. A line forged or stolen by the sandbox's code can therefore
+/// misstate an exec's code, never its end, and no host pid is ever
+/// signalled after it was reaped.
 pub struct Adoptions {
     exits: Arc<ExitRouter>,
-    pids: Mutex<HashMap<i32, VecDeque<i32>>>,
-    /// The spec's process, as the sandbox sees its pid (0 until reported).
-    main: AtomicI32,
+    /// Codes awaited, by the command's pid in the sandbox.
+    codes: Mutex<HashMap<i32, Arc<Code>>>,
+    /// How the spec's process ended, once reported.
+    main_end: Code,
+    /// The report ended (crab-init is gone, or its pipe is).
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// One awaited exit code.
+#[derive(Default)]
+struct Code {
+    value: Mutex<Option<u32>>,
+    set: tokio::sync::Notify,
+}
+
+/// An adopted command, handed over: its host pid, its exit, and the pidfd
+/// through which it is signalled.
+pub struct Adopted {
+    /// Its pid on the host.
+    pub pid: i32,
+    /// Its exit, when it comes.
+    pub exit: tokio::sync::oneshot::Receiver<Exit>,
+    /// Its pidfd.
+    pub pidfd: Arc<OwnedFd>,
+}
+
+// === impl Code ===
+
+impl Code {
+    /// Records `code`, unless one is recorded already.
+    fn put(&self, code: u32) {
+        let mut v = self.value.lock().expect("code lock");
+        if v.is_none() {
+            *v = Some(code);
+            self.set.notify_waiters();
+            self.set.notify_one();
+        }
+    }
+
+    fn get(&self) -> Option<u32> {
+        *self.value.lock().expect("code lock")
+    }
+
+    /// Waits up to `limit` for the code.
+    async fn wait(&self, limit: Duration) -> Option<u32> {
+        let _ = tokio::time::timeout(limit, async {
+            loop {
+                let notified = self.set.notified();
+                if self.get().is_some() {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        self.get()
+    }
 }
 
 // === impl Adoptions ===
 
 impl Adoptions {
-    /// Reads crab-init's report from `pipe` until the init is gone; every
-    /// adopted command still known then died with it (`SIGKILL`).
+    /// Reads crab-init's report from `pipe` until it ends.
     pub fn follow(exits: Arc<ExitRouter>, pipe: OwnedFd) -> Result<(Arc<Self>, tokio::task::JoinHandle<()>)> {
         let adoptions = Arc::new(Adoptions {
             exits,
-            pids: Mutex::new(HashMap::new()),
-            main: AtomicI32::new(0),
+            codes: Mutex::new(HashMap::new()),
+            main_end: Code::default(),
+            closed: false.into(),
         });
         let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe)
             .map_err(Error::io("follow crab-init's report".to_owned()))?;
         let a = adoptions.clone();
-        // Ends at EOF: the init and every process of the sandbox are gone.
+        // Ends at EOF; aborted when a restore replaces the init.
         let task = tokio::spawn(async move {
             let mut lines = BufReader::new(rx);
             let mut line = Vec::new();
@@ -160,82 +264,90 @@ impl Adoptions {
                 {
                     Ok(0) | Err(_) => break,
                     Ok(_) if line.last() != Some(&b'\n') => {
-                        // Too long: skip to the end of it.
-                        let mut rest = Vec::new();
-                        if !matches!(lines.read_until(b'\n', &mut rest).await, Ok(n) if n > 0) {
+                        // Too long: skipped, never stored.
+                        if !skip_line(&mut lines).await {
                             break;
                         }
                     }
                     Ok(_) => a.reported(&line),
                 }
             }
-            a.all_killed();
+            a.close();
         });
         Ok((adoptions, task))
     }
 
     /// Whether host process `pid` is the spec's process, which crab-init
-    /// runs (signals other than `SIGKILL` reach it through the init).
-    pub fn is_main(&self, pid: i32) -> bool {
-        let main = self.main.load(Ordering::Relaxed);
-        main > 0 && ns_pid_of(pid) == Some(main)
+    /// (host pid `init`) runs: signals other than `SIGKILL` reach it
+    /// through the init.
+    pub fn is_main(&self, pid: i32, init: i32) -> bool {
+        match (ns_pids(pid), ns_pids(init)) {
+            (Some(ours), Some(its)) => ours.len() == its.len() && ours.last() == Some(&MAIN_NS_PID),
+            _ => false,
+        }
     }
 
-    /// One line of the report: `main <pid>` or `exit <pid> <code>`.
+    /// How the spec's process ended, as crab-init said just before it
+    /// exited: `Some(true)` by a signal, `Some(false)` by its own exit;
+    /// `None` when the report ended (or `limit` passed) without saying.
+    pub async fn main_died_by_signal(&self, limit: Duration) -> Option<bool> {
+        let said = tokio::time::timeout(limit, async {
+            loop {
+                let notified = self.main_end.set.notified();
+                if let Some(v) = self.main_end.get() {
+                    return Some(v != 0);
+                }
+                if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    return None;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        said.ok().flatten()
+    }
+
+    /// One line of the report: `exit <pid> <code>`, or `end signaled|exited
+    /// <n>` (the spec's process, just before crab-init exits).
     fn reported(&self, line: &[u8]) {
         let text = String::from_utf8_lossy(line);
         let words: Vec<&str> = text.split_whitespace().collect();
-        let (pid, code) = match words[..] {
-            ["main", pid] => {
-                if let Ok(pid) = pid.parse::<i32>() {
-                    // Only the first: the init says it once, before
-                    // anything else runs.
-                    let _ = self
-                        .main
-                        .compare_exchange(0, pid, Ordering::Relaxed, Ordering::Relaxed);
+        match words[..] {
+            ["exit", pid, code] => {
+                if let (Ok(pid), Ok(code)) = (pid.parse::<i32>(), code.parse::<u32>()) {
+                    let awaited = self.codes.lock().expect("adoptions lock").get(&pid).cloned();
+                    // Not an exec's command (an orphan of the sandbox): nobody awaits it.
+                    if let Some(c) = awaited {
+                        c.put(code);
+                    }
                 }
-                return;
             }
-            ["exit", pid, code] => match (pid.parse::<i32>(), code.parse::<u32>()) {
-                (Ok(pid), Ok(code)) => (pid, code),
-                _ => return,
-            },
-            _ => {
-                tracing::debug!("crab-init: unreadable report line");
-                return;
+            ["end", how @ ("signaled" | "exited"), n] if n.parse::<u32>().is_ok() => {
+                self.main_end.put(u32::from(how == "signaled"));
             }
-        };
-        let host = {
-            let mut pids = self.pids.lock().expect("adoptions lock");
-            let host = pids.get_mut(&pid).and_then(VecDeque::pop_front);
-            if pids.get(&pid).is_some_and(VecDeque::is_empty) {
-                pids.remove(&pid);
-            }
-            host
-        };
-        // Not an exec's command (an orphan of the sandbox): nobody watches.
-        if let Some(host) = host {
-            self.exits.deliver(host, code as i32);
+            _ => tracing::debug!("crab-init: unreadable report line"),
         }
     }
 
-    /// The init is gone, and the sandbox's processes with it.
-    fn all_killed(&self) {
-        let pids = std::mem::take(&mut *self.pids.lock().expect("adoptions lock"));
-        for host in pids.into_values().flatten() {
-            self.exits.deliver(host, 128 + libc::SIGKILL);
+    /// The report ended: every command still awaiting its code died with
+    /// the init (`SIGKILL`).
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.codes.lock().expect("adoptions lock").values() {
+            c.put(128 + libc::SIGKILL as u32);
         }
+        self.main_end.set.notify_waiters();
     }
 
     /// Completes an exec's start: reads the command's pid from the exec's
-    /// process `helper_pid` on `ours`, watches its exit, then lets it run.
-    /// Answers the command's host pid and its exit.
+    /// process `helper_pid` on `ours`, opens its pidfd and watches its exit,
+    /// then lets it run.
     pub async fn hand_over(
-        &self,
+        self: &Arc<Self>,
         ours: std::os::unix::net::UnixStream,
         helper_pid: i32,
         limit: Duration,
-    ) -> Result<(i32, tokio::sync::oneshot::Receiver<Exit>)> {
+    ) -> Result<Adopted> {
         let failed = |reason: String| Error::ExecHandover {
             pid: helper_pid,
             reason,
@@ -263,7 +375,9 @@ impl Adoptions {
         let ns_pid: i32 = text
             .parse()
             .map_err(|_| failed(format!("unreadable answer {text:?}")))?;
-        // The command is the helper process's only child until it exits.
+        // The command is the helper process's only child, and cannot be
+        // reaped before the helper exits (it waits for our answer): its
+        // pidfd, once it names the pid it was told, is its for good.
         let children = std::fs::read_to_string(format!("/proc/{helper_pid}/task/{helper_pid}/children"))
             .map_err(|e| failed(format!("read its children: {e}")))?;
         let host: i32 = children
@@ -271,69 +385,145 @@ impl Adoptions {
             .next()
             .and_then(|p| p.parse().ok())
             .ok_or_else(|| failed("it has no child".to_owned()))?;
-        if ns_pid_of(host) != Some(ns_pid) {
+        let pid = rustix::process::Pid::from_raw(host).ok_or_else(|| failed(format!("bad pid {host}")))?;
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| failed(format!("pidfd of {host}: {e}")))?;
+        let parent = std::fs::read_to_string(format!("/proc/{host}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("PPid:"))
+                    .map(|p| p.trim().to_owned())
+            });
+        if ns_pids(host).and_then(|p| p.last().copied()) != Some(ns_pid)
+            || parent != Some(helper_pid.to_string())
+        {
             return Err(failed(format!(
                 "its child {host} is not the pid {ns_pid} it named"
             )));
         }
-        let exit = self.exits.watch(host);
-        self.pids
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(failed("the sandbox's init is gone".to_owned()));
+        }
+        let pidfd = Arc::new(pidfd);
+        let slot = Arc::new(Code::default());
+        self.codes
             .lock()
             .expect("adoptions lock")
-            .entry(ns_pid)
-            .or_default()
-            .push_back(host);
-        // A lost answer is an answer too: the exec's process then exits.
+            .insert(ns_pid, slot.clone());
+        let exit = self.exits.watch(host);
+        // SAFETY: the registration holds an `Arc` of the pidfd, so the
+        // descriptor stays open for as long as it is registered.
+        let watched = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(pidfd.clone(), tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| Error::io(format!("watch the exit of {host}"))(e.into()))?;
+        let me = self.clone();
+        // Ends when the command does.
+        tokio::spawn(async move {
+            let _ = watched.readable().await;
+            let code = slot.wait(CODE_WAIT).await.unwrap_or(128 + libc::SIGKILL as u32);
+            {
+                let mut codes = me.codes.lock().expect("adoptions lock");
+                if codes.get(&ns_pid).is_some_and(|c| Arc::ptr_eq(c, &slot)) {
+                    codes.remove(&ns_pid);
+                }
+            }
+            me.exits.deliver(host, code as i32);
+        });
+        // A lost answer is an answer too: the exec's process then kills
+        // the command, whose exit is watched.
         let _ = stream.write_all(b"\n").await;
-        Ok((host, exit))
+        Ok(Adopted {
+            pid: host,
+            exit,
+            pidfd,
+        })
     }
 }
 
-/// `pid`'s pid in its innermost pid namespace.
-fn ns_pid_of(pid: i32) -> Option<i32> {
+/// Reads past the rest of a line without keeping it; false at EOF.
+async fn skip_line<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> bool {
+    loop {
+        let (done, n) = match r.fill_buf().await {
+            Ok([]) | Err(_) => return false,
+            Ok(buf) => match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => (true, i + 1),
+                None => (false, buf.len()),
+            },
+        };
+        r.consume(n);
+        if done {
+            return true;
+        }
+    }
+}
+
+/// `pid`'s pids, from the host's namespace to its innermost.
+fn ns_pids(pid: i32) -> Option<Vec<i32>> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))?
-        .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_whitespace().map(|p| p.parse().ok()).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn report_lines_reach_the_watchers_of_their_commands_only() {
-        let exits = Arc::new(ExitRouter::default());
-        let a = Adoptions {
-            exits: exits.clone(),
-            pids: Mutex::new(HashMap::new()),
-            main: AtomicI32::new(0),
-        };
-        a.reported(b"main 2\n");
-        a.reported(b"main 9\n");
-        assert_eq!(a.main.load(Ordering::Relaxed), 2);
-        a.pids.lock().unwrap().entry(7).or_default().extend([1007, 2007]);
-        let mut first = exits.watch(1007);
-        let mut second = exits.watch(2007);
+    fn adoptions() -> Adoptions {
+        Adoptions {
+            exits: Arc::new(ExitRouter::default()),
+            codes: Mutex::new(HashMap::new()),
+            main_end: Code::default(),
+            closed: false.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn report_lines_give_codes_to_the_commands_awaiting_them_only() {
+        let a = adoptions();
+        let awaited = Arc::new(Code::default());
+        a.codes.lock().unwrap().insert(7, awaited.clone());
         for junk in [
             &b"exit 7\n"[..],
             b"exit x 1\n",
             b"exit 7 1 2\n",
             b"hello\n",
             b"exit 8 3\n",
+            b"end killed 9\n",
         ] {
             a.reported(junk);
         }
-        assert!(first.try_recv().is_err());
+        assert_eq!(awaited.get(), None);
         a.reported(b"exit 7 3\n");
-        assert_eq!(first.try_recv().unwrap().code, 3);
-        assert!(second.try_recv().is_err(), "the older command of pid 7 first");
-        a.all_killed();
-        assert_eq!(second.try_recv().unwrap().code, 137);
+        a.reported(b"exit 7 4\n");
+        assert_eq!(
+            awaited.wait(Duration::ZERO).await,
+            Some(3),
+            "the first code counts"
+        );
+        assert_eq!(a.main_died_by_signal(Duration::ZERO).await, None);
+        a.reported(b"end signaled 9\n");
+        assert_eq!(a.main_died_by_signal(Duration::ZERO).await, Some(true));
+    }
+
+    #[tokio::test]
+    async fn the_end_of_the_report_is_every_awaited_command_killed() {
+        let a = adoptions();
+        let awaited = Arc::new(Code::default());
+        a.codes.lock().unwrap().insert(7, awaited.clone());
+        a.close();
+        assert_eq!(awaited.wait(Duration::from_secs(1)).await, Some(137));
+    }
+
+    #[tokio::test]
+    async fn an_endless_line_is_skipped_without_being_kept() {
+        let endless = tokio::io::repeat(b'x').take(64 << 20).chain(&b"\nexit 1 2\n"[..]);
+        let mut r = BufReader::with_capacity(4096, endless);
+        assert!(skip_line(&mut r).await);
+        let mut rest = String::new();
+        r.read_line(&mut rest).await.unwrap();
+        assert_eq!(rest, "exit 1 2\n");
     }
 
     #[test]

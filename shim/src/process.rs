@@ -35,6 +35,9 @@ pub struct Process {
     pub io: Option<ProcessIo>,
     /// Exec only: the OCI process spec (JSON) from the Exec request.
     pub spec: Option<Vec<u8>>,
+    /// Exec only: the pidfd of a command crab-init adopted (it is
+    /// signalled through it).
+    pub pidfd: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     exit: watch::Sender<Option<Exit>>,
 }
 
@@ -64,6 +67,7 @@ impl Process {
             stdio,
             io: None,
             spec: None,
+            pidfd: None,
             exit: watch::channel(None).0,
         }
     }

@@ -334,3 +334,54 @@ fn loopback_is_up() {
     }
     assert_clean(&ctd.scope(), &["lo"]);
 }
+
+/// The sandbox's root can write into and read from crab-init's report pipe
+/// (`/proc/1/fd/3`): flooding it with an endless line and stealing its
+/// lines neither wedges nor misleads the shim. Execs still end (their ends
+/// come from pidfds; a stolen code reads as 137), and the sandbox works on.
+#[test]
+fn a_flooded_and_robbed_report_wedges_nothing() {
+    let ctd = Containerd::start();
+    ctd.run_detached(CRAB, "rob", &["sleep", "300"]);
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "-d",
+        "--exec-id",
+        "thief",
+        "rob",
+        "sh",
+        "-c",
+        "cat /proc/1/fd/3 > /dev/null",
+    ]);
+    ctd.ctr_ok(&[
+        "task",
+        "exec",
+        "-d",
+        "--exec-id",
+        "flood",
+        "rob",
+        "sh",
+        "-c",
+        "head -c 100000000 /dev/zero > /proc/1/fd/3",
+    ]);
+    for n in 0..5 {
+        let out = ctd.ctr(&[
+            "task",
+            "exec",
+            "--exec-id",
+            &format!("e{n}"),
+            "rob",
+            "sh",
+            "-c",
+            "exit 5",
+        ]);
+        let code = out.status.code();
+        assert!(code == Some(5) || code == Some(137), "exec {n}: {out:?}");
+    }
+    let out = ctd.ctr(&["task", "exec", "--exec-id", "last", "rob", "echo", "alive"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "alive");
+    assert!(matches!(out.status.code(), Some(0 | 137)), "{out:?}");
+    ctd.remove("rob");
+    assert_clean(&ctd.scope(), &["rob"]);
+}

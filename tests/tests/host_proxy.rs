@@ -453,6 +453,7 @@ fn crabd_killed_with_turns_queued_loses_none_and_makes_none_twice() {
                 });
             }
             while done.load(std::sync::atomic::Ordering::SeqCst) < ids.len() {
+                std::thread::sleep(std::time::Duration::from_millis(20));
                 if queued() >= 1.0 {
                     let pid = ctd.crabd_pid().expect("crabd runs");
                     nix::sys::signal::kill(

@@ -171,7 +171,7 @@ fn each_turn_is_a_version_of_its_class_and_rollbacks_branch() {
 /// is in that turn's version (crab-init, the sandbox's pid 1, adopted it):
 /// a rollback brings it back, listening, with its memory of then. The
 /// exec itself behaves as before: its pid is the server's, a signal to the
-/// exec reaches it, and its exit status is the server's.
+/// exec reaches it, and an exec's exit status is its command's.
 #[test]
 fn an_execd_server_is_in_its_turns_version() {
     let llm = ScriptedLlm::start();

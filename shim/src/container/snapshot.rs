@@ -126,7 +126,7 @@ impl Container {
             let opts = CheckpointOpts {
                 work_path: Some(self.criu_work_dir()),
                 tcp_established: true,
-                crab_init: self.adopted.is_some(),
+                crab_init: self.init_is_crab_init(),
                 ..Default::default()
             };
             let t = Instant::now();
@@ -220,8 +220,16 @@ impl Container {
         fs: Option<&FsTarget>,
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
-        // Found while the init lives: docker's pin of its namespace.
-        let netns = crate::runtime::pinned_netns(self.init.pid);
+        // Docker's pin of its namespace: found now while the init lives,
+        // else when it last did (a dead init's pid may be another's).
+        let netns = match self.recovering {
+            true => self.netns_pin.clone(),
+            false => crate::runtime::pinned_netns(self.init.pid),
+        };
+        if !self.recovering {
+            // A new init: only what is asked of it from now on counts.
+            self.asked.clear();
+        }
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;

@@ -207,11 +207,6 @@ impl RuntimeClient {
         &self.exits
     }
 
-    /// Deadline of one runtime operation.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// libcontainer's state root.
     pub fn root(&self) -> &Path {
         &self.root
