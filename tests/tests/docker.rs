@@ -288,22 +288,12 @@ fn docker_sandbox_rolls_back() {
     assert_eq!(fetch().as_deref(), Some("one"));
     // `docker exec -d` processes are the sandbox's too: a server, and a
     // counter kept in memory (written to /m), are in every checkpoint.
-    d.docker_ok(&[
-        "exec",
-        "-d",
-        "rb",
-        "sh",
-        "-c",
+    for script in [
         "echo $$ > /hpid; exec httpd -f -p 8081 -h /www",
-    ]);
-    d.docker_ok(&[
-        "exec",
-        "-d",
-        "rb",
-        "sh",
-        "-c",
         "echo $$ > /mpid; j=0; while true; do j=$((j+1)); echo $j > /m; sleep 0.05; done",
-    ]);
+    ] {
+        d.docker_ok(&["exec", "-d", "rb", "sh", "-c", script]);
+    }
     assert_eq!(fetch_from(8081).as_deref(), Some("one"));
     let counted = || -> u64 {
         wait_until(5, || {

@@ -28,6 +28,19 @@ fn containerd(llm: &ScriptedLlm) -> (Containerd, std::path::PathBuf) {
     (ctd, config)
 }
 
+/// A stateful sandbox `id` on a containerd of [`containerd`]: the
+/// containerd, its config file, the init's pid and the proxy URL.
+fn stateful_sandbox(llm: &ScriptedLlm, id: &str) -> (Containerd, std::path::PathBuf, i32, String) {
+    let (ctd, config) = containerd(llm);
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
+        .as_str()
+        .expect("url")
+        .to_owned();
+    (ctd, config, pid, url)
+}
+
 /// One turn of the host agent, answered at once.
 fn turn(url: &str) {
     chat_turn(url, std::time::Duration::ZERO).expect("the turn is answered");
@@ -63,14 +76,8 @@ fn file(pid: i32, path: &str) -> Option<String> {
 #[test]
 fn each_turn_is_a_version_of_its_class_and_rollbacks_branch() {
     let llm = ScriptedLlm::start();
-    let (ctd, config) = containerd(&llm);
     let id = "loop";
-    let pid = run_stateful(&ctd, id);
-    wait_registered(&ctd, id);
-    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
-        .as_str()
-        .expect("url")
-        .to_owned();
+    let (ctd, config, pid, url) = stateful_sandbox(&llm, id);
 
     // Turn 1: the sandbox has no version yet, so its first is whole.
     assert_eq!(ask(pid, STORE, "set a 1"), "ok");
@@ -175,14 +182,8 @@ fn each_turn_is_a_version_of_its_class_and_rollbacks_branch() {
 #[test]
 fn an_execd_server_is_in_its_turns_version() {
     let llm = ScriptedLlm::start();
-    let (ctd, config) = containerd(&llm);
     let id = "execd";
-    let pid = run_stateful(&ctd, id);
-    wait_registered(&ctd, id);
-    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
-        .as_str()
-        .expect("url")
-        .to_owned();
+    let (ctd, config, pid, url) = stateful_sandbox(&llm, id);
     const PORT: u16 = 7005;
     turn(&url);
 
