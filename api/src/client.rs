@@ -209,7 +209,16 @@ impl UnixClient {
                 path: partial.clone(),
                 source,
             };
-            let mut file = tokio::fs::File::create(&partial).await.map_err(local)?;
+            // An archive holds memory images and the spec's environment
+            // (API keys): the downloader's alone.
+            let mut file = tokio::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&partial)
+                .await
+                .map_err(local)?;
             let mut body = resp.into_body();
             let mut n = 0u64;
             while let Some(frame) = body.frame().await {

@@ -69,6 +69,7 @@ mod retain;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -184,6 +185,16 @@ impl VersionStore {
     /// ```
     pub fn open(root: impl AsRef<Path>) -> Result<VersionStore> {
         let root = root.as_ref().to_owned();
+        // The sandboxes' files, memory images and snapshots keep the modes
+        // they had inside (setuid copies, device nodes): no one but root
+        // may reach them, also when an older version made the root wider.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&root)
+            .map_err(StoreError::io("create the store", &root))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+            .map_err(StoreError::io("make the store root's alone", &root))?;
         durable::create_dir(&root.join("sandboxes"))?;
         durable::create_dir(&root.join("images"))?;
         let lock_path = root.join("lock");

@@ -29,6 +29,7 @@
 //! for an agent that waits for each answer before its next request, turn N's
 //! record is durable before turn N+1's answer is released.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -317,23 +318,28 @@ impl Transcript {
         tracker: &TaskTracker,
         stats: Arc<StatsCell>,
     ) -> Result<Self, TranscriptError> {
+        let failed = |source| TranscriptError::Open {
+            path: path.clone(),
+            source,
+        };
+        // Prompts, answers and headers: root's alone (0600 in 0700), also
+        // when an older version made them wider.
         if let Some(dir) = path.parent() {
-            tokio::fs::create_dir_all(dir)
+            tokio::fs::create_dir_all(dir).await.map_err(failed)?;
+            tokio::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
                 .await
-                .map_err(|source| TranscriptError::Open {
-                    path: path.clone(),
-                    source,
-                })?;
+                .map_err(failed)?;
         }
         let file = tokio::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&path)
             .await
-            .map_err(|source| TranscriptError::Open {
-                path: path.clone(),
-                source,
-            })?;
+            .map_err(failed)?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .await
+            .map_err(failed)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let (durable_tx, durable) = watch::channel(0);
         tracker.spawn(write_loop(file, path.clone(), rx, durable_tx, stats));

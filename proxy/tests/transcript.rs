@@ -10,6 +10,14 @@ use support::{chat_body, messages_body, Harness};
 #[tokio::test]
 async fn records_hold_requests_answers_and_no_secrets() {
     let h = Harness::plain().await;
+    // Root's alone: the file 0600, its directory 0700.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let path = h.sandbox.transcript_path();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(path), 0o600);
+        assert_eq!(mode(path.parent().unwrap()), 0o700);
+    }
     let req1 = chat_body("gpt-test", false);
     let req2 = messages_body("claude-test", true);
     let a1 = h

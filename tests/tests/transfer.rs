@@ -23,6 +23,14 @@ fn export_then_import_on_another_containerd() {
     let file = a.dir.join("mover.tar");
     let out = crabctl_ok(&a, &["export", id, "1", &file.to_string_lossy()]);
     assert!(out["bytes"].as_u64().unwrap() > 1 << 20, "{out}");
+    {
+        // Memory images and the spec's environment: the exporter's alone;
+        // crabd's root is root's alone.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&file), 0o600);
+        assert_eq!(mode(&a.crabd_root()), 0o700);
+    }
 
     // A second containerd with its own root, the image, and its own crabd.
     let mut b = Containerd::start();

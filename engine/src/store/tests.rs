@@ -399,3 +399,18 @@ fn sandboxes_publish_concurrently() {
     }
     assert_eq!(fx.store.sandboxes(), vec![fx.s1.clone(), s2]);
 }
+
+#[test]
+fn the_store_root_is_roots_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new().unwrap();
+    let root = dir.path().join("engine");
+    fs::create_dir(&root).unwrap();
+    fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).unwrap();
+    let store = VersionStore::open(&root).unwrap();
+    assert_eq!(fs::metadata(&root).unwrap().permissions().mode() & 0o7777, 0o700);
+    drop(store);
+    let fresh = dir.path().join("new/engine");
+    let _store = VersionStore::open(&fresh).unwrap();
+    assert_eq!(fs::metadata(&fresh).unwrap().permissions().mode() & 0o7777, 0o700);
+}
