@@ -221,6 +221,14 @@ fn exec(mut handshake: File, cmd: &[OsString]) -> ! {
     }
     // SAFETY: both descriptors were just made and are owned here.
     let (mut wait_end, give_end) = unsafe { (File::from_raw_fd(release[0]), File::from_raw_fd(release[1])) };
+    // Closed by the child once it left this session (EOF tells it did).
+    let mut ready = [0i32; 2];
+    // SAFETY: `ready` has room for two descriptors.
+    if unsafe { pipe2(ready.as_mut_ptr(), O_CLOEXEC) } != 0 {
+        fail(&mut handshake, "pipe");
+    }
+    // SAFETY: both descriptors were just made and are owned here.
+    let (mut left, left_done) = unsafe { (File::from_raw_fd(ready[0]), File::from_raw_fd(ready[1])) };
     // SAFETY: plain calls on this process's own descriptor and pid.
     let (tty, me) = unsafe { (isatty(0) == 1, getpid()) };
     // SAFETY: single-threaded; see `init`.
@@ -234,6 +242,8 @@ fn exec(mut handshake: File, cmd: &[OsString]) -> ! {
         // process group, which must no longer hold the command.
         // SAFETY: the child is not a group leader, so setsid succeeds.
         unsafe { setsid() };
+        drop(left);
+        drop(left_done);
         // The parent says go once the shim watches this process; if it
         // dies first, nobody would: the command does not run.
         if !matches!(wait_end.read(&mut [0u8; 1]), Ok(1)) {
@@ -249,6 +259,10 @@ fn exec(mut handshake: File, cmd: &[OsString]) -> ! {
         run(cmd, tty);
     }
     drop(wait_end);
+    // Not before the child left this session: this process's exit hangs
+    // up its group, which would kill a child still in it.
+    drop(left_done);
+    let _ = left.read(&mut [0u8; 1]);
     // The shim watches the command's exit before it answers. Without an
     // answer (the shim gone), the command ends without running.
     let answered = handshake.write_all(format!("{child}\n").as_bytes()).is_ok()

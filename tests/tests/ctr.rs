@@ -318,14 +318,25 @@ fn same_id_in_two_namespaces() {
 
 /// A new network namespace has its loopback interface up, as runc makes it:
 /// a server on 127.0.0.1 inside the container is reachable from inside.
+/// The client tries until a connection brought the server's line (busybox
+/// nc may end at its own stdin's EOF before the line arrives), however
+/// late the server listens.
 #[test]
 fn loopback_is_up() {
     let ctd = Containerd::start();
     for rt in [RUNC, CRAB] {
         let out = ctd.ctr(&[
-            "run", "--rm", "--runtime", rt, BUSYBOX, "lo", "sh", "-c",
-            "ip addr show lo; (echo hello | nc -l -p 8080 127.0.0.1 &); \
-             i=0; until nc 127.0.0.1 8080 </dev/null; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done",
+            "run",
+            "--rm",
+            "--runtime",
+            rt,
+            BUSYBOX,
+            "lo",
+            "sh",
+            "-c",
+            "ip addr show lo; (while true; do echo hello | nc -l -p 8080 127.0.0.1; done &); \
+             i=0; until nc 127.0.0.1 8080 </dev/null | grep -q hello; do \
+             i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done; echo got hello",
         ]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("LOOPBACK,UP"), "{rt}: {text}");
