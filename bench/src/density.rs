@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use crab_tests::llm::{chat_turn, ScriptedLlm};
-use crab_tests::sandbox::{crabctl, crabctl_ok, wait_registered};
+use crab_tests::sandbox::{crabctl, wait_registered};
 use crab_tests::{Containerd, CRAB};
 
 use crate::stats::{percentile, percentile_f64};
@@ -185,11 +185,7 @@ fn measure(mode: Mode, tasks: &[Vec<Step>], llm: &ScriptedLlm) -> anyhow::Result
     for id in &ids {
         ctd.run_detached(CRAB, id, &["sh", "-c", "mkdir -p /work; exec sleep 36000"]);
         wait_registered(&ctd, id);
-        let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
-            .as_str()
-            .context("a proxy url")?
-            .to_owned();
-        urls.push(url);
+        urls.push(crab_tests::sandbox::proxy_url(&ctd, id));
     }
     let task_times: Vec<Duration> = std::thread::scope(|s| {
         let handles: Vec<_> = ids

@@ -363,7 +363,9 @@ impl Container {
         let sig = Signal::try_from(signal as i32).map_err(|_| Error::InvalidSignal { signal })?;
         if exec_id.is_empty() {
             // An end of the init by this signal is asked for, not a crash.
-            self.asked.push(sig);
+            if !self.asked.contains(&sig) {
+                self.asked.push(sig);
+            }
             if self.recovering {
                 // The restored init gets it (see `crate::recovery`).
                 return Ok(());

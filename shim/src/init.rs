@@ -388,16 +388,11 @@ impl Adoptions {
         let pid = rustix::process::Pid::from_raw(host).ok_or_else(|| failed(format!("bad pid {host}")))?;
         let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
             .map_err(|e| failed(format!("pidfd of {host}: {e}")))?;
-        let parent = std::fs::read_to_string(format!("/proc/{host}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("PPid:"))
-                    .map(|p| p.trim().to_owned())
-            });
-        if ns_pids(host).and_then(|p| p.last().copied()) != Some(ns_pid)
-            || parent != Some(helper_pid.to_string())
-        {
+        let status = procfs::process::Process::new(host).and_then(|p| p.status()).ok();
+        let named = status.as_ref().is_some_and(|s| {
+            s.ppid == helper_pid && s.nspid.as_ref().and_then(|n| n.last()) == Some(&ns_pid)
+        });
+        if !named {
             return Err(failed(format!(
                 "its child {host} is not the pid {ns_pid} it named"
             )));
@@ -461,9 +456,10 @@ async fn skip_line<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> bool {
 
 /// `pid`'s pids, from the host's namespace to its innermost.
 fn ns_pids(pid: i32) -> Option<Vec<i32>> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-    line.split_whitespace().map(|p| p.parse().ok()).collect()
+    procfs::process::Process::new(pid)
+        .and_then(|p| p.status())
+        .ok()?
+        .nspid
 }
 
 #[cfg(test)]

@@ -198,24 +198,38 @@ pub fn wait_forgotten(ctd: &Containerd, id: &str) {
         .unwrap_or_else(|| panic!("crabd still lists {id}"));
 }
 
-/// The turns of the versions `crabctl versions` lists for sandbox `id`.
+/// Field `field` of each version `crabctl versions` lists for sandbox
+/// `id`, where it is an integer.
 #[track_caller]
-pub fn version_turns(ctd: &Containerd, id: &str) -> Vec<u64> {
+fn version_field(ctd: &Containerd, id: &str, field: &str) -> Vec<i64> {
     crabctl_ok(ctd, &["versions", id])
         .as_array()
         .expect("a list")
         .iter()
-        .filter_map(|v| v["turn"].as_u64())
+        .filter_map(|v| v[field].as_i64())
+        .collect()
+}
+
+/// The turns of the versions `crabctl versions` lists for sandbox `id`.
+#[track_caller]
+pub fn version_turns(ctd: &Containerd, id: &str) -> Vec<u64> {
+    version_field(ctd, id, "turn")
+        .into_iter()
+        .map(|t| t as u64)
         .collect()
 }
 
 /// The version numbers `crabctl versions` lists for sandbox `id`.
 #[track_caller]
 pub fn version_numbers(ctd: &Containerd, id: &str) -> Vec<i64> {
-    crabctl_ok(ctd, &["versions", id])
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|v| v["version"].as_i64())
-        .collect()
+    version_field(ctd, id, "version")
+}
+
+/// The base URL of sandbox `id`'s proxy on crabd's host listener.
+#[track_caller]
+pub fn proxy_url(ctd: &Containerd, id: &str) -> String {
+    crabctl_ok(ctd, &["proxy-url", id])["url"]
+        .as_str()
+        .expect("a proxy url")
+        .to_owned()
 }

@@ -215,10 +215,7 @@ fn each_turn_end_is_a_version_before_its_answer() {
     let (ctd, base) = containerd("checkpoint_on_turn = true");
     let id = "turnpx";
     run_sandbox(&ctd, &llm, id);
-    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
-        .as_str()
-        .expect("url")
-        .to_owned();
+    let url = crab_tests::sandbox::proxy_url(&ctd, id);
 
     let answers = host_agent(&url, 3, false);
     assert_eq!(answers, ["a", "b", "c"]);

@@ -9,7 +9,9 @@
 
 use crab_tests::leftovers::assert_clean;
 use crab_tests::llm::{chat_turn, ScriptedLlm};
-use crab_tests::sandbox::{ask, crabctl_ok, exec_sh, run_stateful, try_ask, wait_registered, SPAWNED, STORE};
+use crab_tests::sandbox::{
+    ask, crabctl_ok, exec_sh, proxy_url, run_stateful, try_ask, wait_registered, SPAWNED, STORE,
+};
 use crab_tests::{unique, Containerd};
 
 /// A containerd whose crabd loads the inspector and whose proxies forward
@@ -34,10 +36,7 @@ fn stateful_sandbox(llm: &ScriptedLlm, id: &str) -> (Containerd, std::path::Path
     let (ctd, config) = containerd(llm);
     let pid = run_stateful(&ctd, id);
     wait_registered(&ctd, id);
-    let url = crabctl_ok(&ctd, &["proxy-url", id])["url"]
-        .as_str()
-        .expect("url")
-        .to_owned();
+    let url = proxy_url(&ctd, id);
     (ctd, config, pid, url)
 }
 
