@@ -188,7 +188,20 @@ impl ProcessIo {
         }));
     }
 
-    /// Closes the process's stdin (CloseIO).
+    /// CloseIO: the client has written all of stdin. The copy goes on
+    /// until the fifo's EOF, so the process gets every byte the fifo and
+    /// the pipe still hold (stopping it here lost them); a copy still
+    /// waiting for the client to open the fifo is released.
+    pub fn finish_stdin(&mut self) {
+        if let Some(fifo) = &self.stdin_fifo {
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(fifo);
+        }
+    }
+
+    /// Stops the process's stdin (it exited, or is replaced).
     pub fn close_stdin(&mut self) {
         if let Some(task) = self.stdin.take() {
             task.abort();

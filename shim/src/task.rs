@@ -297,7 +297,7 @@ impl Task for TaskService {
         let container = self.container(&req.id)?;
         let mut c = container.lock().await;
         if let Some(io) = c.process_mut(&req.exec_id)?.io.as_mut() {
-            io.close_stdin();
+            io.finish_stdin();
         }
         Ok(Empty::new())
     }

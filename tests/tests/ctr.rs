@@ -56,6 +56,41 @@ fn run_passes_stdin() {
     assert_clean(&ctd.scope(), &["s1"]);
 }
 
+/// Large stdin and stdout pass an exec whole, both ways at once.
+#[test]
+fn exec_passes_large_stdin_and_stdout_whole() {
+    let ctd = Containerd::start();
+    let input = ctd.dir.join("input");
+    let data: Vec<u8> = (0..64u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    std::fs::write(&input, &data).expect("write input");
+    let lines = ctd.dir.join("lines");
+    let text: String = (0..40_000).map(|i| format!("line {i} of the input\n")).collect();
+    std::fs::write(&lines, text).expect("write lines");
+    for rt in [RUNC, CRAB] {
+        let id = format!("big-{}", if rt == CRAB { "crab" } else { "runc" });
+        ctd.run_detached(rt, &id, &["sleep", "300"]);
+        for n in 0..3 {
+            let out = ctd
+                .ctr_cmd(&["task", "exec", "--exec-id", &format!("w{n}"), &id, "cat"])
+                .stdin(std::fs::File::open(&input).expect("open input"))
+                .output()
+                .expect("run ctr");
+            assert_eq!(out.stdout.len(), data.len(), "{rt}, try {n}: {}", crab_tests::stderr(&out));
+            assert!(out.stdout == data, "{rt}, try {n}: the bytes differ");
+        }
+        // A process slow to read: ctr's CloseIO comes while the fifo and
+        // the pipe still hold the end of its input.
+        let out = ctd
+            .ctr_cmd(&["task", "exec", "--exec-id", "slow", &id, "sh", "-c", "sleep 1; while read -r l; do echo \"$l\"; done | wc -l"])
+            .stdin(std::fs::File::open(&lines).expect("open lines"))
+            .output()
+            .expect("run ctr");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(text.trim(), "40000", "{rt}, a slow reader: {}", crab_tests::stderr(&out));
+        ctd.remove(&id);
+    }
+}
+
 /// `ctr run -t`: a working TTY, same as runc.
 #[test]
 fn run_with_tty() {
