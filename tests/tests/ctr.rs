@@ -61,7 +61,9 @@ fn run_passes_stdin() {
 fn exec_passes_large_stdin_and_stdout_whole() {
     let ctd = Containerd::start();
     let input = ctd.dir.join("input");
-    let data: Vec<u8> = (0..64u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..64u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(&input, &data).expect("write input");
     let lines = ctd.dir.join("lines");
     let text: String = (0..40_000).map(|i| format!("line {i} of the input\n")).collect();
@@ -75,18 +77,37 @@ fn exec_passes_large_stdin_and_stdout_whole() {
                 .stdin(std::fs::File::open(&input).expect("open input"))
                 .output()
                 .expect("run ctr");
-            assert_eq!(out.stdout.len(), data.len(), "{rt}, try {n}: {}", crab_tests::stderr(&out));
+            assert_eq!(
+                out.stdout.len(),
+                data.len(),
+                "{rt}, try {n}: {}",
+                crab_tests::stderr(&out)
+            );
             assert!(out.stdout == data, "{rt}, try {n}: the bytes differ");
         }
         // A process slow to read: ctr's CloseIO comes while the fifo and
         // the pipe still hold the end of its input.
         let out = ctd
-            .ctr_cmd(&["task", "exec", "--exec-id", "slow", &id, "sh", "-c", "sleep 1; while read -r l; do echo \"$l\"; done | wc -l"])
+            .ctr_cmd(&[
+                "task",
+                "exec",
+                "--exec-id",
+                "slow",
+                &id,
+                "sh",
+                "-c",
+                "sleep 1; while read -r l; do echo \"$l\"; done | wc -l",
+            ])
             .stdin(std::fs::File::open(&lines).expect("open lines"))
             .output()
             .expect("run ctr");
         let text = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(text.trim(), "40000", "{rt}, a slow reader: {}", crab_tests::stderr(&out));
+        assert_eq!(
+            text.trim(),
+            "40000",
+            "{rt}, a slow reader: {}",
+            crab_tests::stderr(&out)
+        );
         ctd.remove(&id);
     }
 }

@@ -1,0 +1,272 @@
+//! `crab-bench eval`: real agent trajectories and terminal tasks replayed
+//! against every recovery policy, one crash per task at a seeded point,
+//! each recovery state-verified against the fault-free run; a markdown
+//! report, its JSON, and pictures.
+//!
+//! Per policy one containerd and crabd (its `crab.toml`), every task's
+//! sandbox on it, `--parallel` at once; the fault-free run goes first and
+//! records the state after every step, which the others are held to.
+
+mod driver;
+mod fault;
+mod plot;
+mod policy;
+mod report;
+mod sandbox;
+mod state;
+mod testbed;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use crab_tests::llm::ScriptedLlm;
+use crab_tests::Containerd;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use driver::{drive, peak_kb, Setup};
+use fault::Fault;
+pub use policy::Policy;
+use report::{Meta, PolicyResult, TaskResult};
+use workload::Task;
+
+/// What to evaluate.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// SWE tasks (of swe.toml's default set, or `swe_names`).
+    pub swe: usize,
+    /// SWE tasks by name, instead of the default set.
+    pub swe_names: Vec<String>,
+    /// Terminal tasks (of terminal.toml, in order).
+    pub terminal: usize,
+    /// Terminal tasks by name, instead.
+    pub terminal_names: Vec<String>,
+    /// Steps per task (0: all).
+    pub turns: usize,
+    /// Scale of think times.
+    pub scale: f64,
+    /// The fault seed.
+    pub seed: u64,
+    /// The policies (fault-free is always run first).
+    pub policies: Vec<Policy>,
+    /// Sandboxes at once.
+    pub parallel: usize,
+    /// Where the report goes.
+    pub out: PathBuf,
+    /// The mini-swe-agent traces.
+    pub traces: PathBuf,
+    /// Print every command's output.
+    pub verbose: bool,
+}
+
+const SWE_TOML: &str = include_str!("../../eval/swe.toml");
+const TERMINAL_TOML: &str = include_str!("../../eval/terminal.toml");
+
+/// Runs the evaluation and writes its report under `args.out`.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    if args.swe > 0 || !args.swe_names.is_empty() {
+        tasks.extend(workload::swe(
+            SWE_TOML,
+            &args.traces,
+            &args.swe_names,
+            args.swe,
+            args.turns,
+            args.scale,
+        )?);
+    }
+    tasks.extend(workload::terminal(
+        TERMINAL_TOML,
+        &args.terminal_names,
+        args.terminal,
+        args.turns,
+        args.scale,
+    )?);
+    anyhow::ensure!(!tasks.is_empty(), "no tasks: give --swe or --terminal");
+    let faults: Vec<Option<Fault>> = tasks
+        .iter()
+        .map(|t| Fault::plan(args.seed, &t.name, t.steps.len(), |i| t.steps[i].think))
+        .collect();
+    let mut policies = vec![Policy::FaultFree];
+    policies.extend(args.policies.iter().copied().filter(|p| *p != Policy::FaultFree));
+    std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
+    println!(
+        "eval: {} tasks x {} policies, think times x{} of the traced ones, seed {}, {} sandboxes at once",
+        tasks.len(),
+        policies.len(),
+        args.scale,
+        args.seed,
+        args.parallel
+    );
+    let llm = ScriptedLlm::start();
+    let bars = MultiProgress::new();
+    let mut results = Vec::new();
+    for policy in policies {
+        let result = run_policy(policy, &tasks, &faults, &llm, args, &bars)
+            .with_context(|| format!("policy {}", policy.name()))?;
+        results.push(result);
+    }
+    let pictures = plot::draw(&results, &args.out)?;
+    let meta = Meta {
+        seed: args.seed,
+        scale: args.scale,
+        parallel: args.parallel,
+        wall: started.elapsed(),
+    };
+    let md = report::markdown(&results, &meta, &pictures);
+    std::fs::write(args.out.join("report.md"), &md)?;
+    std::fs::write(
+        args.out.join("report.json"),
+        serde_json::to_string_pretty(&report::json(&results))?,
+    )?;
+    println!("{md}");
+    println!("eval: report in {}", args.out.join("report.md").display());
+    Ok(())
+}
+
+/// Every task under `policy`, on a containerd of its own.
+fn run_policy(
+    policy: Policy,
+    tasks: &[Task],
+    faults: &[Option<Fault>],
+    llm: &ScriptedLlm,
+    args: &Args,
+    bars: &MultiProgress,
+) -> anyhow::Result<PolicyResult> {
+    let base = std::env::temp_dir().join(crab_tests::unique("crab-eval"));
+    let transcripts = base.join("transcripts");
+    std::fs::create_dir_all(&base)?;
+    let config = base.join("crab.toml");
+    std::fs::write(&config, policy.config(llm.port, &transcripts))?;
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    let mut images: BTreeMap<String, String> = BTreeMap::new();
+    for t in tasks {
+        if let std::collections::btree_map::Entry::Vacant(slot) = images.entry(format!("{:?}", t.image)) {
+            slot.insert(testbed::import(&ctd, &t.image)?);
+        }
+    }
+    let bar = bars.add(ProgressBar::new(tasks.iter().map(|t| t.steps.len() as u64).sum()));
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>12} {bar:40} {pos}/{len} steps {elapsed}")
+            .expect("a template"),
+    );
+    bar.set_prefix(policy.name());
+    let tick = || bar.inc(1);
+    let next = AtomicUsize::new(0);
+    let done = Mutex::new(Vec::new());
+    let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..args.parallel.max(1) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(task) = tasks.get(i) else {
+                    return;
+                };
+                let setup = Setup {
+                    ctd: &ctd,
+                    image: &images[&format!("{:?}", task.image)],
+                    policy,
+                    fault: faults[i],
+                    scratch: &base,
+                    tick: &tick,
+                    verbose: args.verbose,
+                };
+                match drive(&setup, task) {
+                    Ok(run) => {
+                        let holds = run
+                            .ids
+                            .iter()
+                            .flat_map(|id| {
+                                holds(&transcripts.join(&ctd.namespace).join(format!("{id}.jsonl")))
+                            })
+                            .collect();
+                        let classes = run.classes.clone();
+                        let result = TaskResult {
+                            task: task.name.clone(),
+                            mix: task.mix,
+                            fault: faults[i],
+                            run,
+                            holds,
+                            classes,
+                        };
+                        done.lock().expect("results").push((i, result));
+                    }
+                    Err(e) => {
+                        failure
+                            .lock()
+                            .expect("failure")
+                            .get_or_insert(e.context(format!("task {}", task.name)));
+                    }
+                }
+            });
+        }
+    });
+    bar.finish();
+    if let Some(e) = failure.into_inner().expect("failure") {
+        return Err(e);
+    }
+    let mut done = done.into_inner().expect("results");
+    done.sort_by_key(|(i, _)| *i);
+    let tasks: Vec<TaskResult> = done.into_iter().map(|(_, r)| r).collect();
+    // The logs of the run (the shims log through containerd's), for
+    // whoever reads a verdict.
+    let logs = args.out.join("logs").join(policy.name().replace('+', "-"));
+    std::fs::create_dir_all(&logs)?;
+    for (from, to) in [
+        (ctd.dir.join("containerd.log"), "containerd.log"),
+        (ctd.crabd_root().join("crabd.log"), "crabd.log"),
+    ] {
+        let _ = std::fs::copy(from, logs.join(to));
+    }
+    let metrics = metrics(&ctd);
+    let sum = |prefix: &str| -> f64 {
+        metrics
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let class = |c: &str| sum(&format!("crab_versions_total{{class=\"{c}\"}}")) as u64;
+    let bytes =
+        sum("crab_checkpoint_bytes_total") as u64 + tasks.iter().map(|t| t.run.saved_bytes).sum::<u64>();
+    let result = PolicyResult {
+        policy,
+        bytes,
+        classes: [class("none"), class("fs"), class("proc"), class("full")],
+        crabd_peak_kb: ctd.crabd_pid().and_then(peak_kb).unwrap_or(0),
+        shim_peak_kb: tasks.iter().map(|t| t.run.shim_peak_kb).max().unwrap_or(0),
+        tasks,
+    };
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+    Ok(result)
+}
+
+/// crabd's metrics, by series.
+fn metrics(ctd: &Containerd) -> Vec<(String, f64)> {
+    let out = crab_tests::sandbox::crabctl(ctd, &["metrics"]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Each turn's hold, from a sandbox's transcript.
+fn holds(path: &Path) -> Vec<Duration> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "turn")
+        .map(|v| Duration::from_micros(v["timing"]["hold_us"].as_u64().unwrap_or(0)))
+        .collect()
+}

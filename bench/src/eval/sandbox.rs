@@ -1,0 +1,122 @@
+//! One task's sandbox as the agent's harness sees it: a crab container on
+//! the development image (the host's /usr bound read-only), its commands
+//! run as mini-swe-agent's docker environment runs them (`bash -lc` in the
+//! task's directory, through `ctr task exec`), and its init to kill.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use crab_tests::{Containerd, CRAB};
+
+/// The environment every command gets: the testbed's Python first
+/// (`python` is the host's python3), and the testbed importable as the
+/// SWE-bench images install it.
+const ENV: [&str; 3] = [
+    "PATH=/opt/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONPATH=/testbed:/opt/deps",
+    "HOME=/root",
+];
+
+/// The longest a command runs (the traces' agent allowed 60 s).
+pub const COMMAND_LIMIT: Duration = Duration::from_secs(60);
+
+/// Starts container `id` of image `reference`, idling, and waits until
+/// crabd knows it; returns its proxy URL on crabd's host listener.
+pub fn start(ctd: &Containerd, id: &str, reference: &str) -> anyhow::Result<String> {
+    let out = ctd.ctr(&[
+        "run",
+        "-d",
+        "--runtime",
+        CRAB,
+        "--mount",
+        "type=bind,src=/usr,dst=/usr,options=rbind:ro",
+        reference,
+        id,
+        "sleep",
+        "100000000",
+    ]);
+    if !out.status.success() {
+        bail!("ctr run {id}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    crab_tests::sandbox::wait_registered(ctd, id);
+    Ok(crab_tests::sandbox::proxy_url(ctd, id))
+}
+
+/// Removes container `id` (whatever state its task is in).
+pub fn remove(ctd: &Containerd, id: &str) {
+    ctd.remove(id);
+}
+
+/// Runs `script` with `bash -lc` in `cwd` of sandbox `id` (stdin from
+/// `stdin`, or none), at most [`COMMAND_LIMIT`]; answers its output.
+pub fn exec(
+    ctd: &Containerd,
+    id: &str,
+    cwd: &str,
+    script: &str,
+    stdin: Option<&Path>,
+) -> anyhow::Result<Output> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let exec_id = format!("e{}", N.fetch_add(1, Ordering::Relaxed));
+    let limit = COMMAND_LIMIT.as_secs().to_string();
+    // (ctr 1.6's exec takes no environment: env(1) sets it.)
+    let mut args = vec!["task", "exec", "--exec-id", &exec_id, "--cwd", cwd, id, "env"];
+    args.extend(ENV);
+    args.extend(["timeout", "-s", "KILL", &limit, "bash", "-lc", script]);
+    let mut cmd = ctd.ctr_cmd(&args);
+    match stdin {
+        Some(path) => {
+            cmd.stdin(std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?)
+        }
+        None => cmd.stdin(Stdio::null()),
+    };
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("run ctr")?;
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = stdout.read_to_end(&mut buf);
+        buf
+    });
+    let err = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = stderr.read_to_end(&mut buf);
+        buf
+    });
+    // ctr itself is bounded too: a wedged exec must not wedge the run.
+    let deadline = Instant::now() + COMMAND_LIMIT + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!(
+                "ctr task exec in {id} did not end in {:?}",
+                COMMAND_LIMIT + Duration::from_secs(30)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    Ok(Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
+}
+
+/// SIGKILL to sandbox `id`'s init, from the host: the crash.
+pub fn kill_init(ctd: &Containerd, id: &str) -> anyhow::Result<i32> {
+    let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+        .with_context(|| format!("kill {pid}"))?;
+    Ok(pid)
+}

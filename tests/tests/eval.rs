@@ -1,0 +1,99 @@
+//! `crab-bench eval` end to end on a tiny run: two terminal tasks (a
+//! key-value server and a Python REPL, whose state lives in memory), one
+//! crash each at a seeded point, recovered by crab and by a deliberately
+//! broken recovery (the head's parent restored in its place). The harness
+//! must find crab's recoveries state-correct and the broken ones not.
+//! Real containerd, crabd, CRIU; needs root (CI runs it as root) and the
+//! crab-bench binary of the workspace build.
+
+use serde_json::Value;
+
+fn policy<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report["policies"]
+        .as_array()
+        .expect("policies")
+        .iter()
+        .find(|p| p["policy"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {report:#}"))
+}
+
+#[test]
+fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
+    let out = tempfile::tempdir().expect("a report directory");
+    let bench = crab_tests::bin_dir().join("crab-bench");
+    let run = std::process::Command::new(&bench)
+        .args(["eval", "--swe", "0", "--terminal-tasks", "kv-server,python-repl"])
+        .args([
+            "--policies",
+            "crab,crab-broken",
+            "--scale",
+            "0.05",
+            "--parallel",
+            "2",
+            "--seed",
+            "3",
+        ])
+        .arg("--out")
+        .arg(out.path())
+        .env("PATH", crab_tests::path_with_crab())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", bench.display()));
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "crab-bench eval failed:\n{stdout}\n{}",
+        crab_tests::stderr(&run)
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("report.json")).expect("report.json"))
+            .expect("report.json is JSON");
+
+    let crab = policy(&report, "crab");
+    assert_eq!(
+        (crab["correct"].as_u64(), crab["crashed"].as_u64()),
+        (Some(2), Some(2)),
+        "{crab:#}"
+    );
+    for task in crab["tasks"].as_array().unwrap() {
+        assert!(
+            task["version"].as_u64().is_some(),
+            "crab restored a version: {task:#}"
+        );
+        assert!(
+            task["failed_commands"].as_u64().unwrap_or(0) <= 1,
+            "only the killed command fails: {task:#}"
+        );
+    }
+    let broken = policy(&report, "crab-broken");
+    assert_eq!(broken["crashed"].as_u64(), Some(2), "{broken:#}");
+    assert_eq!(
+        broken["correct"].as_u64(),
+        Some(0),
+        "the broken recovery went unnoticed: {broken:#}"
+    );
+    for task in broken["tasks"].as_array().unwrap() {
+        let why = task["why"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("after the recovery"),
+            "it says where the state differs: {task:#}"
+        );
+    }
+    // Fault-free is always run, and the checkpointing policies wrote bytes.
+    assert_eq!(policy(&report, "fault-free")["crashed"].as_u64(), Some(0));
+    assert!(crab["bytes"].as_u64().unwrap_or(0) > 0, "{crab:#}");
+
+    let md = std::fs::read_to_string(out.path().join("report.md")).expect("report.md");
+    assert!(md.contains("| crab | 2/2 (100%)"), "{md}");
+    for picture in ["bytes.png", "e2e.png", "classes.png", "holds.png", "timeline.png"] {
+        let png = std::fs::read(out.path().join(picture)).unwrap_or_else(|e| panic!("{picture}: {e}"));
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 1000,
+            "{picture} is a picture"
+        );
+        assert!(md.contains(picture), "the report shows {picture}");
+    }
+    assert!(
+        out.path().join("logs/crab/crabd.log").exists(),
+        "the run's logs are kept"
+    );
+}
