@@ -36,6 +36,7 @@ bench: deps release
 	target/release/crab-bench turn
 	target/release/crab-bench inspector
 	target/release/crab-bench density
+	target/release/crab-bench eval --quick --out target/eval-report
 
 install: release
 	packaging/install.sh

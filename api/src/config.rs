@@ -46,6 +46,9 @@ pub struct CrabdConfig {
     pub containerd: PathBuf,
     /// The containerd namespace imported sandboxes go to by default.
     pub namespace: String,
+    /// Host directories an imported container may bind-mount (read-only,
+    /// from under one of them).
+    pub import_bind_sources: Vec<PathBuf>,
     /// Port of the host listener on 127.0.0.1 for agents outside their
     /// sandbox (`/s/<sandbox>/…`); 0 disables it.
     pub proxy_port: u16,

@@ -305,6 +305,9 @@ pub enum ErrorCode {
     SandboxLost,
     /// The operation is not supported for this sandbox.
     Unsupported,
+    /// What the request brings is refused by policy (an archive's
+    /// privileged files, a spec that would reach the host).
+    Refused,
     /// containerd refused or failed.
     Containerd,
     /// The sandbox's shim refused or failed.
@@ -324,7 +327,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 24] = [
+    pub const ALL: [ErrorCode; 25] = [
         ErrorCode::InvalidRequest,
         ErrorCode::NoRoute,
         ErrorCode::UnknownSandbox,
@@ -344,6 +347,7 @@ impl ErrorCode {
         ErrorCode::RestoreUndone,
         ErrorCode::SandboxLost,
         ErrorCode::Unsupported,
+        ErrorCode::Refused,
         ErrorCode::Containerd,
         ErrorCode::Shim,
         ErrorCode::Fs,
@@ -360,6 +364,7 @@ impl ErrorCode {
             NoRoute | UnknownSandbox | UnknownVersion => 404,
             Ambiguous | NotRunning | SandboxExists | NoFsBackend | NotMovable | NoProcessImage
             | NoFsSnapshot | NoInspector | Busy | Superseded | Unsupported => 409,
+            Refused => 403,
             Corrupt | RestoreUndone => 422,
             Containerd | Shim => 502,
             Fs | Internal | SandboxLost | Unknown => 500,
@@ -379,6 +384,10 @@ pub struct ImportQuery {
     /// containerd's socket (default: `[crabd] containerd`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub containerd: Option<PathBuf>,
+    /// Keep the archive's device nodes, setuid/setgid files and
+    /// `security.*`/`trusted.*` xattrs (refused by default).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_privileged_files: bool,
 }
 
 fn yes() -> bool {

@@ -115,6 +115,11 @@ enum Command {
         /// containerd's socket (default: crabd's `[crabd] containerd`).
         #[arg(long)]
         containerd: Option<PathBuf>,
+        /// Keep the archive's device nodes, setuid/setgid files and
+        /// security/trusted xattrs (refused by default: a sandbox's root
+        /// made them, and they would sit in this host's store).
+        #[arg(long)]
+        allow_privileged_files: bool,
     },
     /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
@@ -310,11 +315,13 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             name,
             namespace,
             containerd,
+            allow_privileged_files,
         } => {
             let query = ImportQuery {
                 name: name.clone(),
                 namespace: namespace.clone(),
                 containerd: containerd.clone(),
+                allow_privileged_files: *allow_privileged_files,
             };
             let bar = progress::bar(cli.json, "import");
             let r = crabd

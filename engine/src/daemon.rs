@@ -26,6 +26,7 @@ use crab_api::SandboxId;
 
 use crate::{StoreError, VersionStore};
 
+mod admit;
 mod checkpoint;
 mod disk_probe;
 mod error;

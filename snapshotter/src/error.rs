@@ -81,6 +81,12 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// An export stream holds what its import may not write.
+    #[error("refused: {reason}")]
+    Refused {
+        /// What, and how to allow it.
+        reason: String,
+    },
     /// A filesystem operation failed.
     #[error("{op} {path}")]
     Io {

@@ -26,7 +26,7 @@ mod zfs_snapshotter;
 pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, SnapshotName};
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
-pub use overlay::OverlayCopyBackend;
+pub use overlay::{OverlayCopyBackend, StreamPolicy};
 pub use zfs::ZfsBackend;
 pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};
 

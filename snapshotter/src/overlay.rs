@@ -16,6 +16,8 @@
 //! files are always copied, never linked.
 
 mod archive;
+
+pub use archive::StreamPolicy;
 mod copy;
 mod index;
 mod tree;
@@ -75,6 +77,51 @@ impl OverlayCopyBackend {
             removed += 1;
         }
         Ok(removed)
+    }
+
+    /// [`Backend::import`] of a stream from elsewhere, with what `policy`
+    /// allows beyond plain files (the trait's import allows nothing more).
+    pub fn import_with(
+        &self,
+        name: &SnapshotName,
+        parent: Option<&SnapshotName>,
+        input: &mut dyn Read,
+        policy: StreamPolicy,
+    ) -> Result<()> {
+        let mut input = BufReader::new(input);
+        let head = archive::read_head(&mut input)?;
+        if head.parent.as_deref() != parent.map(SnapshotName::as_str) {
+            return Err(Error::BadStream {
+                reason: format!(
+                    "the stream is relative to {:?}, the import to {:?}",
+                    head.parent,
+                    parent.map(SnapshotName::as_str)
+                ),
+            });
+        }
+        if let Some(p) = parent {
+            self.require(p)?;
+        }
+        let tmp = self.begin(name)?;
+        let res = (|| {
+            match parent {
+                Some(p) => link_tree(&self.dir(p), &tmp)?,
+                None => std::fs::create_dir(&tmp).map_err(Error::io("create", &tmp))?,
+            }
+            archive::apply(&head, &mut input, &tmp, policy)?;
+            self.publish(name, &tmp, &Index::new())
+        })();
+        if res.is_err() {
+            let _ = remove_any(&tmp);
+        }
+        res?;
+        // Into an empty location, a whole stream is also the live tree.
+        let live_empty = std::fs::read_dir(&self.upper).map_or(true, |mut d| d.next().is_none());
+        if parent.is_none() && live_empty {
+            let _ = std::fs::remove_dir(&self.upper);
+            copy_tree(&self.dir(name), &self.upper, None)?;
+        }
+        Ok(())
     }
 
     fn dir(&self, name: &SnapshotName) -> PathBuf {
@@ -286,40 +333,7 @@ impl Backend for OverlayCopyBackend {
     }
 
     fn import(&self, name: &SnapshotName, parent: Option<&SnapshotName>, input: &mut dyn Read) -> Result<()> {
-        let mut input = BufReader::new(input);
-        let head = archive::read_head(&mut input)?;
-        if head.parent.as_deref() != parent.map(SnapshotName::as_str) {
-            return Err(Error::BadStream {
-                reason: format!(
-                    "the stream is relative to {:?}, the import to {:?}",
-                    head.parent,
-                    parent.map(SnapshotName::as_str)
-                ),
-            });
-        }
-        if let Some(p) = parent {
-            self.require(p)?;
-        }
-        let tmp = self.begin(name)?;
-        let res = (|| {
-            match parent {
-                Some(p) => link_tree(&self.dir(p), &tmp)?,
-                None => std::fs::create_dir(&tmp).map_err(Error::io("create", &tmp))?,
-            }
-            archive::apply(&head, &mut input, &tmp)?;
-            self.publish(name, &tmp, &Index::new())
-        })();
-        if res.is_err() {
-            let _ = remove_any(&tmp);
-        }
-        res?;
-        // Into an empty location, a whole stream is also the live tree.
-        let live_empty = std::fs::read_dir(&self.upper).map_or(true, |mut d| d.next().is_none());
-        if parent.is_none() && live_empty {
-            let _ = std::fs::remove_dir(&self.upper);
-            copy_tree(&self.dir(name), &self.upper, None)?;
-        }
-        Ok(())
+        self.import_with(name, parent, input, StreamPolicy::default())
     }
 
     fn destroy(&self, name: &SnapshotName) -> Result<()> {

@@ -372,9 +372,19 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
     } else {
         "gc_interval_secs = 1\n"
     };
+    // The fixtures that stateful sandboxes bind read-only may come with
+    // their archives.
+    let binds = if toml.contains("import_bind_sources =") {
+        String::new()
+    } else {
+        format!(
+            "import_bind_sources = [\"{}\"]\n",
+            crate::image::fixtures_dir().display()
+        )
+    };
     let keys = format!(
         "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n\
-         inspector_pin_dir = \"{pins}\"\n{inspector}{gc}",
+         inspector_pin_dir = \"{pins}\"\n{inspector}{gc}{binds}",
         d = dir.display(),
         port = free_port(),
         pins = pin_dir(dir).display(),

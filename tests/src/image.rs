@@ -5,6 +5,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+/// The fixtures directory (scripts that build images, sandboxes' programs).
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
 /// The image reference tests run.
 pub const BUSYBOX: &str = "docker.io/crab/busybox:test";
 
@@ -67,7 +72,7 @@ fn layered_archive(kind: &str, reference: &str, script: &str, script_text: &str)
     };
     let path = crate::bin_dir().join(format!("crab-test-{kind}-{hash:016x}.tar"));
     if !path.exists() {
-        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        let fixtures = fixtures_dir();
         let layer = path.with_extension(format!("layer{}", std::process::id()));
         crate::ok(
             Command::new(fixtures.join(script))

@@ -23,7 +23,7 @@ pub const SPAWNED: u16 = 7002;
 /// both its servers answer; returns the init's pid.
 pub fn run_stateful(ctd: &Containerd, id: &str) -> i32 {
     ctd.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let fixtures = crate::image::fixtures_dir();
     let mount = format!(
         "type=bind,src={},dst=/fixtures,options=rbind:ro",
         fixtures.display()

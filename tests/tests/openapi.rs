@@ -29,7 +29,7 @@ const METHODS: &[&str] = &[
 ];
 
 /// The statuses crabd answers with.
-const STATUSES: &[&str] = &["200", "400", "404", "409", "422", "500", "502"];
+const STATUSES: &[&str] = &["200", "400", "403", "404", "409", "422", "500", "502"];
 
 /// Every component schema, each exercised below. A schema added to the spec
 /// and not here (or the other way round) fails [`every_schema_is_listed`].
@@ -488,6 +488,7 @@ fn imports_query_parameters_are_import_query() {
         name: Some(id("web-1-copy")),
         namespace: Some("k8s.io".into()),
         containerd: Some("/run/containerd/containerd.sock".into()),
+        allow_privileged_files: true,
     };
     let doc = to_json(&full);
     let fields: BTreeSet<&str> = doc.as_object().unwrap().keys().map(String::as_str).collect();

@@ -93,3 +93,82 @@ fn export_then_import_on_another_containerd() {
     assert_clean(&a.scope(), &[id]);
     assert_clean(&b.scope(), &[id]);
 }
+
+/// An archive is another host's word: what a sandbox's root made (a setuid
+/// file) is refused unless the importer allows it, and a container that
+/// would reach the importing host (a bind mount of a host directory) is
+/// refused, before anything is written or started.
+#[test]
+fn a_hostile_archive_is_refused_before_anything_is_written() {
+    let a = Containerd::start();
+    let host_dir = a.dir.join("shared");
+    std::fs::create_dir_all(&host_dir).unwrap();
+    a.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        crab_tests::CRAB,
+        "--mount",
+        &format!("type=bind,src={},dst=/host,options=rbind:ro", host_dir.display()),
+        crab_tests::image::BUSYBOX,
+        "binds",
+        "sleep",
+        "300",
+    ]);
+    a.run_detached(crab_tests::CRAB, "suid", &["sleep", "300"]);
+    for id in ["binds", "suid"] {
+        wait_registered(&a, id);
+    }
+    crab_tests::sandbox::exec_sh(&a, "suid", "cp /bin/busybox /rootshell && chmod 4755 /rootshell");
+    let mut b = Containerd::start();
+    b.start_crabd();
+    let import = |file: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["import", file.to_str().unwrap(), "--namespace", &b.namespace];
+        let address = b.address().to_string_lossy().into_owned();
+        args.extend(["--containerd", &address]);
+        args.extend(extra);
+        crabctl(&b, &args)
+    };
+    let export = |id: &str| {
+        crabctl_ok(&a, &["checkpoint", id]);
+        let file = a.dir.join(format!("{id}.tar"));
+        crabctl_ok(&a, &["export", id, "1", &file.to_string_lossy()]);
+        file
+    };
+
+    let refused = import(&export("binds"), &[]);
+    let e = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && e.contains("bind-mounts") && e.contains("refused"),
+        "{e}"
+    );
+    let suid = export("suid");
+    let refused = import(&suid, &[]);
+    let e = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && e.contains("setuid") && e.contains("privileged"),
+        "{e}"
+    );
+    assert_eq!(crabctl_ok(&b, &["ps"]), serde_json::json!([]));
+    assert_eq!(
+        b.ctr_ok(&["container", "ls", "-q"]).trim(),
+        "",
+        "nothing was created"
+    );
+
+    // Allowed by the importer, the same archive runs, its file intact.
+    let out = import(&suid, &["--allow-privileged-files"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bpid = r["pid"].as_i64().unwrap() as i32;
+    let mode = std::fs::symlink_metadata(format!("/proc/{bpid}/root/rootshell")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.permissions().mode() & 0o7777, 0o4755);
+
+    for id in ["binds", "suid"] {
+        a.remove(id);
+    }
+    b.remove("suid");
+    assert_clean(&a.scope(), &["binds", "suid"]);
+    assert_clean(&b.scope(), &["suid"]);
+}

@@ -170,6 +170,9 @@ impl Crabd {
         if let Some(c) = &query.containerd {
             params.push(format!("containerd={}", escape(&c.to_string_lossy())));
         }
+        if query.allow_privileged_files {
+            params.push("allow_privileged_files=true".to_owned());
+        }
         let path = match params.is_empty() {
             true => routes::IMPORT.to_owned(),
             false => format!("{}?{}", routes::IMPORT, params.join("&")),

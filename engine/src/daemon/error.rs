@@ -105,6 +105,13 @@ pub enum ApiError {
         #[source]
         source: crab_snapshotter::Error,
     },
+    /// An archive's container would reach the host (its spec's hooks,
+    /// bind mounts, host namespaces, devices or privileges).
+    #[error("the archive's container is refused: {reason}")]
+    Refused {
+        /// What, and why.
+        reason: String,
+    },
     /// An archive to import is truncated, tampered with or invalid.
     #[error(transparent)]
     Archive(crate::archive::ArchiveError),
@@ -199,6 +206,15 @@ impl ApiError {
             ApiError::SandboxExists { .. } => ErrorCode::SandboxExists,
             ApiError::Containerd(ContainerdError::Unforkable { .. }) => ErrorCode::Unsupported,
             ApiError::Containerd(_) => ErrorCode::Containerd,
+            ApiError::Fs {
+                source: crab_snapshotter::Error::Refused { .. },
+                ..
+            }
+            | ApiError::Refused { .. } => ErrorCode::Refused,
+            ApiError::Fs {
+                source: crab_snapshotter::Error::BadStream { .. },
+                ..
+            } => ErrorCode::Corrupt,
             ApiError::Fs { .. } => ErrorCode::Fs,
             ApiError::Archive(crate::archive::ArchiveError::Io { .. }) => ErrorCode::Internal,
             ApiError::Archive(_) => ErrorCode::Corrupt,

@@ -87,9 +87,10 @@ impl Files {
         id: &SandboxId,
         name: &SnapshotName,
         input: &mut dyn std::io::Read,
+        policy: crab_snapshotter::StreamPolicy,
     ) -> Result<(), ApiError> {
         self.copies(id)
-            .import(name, None, input)
+            .import_with(name, None, input, policy)
             .map_err(Self::fs_error(id))
     }
 

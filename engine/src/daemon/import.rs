@@ -67,7 +67,7 @@ async fn import_staged(
 ) -> Result<ImportReport, ApiError> {
     let unpack_dir = staging.path().join("unpacked");
     let tar_path = staging.path().join("archive.tar");
-    let unpacked = blocking_io(move || {
+    let mut unpacked = blocking_io(move || {
         let f = std::fs::File::open(&tar_path).map_err(|source| ApiError::Io {
             op: "open the staged archive",
             source,
@@ -75,6 +75,8 @@ async fn import_staged(
         archive::unpack(std::io::BufReader::new(f), &unpack_dir).map_err(ApiError::from)
     })
     .await?;
+    // Before anything is written: what the archive asks of this host.
+    super::admit::admit(&mut unpacked.manifest.container, &d.config.import_bind_sources)?;
     let m = &unpacked.manifest;
     let new_id: SandboxId = q.name.clone().unwrap_or_else(|| m.version.sandbox.clone());
     let busy = d.busy(&new_id);
@@ -120,6 +122,7 @@ async fn make_and_start(
     let images_src = unpacked.images_dir.clone();
     let fs_stream = unpacked.fs_stream.clone();
     let images = m.images.clone();
+    let allow_privileged = q.allow_privileged_files;
     let (d2, sid) = (d.clone(), new_id.clone());
     let version = blocking_io(move || -> Result<VersionRecord, ApiError> {
         let io = |op| move |source| ApiError::Io { op, source };
@@ -146,7 +149,10 @@ async fn make_and_start(
             std::fs::rename(images_src.join(&f.path), &to).map_err(io("move an image file"))?;
         }
         let mut input = std::fs::File::open(&fs_stream).map_err(io("open the filesystem stream"))?;
-        d2.files.import(&sid, &name, &mut input)?;
+        let policy = crab_snapshotter::StreamPolicy {
+            privileged: allow_privileged,
+        };
+        d2.files.import(&sid, &name, &mut input, policy)?;
         Ok(pending.publish()?)
     })
     .await?;

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -199,11 +200,32 @@ pub fn read_head(input: &mut BufReader<&mut dyn Read>) -> Result<StreamHead> {
     })
 }
 
+/// What a stream from elsewhere may hold besides plain files,
+/// directories, symlinks, fifos and sockets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamPolicy {
+    /// Device nodes (other than overlayfs whiteouts), setuid/setgid bits,
+    /// and `security.*` / `trusted.*` xattrs (other than overlayfs' own):
+    /// what a sandbox's root may make and a host user must not find in a
+    /// store. Refused unless true.
+    pub privileged: bool,
+}
+
+/// The longest JSON line a stream may hold (a head lists deleted paths).
+const MAX_LINE: u64 = 64 << 20;
+
 /// Applies the rest of a stream to `dst`, which holds a hard-linked copy of
-/// the parent tree (or is a new empty directory).
-pub fn apply(head: &StreamHead, input: &mut BufReader<&mut dyn Read>, dst: &Path) -> Result<()> {
+/// the parent tree (or is a new empty directory). Nothing is written
+/// outside `dst`: no path of the stream may pass through a symlink (or
+/// anything but a directory), whatever the stream made before it.
+pub fn apply(
+    head: &StreamHead,
+    input: &mut BufReader<&mut dyn Read>,
+    dst: &Path,
+    policy: StreamPolicy,
+) -> Result<()> {
     for d in &head.deleted {
-        remove_any(&dst.join(safe_path(d)?))?;
+        remove_any(&beneath(dst, &safe_path(d)?)?)?;
     }
     let mut dirs: Vec<(PathBuf, Meta)> = Vec::new();
     let mut n_entries = 0u64;
@@ -220,9 +242,11 @@ pub fn apply(head: &StreamHead, input: &mut BufReader<&mut dyn Read>, dst: &Path
         };
         n_entries += 1;
         let rel = safe_path(&e.path)?;
-        let to = dst.join(&rel);
+        let to = beneath(dst, &rel)?;
         let meta = e.meta()?;
-        if meta.kind != Kind::Dir || !to.is_dir() {
+        check_privileges(&rel, &meta, policy)?;
+        let real_dir = std::fs::symlink_metadata(&to).is_ok_and(|m| m.is_dir());
+        if meta.kind != Kind::Dir || !real_dir {
             // Never write through an existing entry: it may be a hard link
             // shared with the parent snapshot.
             if rel.as_os_str().is_empty() {
@@ -237,12 +261,23 @@ pub fn apply(head: &StreamHead, input: &mut BufReader<&mut dyn Read>, dst: &Path
                 continue;
             }
             Kind::File if e.link.is_some() => {
-                let first = dst.join(safe_path(e.link.as_deref().unwrap_or_default())?);
+                let first = beneath(dst, &safe_path(e.link.as_deref().unwrap_or_default())?)?;
+                if !std::fs::symlink_metadata(&first).is_ok_and(|m| m.is_file()) {
+                    return Err(bad(&format!(
+                        "{rel:?} links to {first:?}, not a file of the stream"
+                    )));
+                }
                 std::fs::hard_link(&first, &to).map_err(Error::io("link", &to))?;
                 continue;
             }
             Kind::File => {
-                let mut f = std::fs::File::create(&to).map_err(Error::io("create", &to))?;
+                // A new file, never one reached through a link.
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .custom_flags(nix::libc::O_NOFOLLOW)
+                    .open(&to)
+                    .map_err(Error::io("create", &to))?;
                 let n = std::io::copy(&mut input.take(e.size), &mut f).map_err(Error::io("import", &to))?;
                 if n != e.size {
                     return Err(bad("truncated file data"));
@@ -258,6 +293,58 @@ pub fn apply(head: &StreamHead, input: &mut BufReader<&mut dyn Read>, dst: &Path
     }
     for (dir, meta) in dirs.iter().rev() {
         apply_meta(dir, meta)?;
+    }
+    Ok(())
+}
+
+/// `dst/rel`, once every directory on the way there is a real directory
+/// (not a symlink, which would take what follows out of `dst`). The tree
+/// under `dst` is the import's own: nothing else changes it meanwhile.
+fn beneath(dst: &Path, rel: &Path) -> Result<PathBuf> {
+    let mut at = dst.to_owned();
+    let mut parts = rel.components().peekable();
+    while let Some(part) = parts.next() {
+        if parts.peek().is_none() {
+            at.push(part);
+            break;
+        }
+        at.push(part);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(bad(&format!(
+                    "{rel:?} passes through {at:?}, which is not a directory"
+                )))
+            }
+            Err(e) => return Err(Error::io("stat", &at)(e)),
+        }
+    }
+    Ok(at)
+}
+
+/// Refuses what `policy` does not allow in entry `rel`.
+fn check_privileges(rel: &Path, meta: &Meta, policy: StreamPolicy) -> Result<()> {
+    if policy.privileged {
+        return Ok(());
+    }
+    let refuse = |what: &str| {
+        Err(Error::Refused {
+            reason: format!("{rel:?} is {what}; import with privileged files allowed to keep it"),
+        })
+    };
+    let whiteout = meta.kind == Kind::Char && meta.rdev == 0;
+    if matches!(meta.kind, Kind::Char | Kind::Block) && !whiteout {
+        return refuse("a device node");
+    }
+    if meta.kind != Kind::Symlink && meta.mode & 0o6000 != 0 {
+        return refuse("setuid or setgid");
+    }
+    for (name, _) in &meta.xattrs {
+        let name = name.as_bytes();
+        let overlay = name.starts_with(b"trusted.overlay.");
+        if !overlay && (name.starts_with(b"security.") || name.starts_with(b"trusted.")) {
+            return refuse(&format!("marked with xattr {:?}", String::from_utf8_lossy(name)));
+        }
     }
     Ok(())
 }
@@ -328,10 +415,14 @@ fn write_line<T: Serialize>(out: &mut dyn Write, v: &T, path: &Path) -> Result<(
 fn read_line<T: for<'de> Deserialize<'de>>(input: &mut BufReader<&mut dyn Read>) -> Result<Option<T>> {
     let mut line = Vec::new();
     let n = input
+        .take(MAX_LINE + 1)
         .read_until(b'\n', &mut line)
         .map_err(|e| bad(&format!("read: {e}")))?;
     if n == 0 {
         return Ok(None);
+    }
+    if n as u64 > MAX_LINE {
+        return Err(bad(&format!("a record is longer than {MAX_LINE} bytes")));
     }
     serde_json::from_slice(&line)
         .map(Some)
@@ -369,6 +460,303 @@ fn unhex(s: &str) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One entry of a hand-written stream.
+    struct E<'a> {
+        path: &'a str,
+        kind: &'a str,
+        mode: u32,
+        rdev: u64,
+        target: Option<&'a str>,
+        link: Option<&'a str>,
+        xattrs: Vec<(&'a str, &'a str)>,
+        data: &'a [u8],
+    }
+
+    fn e<'a>(path: &'a str, kind: &'a str) -> E<'a> {
+        E {
+            path,
+            kind,
+            mode: 0o644,
+            rdev: 0,
+            target: None,
+            link: None,
+            xattrs: vec![],
+            data: b"",
+        }
+    }
+
+    /// A stream of `entries`, deleting `deleted`.
+    fn stream(deleted: &[&str], entries: &[E]) -> Vec<u8> {
+        let head = serde_json::json!({"format": FORMAT, "version": 1, "name": "s1", "parent": null,
+            "deleted": deleted.iter().map(|d| hex(d.as_bytes())).collect::<Vec<_>>()});
+        let mut out = serde_json::to_vec(&head).unwrap();
+        out.push(b'\n');
+        for x in entries {
+            let rec = EntryRecord {
+                path: hex(x.path.as_bytes()),
+                kind: x.kind.into(),
+                mode: x.mode,
+                uid: 0,
+                gid: 0,
+                rdev: x.rdev,
+                mtime: (0, 0),
+                xattrs: x
+                    .xattrs
+                    .iter()
+                    .map(|(n, v)| (hex(n.as_bytes()), hex(v.as_bytes())))
+                    .collect(),
+                target: x.target.map(|t| hex(t.as_bytes())),
+                link: x.link.map(|l| hex(l.as_bytes())),
+                size: x.data.len() as u64,
+            };
+            out.extend(serde_json::to_vec(&rec).unwrap());
+            out.push(b'\n');
+            out.extend(x.data);
+        }
+        out.extend(format!("{{\"end\":true,\"entries\":{}}}\n", entries.len()).as_bytes());
+        out
+    }
+
+    /// Applies `bytes` to a fresh tree beside an `outside` directory;
+    /// answers the result and the two directories.
+    fn apply_to(bytes: &[u8], policy: StreamPolicy) -> (Result<()>, tempfile::TempDir) {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("tree")).unwrap();
+        std::fs::create_dir(root.path().join("outside")).unwrap();
+        std::fs::write(root.path().join("outside/keep"), "host").unwrap();
+        let mut input: &[u8] = bytes;
+        let mut reader: &mut dyn Read = &mut input;
+        let mut buf = BufReader::new(&mut reader as &mut dyn Read);
+        let res = read_head(&mut buf).and_then(|h| apply(&h, &mut buf, &root.path().join("tree"), policy));
+        (res, root)
+    }
+
+    fn outside_untouched(root: &tempfile::TempDir) {
+        let names: Vec<_> = std::fs::read_dir(root.path().join("outside"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("keep")],
+            "something was written outside the tree"
+        );
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("outside/keep")).unwrap(),
+            "host"
+        );
+        let meta = std::fs::metadata(root.path().join("outside")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_ne!(
+            meta.permissions().mode() & 0o7777,
+            0o4777,
+            "the outside directory's mode changed"
+        );
+    }
+
+    #[test]
+    fn nothing_is_written_through_a_symlink_the_stream_made() {
+        let up = "../outside";
+        let cases: Vec<Vec<u8>> = vec![
+            // x -> outside, then x/evil.
+            stream(
+                &[],
+                &[
+                    E {
+                        target: Some(up),
+                        ..e("x", "symlink")
+                    },
+                    E {
+                        data: b"root",
+                        mode: 0o4755,
+                        ..e("x/evil", "file")
+                    },
+                ],
+            ),
+            // x -> outside, then x as a directory (its mode must not land on outside), then x/evil.
+            stream(
+                &[],
+                &[
+                    E {
+                        target: Some(up),
+                        ..e("x", "symlink")
+                    },
+                    E {
+                        mode: 0o4777,
+                        ..e("x", "dir")
+                    },
+                    E {
+                        data: b"a",
+                        ..e("x/evil", "file")
+                    },
+                ],
+            ),
+            // A hard link through the symlink to a host file.
+            stream(
+                &[],
+                &[
+                    E {
+                        target: Some(up),
+                        ..e("x", "symlink")
+                    },
+                    E {
+                        link: Some("x/keep"),
+                        ..e("l", "file")
+                    },
+                ],
+            ),
+            // A file whose name is a symlink already there.
+            stream(
+                &[],
+                &[
+                    E {
+                        target: Some("../outside/keep"),
+                        ..e("f", "symlink")
+                    },
+                    E {
+                        data: b"overwritten",
+                        ..e("f", "file")
+                    },
+                ],
+            ),
+        ];
+        for (i, bytes) in cases.iter().enumerate() {
+            let (res, root) = apply_to(bytes, StreamPolicy { privileged: true });
+            outside_untouched(&root);
+            if i == 1 || i == 3 {
+                // The entry replaced the symlink inside the tree.
+                res.unwrap_or_else(|e| panic!("case {i}: {e}"));
+                let md =
+                    std::fs::symlink_metadata(root.path().join(if i == 1 { "tree/x" } else { "tree/f" }))
+                        .unwrap();
+                assert!(!md.file_type().is_symlink(), "case {i}");
+            } else {
+                let err = res.expect_err(&format!("case {i} was applied")).to_string();
+                assert!(
+                    err.contains("not a directory") || err.contains("not a file"),
+                    "case {i}: {err}"
+                );
+            }
+        }
+        // A deleted path through a symlink of the parent tree.
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("tree")).unwrap();
+        std::fs::create_dir_all(root.path().join("outside")).unwrap();
+        std::fs::write(root.path().join("outside/keep"), "host").unwrap();
+        std::os::unix::fs::symlink("../outside", root.path().join("tree/x")).unwrap();
+        let bytes = stream(&["x/keep"], &[]);
+        let mut input: &[u8] = &bytes;
+        let mut reader: &mut dyn Read = &mut input;
+        let mut buf = BufReader::new(&mut reader as &mut dyn Read);
+        let head = read_head(&mut buf).unwrap();
+        assert!(apply(
+            &head,
+            &mut buf,
+            &root.path().join("tree"),
+            StreamPolicy::default()
+        )
+        .is_err());
+        outside_untouched(&root);
+    }
+
+    #[test]
+    fn privileged_entries_need_the_importers_consent() {
+        let strict = StreamPolicy::default();
+        let cases = [
+            (
+                "a device node",
+                stream(
+                    &[],
+                    &[E {
+                        rdev: (1 << 8) | 3,
+                        ..e("null", "char")
+                    }],
+                ),
+            ),
+            (
+                "a setuid file",
+                stream(
+                    &[],
+                    &[E {
+                        mode: 0o4755,
+                        data: b"#!/bin/sh",
+                        ..e("su", "file")
+                    }],
+                ),
+            ),
+            (
+                "a setgid directory",
+                stream(
+                    &[],
+                    &[E {
+                        mode: 0o2755,
+                        ..e("d", "dir")
+                    }],
+                ),
+            ),
+            (
+                "a file capability",
+                stream(
+                    &[],
+                    &[E {
+                        xattrs: vec![("security.capability", "x")],
+                        ..e("cap", "file")
+                    }],
+                ),
+            ),
+            (
+                "a trusted xattr",
+                stream(
+                    &[],
+                    &[E {
+                        xattrs: vec![("trusted.evil", "x")],
+                        ..e("t", "file")
+                    }],
+                ),
+            ),
+        ];
+        for (what, bytes) in &cases {
+            let (res, root) = apply_to(bytes, strict);
+            let err = res.expect_err(what).to_string();
+            assert!(
+                err.contains("refused") && err.contains("privileged"),
+                "{what}: {err}"
+            );
+            outside_untouched(&root);
+            let (res, _root) = apply_to(bytes, StreamPolicy { privileged: true });
+            if *what != "a file capability" && *what != "a trusted xattr" {
+                res.unwrap_or_else(|e| panic!("{what} with consent: {e}"));
+            }
+        }
+        // What an overlay upper directory holds is not privileged.
+        let upper = stream(
+            &[],
+            &[
+                e("gone", "char"),
+                E {
+                    mode: 0o755,
+                    xattrs: vec![("trusted.overlay.opaque", "y")],
+                    ..e("opaque", "dir")
+                },
+            ],
+        );
+        let (res, root) = apply_to(&upper, strict);
+        res.unwrap();
+        assert!(root.path().join("tree/gone").exists());
+    }
+
+    #[test]
+    fn an_endless_record_is_refused_not_buffered() {
+        let mut bytes = stream(&[], &[]);
+        let head_end = bytes.iter().position(|b| *b == b'\n').unwrap() + 1;
+        bytes.truncate(head_end);
+        bytes.extend(std::iter::repeat_n(b'x', (MAX_LINE + 10) as usize));
+        let (res, _root) = apply_to(&bytes, StreamPolicy::default());
+        let err = res.unwrap_err().to_string();
+        assert!(err.contains("longer than"), "{err}");
+    }
 
     #[test]
     fn hex_round_trip_and_safe_paths() {
