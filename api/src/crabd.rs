@@ -95,7 +95,7 @@ pub struct SandboxInfo {
     /// Its newest version number, if any.
     pub latest: Option<u64>,
     /// The base URL of its LLM proxy on crabd's host listener
-    /// (`http://127.0.0.1:PORT/s/<id>`), when both exist.
+    /// (`http://127.0.0.1:PORT/s/<id>/<secret>`), when both exist.
     pub proxy_url: Option<String>,
     /// How many times its task was recovered after a crash (since its
     /// task started), and the last recovery.

@@ -28,8 +28,9 @@
 //! sandbox whose id its own is a prefix of.
 //!
 //! crabd also serves agents that run outside their sandbox on TCP
-//! `127.0.0.1:[crabd] proxy_port`: [`HOST_PROXY_PREFIX`]`<id>/…` is relayed
-//! to the sandbox's LLM proxy.
+//! `127.0.0.1:[crabd] proxy_port`: [`HOST_PROXY_PREFIX`]`<id>/<secret>/…`
+//! is relayed to the sandbox's LLM proxy (the secret comes with
+//! `crabctl proxy-url`).
 
 use std::fmt::Display;
 

@@ -49,10 +49,15 @@ enum Target {
 struct Sockets(HashMap<String, PathBuf>);
 
 impl SandboxSockets for Sockets {
-    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
-        self.0.get(id.as_str()).cloned()
+    fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf> {
+        (secret == SECRET)
+            .then(|| self.0.get(id.as_str()).cloned())
+            .flatten()
     }
 }
+
+/// Every sandbox's secret on the relay (crabd's are HMACs of the id).
+const SECRET: &str = "bench";
 
 const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}"#;
 
@@ -189,7 +194,8 @@ async fn load(
     for idx in 0..clients {
         let client = client.clone();
         let url = match target {
-            Target::Proxy | Target::Relay => format!("{base}/s/bench{idx}/v1/chat/completions"),
+            Target::Proxy => format!("{base}/s/bench{idx}/v1/chat/completions"),
+            Target::Relay => format!("{base}/s/bench{idx}/{SECRET}/v1/chat/completions"),
             Target::Direct => format!("{base}/v1/chat/completions"),
         };
         tasks.spawn(async move {

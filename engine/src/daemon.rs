@@ -91,6 +91,8 @@ pub struct Daemon {
     lifecycle: tokio::sync::Mutex<()>,
     /// The port the host listener is bound to, if it runs.
     proxy_port: Option<u16>,
+    /// What the host listener's per-sandbox secrets are made with.
+    host_key: host_listener::HostKey,
     /// Turn classes from the inspector.
     inspection: Inspection,
     /// The host's checkpoint queue.
@@ -123,6 +125,12 @@ impl Daemon {
                 tracing::warn!(dir = %staging.display(), error = %e, "clear staging");
             }
         }
+        let host_key =
+            host_listener::HostKey::load_or_create(&config.root).map_err(|source| DaemonError::Io {
+                op: "load the host listener's key",
+                path: config.root.clone(),
+                source,
+            })?;
         let metrics = Arc::new(metrics::Metrics::new());
         let shape = schedule_shape(&config);
         tracing::info!(
@@ -135,6 +143,7 @@ impl Daemon {
             turns: turn_end::TurnQueue::default(),
             metrics,
             files: files::Files::new(config.root.join("fs")),
+            host_key,
             config,
             store,
             registry,

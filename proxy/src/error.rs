@@ -59,6 +59,13 @@ pub enum Error {
         #[source]
         source: hyper::Error,
     },
+    /// A host-listener request names a host other than the listener's own
+    /// (a web page's request rebound to 127.0.0.1).
+    #[error("host {host:?} is not this listener's")]
+    ForeignHost {
+        /// The `Host` the request named.
+        host: String,
+    },
     /// A host-listener path is not `/s/<sandbox>/…`.
     #[error("path {path:?} does not start with /s/<sandbox>/")]
     NotASandboxPath {
@@ -89,6 +96,7 @@ impl Error {
             Self::UnknownSandbox { .. } => "crab_unknown_sandbox",
             Self::SandboxExists { .. } => "crab_sandbox_exists",
             Self::NotASandboxPath { .. } => "crab_not_a_sandbox_path",
+            Self::ForeignHost { .. } => "crab_foreign_host",
             Self::SandboxUnreachable { .. } => "crab_sandbox_unreachable",
             Self::SandboxExchange { .. } => "crab_sandbox_exchange_failed",
             Self::Request(RequestError::TooLarge { .. }) => "crab_request_too_large",
@@ -110,6 +118,7 @@ impl Error {
             Self::InvalidSandboxId(_) | Self::NotASandboxPath { .. } => StatusCode::BAD_REQUEST,
             Self::Request(RequestError::BodyRead { .. }) => StatusCode::BAD_REQUEST,
             Self::UnknownSandbox { .. } => StatusCode::NOT_FOUND,
+            Self::ForeignHost { .. } => StatusCode::FORBIDDEN,
             Self::SandboxExists { .. } | Self::Replay(_) => StatusCode::CONFLICT,
             Self::Request(RequestError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Upstream(UpstreamError::HeaderTimeout { .. } | UpstreamError::TotalTimeout { .. }) => {

@@ -1,5 +1,5 @@
 //! The host relay: crabd's host listener for agents that run outside their
-//! sandbox. `/s/<sandbox>/…` is passed, with the prefix stripped, to the
+//! sandbox. `/s/<sandbox>/<secret>/…` is passed, with the prefix stripped, to the
 //! unix socket on which that sandbox's shim serves its [`crate::Sandbox`]:
 //! the turn counter, transcript and gate live in the shim, so the relay adds
 //! no proxy logic of its own. Bodies stream through both ways unbuffered.
@@ -28,16 +28,19 @@ use crate::{split_host_path, Error, ProxyBody, SandboxId, StreamError};
 /// Where each sandbox's shim serves its proxy on the host (crabd's registry).
 pub trait SandboxSockets: Send + Sync + 'static {
     /// The unix socket of sandbox `id` (the exact id, no prefix), if it is
-    /// registered and has a proxy.
-    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf>;
+    /// registered, has a proxy, and `secret` is its secret.
+    fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf>;
 }
 
-/// Serves `/s/<sandbox>/…` on `listener` by relaying each request to the
-/// socket `sockets` names for that sandbox, until `shutdown` is cancelled.
-/// A client must send its request head within `client_header`.
+/// Serves `/s/<sandbox>/<secret>/…` on `listener` by relaying each request
+/// to the socket `sockets` names for that sandbox, until `shutdown` is
+/// cancelled. A client must send its request head within `client_header`,
+/// and name the listener itself as its `Host` (`127.0.0.1:PORT` or
+/// `localhost:PORT`: a web page rebound to the loopback names its own).
 ///
-/// Unknown sandboxes get 404, malformed paths 400, a sandbox whose socket
-/// does not answer 502, each with the proxy's JSON error body.
+/// Unknown sandboxes and wrong or missing secrets alike get 404, malformed
+/// paths 400, foreign hosts 403, a sandbox whose socket does not answer
+/// 502, each with the proxy's JSON error body.
 ///
 /// ```no_run
 /// # async fn demo() -> std::io::Result<()> {
@@ -49,8 +52,8 @@ pub trait SandboxSockets: Send + Sync + 'static {
 ///
 /// struct One;
 /// impl SandboxSockets for One {
-///     fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
-///         (id.as_str() == "sb1").then(|| PathBuf::from("/run/crab/runtime/default/.ctl/sb1.proxy.sock"))
+///     fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf> {
+///         (id.as_str() == "sb1" && secret == "s3cret").then(|| PathBuf::from("/run/crab/runtime/default/.ctl/sb1.proxy.sock"))
 ///     }
 /// }
 /// let listener = tokio::net::TcpListener::bind("127.0.0.1:7879").await?;
@@ -63,8 +66,10 @@ pub async fn serve_relay(
     client_header: Duration,
     shutdown: CancellationToken,
 ) {
+    let port = listener.local_addr().map_or(0, |a| a.port());
     let relay = Relay {
         sockets,
+        hosts: Arc::new([format!("127.0.0.1:{port}"), format!("localhost:{port}")]),
         tracker: TaskTracker::new(),
         shutdown: shutdown.clone(),
     };
@@ -78,6 +83,8 @@ pub async fn serve_relay(
 #[derive(Clone)]
 struct Relay {
     sockets: Arc<dyn SandboxSockets>,
+    /// The `Host` values a request may name.
+    hosts: Arc<[String; 2]>,
     /// The client connections to the shims' sockets.
     tracker: TaskTracker,
     shutdown: CancellationToken,
@@ -93,13 +100,23 @@ impl Relay {
             .path_and_query()
             .map_or("/", PathAndQuery::as_str)
             .to_owned();
+        let host = req
+            .headers()
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default();
+        if !self.hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) {
+            return Err(Error::ForeignHost {
+                host: host.to_owned(),
+            });
+        }
         let (id, tail) = split_host_path(&pq)?;
-        let socket = self
-            .sockets
-            .proxy_socket(&id)
-            .ok_or_else(|| Error::UnknownSandbox {
-                sandbox: id.to_string(),
-            })?;
+        // A wrong secret and an unknown sandbox answer alike.
+        let unknown = || Error::UnknownSandbox {
+            sandbox: id.to_string(),
+        };
+        let (secret, tail) = split_secret(&tail).ok_or_else(unknown)?;
+        let socket = self.sockets.proxy_socket(&id, secret).ok_or_else(unknown)?;
         let bad_path = || Error::NotASandboxPath { path: pq.clone() };
         let mut parts = req.uri().clone().into_parts();
         parts.path_and_query = Some(tail.parse().map_err(|_| bad_path())?);
@@ -143,6 +160,25 @@ impl Relay {
         let resp = sender.send_request(req).await.map_err(exchange)?;
         Ok(resp.map(|body| body.map_err(|source| StreamError::Sandbox { source }).boxed()))
     }
+}
+
+/// Splits `/<secret>/rest?q` (or `/<secret>?q`) into the secret and
+/// `/rest?q`; None without a secret.
+fn split_secret(tail: &str) -> Option<(&str, String)> {
+    let rest = tail.strip_prefix('/')?;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (secret, rest) = rest.split_at(end);
+    if secret.is_empty() {
+        return None;
+    }
+    Some((
+        secret,
+        if rest.starts_with('/') {
+            rest.to_owned()
+        } else {
+            format!("/{rest}")
+        },
+    ))
 }
 
 impl Service<Request<Incoming>> for Relay {

@@ -1,6 +1,7 @@
-//! The host relay (crabd's host listener): `/s/<sandbox>/…` reaches the
-//! sandbox served on its unix socket, turns and streams included; unknown
-//! sandboxes, dead sockets and bad paths get clear answers.
+//! The host relay (crabd's host listener): `/s/<sandbox>/<secret>/…`
+//! reaches the sandbox served on its unix socket, turns and streams
+//! included; unknown sandboxes, wrong secrets, foreign hosts, dead sockets
+//! and bad paths get clear answers.
 
 mod support;
 
@@ -17,10 +18,15 @@ use tokio_util::sync::CancellationToken;
 struct Table(HashMap<String, PathBuf>);
 
 impl SandboxSockets for Table {
-    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
-        self.0.get(id.as_str()).cloned()
+    fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf> {
+        (secret == SECRET)
+            .then(|| self.0.get(id.as_str()).cloned())
+            .flatten()
     }
 }
+
+/// Every sandbox's secret in the table.
+const SECRET: &str = "0123abcd";
 
 #[tokio::test]
 async fn relays_turns_and_streams_to_the_sandbox_socket() {
@@ -55,7 +61,7 @@ async fn relays_turns_and_streams_to_the_sandbox_socket() {
 
     // A non-streaming turn, an auxiliary request, a stream chunk by chunk.
     let resp = post(
-        format!("{host}/s/sb1/v1/chat/completions?x=1"),
+        format!("{host}/s/sb1/{SECRET}/v1/chat/completions?x=1"),
         chat_body("gpt-test", false),
     )
     .send()
@@ -65,13 +71,13 @@ async fn relays_turns_and_streams_to_the_sandbox_socket() {
     assert_eq!(resp.headers()["x-upstream"], "scripted");
     let models = h
         .client
-        .get(format!("{host}/s/sb1/v1/models"))
+        .get(format!("{host}/s/sb1/{SECRET}/v1/models"))
         .send()
         .await
         .expect("send");
     assert_eq!(models.status(), 200);
     let mut stream = post(
-        format!("{host}/s/sb1/v1/chat/completions"),
+        format!("{host}/s/sb1/{SECRET}/v1/chat/completions"),
         chat_body("gated", true),
     )
     .send()
@@ -95,8 +101,19 @@ async fn relays_turns_and_streams_to_the_sandbox_socket() {
     assert_eq!(h.turns().await.len(), 2);
 
     for (path, status, code) in [
-        ("/s/nope/v1/chat/completions", 404, "crab_unknown_sandbox"),
-        ("/s/dead/v1/chat/completions", 502, "crab_sandbox_unreachable"),
+        (
+            "/s/nope/0123abcd/v1/chat/completions",
+            404,
+            "crab_unknown_sandbox",
+        ),
+        ("/s/sb1/v1/chat/completions", 404, "crab_unknown_sandbox"),
+        ("/s/sb1/0123abce/v1/chat/completions", 404, "crab_unknown_sandbox"),
+        ("/s/sb1", 404, "crab_unknown_sandbox"),
+        (
+            "/s/dead/0123abcd/v1/chat/completions",
+            502,
+            "crab_sandbox_unreachable",
+        ),
         ("/s/..%2f/v1/chat/completions", 400, "crab_invalid_sandbox_id"),
         ("/v1/chat/completions", 400, "crab_not_a_sandbox_path"),
     ] {
@@ -108,6 +125,19 @@ async fn relays_turns_and_streams_to_the_sandbox_socket() {
         let body: serde_json::Value = resp.json().await.expect("json");
         assert_eq!(body["error"]["type"], code, "{path}");
     }
+    // A web page rebound to the loopback names its own host.
+    let resp = post(
+        format!("{host}/s/sb1/{SECRET}/v1/chat/completions"),
+        chat_body("gpt-test", false),
+    )
+    .header("host", "evil.example:80")
+    .send()
+    .await
+    .expect("send");
+    assert_eq!(resp.status(), 403);
+    let body: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(body["error"]["type"], "crab_foreign_host");
+    assert_eq!(h.turns().await.len(), 2, "no refused request was a turn");
     shutdown.cancel();
     for task in [relay, sandbox_server] {
         tokio::time::timeout(Duration::from_secs(10), task)

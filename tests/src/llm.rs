@@ -63,7 +63,7 @@ impl ScriptedLlm {
 }
 
 /// One turn of an agent outside its sandbox: a chat completion posted to
-/// `url` (a `crabctl proxy-url`, `http://127.0.0.1:PORT/s/<id>`) that the
+/// `url` (a `crabctl proxy-url`, `http://127.0.0.1:PORT/s/<id>/<secret>`) that the
 /// scripted LLM answers after `think`; returns once the answer is released.
 ///
 /// # Errors
@@ -75,7 +75,7 @@ pub fn chat_turn(url: &str, think: std::time::Duration) -> std::io::Result<()> {
     let mut s = std::net::TcpStream::connect(addr)?;
     write!(
         s,
-        "POST /{path}/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+        "POST /{path}/v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
          {THINK_HEADER}: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         think.as_millis(),
         body.len()

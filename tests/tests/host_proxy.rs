@@ -109,8 +109,17 @@ fn turn_records(path: &Path) -> Vec<Value> {
 /// `GET path` on 127.0.0.1:`port` with a raw HTTP/1.1 request: the status
 /// and the body.
 fn raw_get(port: u16, path: &str) -> (u16, Value) {
+    raw_get_as(port, path, &format!("127.0.0.1:{port}"))
+}
+
+/// `GET path` naming `host` as its `Host`.
+fn raw_get_as(port: u16, path: &str, host: &str) -> (u16, Value) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    write!(s, "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").expect("send");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+    )
+    .expect("send");
     let mut answer = String::new();
     s.read_to_string(&mut answer).expect("read");
     let status = answer
@@ -141,8 +150,16 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
     let shown = crabctl_ok(&ctd, &["proxy-url", "hostp"]);
     assert_eq!(shown["sandbox"], id);
     let url = shown["url"].as_str().expect("url").to_owned();
-    assert!(url.ends_with(&format!("/s/{id}")), "{url}");
     let port = port_of(&url);
+    // The URL carries the sandbox's secret: /s/<id>/<32 hex digits>.
+    let base_path = url.split_once(&format!(":{port}")).expect("a port").1.to_owned();
+    let secret = base_path
+        .strip_prefix(&format!("/s/{id}/"))
+        .unwrap_or_else(|| panic!("{url}"));
+    assert!(
+        secret.len() == 32 && secret.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{url}"
+    );
 
     // Non-streaming, streaming, a model list (no turn), non-streaming.
     let answers = host_agent(&url, 3, true);
@@ -184,8 +201,27 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
         (status, &body["error"]["type"]),
         (404, &Value::from("crab_unknown_sandbox"))
     );
-    let (status, body) = raw_get(port, "/s/hostp/v1/models");
+    let (status, body) = raw_get(port, &format!("/s/hostp/{secret}/v1/models"));
     assert_eq!(status, 404, "no prefixes on the host listener: {body}");
+    // Any local user can connect: without the secret, or with another's,
+    // the sandbox is not there; a page rebound to the loopback is refused.
+    for path in [
+        format!("/s/{id}/v1/models"),
+        format!("/s/{id}/{}/v1/models", "0".repeat(32)),
+    ] {
+        let (status, body) = raw_get(port, &path);
+        assert_eq!(
+            (status, &body["error"]["type"]),
+            (404, &Value::from("crab_unknown_sandbox")),
+            "{path}"
+        );
+    }
+    let (status, body) = raw_get_as(port, &format!("{base_path}/v1/models"), "attacker.example");
+    assert_eq!(
+        (status, &body["error"]["type"]),
+        (403, &Value::from("crab_foreign_host"))
+    );
+    assert_eq!(raw_get(port, &format!("{base_path}/v1/models")).0, 200);
     let (status, body) = raw_get(port, "/v1/models");
     assert_eq!(
         (status, &body["error"]["type"]),
@@ -203,7 +239,7 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
     assert!(Path::new(&socket).exists(), "{socket}");
     ctd.remove(id);
     assert!(!Path::new(&socket).exists(), "{socket} left behind");
-    assert_eq!(raw_get(port, &format!("/s/{id}/v1/models")).0, 404);
+    assert_eq!(raw_get(port, &format!("{base_path}/v1/models")).0, 404);
     assert_clean(&ctd.scope(), &[id]);
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);

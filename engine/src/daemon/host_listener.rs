@@ -1,10 +1,19 @@
 //! The host listener: agents that run outside their sandbox reach its LLM
-//! proxy at `http://127.0.0.1:PORT/s/<sandbox>/…`. crabd only relays (with
-//! `crab_proxy::serve_relay`) to the unix socket on which the sandbox's shim
-//! serves its proxy: turns, transcript and gate stay in the shim.
+//! proxy at `http://127.0.0.1:PORT/s/<sandbox>/<secret>/…`. crabd only
+//! relays (with `crab_proxy::serve_relay`) to the unix socket on which the
+//! sandbox's shim serves its proxy: turns, transcript and gate stay in the
+//! shim.
+//!
+//! Every local user can connect to 127.0.0.1: the secret is what makes a
+//! URL a sandbox's. It is an HMAC of the sandbox's id under a key in
+//! crabd's root (0600, made once), so it outlives a crabd restart (an agent
+//! resumed after a crash keeps its URL) and only root, who reads the key or
+//! asks crabd's socket (`crabctl proxy-url`), can hand it out.
 
+use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,7 +61,10 @@ pub(super) fn spawn(listener: TcpListener, daemon: Arc<Daemon>, stop: Cancellati
 // === impl Daemon ===
 
 impl SandboxSockets for Daemon {
-    fn proxy_socket(&self, id: &SandboxId) -> Option<PathBuf> {
+    fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf> {
+        if !self.host_key.admits(id, secret) {
+            return None;
+        }
         self.registry
             .get(id)
             .filter(|e| e.running)
@@ -61,13 +73,113 @@ impl SandboxSockets for Daemon {
 }
 
 impl Daemon {
-    /// The base URL of sandbox `id`'s proxy on the host listener.
+    /// The base URL of sandbox `id`'s proxy on the host listener, its
+    /// secret included.
     pub(super) fn proxy_url(&self, id: &SandboxId) -> Option<String> {
         self.proxy_port.map(|port| {
             format!(
-                "http://127.0.0.1:{port}{}{id}",
-                crab_api::routes::HOST_PROXY_PREFIX
+                "http://127.0.0.1:{port}{}{id}/{}",
+                crab_api::routes::HOST_PROXY_PREFIX,
+                self.host_key.secret(id)
             )
         })
+    }
+}
+
+/// The key the host listener's secrets are made with.
+pub(super) struct HostKey([u8; 32]);
+
+/// The key's file under crabd's root.
+const KEY_FILE: &str = "host-listener.key";
+
+// === impl HostKey ===
+
+impl HostKey {
+    /// The key under `root`, made (0600) if there is none.
+    pub(super) fn load_or_create(root: &Path) -> std::io::Result<HostKey> {
+        let path = root.join(KEY_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                let key: [u8; 32] = bytes.try_into().map_err(|_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("{} is not 32 bytes", path.display()),
+                    )
+                })?;
+                return Ok(HostKey(key));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let mut key = [0u8; 32];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut key)?;
+        // Whole or not at all: written aside, then renamed into place.
+        let tmp = root.join(format!("{KEY_FILE}.tmp"));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&key)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(HostKey(key))
+    }
+
+    /// Sandbox `id`'s secret: 128 bits of an HMAC-SHA256 of its id, hex.
+    pub(super) fn secret(&self, id: &SandboxId) -> String {
+        use hmac::{Hmac, Mac};
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
+        mac.update(b"crab host listener\0");
+        mac.update(id.as_str().as_bytes());
+        mac.finalize().into_bytes()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Whether `secret` is sandbox `id`'s (in constant time).
+    pub(super) fn admits(&self, id: &SandboxId, secret: &str) -> bool {
+        let want = self.secret(id);
+        want.len() == secret.len()
+            && want
+                .bytes()
+                .zip(secret.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
+
+impl std::fmt::Debug for HostKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HostKey(..)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_secret_is_the_sandboxs_own_and_survives_a_reload() {
+        let root = tempfile::tempdir().unwrap();
+        let key = HostKey::load_or_create(root.path()).unwrap();
+        let (a, b) = (SandboxId::new("a").unwrap(), SandboxId::new("b").unwrap());
+        let secret = key.secret(&a);
+        assert_eq!(secret.len(), 32);
+        assert!(key.admits(&a, &secret));
+        assert!(!key.admits(&b, &secret), "another sandbox's secret");
+        assert!(!key.admits(&a, &secret[..31]) && !key.admits(&a, ""));
+        let again = HostKey::load_or_create(root.path()).unwrap();
+        assert_eq!(again.secret(&a), secret, "the same key after a restart");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(root.path().join(KEY_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let other = HostKey::load_or_create(tempfile::tempdir().unwrap().path()).unwrap();
+        assert_ne!(other.secret(&a), secret, "another host's key");
     }
 }
