@@ -278,7 +278,7 @@ fn agent(ctd: &Containerd, id: &str, url: &str, steps: &[Step]) -> Duration {
 }
 
 /// Each turn's hold, from the sandbox's transcript.
-fn holds(path: &Path) -> Vec<Duration> {
+pub fn holds(path: &Path) -> Vec<Duration> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()

@@ -87,52 +87,7 @@ enum Bench {
     /// full-ckpt, chat-only, chat+fs, restart, beside fault-free), one
     /// crash per task, each recovery state-verified; writes report.md,
     /// report.json and pictures to --out.
-    Eval {
-        /// A small run of a few minutes: 1 SWE task and 2 terminal tasks,
-        /// 8 steps each, think times x0.05.
-        #[arg(long)]
-        quick: bool,
-        /// SWE tasks, from bench/eval/swe.toml's default set.
-        #[arg(long, default_value_t = 6)]
-        swe: usize,
-        /// SWE tasks by name (SWE-bench instance ids), instead.
-        #[arg(long, value_delimiter = ',')]
-        swe_tasks: Vec<String>,
-        /// Terminal tasks, from bench/eval/terminal.toml.
-        #[arg(long, default_value_t = 6)]
-        terminal: usize,
-        /// Terminal tasks by name, instead.
-        #[arg(long, value_delimiter = ',')]
-        terminal_tasks: Vec<String>,
-        /// Steps per task (0: all).
-        #[arg(long, default_value_t = 0)]
-        turns: usize,
-        /// Scale of the traced LLM times (1.0: as traced).
-        #[arg(long, default_value_t = 0.1)]
-        scale: f64,
-        /// Seed of the crash placement.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Policies, comma-separated (fault-free always runs first; also: crab-broken).
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "crab,full-ckpt,chat-only,chat+fs,restart"
-        )]
-        policies: Vec<String>,
-        /// Sandboxes at once.
-        #[arg(long, default_value_t = 4)]
-        parallel: usize,
-        /// Where the report goes.
-        #[arg(long, default_value = "eval-report")]
-        out: std::path::PathBuf,
-        /// The traces (mini-swe-agent steps, JSON lines).
-        #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/mini-swe-agent.jsonl"))]
-        traces: std::path::PathBuf,
-        /// Print every command's output (to stderr).
-        #[arg(long)]
-        verbose: bool,
-    },
+    Eval(eval::Args),
     /// The inspector: turn-end decision latency (p50/p99) for turns of
     /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
     /// sandbox with the programs attached vs detached.
@@ -168,50 +123,7 @@ fn main() -> anyhow::Result<()> {
             scale,
             traces,
         } => density::run(&sandboxes, turns, scale, &traces),
-        Bench::Eval {
-            quick,
-            swe,
-            swe_tasks,
-            terminal,
-            terminal_tasks,
-            turns,
-            scale,
-            seed,
-            policies,
-            parallel,
-            out,
-            traces,
-            verbose,
-        } => {
-            let policies = policies
-                .iter()
-                .map(|p| eval::Policy::parse(p))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let mut args = eval::Args {
-                swe,
-                swe_names: swe_tasks,
-                terminal,
-                terminal_names: terminal_tasks,
-                turns,
-                scale,
-                seed,
-                policies,
-                parallel,
-                out,
-                traces,
-                verbose,
-            };
-            if quick {
-                args = eval::Args {
-                    swe: 1,
-                    terminal: 2,
-                    turns: 8,
-                    scale: 0.05,
-                    ..args
-                };
-            }
-            eval::run(&args)
-        }
+        Bench::Eval(args) => eval::run(&args.quick_if_asked()),
         Bench::Inspector { turns, reps } => inspector::run(turns, reps),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))

@@ -18,10 +18,10 @@ mod testbed;
 mod workload;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use crab_tests::llm::ScriptedLlm;
@@ -34,33 +34,67 @@ pub use policy::Policy;
 use report::{Meta, PolicyResult, TaskResult};
 use workload::Task;
 
-/// What to evaluate.
-#[derive(Debug, Clone)]
+/// What to evaluate (`crab-bench eval`'s options).
+#[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// SWE tasks (of swe.toml's default set, or `swe_names`).
+    /// A small run of a few minutes: 1 SWE task and 2 terminal tasks,
+    /// 8 steps each, think times x0.05.
+    #[arg(long)]
+    pub quick: bool,
+    /// SWE tasks, from bench/eval/swe.toml's default set.
+    #[arg(long, default_value_t = 6)]
     pub swe: usize,
-    /// SWE tasks by name, instead of the default set.
+    /// SWE tasks by name (SWE-bench instance ids), instead.
+    #[arg(long = "swe-tasks", value_delimiter = ',')]
     pub swe_names: Vec<String>,
-    /// Terminal tasks (of terminal.toml, in order).
+    /// Terminal tasks, from bench/eval/terminal.toml.
+    #[arg(long, default_value_t = 6)]
     pub terminal: usize,
     /// Terminal tasks by name, instead.
+    #[arg(long = "terminal-tasks", value_delimiter = ',')]
     pub terminal_names: Vec<String>,
     /// Steps per task (0: all).
+    #[arg(long, default_value_t = 0)]
     pub turns: usize,
-    /// Scale of think times.
+    /// Scale of the traced LLM times (1.0: as traced).
+    #[arg(long, default_value_t = 0.1)]
     pub scale: f64,
-    /// The fault seed.
+    /// Seed of the crash placement.
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// The policies (fault-free is always run first).
+    /// Policies, comma-separated (fault-free always runs first; also: crab-broken).
+    #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "crab,full-ckpt,chat-only,chat+fs,restart")]
     pub policies: Vec<Policy>,
     /// Sandboxes at once.
+    #[arg(long, default_value_t = 4)]
     pub parallel: usize,
     /// Where the report goes.
+    #[arg(long, default_value = "eval-report")]
     pub out: PathBuf,
-    /// The mini-swe-agent traces.
+    /// The traces (mini-swe-agent steps, JSON lines).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/mini-swe-agent.jsonl"))]
     pub traces: PathBuf,
-    /// Print every command's output.
+    /// Print every command's output (to stderr).
+    #[arg(long)]
     pub verbose: bool,
+}
+
+// === impl Args ===
+
+impl Args {
+    /// These options, cut to `--quick`'s subset when it was given.
+    pub fn quick_if_asked(&self) -> Args {
+        match self.quick {
+            true => Args {
+                swe: 1,
+                terminal: 2,
+                turns: 8,
+                scale: 0.05,
+                ..self.clone()
+            },
+            false => self.clone(),
+        }
+    }
 }
 
 const SWE_TOML: &str = include_str!("../../eval/swe.toml");
@@ -182,7 +216,9 @@ fn run_policy(
                             .ids
                             .iter()
                             .flat_map(|id| {
-                                holds(&transcripts.join(&ctd.namespace).join(format!("{id}.jsonl")))
+                                crate::density::holds(
+                                    &transcripts.join(&ctd.namespace).join(format!("{id}.jsonl")),
+                                )
                             })
                             .collect();
                         let classes = run.classes.clone();
@@ -257,16 +293,5 @@ fn metrics(ctd: &Containerd) -> Vec<(String, f64)> {
             let (k, v) = l.rsplit_once(' ')?;
             Some((k.to_owned(), v.parse().ok()?))
         })
-        .collect()
-}
-
-/// Each turn's hold, from a sandbox's transcript.
-fn holds(path: &Path) -> Vec<Duration> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["kind"] == "turn")
-        .map(|v| Duration::from_micros(v["timing"]["hold_us"].as_u64().unwrap_or(0)))
         .collect()
 }

@@ -42,8 +42,13 @@ pub fn start(ctd: &Containerd, id: &str, reference: &str) -> anyhow::Result<Stri
     if !out.status.success() {
         bail!("ctr run {id}: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
-    crab_tests::sandbox::wait_registered(ctd, id);
-    Ok(crab_tests::sandbox::proxy_url(ctd, id))
+    // Registered (a shim on a loaded host may take a while).
+    let info = crab_tests::wait_until(120, || crab_tests::sandbox::listed(ctd, id))
+        .with_context(|| format!("crabd never listed {id}"))?;
+    match info["proxy_url"].as_str() {
+        Some(url) => Ok(url.to_owned()),
+        None => bail!("{id} has no proxy URL (is crabd's host listener on?)"),
+    }
 }
 
 /// Removes container `id` (whatever state its task is in).
