@@ -388,6 +388,12 @@ pub struct ImportQuery {
     /// `security.*`/`trusted.*` xattrs (refused by default).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_privileged_files: bool,
+    /// The archive comes from a host the importer trusts: its process
+    /// images are restored by CRIU as root, with the credentials and
+    /// mounts they record, which no check of the archive can vouch for.
+    /// Refused unless true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub trusted: bool,
 }
 
 fn yes() -> bool {

@@ -120,6 +120,11 @@ enum Command {
         /// made them, and they would sit in this host's store).
         #[arg(long)]
         allow_privileged_files: bool,
+        /// The archive comes from a host you trust: its process images are
+        /// restored as root with the credentials and mounts they record
+        /// (refused without it; exports are not signed yet).
+        #[arg(long)]
+        trusted: bool,
     },
     /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
@@ -316,12 +321,14 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             namespace,
             containerd,
             allow_privileged_files,
+            trusted,
         } => {
             let query = ImportQuery {
                 name: name.clone(),
                 namespace: namespace.clone(),
                 containerd: containerd.clone(),
                 allow_privileged_files: *allow_privileged_files,
+                trusted: *trusted,
             };
             let bar = progress::bar(cli.json, "import");
             let r = crabd

@@ -489,6 +489,7 @@ fn imports_query_parameters_are_import_query() {
         namespace: Some("k8s.io".into()),
         containerd: Some("/run/containerd/containerd.sock".into()),
         allow_privileged_files: true,
+        trusted: true,
     };
     let doc = to_json(&full);
     let fields: BTreeSet<&str> = doc.as_object().unwrap().keys().map(String::as_str).collect();

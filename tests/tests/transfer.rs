@@ -48,7 +48,11 @@ fn export_then_import_on_another_containerd() {
     let bytes = std::fs::read(&file).unwrap();
     let truncated = a.dir.join("truncated.tar");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    let mut args = vec!["import".to_owned(), truncated.to_string_lossy().into_owned()];
+    let mut args = vec![
+        "import".to_owned(),
+        truncated.to_string_lossy().into_owned(),
+        "--trusted".to_owned(),
+    ];
     args.extend(target.iter().cloned());
     let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(e.contains("truncated"), "{e}");
@@ -123,7 +127,13 @@ fn a_hostile_archive_is_refused_before_anything_is_written() {
     let mut b = Containerd::start();
     b.start_crabd();
     let import = |file: &std::path::Path, extra: &[&str]| {
-        let mut args = vec!["import", file.to_str().unwrap(), "--namespace", &b.namespace];
+        let mut args = vec![
+            "import",
+            file.to_str().unwrap(),
+            "--trusted",
+            "--namespace",
+            &b.namespace,
+        ];
         let address = b.address().to_string_lossy().into_owned();
         args.extend(["--containerd", &address]);
         args.extend(extra);
@@ -143,6 +153,20 @@ fn a_hostile_archive_is_refused_before_anything_is_written() {
         "{e}"
     );
     let suid = export("suid");
+    // Unless the importer trusts the exporting host, no process image of
+    // it is restored (CRIU would restore its credentials and mounts).
+    let mut args = vec![
+        "import".to_owned(),
+        suid.to_string_lossy().into_owned(),
+        "--namespace".to_owned(),
+        b.namespace.clone(),
+    ];
+    args.extend([
+        "--containerd".to_owned(),
+        b.address().to_string_lossy().into_owned(),
+    ]);
+    let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("trust"), "{e}");
     let refused = import(&suid, &[]);
     let e = String::from_utf8_lossy(&refused.stderr);
     assert!(

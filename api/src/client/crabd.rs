@@ -173,6 +173,9 @@ impl Crabd {
         if query.allow_privileged_files {
             params.push("allow_privileged_files=true".to_owned());
         }
+        if query.trusted {
+            params.push("trusted=true".to_owned());
+        }
         let path = match params.is_empty() {
             true => routes::IMPORT.to_owned(),
             false => format!("{}?{}", routes::IMPORT, params.join("&")),

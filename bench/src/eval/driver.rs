@@ -161,8 +161,9 @@ struct Agent<'a> {
 impl<'a> Agent<'a> {
     fn new(setup: &'a Setup<'a>, task: &'a Task) -> anyhow::Result<Self> {
         let id = container_id(task, setup.policy, 0);
-        let started = Instant::now();
         let url = sandbox::start(setup.ctd, &id, setup.image)?;
+        // The task's time starts once its sandbox is up, as an agent's does.
+        let started = Instant::now();
         Ok(Agent {
             setup,
             task,

@@ -172,9 +172,10 @@ fn run_policy(
     args: &Args,
     bars: &MultiProgress,
 ) -> anyhow::Result<PolicyResult> {
-    let base = std::env::temp_dir().join(crab_tests::unique("crab-eval"));
+    // mkdtemp: 0700, never a directory or link another user made first.
+    let base_dir = tempfile::Builder::new().prefix("crab-eval").tempdir()?;
+    let base = base_dir.path().to_owned();
     let transcripts = base.join("transcripts");
-    std::fs::create_dir_all(&base)?;
     let config = base.join("crab.toml");
     std::fs::write(&config, policy.config(llm.port, &transcripts))?;
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
@@ -226,6 +227,7 @@ fn run_policy(
                             task: task.name.clone(),
                             mix: task.mix,
                             fault: faults[i],
+                            crashes: policy.crashes(),
                             run,
                             holds,
                             classes,
@@ -279,7 +281,7 @@ fn run_policy(
         tasks,
     };
     drop(ctd);
-    let _ = std::fs::remove_dir_all(&base);
+    drop(base_dir);
     Ok(result)
 }
 

@@ -20,6 +20,8 @@ pub struct TaskResult {
     pub mix: Mix,
     /// Its crash (the same for every policy).
     pub fault: Option<Fault>,
+    /// Whether its policy injects the crash.
+    pub crashes: bool,
     /// The run.
     pub run: Run,
     /// Each turn's hold (the time its answer waited for its version).
@@ -101,6 +103,9 @@ pub fn verdict(result: &TaskResult, reference: &TaskResult) -> Verdict {
         return Verdict::Failed(error.clone());
     }
     let Some(recovered) = &result.run.recovered else {
+        if result.crashes && result.fault.is_some() {
+            return Verdict::Failed("the planned crash was not injected".into());
+        }
         return Verdict::NoCrash;
     };
     let Some(want) = reference.run.refs.get(&recovered.at) else {
@@ -109,6 +114,11 @@ pub fn verdict(result: &TaskResult, reference: &TaskResult) -> Verdict {
             recovered.at
         ));
     };
+    if want.files.is_empty() && want.procs.is_empty() {
+        return Verdict::Failed(
+            "the fault-free state is empty: nothing to compare (check the task's directories)".into(),
+        );
+    }
     if let Some(diff) = recovered.state.diff(want) {
         return Verdict::Incorrect(format!("after the recovery (at step {}): {diff}", recovered.at));
     }
@@ -387,6 +397,7 @@ mod tests {
             task: "t".into(),
             mix: Mix::Terminal,
             fault: None,
+            crashes: true,
             run,
             holds: vec![],
             classes: vec![],
@@ -444,7 +455,17 @@ mod tests {
         let mut failed = recovered(2, "2", "9");
         failed.run.error = Some("boom".into());
         assert_eq!(verdict(&failed, &r), Verdict::Failed("boom".into()));
-        assert_eq!(verdict(&reference(), &r), Verdict::NoCrash);
+        let mut fault_free = reference();
+        fault_free.crashes = false;
+        fault_free.fault = Some(Fault {
+            step: 1,
+            phase: Phase::Command,
+            after: Duration::ZERO,
+        });
+        assert_eq!(verdict(&fault_free, &r), Verdict::NoCrash);
+        let mut missed = reference();
+        missed.fault = fault_free.fault;
+        assert!(matches!(verdict(&missed, &r), Verdict::Failed(w) if w.contains("not injected")));
     }
 
     #[test]

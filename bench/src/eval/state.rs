@@ -33,12 +33,20 @@ impl State {
         let root = format!("/proc/{pid}/root");
         let mut state = State::default();
         for dir in &task.dirs {
-            walk(
-                Path::new(&root),
-                &Path::new(&root).join(dir.trim_start_matches('/')),
-                &task.ignore,
-                &mut state.files,
-            );
+            let top = Path::new(&root).join(dir.trim_start_matches('/'));
+            // Under /proc/PID/root an absolute link would resolve on the
+            // host: a task directory that is no real directory is only named.
+            match std::fs::symlink_metadata(&top) {
+                Ok(m) if m.is_dir() => walk(Path::new(&root), &top, &task.ignore, &mut state.files),
+                Ok(m) => {
+                    state
+                        .files
+                        .insert(dir.clone(), format!("not a directory ({:?})", m.file_type()));
+                }
+                Err(e) => {
+                    state.files.insert(dir.clone(), format!("missing ({})", e.kind()));
+                }
+            }
         }
         state.procs = procs(&format!("{root}/proc"));
         for probe in &task.probes {
@@ -75,6 +83,13 @@ impl State {
             let missing: Vec<&String> = want.procs.iter().filter(|p| !self.procs.contains(p)).collect();
             let extra: Vec<&String> = self.procs.iter().filter(|p| !want.procs.contains(p)).collect();
             parts.push(format!("processes differ (missing {missing:?}, extra {extra:?})"));
+        }
+        if self.probes.len() != want.probes.len() {
+            parts.push(format!(
+                "{} probes answered, not {}",
+                self.probes.len(),
+                want.probes.len()
+            ));
         }
         for (i, (got, wanted)) in self.probes.iter().zip(&want.probes).enumerate() {
             if got != wanted {
@@ -124,7 +139,7 @@ fn walk(root: &Path, dir: &Path, ignore: &[String], out: &mut BTreeMap<String, S
             walk(root, &path, ignore, out);
             format!("{head} dir")
         } else if meta.is_file() {
-            format!("{head} {:016x}", hash_file(&path))
+            format!("{head} {}", hash_file(&path))
         } else {
             format!("{head} special")
         };
@@ -133,10 +148,29 @@ fn walk(root: &Path, dir: &Path, ignore: &[String], out: &mut BTreeMap<String, S
 }
 
 /// A 64-bit hash of a file's content (equality, not security).
-fn hash_file(path: &Path) -> u64 {
+/// Opened without following a link and without blocking (a fifo swapped
+/// in), streamed; an error is a value of its own, never an empty file's.
+fn hash_file(path: &Path) -> String {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path);
+    let mut file = match opened {
+        Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => f,
+        Ok(_) => return "no longer a regular file".into(),
+        Err(e) => return format!("unreadable ({})", e.kind()),
+    };
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    h.write(&std::fs::read(path).unwrap_or_default());
-    h.finish()
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => return format!("{:016x}", h.finish()),
+            Ok(n) => h.write(&buf[..n]),
+            Err(e) => return format!("unreadable ({})", e.kind()),
+        }
+    }
 }
 
 /// The command lines under a procfs mount, crab-init's and kernel

@@ -115,15 +115,17 @@ impl HostKey {
         std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut key)?;
         // Whole or not at all: written aside, then renamed into place.
         let tmp = root.join(format!("{KEY_FILE}.tmp"));
+        // A stale one (a crash mid-write) goes; the new one is 0600 from birth.
+        let _ = std::fs::remove_file(&tmp);
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .open(&tmp)?;
         f.write_all(&key)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(root)?.sync_all()?;
         Ok(HostKey(key))
     }
 

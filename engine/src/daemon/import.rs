@@ -77,6 +77,14 @@ async fn import_staged(
     .await?;
     // Before anything is written: what the archive asks of this host.
     super::admit::admit(&mut unpacked.manifest.container, &d.config.import_bind_sources)?;
+    if !q.trusted {
+        return Err(ApiError::Refused {
+            reason:
+                "an archive's process images are restored by CRIU as root, with the credentials and mounts \
+                     they record: import it only from a host you trust (crabctl import --trusted)"
+                    .into(),
+        });
+    }
     let m = &unpacked.manifest;
     let new_id: SandboxId = q.name.clone().unwrap_or_else(|| m.version.sandbox.clone());
     let busy = d.busy(&new_id);

@@ -225,9 +225,16 @@ pub fn apply(
     policy: StreamPolicy,
 ) -> Result<()> {
     for d in &head.deleted {
-        remove_any(&beneath(dst, &safe_path(d)?)?)?;
+        let rel = safe_path(d)?;
+        if rel.as_os_str().is_empty() {
+            return Err(bad("the root cannot be deleted"));
+        }
+        remove_any(&beneath(dst, &rel)?)?;
     }
     let mut dirs: Vec<(PathBuf, Meta)> = Vec::new();
+    // Every path once, parents before children: a later record can then
+    // never turn a directory that earlier ones went through into a link.
+    let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
     let mut n_entries = 0u64;
     loop {
         let rec: Record = read_line(input)?.ok_or_else(|| bad("truncated: no end record"))?;
@@ -242,6 +249,16 @@ pub fn apply(
         };
         n_entries += 1;
         let rel = safe_path(&e.path)?;
+        if !seen.insert(rel.clone()) {
+            return Err(bad(&format!("{rel:?} appears twice in the stream")));
+        }
+        if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !seen.contains(parent)
+                && !std::fs::symlink_metadata(dst.join(parent)).is_ok_and(|m| m.is_dir())
+            {
+                return Err(bad(&format!("{rel:?} comes before its directory")));
+            }
+        }
         let to = beneath(dst, &rel)?;
         let meta = e.meta()?;
         check_privileges(&rel, &meta, policy)?;
@@ -292,7 +309,15 @@ pub fn apply(
         apply_meta(&to, &meta)?;
     }
     for (dir, meta) in dirs.iter().rev() {
-        apply_meta(dir, meta)?;
+        // Checked again: still a directory, reached through directories.
+        let rel = dir
+            .strip_prefix(dst)
+            .map_err(|_| bad("a directory outside the tree"))?;
+        let again = beneath(dst, rel)?;
+        if !std::fs::symlink_metadata(&again).is_ok_and(|m| m.is_dir()) {
+            return Err(bad(&format!("{rel:?} is no longer a directory")));
+        }
+        apply_meta(&again, meta)?;
     }
     Ok(())
 }
@@ -336,7 +361,10 @@ fn check_privileges(rel: &Path, meta: &Meta, policy: StreamPolicy) -> Result<()>
     if matches!(meta.kind, Kind::Char | Kind::Block) && !whiteout {
         return refuse("a device node");
     }
-    if meta.kind != Kind::Symlink && meta.mode & 0o6000 != 0 {
+    // A setgid directory only passes its group on; setuid/setgid files
+    // run with their owner's rights.
+    let setgid_dir = meta.kind == Kind::Dir && meta.mode & 0o6000 == 0o2000;
+    if meta.kind != Kind::Symlink && meta.mode & 0o6000 != 0 && !setgid_dir {
         return refuse("setuid or setgid");
     }
     for (name, _) in &meta.xattrs {
@@ -365,6 +393,10 @@ impl EntryRecord {
         };
         let mut xattrs = Vec::new();
         for (n, v) in &self.xattrs {
+            // The kernel's own bounds: a name of 255 bytes, a value of 64 KiB.
+            if n.len() > 2 * 255 || v.len() > 2 * 65536 {
+                return Err(bad("an xattr longer than the kernel allows"));
+            }
             xattrs.push((OsString::from_vec(unhex(n)?), unhex(v)?));
         }
         Ok(Meta {
@@ -448,7 +480,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
+    if !s.is_ascii() || !s.len().is_multiple_of(2) {
         return Err(bad("odd-length hex"));
     }
     (0..s.len())
@@ -625,21 +657,48 @@ mod tests {
         for (i, bytes) in cases.iter().enumerate() {
             let (res, root) = apply_to(bytes, StreamPolicy { privileged: true });
             outside_untouched(&root);
-            if i == 1 || i == 3 {
-                // The entry replaced the symlink inside the tree.
-                res.unwrap_or_else(|e| panic!("case {i}: {e}"));
-                let md =
-                    std::fs::symlink_metadata(root.path().join(if i == 1 { "tree/x" } else { "tree/f" }))
-                        .unwrap();
-                assert!(!md.file_type().is_symlink(), "case {i}");
-            } else {
-                let err = res.expect_err(&format!("case {i} was applied")).to_string();
-                assert!(
-                    err.contains("not a directory") || err.contains("not a file"),
-                    "case {i}: {err}"
-                );
-            }
+            let err = res.expect_err(&format!("case {i} was applied")).to_string();
+            assert!(
+                err.contains("not a directory") || err.contains("not a file") || err.contains("twice"),
+                "case {i}: {err}"
+            );
         }
+        // A symlink of the parent tree replaced by a directory of the
+        // stream: the directory is made inside, its mode lands there.
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("tree")).unwrap();
+        std::fs::create_dir_all(root.path().join("outside")).unwrap();
+        std::fs::write(root.path().join("outside/keep"), "host").unwrap();
+        std::os::unix::fs::symlink("../outside", root.path().join("tree/x")).unwrap();
+        let bytes = stream(
+            &[],
+            &[
+                E {
+                    mode: 0o777,
+                    ..e("x", "dir")
+                },
+                E {
+                    data: b"a",
+                    ..e("x/evil", "file")
+                },
+            ],
+        );
+        let mut input: &[u8] = &bytes;
+        let mut reader: &mut dyn Read = &mut input;
+        let mut buf = BufReader::new(&mut reader as &mut dyn Read);
+        let head = read_head(&mut buf).unwrap();
+        apply(
+            &head,
+            &mut buf,
+            &root.path().join("tree"),
+            StreamPolicy::default(),
+        )
+        .unwrap();
+        assert!(std::fs::symlink_metadata(root.path().join("tree/x"))
+            .unwrap()
+            .is_dir());
+        assert!(root.path().join("tree/x/evil").exists());
+        outside_untouched(&root);
         // A deleted path through a symlink of the parent tree.
         let root = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(root.path().join("tree")).unwrap();
@@ -659,6 +718,46 @@ mod tests {
         )
         .is_err());
         outside_untouched(&root);
+    }
+
+    #[test]
+    fn a_directory_turned_into_a_link_later_takes_nothing_outside() {
+        let up = "../outside";
+        for bytes in [
+            // a, a/etc, then a again as a link: a/etc's deferred metadata must not land outside.
+            stream(
+                &[],
+                &[
+                    E {
+                        mode: 0o755,
+                        ..e("a", "dir")
+                    },
+                    E {
+                        mode: 0o777,
+                        ..e("a/keep", "dir")
+                    },
+                    E {
+                        target: Some(up),
+                        ..e("a", "symlink")
+                    },
+                ],
+            ),
+            // A child before its directory.
+            stream(
+                &[],
+                &[E {
+                    data: b"x",
+                    ..e("b/c", "file")
+                }],
+            ),
+            // The root deleted.
+            stream(&[""], &[]),
+        ] {
+            let (res, root) = apply_to(&bytes, StreamPolicy { privileged: true });
+            assert!(res.is_err(), "applied");
+            outside_untouched(&root);
+        }
+        assert!(unhex("é0").is_err(), "non-ASCII hex is an error, not a panic");
     }
 
     #[test]
@@ -687,11 +786,11 @@ mod tests {
                 ),
             ),
             (
-                "a setgid directory",
+                "a setuid directory",
                 stream(
                     &[],
                     &[E {
-                        mode: 0o2755,
+                        mode: 0o6755,
                         ..e("d", "dir")
                     }],
                 ),

@@ -144,46 +144,74 @@ pub fn copy_entry(src: &Path, dst: &Path, meta: &Meta) -> Result<()> {
 /// the next checkpoint. Only the data extents (`SEEK_DATA`/`SEEK_HOLE`)
 /// are copied; a filesystem that cannot tell gets a plain copy.
 fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use nix::errno::Errno;
     use nix::unistd::{lseek, Whence};
     use std::os::fd::AsRawFd;
-    let from = std::fs::File::open(src)?;
-    let len = from.metadata()?.len();
+    use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+    let from = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(src)?;
+    let md = from.metadata()?;
+    if !md.is_file() {
+        return Err(std::io::Error::other(format!(
+            "{} is no longer a regular file",
+            src.display()
+        )));
+    }
+    let end = md.len() as i64;
+    // 0600 until apply_meta sets owner and mode.
     let to = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .open(dst)?;
     let mut pos: i64 = 0;
-    let end = len as i64;
     while pos < end {
         let data = match lseek(from.as_raw_fd(), pos, Whence::SeekData) {
             Ok(d) => d,
             // Nothing but a hole from here on.
-            Err(nix::errno::Errno::ENXIO) => break,
-            Err(nix::errno::Errno::EINVAL) if pos == 0 => {
-                drop(to);
-                std::fs::remove_file(dst)?;
-                return std::fs::copy(src, dst).map(drop);
-            }
+            Err(Errno::ENXIO) => break,
+            // A filesystem that cannot tell: all of the rest is data.
+            Err(Errno::EINVAL) => pos,
             Err(e) => return Err(e.into()),
         };
-        let hole = lseek(from.as_raw_fd(), data, Whence::SeekHole)
-            .map_err(std::io::Error::from)?
-            .min(end);
+        let hole = match lseek(from.as_raw_fd(), data, Whence::SeekHole) {
+            Ok(h) => h.min(end),
+            Err(Errno::ENXIO) => break,
+            Err(Errno::EINVAL) => end,
+            Err(e) => return Err(e.into()),
+        };
         let (mut off_in, mut off_out) = (data, data);
         while off_in < hole {
             let want = (hole - off_in) as usize;
-            let n = nix::fcntl::copy_file_range(&from, Some(&mut off_in), &to, Some(&mut off_out), want)
-                .map_err(std::io::Error::from)?;
-            if n == 0 {
+            match nix::fcntl::copy_file_range(&from, Some(&mut off_in), &to, Some(&mut off_out), want) {
                 // The file shrank meanwhile: what is left is a hole.
-                break;
+                Ok(0) => break,
+                Ok(_) => {}
+                // Another filesystem, or none that copies in the kernel.
+                Err(Errno::EXDEV | Errno::EOPNOTSUPP | Errno::ENOSYS | Errno::EINVAL | Errno::EPERM) => {
+                    let mut buf = vec![0u8; 1 << 20];
+                    while off_in < hole {
+                        let n =
+                            from.read_at(&mut buf[..(hole - off_in).min(1 << 20) as usize], off_in as u64)?;
+                        if n == 0 {
+                            break;
+                        }
+                        to.write_all_at(&buf[..n], off_out as u64)?;
+                        off_in += n as i64;
+                        off_out += n as i64;
+                    }
+                    break;
+                }
+                Err(e) => return Err(e.into()),
             }
         }
-        pos = hole;
+        pos = hole.max(pos + 1);
     }
-    to.set_len(len)?;
-    let mode = std::fs::metadata(src)?.permissions();
-    std::fs::set_permissions(dst, mode)
+    to.set_len(end as u64)?;
+    // The mode as std::fs::copy left it (apply_meta sets it after chown).
+    to.set_permissions(std::fs::Permissions::from_mode(md.permissions().mode() & 0o777))
 }
 
 /// Makes a device, fifo or socket node like `meta` at `dst`.
