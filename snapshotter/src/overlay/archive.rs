@@ -229,7 +229,12 @@ pub fn apply(
         if rel.as_os_str().is_empty() {
             return Err(bad("the root cannot be deleted"));
         }
-        remove_any(&beneath(dst, &rel)?)?;
+        match beneath(dst, &rel) {
+            Ok(path) => remove_any(&path)?,
+            // Under a directory deleted before it: gone already.
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
     }
     let mut dirs: Vec<(PathBuf, Meta)> = Vec::new();
     // Every path once, parents before children: a later record can then
