@@ -34,6 +34,10 @@ pub struct Registration {
     /// there).
     #[serde(default)]
     pub proxy: Option<PathBuf>,
+    /// The transcript of its LLM proxy, if it has one: deleted with its
+    /// history (and the transcripts earlier containers of its id left).
+    #[serde(default)]
+    pub transcript: Option<PathBuf>,
     /// The sandbox's cgroup directory in the unified (v2) hierarchy, by
     /// which the inspector follows its tasks.
     #[serde(default)]

@@ -565,6 +565,11 @@ impl Container {
         self.proxy.as_ref()?.host_socket().map(Path::to_owned)
     }
 
+    /// The transcript of the sandbox's LLM proxy, if it runs.
+    pub fn transcript(&self) -> Option<PathBuf> {
+        self.proxy.as_ref().map(|p| p.transcript().to_owned())
+    }
+
     /// Whether the running init is crab-init.
     pub fn init_is_crab_init(&self) -> bool {
         self.adopted.is_some()

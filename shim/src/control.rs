@@ -61,7 +61,7 @@ impl Control {
         config: &CrabdShimConfig,
         restored: bool,
     ) -> std::io::Result<Control> {
-        let (id, pid, crab_init, fs_backend, proxy, cgroup, own_snapshots, layer) = {
+        let (id, pid, crab_init, fs_backend, proxy, transcript, cgroup, own_snapshots, layer) = {
             let c = container.lock().await;
             (
                 c.id.clone(),
@@ -69,6 +69,7 @@ impl Control {
                 c.init_is_crab_init(),
                 c.fs_backend(),
                 c.proxy_socket(),
+                c.transcript(),
                 crate::cgroup::cgroup2_dir(&c.cgroups_path),
                 c.own_snapshot_store(),
                 c.writable_layer(),
@@ -119,6 +120,7 @@ impl Control {
                 fs_backend,
                 cgroup,
                 proxy,
+                transcript,
                 own_snapshots,
                 layer,
                 restored,

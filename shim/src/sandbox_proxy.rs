@@ -36,6 +36,8 @@ pub struct SandboxProxy {
     task: JoinHandle<()>,
     /// The host-side socket and its server, if it could be bound.
     host: Option<(PathBuf, JoinHandle<()>)>,
+    /// The sandbox's transcript file.
+    transcript: PathBuf,
 }
 
 /// What Create decided before the container existed.
@@ -151,6 +153,7 @@ impl SandboxProxy {
 
         let dir = cfg.transcript_dir.join(namespace);
         archive_transcript(&dir, id)?;
+        let transcript = dir.join(format!("{id}.jsonl"));
         let secs = Duration::from_secs;
         let upstream = |u: &str| {
             u.parse().map_err(|_| Error::Proxy {
@@ -218,7 +221,13 @@ impl SandboxProxy {
             netns_shutdown,
             task,
             host,
+            transcript,
         })
+    }
+
+    /// The sandbox's transcript file (crabd deletes it with its history).
+    pub fn transcript(&self) -> &Path {
+        &self.transcript
     }
 
     /// Serves the same sandbox (its turn numbers, transcript and gate) on

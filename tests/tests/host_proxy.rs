@@ -237,9 +237,20 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
         .expect("a registered proxy socket")
         .to_owned();
     assert!(Path::new(&socket).exists(), "{socket}");
+    // An earlier container's transcript of the same id, and another
+    // sandbox's: only the first goes with this history.
+    let earlier = path.with_file_name(format!("{id}.1764612345678901234.jsonl"));
+    let other = path.with_file_name(format!("{id}.1.jsonl"));
+    for f in [&earlier, &other] {
+        std::fs::write(f, "{}\n").unwrap();
+    }
     ctd.remove(id);
     assert!(!Path::new(&socket).exists(), "{socket} left behind");
     assert_eq!(raw_get(port, &format!("{base_path}/v1/models")).0, 404);
+    // The removed container's history goes, its transcripts with it.
+    crab_tests::wait_until(20, || (!path.exists() && !earlier.exists()).then_some(()))
+        .unwrap_or_else(|| panic!("{} kept after its sandbox's history went", path.display()));
+    assert!(other.exists(), "another sandbox's transcript went too");
     assert_clean(&ctd.scope(), &[id]);
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);

@@ -149,6 +149,7 @@ fn registrations() -> Vec<Registration> {
         crab_init: true,
         fs_backend: Some(BackendKind::Btrfs),
         proxy: Some("/run/crab/shim/3f1c0a9e.proxy.sock".into()),
+        transcript: Some("/var/lib/crab/transcripts/default/web-1.jsonl".into()),
         cgroup: Some("/sys/fs/cgroup/k8s.io/3f1c0a9e".into()),
         layer: Some("/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/active/17".into()),
         own_snapshots: Some(Location::BtrfsSubvolume {
@@ -166,6 +167,7 @@ fn registrations() -> Vec<Registration> {
         crab_init: false,
         fs_backend: None,
         proxy: None,
+        transcript: None,
         cgroup: None,
         layer: None,
         own_snapshots: None,

@@ -212,6 +212,7 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     let sid = reg.id.clone();
     let store = d.store.clone();
     let own = reg.own_snapshots.clone();
+    let transcript = reg.transcript.clone();
     let unique = format!("fs-{sid}-{}", unix_ms());
     let files = d.files.clone();
     blocking_io(move || {
@@ -223,6 +224,9 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
         if let Some(location) = own {
             Files::destroy_own(&location);
         }
+        if let Some(path) = &transcript {
+            remove_transcripts(path, &sid);
+        }
         Ok(())
     })
     .await?;
@@ -230,4 +234,40 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     d.scheduler.forget(&reg.id);
     d.turns.forget(&reg.id);
     Ok(())
+}
+
+/// Deletes transcript `path` of sandbox `id` and those earlier containers
+/// of the same id left beside it (`<id>.<nanos>.jsonl`): prompts and
+/// answers go with the history they belong to.
+fn remove_transcripts(path: &std::path::Path, id: &SandboxId) {
+    let Some(dir) = path.parent() else { return };
+    if path.file_name() != Some(std::ffi::OsStr::new(&format!("{id}.jsonl"))) {
+        tracing::warn!(sandbox = %id, path = %path.display(), "not the sandbox's transcript: kept");
+        return;
+    }
+    let earlier = |name: &str| {
+        name.strip_prefix(&format!("{id}."))
+            .and_then(|rest| rest.strip_suffix(".jsonl"))
+            // Nanoseconds since the epoch (19 digits): never another
+            // sandbox's id, such as `<id>.1`.
+            .is_some_and(|n| n.len() >= 19 && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let names = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name());
+    for name in names.filter(|n| {
+        n.to_str()
+            .is_some_and(|n| n == format!("{id}.jsonl") || earlier(n))
+    }) {
+        let file = dir.join(&name);
+        match std::fs::remove_file(&file) {
+            Ok(()) => {
+                tracing::info!(sandbox = %id, file = %file.display(), "transcript deleted with its history")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(sandbox = %id, file = %file.display(), error = %e, "transcript kept"),
+        }
+    }
 }

@@ -36,6 +36,7 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                     crab_init: false,
                     fs_backend: Some(crab_api::BackendKind::OverlayCopy),
                     proxy: None,
+                    transcript: None,
                     cgroup: None,
                     layer: None,
                     own_snapshots: None,
