@@ -59,12 +59,7 @@ pub(super) fn admit(t: &mut ContainerTemplate, bind_sources: &[PathBuf]) -> Resu
 /// Whether bind mount `m` is read-only, private, and from under one of
 /// `sources` (its source what it says: no symlink on the way).
 fn allowed_bind(m: &Value, sources: &[PathBuf]) -> bool {
-    let options: Vec<&str> = m["options"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
+    let options = options(m);
     let read_only = options.contains(&"ro") && !options.contains(&"rw");
     let private = !options
         .iter()
@@ -76,6 +71,16 @@ fn allowed_bind(m: &Value, sources: &[PathBuf]) -> bool {
             .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
     let real = std::fs::canonicalize(source).is_ok_and(|c| c == source);
     read_only && private && plain && real && sources.iter().any(|s| source.starts_with(s))
+}
+
+/// Mount `m`'s options.
+fn options(m: &Value) -> Vec<&str> {
+    m["options"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect()
 }
 
 fn refuse(reason: String) -> Result<(), ApiError> {
@@ -159,12 +164,7 @@ fn check_spec(spec: &mut Value, bind_sources: &[PathBuf]) -> Result<(), String> 
         ));
     }
     for m in spec["mounts"].as_array().into_iter().flatten() {
-        let options: Vec<&str> = m["options"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
+        let options = options(m);
         let bind = m["type"] == "bind" || options.iter().any(|o| *o == "bind" || *o == "rbind");
         if bind {
             if !allowed_bind(m, bind_sources) {
