@@ -251,6 +251,23 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
     crab_tests::wait_until(20, || (!path.exists() && !earlier.exists()).then_some(()))
         .unwrap_or_else(|| panic!("{} kept after its sandbox's history went", path.display()));
     assert!(other.exists(), "another sandbox's transcript went too");
+    // A later sandbox with the same id is another one: a URL handed out
+    // for the removed one does not reach it.
+    run_sandbox(&ctd, &llm, id);
+    let again = crabctl_ok(&ctd, &["proxy-url", id])["url"]
+        .as_str()
+        .expect("url")
+        .to_owned();
+    assert_ne!(again, url, "the same secret for a new sandbox of the same id");
+    let new_path = again
+        .split_once(&format!(":{port}"))
+        .expect("a port")
+        .1
+        .to_owned();
+    assert_eq!(raw_get(port, &format!("{base_path}/v1/models")).0, 404);
+    assert_eq!(raw_get(port, &format!("{new_path}/v1/models")).0, 200);
+    ctd.remove(id);
+    let _ = std::fs::remove_file(&other);
     assert_clean(&ctd.scope(), &[id]);
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);

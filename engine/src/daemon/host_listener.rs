@@ -5,10 +5,12 @@
 //! shim.
 //!
 //! Every local user can connect to 127.0.0.1: the secret is what makes a
-//! URL a sandbox's. It is an HMAC of the sandbox's id under a key in
-//! crabd's root (0600, made once), so it outlives a crabd restart (an agent
-//! resumed after a crash keeps its URL) and only root, who reads the key or
-//! asks crabd's socket (`crabctl proxy-url`), can hand it out.
+//! URL a sandbox's. It is an HMAC of the sandbox's id and its history's
+//! nonce (random, in its registry entry) under a key in crabd's root (0600,
+//! made once), so it outlives a crabd restart (an agent resumed after a
+//! crash keeps its URL), a later sandbox with the same id gets another, and
+//! only root, who reads the key or asks crabd's socket (`crabctl
+//! proxy-url`), can hand it out.
 
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -22,6 +24,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::registry::Entry;
 use super::Daemon;
 
 /// How long a client of the host listener may take to send a request head
@@ -62,28 +65,34 @@ pub(super) fn spawn(listener: TcpListener, daemon: Arc<Daemon>, stop: Cancellati
 
 impl SandboxSockets for Daemon {
     fn proxy_socket(&self, id: &SandboxId, secret: &str) -> Option<PathBuf> {
-        if !self.host_key.admits(id, secret) {
+        let entry = self.registry.get(id).filter(|e| e.running)?;
+        if !self.host_key.admits(id, &entry.nonce, secret) {
             return None;
         }
-        self.registry
-            .get(id)
-            .filter(|e| e.running)
-            .and_then(|e| e.registration.proxy)
+        entry.registration.proxy
     }
 }
 
 impl Daemon {
-    /// The base URL of sandbox `id`'s proxy on the host listener, its
+    /// The base URL of `entry`'s sandbox's proxy on the host listener, its
     /// secret included.
-    pub(super) fn proxy_url(&self, id: &SandboxId) -> Option<String> {
+    pub(super) fn proxy_url(&self, entry: &Entry) -> Option<String> {
+        let id = &entry.registration.id;
         self.proxy_port.map(|port| {
             format!(
                 "http://127.0.0.1:{port}{}{id}/{}",
                 crab_api::routes::HOST_PROXY_PREFIX,
-                self.host_key.secret(id)
+                self.host_key.secret(id, &entry.nonce)
             )
         })
     }
+}
+
+/// A new history's nonce: 16 random bytes, hex.
+pub(super) fn nonce() -> std::io::Result<String> {
+    let mut bytes = [0u8; 16];
+    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The key the host listener's secrets are made with.
@@ -129,12 +138,15 @@ impl HostKey {
         Ok(HostKey(key))
     }
 
-    /// Sandbox `id`'s secret: 128 bits of an HMAC-SHA256 of its id, hex.
-    pub(super) fn secret(&self, id: &SandboxId) -> String {
+    /// Sandbox `id`'s secret for the history of `nonce`: 128 bits of an
+    /// HMAC-SHA256 of both, hex.
+    pub(super) fn secret(&self, id: &SandboxId, nonce: &str) -> String {
         use hmac::{Hmac, Mac};
         let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
         mac.update(b"crab host listener\0");
         mac.update(id.as_str().as_bytes());
+        mac.update(b"\0");
+        mac.update(nonce.as_bytes());
         mac.finalize().into_bytes()[..16]
             .iter()
             .map(|b| format!("{b:02x}"))
@@ -142,8 +154,8 @@ impl HostKey {
     }
 
     /// Whether `secret` is sandbox `id`'s (in constant time).
-    pub(super) fn admits(&self, id: &SandboxId, secret: &str) -> bool {
-        let want = self.secret(id);
+    pub(super) fn admits(&self, id: &SandboxId, nonce: &str, secret: &str) -> bool {
+        let want = self.secret(id, nonce);
         want.len() == secret.len()
             && want
                 .bytes()
@@ -168,13 +180,19 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let key = HostKey::load_or_create(root.path()).unwrap();
         let (a, b) = (SandboxId::new("a").unwrap(), SandboxId::new("b").unwrap());
-        let secret = key.secret(&a);
+        let n = nonce().unwrap();
+        assert_eq!(n.len(), 32);
+        let secret = key.secret(&a, &n);
         assert_eq!(secret.len(), 32);
-        assert!(key.admits(&a, &secret));
-        assert!(!key.admits(&b, &secret), "another sandbox's secret");
-        assert!(!key.admits(&a, &secret[..31]) && !key.admits(&a, ""));
+        assert!(key.admits(&a, &n, &secret));
+        assert!(!key.admits(&b, &n, &secret), "another sandbox's secret");
+        assert!(
+            !key.admits(&a, &nonce().unwrap(), &secret),
+            "a later sandbox with the same id"
+        );
+        assert!(!key.admits(&a, &n, &secret[..31]) && !key.admits(&a, &n, ""));
         let again = HostKey::load_or_create(root.path()).unwrap();
-        assert_eq!(again.secret(&a), secret, "the same key after a restart");
+        assert_eq!(again.secret(&a, &n), secret, "the same key after a restart");
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(root.path().join(KEY_FILE))
             .unwrap()
@@ -182,6 +200,6 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o777, 0o600);
         let other = HostKey::load_or_create(tempfile::tempdir().unwrap().path()).unwrap();
-        assert_ne!(other.secret(&a), secret, "another host's key");
+        assert_ne!(other.secret(&a, &n), secret, "another host's key");
     }
 }

@@ -32,6 +32,10 @@ pub struct Entry {
     /// The last recovery.
     #[serde(default)]
     pub last_recovery: Option<crab_api::crabd::Recovery>,
+    /// Random per history (hex): part of its host-listener secret, so a
+    /// later sandbox with the same id gets another URL.
+    #[serde(default)]
+    pub nonce: String,
 }
 
 // === impl Entry ===

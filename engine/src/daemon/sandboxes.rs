@@ -4,6 +4,7 @@
 use crab_api::crabd::{Registration, SandboxInfo};
 use crab_api::{SandboxId, SandboxSelector};
 
+use super::host_listener;
 use super::registry::Entry;
 use super::work::blocking;
 use super::{gc, ApiError, Daemon};
@@ -29,6 +30,15 @@ impl Daemon {
         // shim it started registers.
         let _lifecycle = self.lifecycle.lock().await;
         let incarnation = gc::incarnation(&reg).await;
+        // The same sandbox keeps its secret's nonce (its agents' URLs);
+        // another one with its id gets a new one.
+        let nonce = match self.registry.get(&reg.id) {
+            Some(old) if !old.replaced_by(&reg, incarnation.as_ref()) && !old.nonce.is_empty() => old.nonce,
+            _ => host_listener::nonce().map_err(|source| ApiError::Io {
+                op: "read /dev/urandom",
+                source,
+            })?,
+        };
         if let Some(old) = self.registry.get(&reg.id) {
             if old.replaced_by(&reg, incarnation.as_ref()) {
                 tracing::info!(
@@ -65,6 +75,7 @@ impl Daemon {
             incarnation,
             recoveries: 0,
             last_recovery: None,
+            nonce,
         };
         self.registry.insert(entry.clone())?;
         self.inspection.register(&reg);
@@ -99,6 +110,11 @@ impl Daemon {
     }
 
     fn info(&self, entry: Entry) -> SandboxInfo {
+        let proxy_url = entry
+            .registration
+            .proxy
+            .as_ref()
+            .and_then(|_| self.proxy_url(&entry));
         let Entry {
             registration,
             running,
@@ -107,10 +123,6 @@ impl Daemon {
             ..
         } = entry;
         let versions = self.store.versions(&registration.id).unwrap_or_default();
-        let proxy_url = registration
-            .proxy
-            .as_ref()
-            .and_then(|_| self.proxy_url(&registration.id));
         SandboxInfo {
             registration,
             running,

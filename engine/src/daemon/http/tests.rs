@@ -46,6 +46,7 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                 incarnation: None,
                 recoveries: 0,
                 last_recovery: None,
+                nonce: String::new(),
             })
             .unwrap();
     }
