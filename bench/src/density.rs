@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use crab_tests::llm::{chat_turn, ScriptedLlm};
-use crab_tests::sandbox::{crabctl, wait_registered};
+use crab_tests::sandbox::wait_registered;
 use crab_tests::{Containerd, CRAB};
 
 use crate::stats::{percentile, percentile_f64};
@@ -208,18 +208,14 @@ fn measure(mode: Mode, tasks: &[Vec<Step>], llm: &ScriptedLlm) -> anyhow::Result
     };
     for (id, time) in ids.iter().zip(&task_times) {
         let path = transcripts.join(&ctd.namespace).join(format!("{id}.jsonl"));
-        let holds = holds(&path);
+        let holds = crate::observe::holds(&path);
         let total: Duration = holds.iter().sum();
         outcome.shares.push(total.as_secs_f64() / time.as_secs_f64());
         outcome.holds.extend(holds);
     }
     if mode != Mode::NoCheckpoint {
-        let text = String::from_utf8_lossy(&crabctl(&ctd, &["metrics"]).stdout).into_owned();
-        let value = |name: &str| -> f64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-                .unwrap_or(0.0)
-        };
+        let series = crate::observe::metrics(&ctd);
+        let value = |name: &str| -> f64 { series.iter().find(|(k, _)| k == name).map_or(0.0, |(_, v)| *v) };
         let n = value("crab_frozen_seconds_count");
         outcome.n_checkpoints = n;
         let mean_of = |name: &str| {
@@ -275,17 +271,6 @@ fn agent(ctd: &Containerd, id: &str, url: &str, steps: &[Step]) -> Duration {
         }
     }
     started.elapsed()
-}
-
-/// Each turn's hold, from the sandbox's transcript.
-pub fn holds(path: &Path) -> Vec<Duration> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["kind"] == "turn")
-        .map(|v| Duration::from_micros(v["timing"]["hold_us"].as_u64().unwrap_or(0)))
-        .collect()
 }
 
 /// Bytes under `dir`, each inode once (hard-linked file copies share).

@@ -13,6 +13,7 @@ mod density;
 mod eval;
 mod fs;
 mod inspector;
+mod observe;
 mod proxy;
 mod runtime;
 mod stats;

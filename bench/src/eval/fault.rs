@@ -71,9 +71,9 @@ impl Fault {
     }
 }
 
-/// FNV-1a of `s`: a task's name as a stable seed (std's hasher is not
-/// stable across releases).
-fn fnv1a(s: &str) -> u64 {
+/// FNV-1a of `s`: stable across builds and releases (std's hasher is
+/// not), for seeds and cache names.
+pub fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })

@@ -217,7 +217,7 @@ fn run_policy(
                             .ids
                             .iter()
                             .flat_map(|id| {
-                                crate::density::holds(
+                                crate::observe::holds(
                                     &transcripts.join(&ctd.namespace).join(format!("{id}.jsonl")),
                                 )
                             })
@@ -261,7 +261,7 @@ fn run_policy(
     ] {
         let _ = std::fs::copy(from, logs.join(to));
     }
-    let metrics = metrics(&ctd);
+    let metrics = crate::observe::metrics(&ctd);
     let sum = |prefix: &str| -> f64 {
         metrics
             .iter()
@@ -283,17 +283,4 @@ fn run_policy(
     drop(ctd);
     drop(base_dir);
     Ok(result)
-}
-
-/// crabd's metrics, by series.
-fn metrics(ctd: &Containerd) -> Vec<(String, f64)> {
-    let out = crab_tests::sandbox::crabctl(ctd, &["metrics"]);
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_owned(), v.parse().ok()?))
-        })
-        .collect()
 }

@@ -61,11 +61,7 @@ fn archive(image: &Image) -> anyhow::Result<(String, PathBuf)> {
         inputs.push(read(&format!("{DATA}/{s}"))?);
     }
     inputs.extend(args.iter().cloned());
-    let hash = inputs.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, s| {
-        s.bytes()
-            .chain([0])
-            .fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-    });
+    let hash = super::fault::fnv1a(&inputs.join("\0"));
     std::fs::create_dir_all(CACHE).with_context(|| format!("create {CACHE}"))?;
     std::fs::set_permissions(CACHE, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
     let path = Path::new(CACHE).join(format!("eval-{name}-{hash:016x}.tar"));

@@ -238,22 +238,19 @@ fn check_spec(spec: &mut Value, bind_sources: &[PathBuf]) -> Result<(), String> 
     {
         return Err("its spec makes device nodes".into());
     }
-    for (key, what) in [
-        ("netDevices", "moves host network devices into it"),
-        ("intelRdt", "sets Intel RDT"),
-        ("seccomp", ""),
-    ] {
-        if key == "seccomp" {
-            if linux
-                .get(key)
-                .and_then(|s| s.get("listenerPath"))
-                .is_some_and(|p| !p.is_null())
-            {
-                return Err("its seccomp filter hands its syscalls to a host listener".into());
-            }
-        } else if linux.get(key).is_some_and(|v| !v.is_null()) {
-            return Err(format!("it {what}"));
-        }
+    let set = |key: &str| linux.get(key).is_some_and(|v| !v.is_null());
+    if set("netDevices") {
+        return Err("it moves host network devices into it".into());
+    }
+    if set("intelRdt") {
+        return Err("it sets Intel RDT".into());
+    }
+    if linux
+        .get("seccomp")
+        .and_then(|s| s.get("listenerPath"))
+        .is_some_and(|p| !p.is_null())
+    {
+        return Err("its seccomp filter hands its syscalls to a host listener".into());
     }
     if linux
         .get("rootfsPropagation")

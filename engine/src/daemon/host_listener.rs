@@ -90,9 +90,14 @@ impl Daemon {
 
 /// A new history's nonce: 16 random bytes, hex.
 pub(super) fn nonce() -> std::io::Result<String> {
-    let mut bytes = [0u8; 16];
+    Ok(random::<16>()?.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `N` bytes from the kernel's random source.
+fn random<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut bytes = [0u8; N];
     std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(bytes)
 }
 
 /// The key the host listener's secrets are made with.
@@ -120,8 +125,7 @@ impl HostKey {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
-        let mut key = [0u8; 32];
-        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut key)?;
+        let key = random::<32>()?;
         // Whole or not at all: written aside, then renamed into place.
         let tmp = root.join(format!("{KEY_FILE}.tmp"));
         // A stale one (a crash mid-write) goes; the new one is 0600 from birth.
