@@ -116,6 +116,9 @@ pub struct SandboxInfo {
 pub struct TurnEnd {
     /// The turn that ended (from 1, per sandbox).
     pub turn: u64,
+    /// The branch of the sandbox's conversation the turn is on (0: the root).
+    #[serde(default)]
+    pub branch: u64,
     /// How many turns of the transcript belong to the turn's version.
     pub transcript_turns: u64,
     /// When the proxy expects the turn's answer, in milliseconds from now

@@ -59,6 +59,27 @@ pub struct ShimRestore {
     /// sandbox's processes).
     #[serde(default = "yes")]
     pub undo: bool,
+    /// Where the restored version stands in the sandbox's conversation:
+    /// the proxy answers what the restored agent asks again from the
+    /// transcript. None: the version ended no turn (the conversation goes on
+    /// as it is).
+    #[serde(default)]
+    pub conversation: Option<ConversationAt>,
+}
+
+/// Where a version stands in its sandbox's conversation (the transcript's
+/// tree of branches; see `crab_proxy::transcript`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConversationAt {
+    /// The branch of the conversation the version's turn is on (0: the
+    /// root).
+    pub branch: u64,
+    /// The turn whose end the version is: its request was in flight.
+    pub turn: u64,
+    /// The turn whose end its process image was taken at (the restored
+    /// agent's memory, which asks that turn's request again first); None
+    /// when that image ended no turn.
+    pub image_turn: Option<u64>,
 }
 
 fn yes() -> bool {

@@ -36,6 +36,10 @@ pub struct VersionRecord {
     pub created_unix_ms: u64,
     /// The turn that ended at this version, if a turn did.
     pub turn: Option<u64>,
+    /// The branch of the sandbox's conversation that turn is on (the
+    /// transcript's tree; 0: the root, and lines written before branches).
+    #[serde(default)]
+    pub branch: u64,
     /// The class of the change it captured.
     pub class: Class,
     /// The version it descends from: the sandbox's head when it was taken

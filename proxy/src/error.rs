@@ -81,7 +81,7 @@ pub enum Error {
     /// The transcript failed.
     #[error(transparent)]
     Transcript(#[from] TranscriptError),
-    /// A replay could not start, or diverged.
+    /// A replay could not start.
     #[error(transparent)]
     Replay(#[from] ReplayError),
 }
@@ -107,7 +107,6 @@ impl Error {
             Self::Upstream(UpstreamError::TotalTimeout { .. }) => "crab_upstream_total_timeout",
             Self::Upstream(UpstreamError::BadPath { .. }) => "crab_upstream_bad_path",
             Self::Transcript(_) => "crab_transcript",
-            Self::Replay(ReplayError::Diverged { .. }) => "crab_replay_divergence",
             Self::Replay(_) => "crab_replay_unavailable",
         }
     }
@@ -141,10 +140,7 @@ impl Error {
             message.push_str(&s.to_string());
             source = s.source();
         }
-        let mut error = serde_json::json!({ "type": self.code(), "message": message });
-        if let Self::Replay(ReplayError::Diverged { turn, .. }) = &self {
-            error["turn"] = serde_json::json!(turn);
-        }
+        let error = serde_json::json!({ "type": self.code(), "message": message });
         let body = serde_json::json!({ "type": "error", "error": error }).to_string();
         let mut resp = Response::new(
             Full::new(Bytes::from(body))

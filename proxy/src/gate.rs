@@ -60,7 +60,7 @@ pub(crate) async fn hold<R>(
 
 /// Starts the gate of `turn`: the hook and the durability wait, in a task of
 /// the sandbox (so the hook runs to its end even if the agent leaves).
-fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutcome, Instant)> {
+fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64) -> impl Future<Output = (GateOutcome, Instant)> {
     let expected = shared.expected_answer();
     let (tx, rx) = oneshot::channel();
     let durable_target = shared.transcript.submitted();
@@ -72,7 +72,7 @@ fn open_gate(shared: &Arc<Shared>, turn: u64) -> impl Future<Output = (GateOutco
     shared.tracker.spawn(async move {
         let deadline = Instant::now() + timeout;
         let work = async {
-            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn, expected));
+            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn, branch, expected));
             let durable = tokio::time::timeout_at(deadline, durable);
             match tokio::join!(hook, durable) {
                 (Err(_), _) => GateOutcome::HookTimedOut,
@@ -120,7 +120,7 @@ where
         let Some(ctx) = ctx else {
             return Box::pin(inner.call(req));
         };
-        let gate = open_gate(&self.shared, ctx.turn);
+        let gate = open_gate(&self.shared, ctx.turn, ctx.branch);
         let stats = self.shared.stats.clone();
         let shared = self.shared.clone();
         Box::pin(async move {

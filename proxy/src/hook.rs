@@ -16,7 +16,8 @@ use crate::SandboxId;
 /// disconnects: the turn did end.
 #[async_trait]
 pub trait TurnHook: Send + Sync + 'static {
-    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended; its
+    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended, on
+    /// branch `branch` of its conversation (see [`crate::transcript`]); its
     /// answer is expected in about `expected_answer` (the proxy's running
     /// estimate of the sandbox's LLM, once it has seen an answer).
     ///
@@ -27,6 +28,7 @@ pub trait TurnHook: Send + Sync + 'static {
         &self,
         sandbox: &SandboxId,
         turn: u64,
+        branch: u64,
         expected_answer: Option<Duration>,
     ) -> Result<(), HookError>;
 
@@ -66,6 +68,7 @@ impl TurnHook for NoopHook {
         &self,
         _sandbox: &SandboxId,
         _turn: u64,
+        _branch: u64,
         _expected_answer: Option<Duration>,
     ) -> Result<(), HookError> {
         Ok(())

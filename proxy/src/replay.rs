@@ -1,25 +1,44 @@
-//! Replay: answers an agent's turn ends from the transcript up to a given
-//! turn (to fast-forward an agent after a rollback), and reports a request
-//! that does not match its record instead of answering it wrongly.
+//! Replay: after a restore, answers what the restored agent asks again from
+//! the transcript (the fast-forward), and starts a new branch of the
+//! conversation where it goes live.
 //!
-//! A request matches its record when the paths are equal and the bodies are
-//! equal as canonical JSON (object keys sorted, no whitespace; bodies that
-//! are not JSON compare byte for byte). A match is answered from the record
-//! (status, headers, body) and counts as that turn. A mismatch is answered
-//! with 409 (`crab_replay_divergence`, `x-should-retry: false`), recorded as
-//! a `divergence` entry, and ends the replay: the next request goes live
-//! as the same turn number. Past the last replayed turn requests go live.
+//! A restore tells the proxy where the restored version stands
+//! ([`ConversationAt`]: its branch, its turn, and the turn its process image
+//! was taken at). The restored agent's memory is that image's: it asks that
+//! turn's request again, then the next ones. Each is matched, in order,
+//! against the record of the same turn on the version's branch (the branch's
+//! own turns, then its ancestors' up to where it grew from; see
+//! [`conversation`]). A request matches its record when the paths are equal
+//! and the bodies are equal as canonical JSON (object keys sorted, no
+//! whitespace; bodies that are not JSON compare byte for byte). A match is
+//! answered from the record (status, headers, body byte for byte, streams
+//! included) and counts as that turn; the upstream never sees it.
+//!
+//! The first request that does not match (a `divergence` entry is
+//! recorded), or the first past the records, goes live as the next turn.
+//! Its turn starts a new branch after the last replayed turn, unless the
+//! conversation simply goes on where it was before the restore (a crash
+//! recovery of the newest turn). Nothing of the old branch is rewritten.
+//!
+//! Only the agent that was restored takes part: after a restore, requests
+//! from inside the sandbox (its own listener) replay, while an agent outside
+//! the sandbox (crabd's host listener), which no restore puts back, goes on
+//! with its conversation as it was. [`crate::Sandbox::replay`] is the
+//! other way in: an agent put back to its very start, from anywhere.
 //!
 //! This module is the matching (the records, [`step`]); the tower layer that
 //! answers with it is `replay_layer`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
+use crab_api::shim::ConversationAt;
 use sha2::{Digest, Sha256};
 
-use crate::transcript::{unix_ms, DivergenceRecord, Entry, RecordedResponse, TranscriptError, TurnRecord};
+use crate::transcript::{
+    unix_ms, BranchRecord, DivergenceRecord, Entry, RecordedResponse, TranscriptError, TurnRecord,
+};
 
-/// Why a replay could not start, or stopped.
+/// Why a replay could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
     /// The transcript has no record of a turn in the replay range.
@@ -34,33 +53,45 @@ pub enum ReplayError {
         /// The turn.
         turn: u64,
     },
+    /// The restored version's branch is not in the transcript.
+    #[error("transcript has no branch {branch}")]
+    UnknownBranch {
+        /// The branch.
+        branch: u64,
+    },
     /// The transcript could not be read.
     #[error("cannot load the replay transcript")]
     Transcript(#[from] TranscriptError),
-    /// A replayed request did not match its record.
-    #[error("request of turn {turn} does not match the transcript (expected sha256 {expected_sha256}, got {got_sha256}); replay stopped")]
-    Diverged {
-        /// The turn.
-        turn: u64,
-        /// SHA-256 of the recorded request's canonical form.
-        expected_sha256: String,
-        /// SHA-256 of the received request's canonical form.
-        got_sha256: String,
-    },
 }
 
-/// An active replay: the records of turns 1..=until.
+/// An active replay: the records still to answer, and where the
+/// conversation goes live after them.
 #[derive(Debug)]
 pub(crate) struct Replay {
-    until: u64,
+    /// The branch the replayed turns are on (the restored version's).
+    parent: u64,
+    /// The next turn to answer from its record.
+    next: u64,
+    /// Complete records of turns `next..`, consecutive.
     records: BTreeMap<u64, TurnRecord>,
+    /// Whether only requests from inside the sandbox take part (its agent
+    /// was restored with it); false: any (an agent put back to its start).
+    inside_only: bool,
+    /// The branch and turn counter before the restore: a conversation that
+    /// goes live right there needs no new branch.
+    before: (u64, u64),
 }
 
-/// The turn counter and the replay, changed together under one lock.
+/// The turn counter, the current branch and the replay, changed together
+/// under one lock.
 #[derive(Debug, Default)]
 pub(crate) struct TurnState {
     /// The newest turn number given out (0 before the first turn end).
     pub(crate) last_turn: u64,
+    /// The branch live turns are on (0: the root).
+    pub(crate) branch: u64,
+    /// The newest branch in the transcript.
+    pub(crate) max_branch: u64,
     /// The active replay, if any.
     pub(crate) replay: Option<Replay>,
 }
@@ -70,10 +101,13 @@ pub(crate) struct TurnState {
 pub(crate) enum ReplayStep {
     /// Answer turn `turn` with its recorded response.
     Answer { turn: u64, response: RecordedResponse },
-    /// The request does not match; replay stopped.
-    Diverged(DivergenceRecord),
-    /// Not replaying (or past the range): go live.
-    Live,
+    /// Go live as turn `turn` of `branch`; `entries` (a divergence, a new
+    /// branch) go to the transcript before the turn's own record.
+    Live {
+        turn: u64,
+        branch: u64,
+        entries: Vec<Entry>,
+    },
 }
 
 /// The canonical form of a body: compact JSON with sorted keys, or the bytes
@@ -90,79 +124,202 @@ fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The newest branch named in `entries` (0 when none was started).
+pub(crate) fn max_branch(entries: &[Entry]) -> u64 {
+    entries
+        .iter()
+        .map(|e| match e {
+            Entry::Branch(b) => b.branch,
+            Entry::Turn(t) => t.branch,
+            Entry::Divergence(_) => 0,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The conversation of `branch`, by turn: its own records, then each
+/// ancestor's up to the turn where its child grew from it (within a branch
+/// the last record of a turn wins). None when `branch` was never started.
+pub(crate) fn conversation(entries: &[Entry], branch: u64) -> Option<BTreeMap<u64, TurnRecord>> {
+    let mut starts: HashMap<u64, (u64, u64)> = HashMap::new();
+    let mut own: HashMap<u64, BTreeMap<u64, &TurnRecord>> = HashMap::new();
+    for entry in entries {
+        match entry {
+            Entry::Branch(b) if b.branch != 0 && b.parent != b.branch => {
+                starts.entry(b.branch).or_insert((b.parent, b.after));
+            }
+            Entry::Turn(t) => {
+                own.entry(t.branch).or_default().insert(t.turn, t);
+            }
+            _ => {}
+        }
+    }
+    if branch != 0 && !starts.contains_key(&branch) {
+        return None;
+    }
+    let mut out = BTreeMap::new();
+    let (mut at, mut limit) = (branch, u64::MAX);
+    // Each step goes to a parent; a cycle (a corrupt file) ends the walk.
+    for _ in 0..=starts.len() {
+        for (&turn, &record) in own.get(&at).into_iter().flatten().filter(|(t, _)| **t <= limit) {
+            out.entry(turn).or_insert_with(|| record.clone());
+        }
+        let Some(&(parent, after)) = starts.get(&at) else {
+            break;
+        };
+        (at, limit) = (parent, limit.min(after));
+    }
+    Some(out)
+}
+
+fn complete(record: &TurnRecord) -> bool {
+    record
+        .response
+        .as_ref()
+        .is_some_and(RecordedResponse::is_complete)
+        && record.request.body.to_bytes().is_some()
+}
+
 // === impl Replay ===
 
 impl Replay {
-    /// A replay of turns 1..=until from `entries` (the last record of a turn wins).
-    pub(crate) fn new(entries: Vec<Entry>, until: u64) -> Result<Self, ReplayError> {
+    /// The replay after a restore to `at`: turns `image_turn..` of its
+    /// branch while their records are complete (none when the image ended
+    /// no turn), for the agent inside the sandbox.
+    ///
+    /// # Errors
+    /// [`ReplayError::UnknownBranch`] when the transcript lacks `at.branch`.
+    pub(crate) fn rewind(
+        entries: &[Entry],
+        at: ConversationAt,
+        state: &TurnState,
+    ) -> Result<Self, ReplayError> {
+        let path =
+            conversation(entries, at.branch).ok_or(ReplayError::UnknownBranch { branch: at.branch })?;
+        let next = at
+            .image_turn
+            .filter(|t| (1..=at.turn).contains(t))
+            .unwrap_or(at.turn + 1);
+        let records = (next..=at.turn)
+            .map_while(|turn| path.get(&turn).filter(|r| complete(r)).map(|r| (turn, r.clone())))
+            .collect();
+        Ok(Self {
+            parent: at.branch,
+            next,
+            records,
+            inside_only: true,
+            before: (state.branch, state.last_turn),
+        })
+    }
+
+    /// The replay of turns 1..=until of the current branch, for an agent put
+    /// back to its start, from anywhere.
+    ///
+    /// # Errors
+    /// [`ReplayError::MissingTurn`] or [`ReplayError::IncompleteTurn`] when a
+    /// turn of the range has no complete record.
+    pub(crate) fn from_start(entries: &[Entry], until: u64, state: &TurnState) -> Result<Self, ReplayError> {
+        let path = conversation(entries, state.branch).unwrap_or_default();
         let mut records = BTreeMap::new();
-        for entry in entries {
-            if let Entry::Turn(record) = entry {
-                if record.turn >= 1 && record.turn <= until {
-                    records.insert(record.turn, record);
-                }
-            }
-        }
         for turn in 1..=until {
-            let Some(record) = records.get(&turn) else {
-                return Err(ReplayError::MissingTurn { turn });
-            };
-            let complete = record
-                .response
-                .as_ref()
-                .is_some_and(RecordedResponse::is_complete);
-            if !complete || record.request.body.to_bytes().is_none() {
+            let record = path.get(&turn).ok_or(ReplayError::MissingTurn { turn })?;
+            if !complete(record) {
                 return Err(ReplayError::IncompleteTurn { turn });
             }
+            records.insert(turn, record.clone());
         }
-        Ok(Self { until, records })
+        Ok(Self {
+            parent: state.branch,
+            next: 1,
+            records,
+            inside_only: false,
+            before: (state.branch, state.last_turn),
+        })
+    }
+
+    /// The first turn it would answer, and the last.
+    pub(crate) fn range(&self) -> (u64, u64) {
+        (
+            self.next,
+            self.records.keys().next_back().copied().unwrap_or(self.next - 1),
+        )
     }
 }
 
-/// Decides a turn-end request under the sandbox's turn lock.
-pub(crate) fn step(state: &mut TurnState, sandbox: &str, path: &str, body: &[u8]) -> ReplayStep {
-    let Some(replay) = state.replay.as_ref() else {
-        return ReplayStep::Live;
-    };
-    let turn = state.last_turn + 1;
-    let Some(record) = replay.records.get(&turn).filter(|_| turn <= replay.until) else {
-        state.replay = None;
-        return ReplayStep::Live;
-    };
-    let recorded = record.request.body.to_bytes().unwrap_or_default();
-    let (expected, got) = (canonical(&recorded), canonical(body));
-    if record.path == path && expected == got {
-        let response = record.response.clone();
-        state.last_turn = turn;
-        if turn == replay.until {
-            state.replay = None;
+/// Decides a turn-end request under the sandbox's turn lock, and numbers
+/// it; `inside`: it came from the sandbox's own listener.
+pub(crate) fn step(
+    state: &mut TurnState,
+    sandbox: &str,
+    inside: bool,
+    path: &str,
+    body: &[u8],
+) -> ReplayStep {
+    let live = |state: &mut TurnState, entries| {
+        state.last_turn += 1;
+        ReplayStep::Live {
+            turn: state.last_turn,
+            branch: state.branch,
+            entries,
         }
-        // Replay::new checked that every record in range has a response.
-        return match response {
-            Some(response) => ReplayStep::Answer { turn, response },
-            None => ReplayStep::Live,
-        };
+    };
+    let Some(replay) = state.replay.as_mut() else {
+        return live(state, Vec::new());
+    };
+    if replay.inside_only && !inside {
+        // Not the restored agent: its conversation goes on as it was.
+        return live(state, Vec::new());
     }
-    let path_mark = if record.path == path {
-        String::new()
-    } else {
-        format!("{}\n", record.path)
-    };
-    let got_mark = if record.path == path {
-        String::new()
-    } else {
-        format!("{path}\n")
-    };
+    let turn = replay.next;
+    let mut entries = Vec::new();
+    if let Some(record) = replay.records.get(&turn) {
+        let recorded = record.request.body.to_bytes().unwrap_or_default();
+        let (expected, got) = (canonical(&recorded), canonical(body));
+        if record.path == path && expected == got {
+            if let Some(response) = record.response.clone() {
+                replay.next += 1;
+                state.last_turn = turn;
+                state.branch = replay.parent;
+                return ReplayStep::Answer { turn, response };
+            }
+        }
+        let mark = |p: &str| {
+            if record.path == path {
+                String::new()
+            } else {
+                format!("{p}\n")
+            }
+        };
+        entries.push(Entry::Divergence(DivergenceRecord {
+            v: 1,
+            sandbox: sandbox.to_owned(),
+            turn,
+            path: path.to_owned(),
+            expected_sha256: sha256_hex(&[mark(&record.path).as_bytes(), &expected].concat()),
+            got_sha256: sha256_hex(&[mark(path).as_bytes(), &got].concat()),
+            unix_ms: unix_ms(),
+        }));
+    }
+    // Live from `turn` on: the conversation is the parent's up to turn - 1.
+    let (parent, before) = (replay.parent, replay.before);
     state.replay = None;
-    ReplayStep::Diverged(DivergenceRecord {
-        v: 1,
-        sandbox: sandbox.to_owned(),
-        turn,
-        path: path.to_owned(),
-        expected_sha256: sha256_hex(&[path_mark.as_bytes(), &expected].concat()),
-        got_sha256: sha256_hex(&[got_mark.as_bytes(), &got].concat()),
-        unix_ms: unix_ms(),
-    })
+    let after = turn - 1;
+    if (parent, after) == before {
+        state.branch = parent;
+    } else {
+        state.max_branch += 1;
+        state.branch = state.max_branch;
+        entries.push(Entry::Branch(BranchRecord {
+            v: 1,
+            sandbox: sandbox.to_owned(),
+            branch: state.branch,
+            parent,
+            after,
+            unix_ms: unix_ms(),
+        }));
+    }
+    state.last_turn = after;
+    live(state, entries)
 }
 
 #[cfg(test)]

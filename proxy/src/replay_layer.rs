@@ -1,6 +1,6 @@
 //! The replay layer: answers turn-end requests from the transcript while a
-//! replay is active (see `replay` for the matching rule), and turns a
-//! divergence into its 409 and its `divergence` entry.
+//! replay is active (see `replay` for the matching rule), and writes the
+//! `divergence` and `branch` entries of the turn that goes live after it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,8 +12,9 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::Service;
 
-use crate::replay::{step, ReplayError, ReplayStep};
+use crate::replay::{step, ReplayStep};
 use crate::route::Route;
+use crate::server::FromInside;
 use crate::shared::Shared;
 use crate::transcript::{Entry, RecordedResponse};
 use crate::{Error, ProxyBody};
@@ -39,6 +40,14 @@ fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBod
     }
     headers.insert("x-crab-replayed", HeaderValue::from(turn));
     resp
+}
+
+/// The number a live turn end was given (by the replay's step, under the
+/// same lock that decided it goes live), for `TurnMark`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Numbered {
+    pub(crate) turn: u64,
+    pub(crate) branch: u64,
 }
 
 /// The tower service that answers replayed turns from the transcript (stacked in `Sandbox::service`).
@@ -67,17 +76,38 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+    fn call(&mut self, mut req: Request<Bytes>) -> Self::Future {
         let turn_end = req.extensions().get::<Route>().is_some_and(|r| r.turn_end);
         if !turn_end {
             return Box::pin(self.inner.call(req));
         }
         let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+        let inside = req.extensions().get::<FromInside>().is_some();
         let step = self
             .shared
-            .with_turns(|state| step(state, self.shared.id.as_str(), path, req.body()));
+            .with_turns(|state| step(state, self.shared.id.as_str(), inside, path, req.body()));
         match step {
-            ReplayStep::Live => Box::pin(self.inner.call(req)),
+            ReplayStep::Live {
+                turn,
+                branch,
+                entries,
+            } => {
+                for entry in entries {
+                    match &entry {
+                        Entry::Divergence(d) => {
+                            self.shared.stats.update(|s| s.n_divergences += 1);
+                            tracing::warn!(sandbox = %self.shared.id, turn = d.turn, "replay diverged: the request goes live");
+                        }
+                        Entry::Branch(b) => {
+                            tracing::info!(sandbox = %self.shared.id, branch = b.branch, parent = b.parent, after = b.after, "the conversation branches");
+                        }
+                        Entry::Turn(_) => {}
+                    }
+                    self.shared.transcript.submit(entry);
+                }
+                req.extensions_mut().insert(Numbered { turn, branch });
+                Box::pin(self.inner.call(req))
+            }
             ReplayStep::Answer { turn, response } => {
                 self.shared.stats.update(|s| {
                     s.n_turns += 1;
@@ -85,17 +115,6 @@ where
                 });
                 tracing::info!(sandbox = %self.shared.id, turn, "turn answered from the transcript");
                 Box::pin(std::future::ready(Ok(replayed_response(turn, response))))
-            }
-            ReplayStep::Diverged(record) => {
-                self.shared.stats.update(|s| s.n_divergences += 1);
-                tracing::warn!(sandbox = %self.shared.id, turn = record.turn, "replay diverged");
-                let error = ReplayError::Diverged {
-                    turn: record.turn,
-                    expected_sha256: record.expected_sha256.clone(),
-                    got_sha256: record.got_sha256.clone(),
-                };
-                self.shared.transcript.submit(Entry::Divergence(record));
-                Box::pin(std::future::ready(Err(error.into())))
             }
         }
     }

@@ -11,11 +11,13 @@ use tower::layer::layer_fn;
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
 
+use crab_api::shim::ConversationAt;
+
 use crate::config::ProxyConfig;
 use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{Replay, ReplayError};
+use crate::replay::{max_branch, Replay, ReplayError};
 use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
 use crate::shared::Shared;
@@ -83,32 +85,63 @@ impl Sandbox {
         self.shared.transcript.wait_durable(target).await;
     }
 
-    /// Starts answering turn ends 1..=`until` from this sandbox's own
-    /// transcript, and numbers turns from 1 again (for an agent just put
-    /// back to its start, or to a version whose conversation it will redo).
+    /// Starts answering turn ends 1..=`until` of the current branch from
+    /// this sandbox's transcript, for an agent put back to its start (from
+    /// inside the sandbox or outside it): its requests are numbered from 1
+    /// again, and the first one that goes live starts a new branch.
     ///
     /// # Errors
     /// [`ReplayError`] when the transcript cannot be read or lacks a
     /// complete record of a turn in the range.
     pub async fn replay(&self, until: u64) -> Result<(), Error> {
-        self.flush_transcript().await;
-        let path: PathBuf = self.transcript_path().to_owned();
-        self.replay_from(&path, until).await
+        let entries = self.durable_entries().await?;
+        let replay = self.shared.with_turns(|state| {
+            state.max_branch = state.max_branch.max(max_branch(&entries));
+            Replay::from_start(&entries, until, state)
+        })?;
+        self.start(replay);
+        Ok(())
     }
 
-    /// Like [`Self::replay`], from another transcript file (a fork's parent).
+    /// Tells the proxy that a restore put the sandbox back to `at`: the
+    /// agent inside the sandbox, restored too, gets what it asks again
+    /// from the transcript (turns `at.image_turn..=at.turn` of `at.branch`,
+    /// while their records are complete), and its first live turn starts a
+    /// new branch after the last of them. An agent outside the sandbox
+    /// goes on as it was. See [`crate::transcript`] for the tree.
     ///
     /// # Errors
-    /// As [`Self::replay`].
-    pub async fn replay_from(&self, transcript: &Path, until: u64) -> Result<(), Error> {
-        let entries = read_entries(transcript).await.map_err(ReplayError::from)?;
-        let replay = Replay::new(entries, until)?;
-        tracing::info!(sandbox = %self.shared.id, until, "replay started");
-        self.shared.with_turns(|t| {
-            t.last_turn = 0;
-            t.replay = (until > 0).then_some(replay);
-        });
+    /// [`ReplayError`] when the transcript cannot be read or has no branch
+    /// `at.branch`; the conversation is then left as it was.
+    pub async fn rewind(&self, at: ConversationAt) -> Result<(), Error> {
+        let entries = self.durable_entries().await?;
+        let replay = self.shared.with_turns(|state| {
+            state.max_branch = state.max_branch.max(max_branch(&entries));
+            Replay::rewind(&entries, at, state)
+        })?;
+        self.start(replay);
         Ok(())
+    }
+
+    /// Drops an armed replay (a restore to a state whose place in the
+    /// conversation is unknown): the conversation goes on as it is.
+    pub fn cancel_replay(&self) {
+        if self.shared.with_turns(|state| state.replay.take()).is_some() {
+            tracing::info!(sandbox = %self.shared.id, "replay dropped");
+        }
+    }
+
+    /// Every entry of the transcript, once those submitted so far are on disk.
+    async fn durable_entries(&self) -> Result<Vec<crate::transcript::Entry>, Error> {
+        self.flush_transcript().await;
+        let path: PathBuf = self.transcript_path().to_owned();
+        Ok(read_entries(&path).await.map_err(ReplayError::from)?)
+    }
+
+    fn start(&self, replay: Replay) {
+        let (first, last) = replay.range();
+        tracing::info!(sandbox = %self.shared.id, first, last, "replay armed");
+        self.shared.with_turns(|state| state.replay = Some(replay));
     }
 
     /// The request path: route detect → body limit → side calls → replay →

@@ -29,12 +29,18 @@ pub trait Listener: Send + 'static {
     /// An accepted connection.
     type Stream: AsyncRead + AsyncWrite + Send + Unpin + 'static;
 
+    /// Whether its peers are in the sandbox, so a restore puts them back
+    /// too (see `replay`): a sandbox's TCP loopback, not a unix socket on
+    /// the host.
+    const IN_SANDBOX: bool;
+
     /// Accepts the next connection; returns it and the peer, for logs.
     fn accept(&self) -> impl Future<Output = std::io::Result<(Self::Stream, String)>> + Send;
 }
 
 impl Listener for TcpListener {
     type Stream = tokio::net::TcpStream;
+    const IN_SANDBOX: bool = true;
 
     async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
         let (stream, peer) = TcpListener::accept(self).await?;
@@ -46,6 +52,7 @@ impl Listener for TcpListener {
 
 impl Listener for UnixListener {
     type Stream = tokio::net::UnixStream;
+    const IN_SANDBOX: bool = false;
 
     async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
         let (stream, _) = UnixListener::accept(self).await?;
@@ -58,8 +65,20 @@ impl Listener for UnixListener {
 pub async fn serve_sandbox<L: Listener>(listener: L, sandbox: Sandbox, shutdown: CancellationToken) {
     let header_timeout = sandbox.shared_header_timeout();
     let service = sandbox.service();
-    accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+    if L::IN_SANDBOX {
+        let service = service.map_request(|mut req: Request<Incoming>| {
+            req.extensions_mut().insert(FromInside);
+            req
+        });
+        accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+    } else {
+        accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+    }
 }
+
+/// Marks a request that came from inside the sandbox (its own listener).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FromInside;
 
 /// Serves every registered sandbox of `proxy` on `listener` under
 /// `/s/<sandbox>/…` until `shutdown` is cancelled.

@@ -87,11 +87,14 @@ impl Shared {
         });
     }
 
-    /// Gives out the next turn number.
-    pub(crate) fn next_turn(&self) -> u64 {
+    /// Gives out the next turn number on the current branch.
+    pub(crate) fn next_turn(&self) -> crate::replay_layer::Numbered {
         self.with_turns(|t| {
             t.last_turn += 1;
-            t.last_turn
+            crate::replay_layer::Numbered {
+                turn: t.last_turn,
+                branch: t.branch,
+            }
         })
     }
 

@@ -75,6 +75,7 @@ where
             v: 1,
             sandbox: self.shared.id.to_string(),
             turn: ctx.turn,
+            branch: ctx.branch,
             api: ctx.route.api,
             method: req.method().to_string(),
             path: req

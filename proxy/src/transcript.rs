@@ -14,12 +14,19 @@
 //!  "timing":{"started_unix_ms":…,"headers_us":…,"first_byte_us":…,"end_us":…,"hold_us":…}}
 //! {"v":1,"kind":"divergence","sandbox":"s1","turn":2,"path":"/v1/messages",
 //!  "expected_sha256":"…","got_sha256":"…","unix_ms":…}
+//! {"v":1,"kind":"branch","sandbox":"s1","branch":1,"parent":0,"after":2,"unix_ms":…}
 //! ```
+//!
+//! The conversation is a tree, like the versions it belongs to. Every turn
+//! record names its `branch` (0, the root, when absent); a `branch` entry
+//! starts branch `branch` as turns 1..=`after` of `parent` followed by its
+//! own turns. A restore that puts the agent back to turn k starts a branch
+//! after k once the agent goes live again (see `replay`); nothing of the
+//! old branch is rewritten. Within one branch the last line of a turn wins.
 //!
 //! A body is `{"text": …}` when it is UTF-8, `{"base64": …}` otherwise.
 //! `authorization`, `proxy-authorization`, `x-api-key`, `api-key`, `cookie`
 //! and `set-cookie` headers are never written.
-//! After a rollback the same turn number can appear again: the last line wins.
 //! A torn last line (crash mid-append) is ignored by [`read_entries`].
 //!
 //! Durability rule. Invariant: the answer to a turn is released only after
@@ -67,6 +74,8 @@ pub enum Entry {
     Turn(TurnRecord),
     /// A replayed request that did not match its record.
     Divergence(DivergenceRecord),
+    /// A new branch of the conversation.
+    Branch(BranchRecord),
 }
 
 /// One turn: the request that ended it and the upstream's answer.
@@ -78,6 +87,9 @@ pub struct TurnRecord {
     pub sandbox: String,
     /// The turn, from 1.
     pub turn: u64,
+    /// The branch of the conversation it belongs to (0: the root).
+    #[serde(default)]
+    pub branch: u64,
     /// The API spoken.
     pub api: Api,
     /// Request method.
@@ -185,6 +197,24 @@ pub struct DivergenceRecord {
     pub expected_sha256: String,
     /// SHA-256 of the received request's canonical form.
     pub got_sha256: String,
+    /// Wall clock, ms since the Unix epoch.
+    pub unix_ms: u64,
+}
+
+/// The start of a branch: the conversation of `parent` up to turn `after`,
+/// then this branch's own turns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BranchRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The new branch (from 1; 0 is the root).
+    pub branch: u64,
+    /// The branch it grows from.
+    pub parent: u64,
+    /// The last turn of `parent` it keeps.
+    pub after: u64,
     /// Wall clock, ms since the Unix epoch.
     pub unix_ms: u64,
 }
@@ -425,6 +455,7 @@ async fn write_loop(
             let (sandbox, turn) = match batch.first() {
                 Some(Entry::Turn(r)) => (r.sandbox.as_str(), r.turn),
                 Some(Entry::Divergence(r)) => (r.sandbox.as_str(), r.turn),
+                Some(Entry::Branch(r)) => (r.sandbox.as_str(), r.after),
                 None => ("", 0),
             };
             tracing::error!(sandbox, turn, path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");
@@ -462,6 +493,7 @@ mod tests {
             v: 1,
             sandbox: "sb".into(),
             turn: 3,
+            branch: 1,
             api: Api::OpenAiChat,
             method: "POST".into(),
             path: "/v1/chat/completions".into(),
@@ -483,7 +515,7 @@ mod tests {
         };
         check(
             Entry::Turn(turn),
-            json!({"kind": "turn", "v": 1, "sandbox": "sb", "turn": 3, "api": "openai_chat", "method": "POST",
+            json!({"kind": "turn", "v": 1, "sandbox": "sb", "turn": 3, "branch": 1, "api": "openai_chat", "method": "POST",
                 "path": "/v1/chat/completions",
                 "request": {"headers": [["a", "b"]], "body": {"text": "{}"}},
                 "response": {"status": 200, "headers": [], "body": {"base64": "/wA="}, "n_bytes": 2,
@@ -505,6 +537,26 @@ mod tests {
             json!({"kind": "divergence", "v": 1, "sandbox": "sb", "turn": 2, "path": "/v1/messages",
                 "expected_sha256": "aa", "got_sha256": "bb", "unix_ms": 7}),
         );
+        let branch = BranchRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            branch: 2,
+            parent: 1,
+            after: 4,
+            unix_ms: 8,
+        };
+        check(
+            Entry::Branch(branch),
+            json!({"kind": "branch", "v": 1, "sandbox": "sb", "branch": 2, "parent": 1, "after": 4, "unix_ms": 8}),
+        );
+        // A turn line written before branches existed is on the root.
+        let old = r#"{"kind":"turn","v":1,"sandbox":"sb","turn":1,"api":"openai_chat","method":"POST","path":"/",
+            "request":{"headers":[],"body":{"text":""}},"response":null,"error":null,"gate":null,
+            "timing":{"started_unix_ms":0,"headers_us":null,"first_byte_us":null,"end_us":0,"hold_us":null}}"#;
+        match serde_json::from_str::<Entry>(old).expect("an old line decodes") {
+            Entry::Turn(t) => assert_eq!(t.branch, 0),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The turn-end mark: numbers each turn end of a sandbox, monotonically from
-//! 1, and counts auxiliary requests.
+//! The turn-end mark: carries each live turn end's number and branch (given
+//! by the replay layer) to the layers below, and counts auxiliary requests.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,6 +15,7 @@ use tower::Service;
 use tracing::Instrument;
 
 use crate::outcome::GateOutcome;
+use crate::replay_layer::Numbered;
 use crate::route::Route;
 use crate::shared::Shared;
 use crate::transcript::unix_ms;
@@ -24,6 +25,8 @@ use crate::{Error, ProxyBody};
 #[derive(Debug, Clone)]
 pub(crate) struct TurnCtx {
     pub(crate) turn: u64,
+    /// The branch of the conversation it is on.
+    pub(crate) branch: u64,
     pub(crate) route: Route,
     pub(crate) started: Instant,
     pub(crate) started_unix_ms: u64,
@@ -73,17 +76,24 @@ where
             self.shared.stats.update(|s| s.n_aux_requests += 1);
             return Box::pin(self.inner.call(req));
         };
-        let turn = self.shared.next_turn();
+        // The replay layer numbered it, deciding it goes live.
+        let Numbered { turn, branch } = req
+            .extensions()
+            .get::<Numbered>()
+            .copied()
+            .unwrap_or_else(|| self.shared.next_turn());
         self.shared.stats.update(|s| s.n_turns += 1);
         let ctx = TurnCtx {
             turn,
+            branch,
             route,
             started: Instant::now(),
             started_unix_ms: unix_ms(),
             released: Arc::new(Mutex::new(None)),
         };
         req.extensions_mut().insert(ctx);
-        let span = tracing::info_span!("turn", sandbox = %self.shared.id, turn, bytes = req.body().len());
+        let span =
+            tracing::info_span!("turn", sandbox = %self.shared.id, turn, branch, bytes = req.body().len());
         Box::pin(self.inner.call(req).instrument(span))
     }
 }

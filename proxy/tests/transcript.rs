@@ -148,7 +148,7 @@ async fn replay_answers_from_the_transcript_then_goes_live() {
 }
 
 #[tokio::test]
-async fn replay_divergence_is_a_409_and_an_event() {
+async fn a_replay_divergence_goes_live_on_a_new_branch() {
     let h = Harness::plain().await;
     let first =
         json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "temperature": 0});
@@ -173,30 +173,149 @@ async fn replay_divergence_is_a_409_and_an_event() {
         .await
         .expect("send");
     assert_eq!(resp.headers()["x-crab-replayed"], "1");
-    // Turn 2 with another prompt: divergence.
+    // Turn 2 with another prompt: it goes live, as turn 2 of a branch
+    // after turn 1, and the divergence is recorded before it.
     let other = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "something else"}]});
     let resp = h.post("/v1/chat/completions", &other).send().await.expect("send");
-    assert_eq!(resp.status(), 409);
-    assert_eq!(resp.headers()["x-should-retry"], "false");
-    let body: serde_json::Value = resp.json().await.expect("json");
-    assert_eq!(body["type"], "error");
-    assert_eq!(body["error"]["type"], "crab_replay_divergence");
-    assert_eq!(body["error"]["turn"], 2);
-    assert!(body["error"]["message"]
-        .as_str()
-        .expect("message")
-        .contains("turn 2"));
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("x-crab-replayed").is_none());
+    resp.bytes().await.expect("body");
+    assert_eq!(h.upstream.seen().len(), 3, "the divergent request went upstream");
+    assert_eq!(h.sandbox.last_turn(), 2);
+    assert_eq!(h.sandbox.stats().n_divergences, 1);
     let entries = h.entries().await;
-    let Some(Entry::Divergence(event)) = entries.last() else {
-        panic!("no divergence entry: {entries:?}")
+    let tail: Vec<&Entry> = entries.iter().skip(2).collect();
+    let [Entry::Divergence(event), Entry::Branch(branch), Entry::Turn(turn)] = tail[..] else {
+        panic!("divergence, branch, turn: {entries:?}")
     };
     assert_eq!((event.turn, event.path.as_str()), (2, "/v1/chat/completions"));
     assert_ne!(event.expected_sha256, event.got_sha256);
-    // Replay is over: the next request goes live as turn 2.
-    let resp = h.post("/v1/chat/completions", &other).send().await.expect("send");
+    assert_eq!((branch.branch, branch.parent, branch.after), (1, 0, 1));
+    assert_eq!((turn.turn, turn.branch), (2, 1));
+    let calls: Vec<u64> = h.hook.calls.lock().iter().map(|(_, t)| *t).collect();
+    assert_eq!(calls, [1, 2, 2]);
+    assert_eq!(*h.hook.branches.lock(), [0, 0, 1], "the hook hears the branch");
+}
+
+/// After a restore to turn 4 whose process image is turn 2's, the agent
+/// inside the sandbox asks turns 2..4 again and gets the recorded answers
+/// (a stream byte for byte), the upstream seeing none of them; its next
+/// turn goes live on a branch after turn 4, beside the old turn 5. An agent
+/// outside the sandbox (the host-side socket) goes on as it was.
+#[tokio::test]
+async fn a_rewind_fast_forwards_the_agent_that_was_restored() {
+    let h = Harness::plain().await;
+    let body = |n: u32| json!({"model": "gpt-test", "stream": n == 2, "messages": [{"role": "user", "content": format!("step {n}")}]});
+    let mut answers = Vec::new();
+    for n in 1..=5 {
+        let resp = h
+            .post("/v1/chat/completions", &body(n))
+            .send()
+            .await
+            .expect("send");
+        answers.push(resp.bytes().await.expect("body"));
+    }
+    assert!(
+        String::from_utf8_lossy(&answers[1]).contains("data: "),
+        "turn 2 streamed"
+    );
+    let at = crab_api::shim::ConversationAt {
+        branch: 0,
+        turn: 4,
+        image_turn: Some(2),
+    };
+    h.sandbox.rewind(at).await.expect("rewind");
+
+    // The outside agent: over the host-side socket, its next turn is 6.
+    let socket = h.dir.path().join("host.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+    tokio::spawn(crab_proxy::serve_sandbox(
+        listener,
+        h.sandbox.clone(),
+        h.shutdown.clone(),
+    ));
+    let outside = body(2).to_string();
+    let (status, head) = unix_post(&socket, "/v1/chat/completions", &outside).await;
+    assert_eq!(status, 200, "{head}");
+    assert!(!head.contains("x-crab-replayed"), "{head}");
+    assert_eq!(h.sandbox.last_turn(), 6);
+    assert_eq!(h.upstream.seen().len(), 6);
+
+    for n in 2..=4u32 {
+        let resp = h
+            .post("/v1/chat/completions", &body(n))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.headers()["x-crab-replayed"], n.to_string());
+        if n == 2 {
+            assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        }
+        assert_eq!(
+            resp.bytes().await.expect("body"),
+            answers[n as usize - 1],
+            "turn {n}"
+        );
+    }
+    assert_eq!(
+        h.upstream.seen().len(),
+        6,
+        "replayed turns never reach the upstream"
+    );
+    let resp = h
+        .post("/v1/chat/completions", &body(50))
+        .send()
+        .await
+        .expect("send");
     assert!(resp.headers().get("x-crab-replayed").is_none());
-    assert_eq!(h.sandbox.last_turn(), 2);
-    assert_eq!(h.sandbox.stats().n_divergences, 1);
+    resp.bytes().await.expect("body");
+    assert_eq!(h.upstream.seen().len(), 7);
+    assert_eq!(h.sandbox.last_turn(), 5);
+
+    let entries = h.entries().await;
+    let turns: Vec<(u64, u64)> = support::turns_of(&entries)
+        .iter()
+        .map(|t| (t.branch, t.turn))
+        .collect();
+    assert_eq!(
+        turns,
+        [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (1, 5)],
+        "nothing lost"
+    );
+    let branches: Vec<(u64, u64, u64)> = entries
+        .iter()
+        .filter_map(|e| match e {
+            Entry::Branch(b) => Some((b.branch, b.parent, b.after)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(branches, [(1, 0, 4)]);
+    assert_eq!(h.hook.branches.lock().last(), Some(&1));
+
+    // A branch the transcript never had is refused, and changes nothing.
+    let at = crab_api::shim::ConversationAt {
+        branch: 9,
+        turn: 1,
+        image_turn: Some(1),
+    };
+    assert!(h.sandbox.rewind(at).await.is_err());
+    assert_eq!(h.sandbox.last_turn(), 5);
+}
+
+/// A POST over a unix socket: the status and the response head.
+async fn unix_post(socket: &std::path::Path, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::UnixStream::connect(socket).await.expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).await.expect("read");
+    let head = answer.split("\r\n\r\n").next().unwrap_or_default().to_lowercase();
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head)
 }
 
 #[tokio::test]
@@ -240,7 +359,7 @@ async fn a_turns_record_is_on_disk_before_the_next_answer_is_released() {
             .map(|l| serde_json::from_str::<Entry>(l).expect("entry"))
             .filter_map(|e| match e {
                 Entry::Turn(t) => Some(t.turn),
-                Entry::Divergence(_) => None,
+                Entry::Divergence(_) | Entry::Branch(_) => None,
             })
             .collect();
         // Turn `turn`'s own record may be there too (its body can end

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crab_api::shim::ConversationAt;
 use crab_proxy::{
     Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, TurnHook, Upstreams,
 };
@@ -244,6 +245,22 @@ impl SandboxProxy {
             self.netns_shutdown.clone(),
         ));
         Ok(())
+    }
+
+    /// Tells the proxy where a restore put the conversation (see
+    /// `crab_proxy::Sandbox::rewind`); None: nowhere known, so what the
+    /// agent asks next goes live as it would have. Before the listener in
+    /// the restored namespace exists, so the restored agent's first request
+    /// meets the replay.
+    pub async fn rewind(&self, at: Option<ConversationAt>) {
+        let Some(at) = at else {
+            self.sandbox.cancel_replay();
+            return;
+        };
+        if let Err(e) = self.sandbox.rewind(at).await {
+            tracing::warn!(error = %crab_api::error_chain(&e), branch = at.branch, turn = at.turn, "no replay after the restore: the agent's requests go live");
+            self.sandbox.cancel_replay();
+        }
     }
 
     /// The host-side socket, if the sandbox is served there.

@@ -68,6 +68,7 @@ impl TurnHook for EngineHook {
         &self,
         sandbox: &SandboxId,
         turn: u64,
+        branch: u64,
         expected_answer: Option<Duration>,
     ) -> Result<(), HookError> {
         // Turn N ends when request N arrives; the gate has made the records
@@ -75,6 +76,7 @@ impl TurnHook for EngineHook {
         // are the conversation that belongs to this version.
         let end = TurnEnd {
             turn,
+            branch,
             transcript_turns: turn.saturating_sub(1),
             expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         };

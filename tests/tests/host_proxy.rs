@@ -327,20 +327,28 @@ fn each_turn_end_is_a_version_before_its_answer() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// An agent inside its sandbox, rolled back to turn 2 of 5: restored
+/// mid-request on a connection whose proxy end is gone, it asks turn 2
+/// again and gets turn 2's recorded answer without the upstream seeing it;
+/// turn 3 goes live on a new branch of the conversation, and the old turns
+/// 3..5 stay in the transcript.
 #[test]
-fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
-    let answers: Vec<String> = (1..=6).map(|i| completion(&format!("answer{i}"))).collect();
+fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
+    let answers: Vec<String> = (1..=10).map(|i| completion(&format!("answer{i}"))).collect();
     let llm = ScriptedLlm::scripted(answers);
     let (ctd, base) = containerd("checkpoint_on_turn = true");
     let id = "insidepx";
     let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
-    let post = "wget -qO- --header 'Content-Type: application/json' \
-                --post-data '{\"model\":\"m\",\"messages\":[]}' $OPENAI_BASE_URL/chat/completions";
+    // Each step's request says its step; a failed one is asked again, as
+    // an SDK retries. The answers land in a file.
+    let post = "wget -qO /tmp/a --header 'Content-Type: application/json' \
+                --post-data \"{\\\"model\\\":\\\"m\\\",\\\"messages\\\":[{\\\"role\\\":\\\"user\\\",\\\"content\\\":\\\"step $i\\\"}]}\" \
+                $OPENAI_BASE_URL/chat/completions";
     // Waits for the shim's registration with crabd (at Start, while the
-    // init already runs), then three turns; the answers land in a file.
+    // init already runs), then five turns.
     let script = format!(
         "while [ ! -e /tmp/go ]; do sleep 0.1; done; \
-         for i in 1 2 3; do {post} >> /tmp/answers; echo \" rc=$?\" >> /tmp/answers; done; \
+         for i in 1 2 3 4 5; do until {post}; do sleep 0.2; done; cat /tmp/a >> /tmp/answers; echo >> /tmp/answers; done; \
          touch /tmp/done; sleep 3600"
     );
     ctd.ctr_ok(&[
@@ -361,48 +369,81 @@ fn in_sandbox_turns_are_versions_and_a_rollback_does_not_wedge_the_agent() {
     let tmp = |pid: i32| PathBuf::from(format!("/proc/{pid}/root/tmp"));
     std::fs::write(tmp(pid).join("go"), "").unwrap();
     crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
-        .expect("the agent finished its three turns");
-    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
-    for i in 1..=3 {
-        assert!(answers.contains(&format!("answer{i}")), "{answers}");
-    }
+        .expect("the agent finished its five turns");
+    let said = |pid: i32| -> Vec<String> {
+        std::fs::read_to_string(tmp(pid).join("answers"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).expect("an answer")["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    };
+    assert_eq!(said(pid), ["answer1", "answer2", "answer3", "answer4", "answer5"]);
+    assert_eq!(llm.seen().len(), 5);
 
     // Each turn end is a version, taken while the agent's request to the
     // proxy was open (CRIU keeps the connection).
-    assert_eq!(version_turns(&ctd, id), [1, 2, 3]);
+    assert_eq!(version_turns(&ctd, id), [1, 2, 3, 4, 5]);
     let path = base
         .join("transcripts")
         .join(&ctd.namespace)
         .join(format!("{id}.jsonl"));
     let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
-    assert_eq!(gates, ["opened"; 3]);
+    assert_eq!(gates, ["opened"; 5]);
 
-    // Back to turn 2's end: the files are as they were (one answer), and the
-    // agent, restored mid-request on a connection whose proxy end is gone,
-    // is not wedged: its request fails and it goes on to the end.
+    // Back to turn 2's end: the files hold one answer, and the agent asks
+    // turn 2 again.
     let r = crabctl_ok(&ctd, &["rollback", id, "2"]);
     let pid = r["pid"].as_i64().expect("pid") as i32;
     crab_tests::wait_until(60, || tmp(pid).join("done").exists().then_some(()))
         .expect("the restored agent finished");
-    let answers = std::fs::read_to_string(tmp(pid).join("answers")).unwrap();
-    assert!(answers.starts_with(&completion("answer1")), "{answers}");
-    assert!(
-        !answers.contains("answer2") && !answers.contains("answer3"),
-        "{answers}"
-    );
-    // The proxy kept its sandbox across the restore (only its listener
-    // moved): one transcript, turns 1-3 still in it, numbers never reused.
-    let numbers: Vec<u64> = turn_records(&path)
-        .iter()
-        .filter_map(|t| t["turn"].as_u64())
-        .collect();
-    assert!(numbers.starts_with(&[1, 2, 3]), "{numbers:?}");
-    let mut sorted = numbers.clone();
-    sorted.dedup();
     assert_eq!(
-        sorted, numbers,
-        "turn numbers go on after a rollback: {numbers:?}"
+        said(pid),
+        ["answer1", "answer2", "answer6", "answer7", "answer8"],
+        "turn 2 from the transcript, then live turns"
     );
+    assert_eq!(llm.seen().len(), 8, "the upstream never saw turn 2 again");
+
+    // One transcript: the old branch whole, then a branch after turn 2.
+    let entries: Vec<Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let turns: Vec<(u64, u64)> = entries
+        .iter()
+        .filter(|e| e["kind"] == "turn")
+        .map(|t| (t["branch"].as_u64().unwrap(), t["turn"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        turns,
+        [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (1, 5)]
+    );
+    let branches: Vec<&Value> = entries.iter().filter(|e| e["kind"] == "branch").collect();
+    assert_eq!(branches.len(), 1, "{branches:?}");
+    assert_eq!(
+        (&branches[0]["parent"], &branches[0]["after"]),
+        (&Value::from(0), &Value::from(2))
+    );
+    // The versions follow: turns 3..5 again, on branch 1, descending from 2.
+    let versions = crabctl_ok(&ctd, &["versions", id]);
+    let rows: Vec<(u64, u64, Option<u64>)> = versions
+        .as_array()
+        .expect("versions")
+        .iter()
+        .map(|v| {
+            (
+                v["turn"].as_u64().unwrap(),
+                v["branch"].as_u64().unwrap(),
+                v["parent"].as_u64(),
+            )
+        })
+        .collect();
+    assert_eq!(&rows[5..], [(3, 1, Some(2)), (4, 1, Some(6)), (5, 1, Some(7))]);
 
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);

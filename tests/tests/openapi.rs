@@ -112,6 +112,7 @@ fn record(version: u64, class: Class) -> VersionRecord {
         version,
         created_unix_ms: 1_767_225_600_123,
         turn: Some(version),
+        branch: version / 2,
         class,
         parent: version.checked_sub(1).filter(|p| *p > 0),
         process_image: class.needs_proc().then_some(version),
@@ -682,6 +683,7 @@ fn turns() {
             "TurnEnd",
             &TurnEnd {
                 turn: 7,
+                branch: 2,
                 transcript_turns: 14,
                 expected_answer_ms,
             },

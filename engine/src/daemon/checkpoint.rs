@@ -100,6 +100,7 @@ impl Daemon {
                 &sid,
                 NewVersion {
                     turn: turn.map(|t| t.turn),
+                    branch: turn.map_or(0, |t| t.branch),
                     transcript_turns: turn.map_or(0, |t| t.transcript_turns),
                     capture,
                 },

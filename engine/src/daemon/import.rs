@@ -138,6 +138,7 @@ async fn make_and_start(
             &sid,
             NewVersion {
                 turn: record.turn,
+                branch: record.branch,
                 transcript_turns: record.transcript_turns,
                 capture: Capture::Full(FsSnapshot {
                     backend: BackendKind::OverlayCopy,

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crab_api::crabd::{Crash, Recovery, Registration, RollbackReport, RollbackRequest};
-use crab_api::shim::{FsTarget, ShimRestore, ShimRestored};
-use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
+use crab_api::shim::{ConversationAt, FsTarget, ShimRestore, ShimRestored};
+use crab_api::{routes, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use tracing::Instrument;
 
 use super::work::{blocking, detached};
@@ -116,8 +116,10 @@ impl Daemon {
         let store = d.store.clone();
         let sid = reg.id.clone();
         blocking(move || store.set_head(&sid, None)).await?;
+        let conversation = d.conversation_at(&reg.id, &version.record).await;
         let call = ShimRestore {
             undo,
+            conversation,
             images_dir,
             fs: version.record.fs_snapshot.map(|f| FsTarget {
                 name: f.name,
@@ -154,6 +156,39 @@ impl Daemon {
             restore_ms: done.restore_ms,
             undo_ms: done.undo_ms,
             total_ms,
+        })
+    }
+}
+
+impl Daemon {
+    /// Where version `record` stands in its sandbox's conversation: its
+    /// turn and branch, and the turn its process image was taken at (the
+    /// restored agent's memory). None when it ended no turn.
+    pub(super) async fn conversation_at(
+        &self,
+        id: &SandboxId,
+        record: &VersionRecord,
+    ) -> Option<ConversationAt> {
+        let turn = record.turn?;
+        let image_turn = match record.process_image {
+            Some(v) if v == record.version => record.turn,
+            Some(v) => {
+                let store = self.store.clone();
+                let sid = id.clone();
+                match blocking(move || store.record(&sid, v)).await {
+                    Ok(holder) => holder.and_then(|r| r.turn),
+                    Err(e) => {
+                        tracing::warn!(error = %crab_api::error_chain(&e), version = v, "the image's turn is unknown: no replay");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        Some(ConversationAt {
+            branch: record.branch,
+            turn,
+            image_turn,
         })
     }
 }

@@ -302,6 +302,7 @@ mod tests {
             version,
             created_unix_ms: 0,
             turn: None,
+            branch: 0,
             class: Class::Proc,
             parent: None,
             process_image: Some(holder),

@@ -18,6 +18,8 @@ use super::{StoreError, VersionStore};
 pub struct NewVersion {
     /// The turn that ended at this version, if a turn did.
     pub turn: Option<u64>,
+    /// The branch of the conversation that turn is on.
+    pub branch: u64,
     /// How many turns of the transcript belong to it.
     pub transcript_turns: u64,
     /// What it captured anew; the rest it reuses from the sandbox's head.
@@ -86,7 +88,7 @@ impl VersionStore {
     /// # use crab_engine::{Capture, NewVersion, SandboxId, VersionStore};
     /// let store = VersionStore::open("/var/lib/crab")?;
     /// let sandbox = SandboxId::new("s1")?;
-    /// let pending = store.begin_version(&sandbox, NewVersion { turn: Some(3), transcript_turns: 3, capture: Capture::Proc })?;
+    /// let pending = store.begin_version(&sandbox, NewVersion { turn: Some(3), branch: 0, transcript_turns: 3, capture: Capture::Proc })?;
     /// // ... CRIU dumps into pending.images_dir() ...
     /// let record = pending.publish()?;
     /// # Ok::<(), crab_engine::StoreError>(())
@@ -208,6 +210,7 @@ impl PendingVersion {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             turn: self.new.turn,
+            branch: self.new.branch,
             class: self.new.capture.class(),
             parent: self.parent,
             process_image: self.process_image,

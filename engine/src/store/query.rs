@@ -82,6 +82,19 @@ impl VersionStore {
         }
     }
 
+    /// The manifest record of version `version` of `sandbox`, unchecked
+    /// beyond its line's checksum (None when no intact line holds it).
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownSandbox`], or the manifest cannot be read.
+    pub fn record(&self, sandbox: &SandboxId, version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        let m = self.inner.manifest_of(sandbox)?;
+        Ok(match m.lookup(version) {
+            Lookup::Found(r) => Some(r.clone()),
+            Lookup::Bad { .. } | Lookup::Unknown => None,
+        })
+    }
+
     /// The newest version of `sandbox` that [`VersionStore::get`] accepts.
     ///
     /// # Errors

@@ -7,7 +7,7 @@
 //! json    = header | version, compact (it never holds a LF)
 //! header  = {"v":1,"kind":"header","sandbox":"s1","next_version":8}
 //! version = {"v":1,"kind":"version","sandbox":"s1","version":7,
-//!            "created_unix_ms":1764417600000,"turn":7,"class":"fs",
+//!            "created_unix_ms":1764417600000,"turn":7,"branch":0,"class":"fs",
 //!            "parent":6,                              // or null (or absent)
 //!            "process_image":5,                       // or null
 //!            "fs_snapshot":{"backend":"zfs","name":"crab-7"},   // or null
@@ -15,6 +15,8 @@
 //!            "images":[{"path":"pages-1.img","bytes":4096,"sha256":"…"}]}
 //! ```
 //!
+//! `branch` is the branch of the sandbox's conversation its turn is on (0,
+//! the root, when absent: lines written before branches).
 //! `parent` is the version this one descends from (the sandbox's head when
 //! it was taken); lines written before parents were recorded have none.
 //! `process_image` is the version whose images directory holds the process
@@ -150,6 +152,7 @@ mod tests {
             version,
             created_unix_ms: 1,
             turn: Some(version),
+            branch: 0,
             class: Class::Full,
             parent: None,
             process_image,

@@ -144,6 +144,7 @@ fn publish(store: &VersionStore, sandbox: &SandboxId, code: &str) -> VersionReco
 fn new_version(capture: Capture) -> NewVersion {
     NewVersion {
         turn: Some(7),
+        branch: 0,
         transcript_turns: 7,
         capture,
     }

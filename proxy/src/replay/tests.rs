@@ -3,13 +3,18 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::route::Api;
-use crate::transcript::{RecordedBody, RecordedRequest, StreamEnd, Timing};
+use crate::transcript::{BranchRecord, RecordedBody, RecordedRequest, StreamEnd, Timing};
 
 fn record(turn: u64, path: &str, body: &str, complete: bool) -> Entry {
+    on_branch(0, turn, path, body, complete)
+}
+
+fn on_branch(branch: u64, turn: u64, path: &str, body: &str, complete: bool) -> Entry {
     Entry::Turn(TurnRecord {
         v: 1,
         sandbox: "sb".into(),
         turn,
+        branch,
         api: Api::OpenAiChat,
         method: "POST".into(),
         path: path.into(),
@@ -20,7 +25,7 @@ fn record(turn: u64, path: &str, body: &str, complete: bool) -> Entry {
         response: Some(RecordedResponse {
             status: 200,
             headers: vec![],
-            body: RecordedBody::Text(format!("answer {turn}")),
+            body: RecordedBody::Text(format!("answer {branch}/{turn}")),
             n_bytes: 8,
             capped: false,
             end: if complete {
@@ -41,39 +46,81 @@ fn record(turn: u64, path: &str, body: &str, complete: bool) -> Entry {
     })
 }
 
-#[derive(Debug, PartialEq)]
-enum Got {
-    Answer(u64),
-    Diverged(u64),
-    Live,
+fn branch(branch: u64, parent: u64, after: u64) -> Entry {
+    Entry::Branch(BranchRecord {
+        v: 1,
+        sandbox: "sb".into(),
+        branch,
+        parent,
+        after,
+        unix_ms: 0,
+    })
 }
 
-/// Replays `until` turns of `entries` against `requests`; returns what each
-/// request got and the final turn counter.
-fn check(entries: Vec<Entry>, until: u64, requests: &[(&str, &str)], expected: &[Got], last_turn: u64) {
-    let mut state = TurnState {
-        last_turn: 0,
-        replay: Some(Replay::new(entries, until).expect("replay")),
-    };
-    let got: Vec<Got> = requests
+#[derive(Debug, PartialEq)]
+enum Got {
+    /// Answered from the record of this turn.
+    Answer(u64),
+    /// Live as (branch, turn), after a divergence or not.
+    Live(u64, u64, bool),
+}
+
+/// Sends `requests` (inside the sandbox) through `state`; returns what each
+/// got, and the branches started.
+fn run(state: &mut TurnState, requests: &[(&str, &str)]) -> (Vec<Got>, Vec<(u64, u64, u64)>) {
+    run_from(state, true, requests)
+}
+
+fn run_from(
+    state: &mut TurnState,
+    inside: bool,
+    requests: &[(&str, &str)],
+) -> (Vec<Got>, Vec<(u64, u64, u64)>) {
+    let mut branches = Vec::new();
+    let got = requests
         .iter()
         .map(
-            |(path, body)| match step(&mut state, "sb", path, body.as_bytes()) {
-                ReplayStep::Answer { turn, .. } => Got::Answer(turn),
-                ReplayStep::Diverged(d) => Got::Diverged(d.turn),
-                ReplayStep::Live => {
-                    state.last_turn += 1;
-                    Got::Live
+            |(path, body)| match step(state, "sb", inside, path, body.as_bytes()) {
+                ReplayStep::Answer { turn, response } => {
+                    assert!(response.is_complete());
+                    Got::Answer(turn)
+                }
+                ReplayStep::Live {
+                    turn,
+                    branch,
+                    entries,
+                } => {
+                    let mut diverged = false;
+                    for e in entries {
+                        match e {
+                            Entry::Divergence(d) => {
+                                assert_eq!(d.turn, turn);
+                                diverged = true;
+                            }
+                            Entry::Branch(b) => branches.push((b.branch, b.parent, b.after)),
+                            Entry::Turn(_) => panic!("a step writes no turn"),
+                        }
+                    }
+                    Got::Live(branch, turn, diverged)
                 }
             },
         )
         .collect();
-    assert_eq!(got, expected);
-    assert_eq!(state.last_turn, last_turn);
+    (got, branches)
+}
+
+/// A state with `last_turn` turns on the root, replaying 1..=until.
+fn from_start(entries: &[Entry], until: u64, last_turn: u64) -> TurnState {
+    let mut state = TurnState {
+        last_turn,
+        ..Default::default()
+    };
+    state.replay = Some(Replay::from_start(entries, until, &state).expect("replay"));
+    state
 }
 
 #[test]
-fn steps() {
+fn an_agent_put_back_to_its_start_is_fast_forwarded() {
     let p = "/v1/messages";
     let log = || {
         vec![
@@ -83,52 +130,189 @@ fn steps() {
         ]
     };
     use Got::*;
-    check(
-        log(),
-        2,
-        &[(p, r#"{"a":1}"#), (p, r#"{ "a" : 2 }"#), (p, "x")],
-        &[Answer(1), Answer(2), Live],
-        3,
+    // Turns 1 and 2 again (other spacing), then live as turn 3 of a new
+    // branch after turn 2 (the old turn 3 is kept on the root).
+    let mut state = from_start(&log(), 2, 3);
+    let (got, branches) = run(&mut state, &[(p, r#"{"a":1}"#), (p, r#"{ "a" : 2 }"#), (p, "x")]);
+    assert_eq!(got, [Answer(1), Answer(2), Live(1, 3, false)]);
+    assert_eq!(branches, [(1, 0, 2)]);
+    assert_eq!((state.last_turn, state.branch), (3, 1));
+
+    // A divergence at turn 2 goes live as turn 2, on a branch after turn 1.
+    let mut state = from_start(&log(), 2, 3);
+    let (got, branches) = run(&mut state, &[(p, r#"{"a":1}"#), (p, r#"{"a":3}"#), (p, "y")]);
+    assert_eq!(got, [Answer(1), Live(1, 2, true), Live(1, 3, false)]);
+    assert_eq!(branches, [(1, 0, 1)]);
+
+    // Another path is a divergence too.
+    let mut state = from_start(&log(), 2, 3);
+    let (got, _) = run(&mut state, &[("/v1/chat/completions", r#"{"a":1}"#)]);
+    assert_eq!(got, [Live(1, 1, true)]);
+
+    // The whole conversation again, then on where it was: no branch.
+    let mut state = from_start(&log(), 3, 3);
+    let (got, branches) = run(
+        &mut state,
+        &[(p, r#"{"a":1}"#), (p, r#"{"a":2}"#), (p, "x"), (p, "z")],
     );
-    check(
-        log(),
-        2,
-        &[(p, r#"{"a":1}"#), (p, r#"{"a":3}"#), (p, "y")],
-        &[Answer(1), Diverged(2), Live],
-        2,
+    assert_eq!(got, [Answer(1), Answer(2), Answer(3), Live(0, 4, false)]);
+    assert!(branches.is_empty());
+
+    // Nothing to replay: turn 1 again is live, on a branch after 0.
+    let mut state = from_start(&log(), 0, 3);
+    let (got, branches) = run(&mut state, &[(p, r#"{"a":1}"#)]);
+    assert_eq!(got, [Live(1, 1, false)]);
+    assert_eq!(branches, [(1, 0, 0)]);
+}
+
+#[test]
+fn the_conversation_follows_its_branches() {
+    let p = "/v1/messages";
+    let entries = vec![
+        record(1, p, "1", true),
+        record(2, p, "2", true),
+        record(3, p, "3", true),
+        branch(1, 0, 1),
+        on_branch(1, 2, p, "2b", true),
+        on_branch(1, 3, p, "3b", true),
+        branch(2, 1, 2),
+        on_branch(2, 3, p, "3c", true),
+        // A second record of a turn on one branch: the last wins.
+        on_branch(2, 3, p, "3c'", true),
+    ];
+    let bodies = |b: u64| -> Option<Vec<String>> {
+        conversation(&entries, b).map(|c| {
+            c.values()
+                .map(|r| match &r.request.body {
+                    RecordedBody::Text(t) => t.clone(),
+                    RecordedBody::Base64(_) => unreachable!(),
+                })
+                .collect()
+        })
+    };
+    assert_eq!(bodies(0).unwrap(), ["1", "2", "3"]);
+    assert_eq!(bodies(1).unwrap(), ["1", "2b", "3b"]);
+    assert_eq!(bodies(2).unwrap(), ["1", "2b", "3c'"]);
+    assert_eq!(bodies(3), None, "a branch never started");
+    assert_eq!(max_branch(&entries), 2);
+    // A corrupt file whose branches form a cycle ends the walk.
+    let cycle = vec![branch(1, 2, 5), branch(2, 1, 5), on_branch(1, 1, p, "x", true)];
+    assert_eq!(conversation(&cycle, 2).expect("known").len(), 1);
+}
+
+/// A state after `n` turns of the root, rewound to `at`.
+fn rewound(entries: &[Entry], n: u64, at: ConversationAt) -> TurnState {
+    let mut state = TurnState {
+        last_turn: n,
+        ..Default::default()
+    };
+    state.replay = Some(Replay::rewind(entries, at, &state).expect("rewind"));
+    state
+}
+
+fn five_turns() -> Vec<Entry> {
+    (1..=5)
+        .map(|t| record(t, "/v1/messages", &t.to_string(), true))
+        .collect()
+}
+
+#[test]
+fn a_rollback_replays_from_the_image_and_branches_where_it_goes_live() {
+    let p = "/v1/messages";
+    use Got::*;
+    // Back to turn 2 of 5, its own image: turn 2 asked again is answered,
+    // turn 3 goes live on branch 1 after turn 2; the old 3..5 stay.
+    let at = ConversationAt {
+        branch: 0,
+        turn: 2,
+        image_turn: Some(2),
+    };
+    let mut state = rewound(&five_turns(), 5, at);
+    let (got, branches) = run(&mut state, &[(p, "2"), (p, "3 live"), (p, "4 live")]);
+    assert_eq!(got, [Answer(2), Live(1, 3, false), Live(1, 4, false)]);
+    assert_eq!(branches, [(1, 0, 2)]);
+
+    // Version at turn 5, image of turn 2: turns 2..5 are answered.
+    let at = ConversationAt {
+        branch: 0,
+        turn: 5,
+        image_turn: Some(2),
+    };
+    let mut state = rewound(&five_turns(), 5, at);
+    let (got, branches) = run(&mut state, &[(p, "2"), (p, "3"), (p, "4"), (p, "5"), (p, "6")]);
+    assert_eq!(
+        got,
+        [Answer(2), Answer(3), Answer(4), Answer(5), Live(0, 6, false)]
     );
-    check(
-        log(),
-        2,
-        &[("/v1/chat/completions", r#"{"a":1}"#), (p, "z")],
-        &[Diverged(1), Live],
-        1,
-    );
-    check(
-        log(),
-        3,
-        &[(p, r#"{"a":1}"#), (p, r#"{"a":2}"#), (p, "x")],
-        &[Answer(1), Answer(2), Answer(3)],
-        3,
-    );
-    check(
-        log(),
-        3,
-        &[(p, r#"{"a":1}"#), (p, r#"{"a":2}"#), (p, "x ")],
-        &[Answer(1), Answer(2), Diverged(3)],
-        2,
-    );
-    check(log(), 0, &[(p, r#"{"a":1}"#)], &[Live], 1);
-    // The last record of a turn wins (a rollback rewrote turn 2).
-    let mut rewritten = log();
-    rewritten.push(record(2, p, r#"{"b":2}"#, true));
-    check(
-        rewritten,
-        2,
-        &[(p, r#"{"a":1}"#), (p, r#"{"b":2}"#)],
-        &[Answer(1), Answer(2)],
-        2,
-    );
+    assert!(branches.is_empty(), "the conversation went on where it was");
+
+    // A request that differs goes live, on a branch after the turn before.
+    let mut state = rewound(&five_turns(), 5, at);
+    let (got, branches) = run(&mut state, &[(p, "2"), (p, "3 other")]);
+    assert_eq!(got, [Answer(2), Live(1, 3, true)]);
+    assert_eq!(branches, [(1, 0, 2)]);
+}
+
+#[test]
+fn a_recovery_goes_on_and_a_turn_without_its_answer_goes_live() {
+    let p = "/v1/messages";
+    use Got::*;
+    // The newest turn (5) was in flight with no record: asked again, it
+    // goes live as turn 5 of a branch after 4 (the record, if any, of the
+    // crashed branch stays there).
+    let mut entries = five_turns();
+    entries.pop();
+    let at = ConversationAt {
+        branch: 0,
+        turn: 5,
+        image_turn: Some(5),
+    };
+    let mut state = rewound(&entries, 5, at);
+    let (got, branches) = run(&mut state, &[(p, "5")]);
+    assert_eq!(got, [Live(1, 5, false)]);
+    assert_eq!(branches, [(1, 0, 4)]);
+
+    // An image that ended no turn: nothing is replayed; the next turn is
+    // the version's next.
+    let at = ConversationAt {
+        branch: 0,
+        turn: 3,
+        image_turn: None,
+    };
+    let mut state = rewound(&five_turns(), 5, at);
+    let (got, branches) = run(&mut state, &[(p, "4 live")]);
+    assert_eq!(got, [Live(1, 4, false)]);
+    assert_eq!(branches, [(1, 0, 3)]);
+}
+
+#[test]
+fn an_agent_outside_the_sandbox_goes_on_as_it_was() {
+    let p = "/v1/messages";
+    use Got::*;
+    let at = ConversationAt {
+        branch: 0,
+        turn: 2,
+        image_turn: Some(2),
+    };
+    let mut state = rewound(&five_turns(), 5, at);
+    // Its request equals turn 2's record, yet it is the outside agent's.
+    let (got, branches) = run_from(&mut state, false, &[(p, "2"), (p, "7")]);
+    assert_eq!(got, [Live(0, 6, false), Live(0, 7, false)]);
+    assert!(branches.is_empty());
+    // The restored agent inside still gets its replay.
+    let (got, _) = run(&mut state, &[(p, "2")]);
+    assert_eq!(got, [Answer(2)]);
+}
+
+#[test]
+fn a_rewind_needs_its_branch() {
+    let at = ConversationAt {
+        branch: 3,
+        turn: 1,
+        image_turn: Some(1),
+    };
+    let err = Replay::rewind(&five_turns(), at, &TurnState::default()).expect_err("no branch 3");
+    assert!(matches!(err, ReplayError::UnknownBranch { branch: 3 }), "{err:?}");
 }
 
 #[test]
@@ -139,7 +323,7 @@ fn refuses_ranges_without_complete_records() {
         (vec![record(1, p, "{}", true), record(2, p, "{}", false)], 2, 2),
     ];
     for (entries, until, bad_turn) in cases {
-        match Replay::new(entries, until) {
+        match Replay::from_start(&entries, until, &TurnState::default()) {
             Err(ReplayError::MissingTurn { turn } | ReplayError::IncompleteTurn { turn }) => {
                 assert_eq!(turn, bad_turn)
             }
@@ -202,11 +386,11 @@ proptest! {
     fn step_answers_iff_equal(recorded in arb_json(), sent in arb_json(), same_path in any::<bool>()) {
         let p = "/v1/messages";
         let entries = vec![record(1, p, &recorded.to_string(), true)];
-        let mut state = TurnState { last_turn: 0, replay: Some(Replay::new(entries, 1).expect("replay")) };
+        let mut state = from_start(&entries, 1, 1);
         let path = if same_path { p } else { "/v1/responses" };
-        let answered = matches!(step(&mut state, "sb", path, reversed_pretty(&sent).as_bytes()), ReplayStep::Answer { .. });
+        let answered = matches!(step(&mut state, "sb", true, path, reversed_pretty(&sent).as_bytes()), ReplayStep::Answer { .. });
         prop_assert_eq!(answered, same_path && recorded == sent);
-        prop_assert!(state.replay.is_none(), "a one-turn replay is over after one step");
+        prop_assert_eq!(state.replay.is_none(), !answered, "a divergence ends the replay");
     }
 
     /// Bodies that are not JSON compare byte for byte.

@@ -39,6 +39,8 @@ pub struct ScriptedHook {
     pub expected: Mutex<Vec<Option<Duration>>>,
     /// Turns whose answer arrived before the hook returned.
     pub waiting: Mutex<Vec<u64>>,
+    /// The branch of each call.
+    pub branches: Mutex<Vec<u64>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,9 +53,11 @@ impl TurnHook for ScriptedHook {
         &self,
         sandbox: &SandboxId,
         turn: u64,
+        branch: u64,
         expected_answer: Option<Duration>,
     ) -> Result<(), HookError> {
         self.calls.lock().push((sandbox.to_string(), turn));
+        self.branches.lock().push(branch);
         self.expected.lock().push(expected_answer);
         match self.script.get(&turn) {
             None => Ok(()),
@@ -181,7 +185,7 @@ pub fn turns_of(entries: &[Entry]) -> Vec<TurnRecord> {
         .iter()
         .filter_map(|e| match e {
             Entry::Turn(t) => Some(t.clone()),
-            Entry::Divergence(_) => None,
+            Entry::Divergence(_) | Entry::Branch(_) => None,
         })
         .collect()
 }

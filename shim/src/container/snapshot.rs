@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crab_api::shim::{FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
+use crab_api::shim::{ConversationAt, FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
 use crab_api::FsSnapshot;
 use crab_api::{BackendKind, Location, SnapshotName};
 
@@ -170,7 +170,7 @@ impl Container {
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
         let (pid, rx, failure) = match self
-            .replace_processes(&req.images_dir, req.fs.as_ref(), runtime)
+            .replace_processes(&req.images_dir, req.fs.as_ref(), req.conversation, runtime)
             .await
         {
             Ok((pid, rx)) => (pid, rx, None),
@@ -183,7 +183,10 @@ impl Container {
             }
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                match self.replace_processes(&undo_dir, undo_fs.as_ref(), runtime).await {
+                match self
+                    .replace_processes(&undo_dir, undo_fs.as_ref(), None, runtime)
+                    .await
+                {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
@@ -213,11 +216,13 @@ impl Container {
     }
 
     /// Kills the current processes, rolls the rootfs back to `fs`, restores
-    /// `images`, and re-wires stdio and the proxy.
+    /// `images`, and re-wires stdio and the proxy, which learns where the
+    /// restored agent stands in the conversation (`conversation`).
     async fn replace_processes(
         &mut self,
         images: &Path,
         fs: Option<&FsTarget>,
+        conversation: Option<ConversationAt>,
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
         // Docker's pin of its namespace: found now while the init lives,
@@ -258,6 +263,9 @@ impl Container {
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
+        if let Some(p) = &self.proxy {
+            p.rewind(conversation).await;
+        }
         self.restart_proxy().await;
         Ok((pid, rx))
     }
