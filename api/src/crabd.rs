@@ -226,6 +226,50 @@ pub struct ForkReport {
     pub total_ms: f64,
 }
 
+/// The most sandboxes one `POST …/forks` makes.
+pub const MAX_FORKS: u32 = 64;
+
+/// `POST /v1/sandboxes/{sel}/forks`: N new sandboxes from one version, made
+/// in parallel, each independent of the others (for tree rollouts).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForksRequest {
+    /// The version to fork from.
+    pub version: VersionSel,
+    /// How many, 1 to [`MAX_FORKS`].
+    pub count: u32,
+    /// The new sandboxes' ids are `<prefix>-<i>`, i from 1 (default
+    /// prefix: `<id>-fork<version>-<n>`).
+    #[serde(default)]
+    pub prefix: Option<SandboxId>,
+}
+
+/// What `POST …/forks` made: one outcome per fork, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForksReport {
+    /// The version they were made from.
+    pub version: u64,
+    /// Each fork, made or not.
+    pub forks: Vec<ForkOutcome>,
+    /// The whole call, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// One fork of a [`ForksReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkOutcome {
+    /// Its container id.
+    pub id: SandboxId,
+    /// Its init's pid on the host, when it was made.
+    pub pid: Option<u32>,
+    /// Bytes of files written for it (its own copy of the version's files).
+    pub bytes: u64,
+    /// From the call's start to its init running (or its failure), in
+    /// milliseconds.
+    pub total_ms: f64,
+    /// Why it was not made (with the whole error chain).
+    pub error: Option<String>,
+}
+
 /// A sandbox made from an archive.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImportReport {

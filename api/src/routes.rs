@@ -16,6 +16,7 @@
 //! | POST | [`RECOVER`] | `Crash` → `Recovery` (a shim, by exact id: its init died unasked) |
 //! | DELETE | [`VERSION`] | → `RemovalReport` |
 //! | POST | [`FORK`] | `ForkRequest` → `ForkReport` |
+//! | POST | [`FORKS`] | `ForksRequest` → `ForksReport` (N forks of one version) |
 //! | POST | [`TURN`] | → `TurnReport` (ends the inspector's turn by hand) |
 //! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
 //! | GET | [`EXPORT`] | → a tar archive |
@@ -55,6 +56,8 @@ pub const ROLLBACK: &str = "/v1/sandboxes/{sel}/rollback";
 pub const RECOVER: &str = "/v1/sandboxes/{id}/recover";
 /// Fork a sandbox's version into a new sandbox.
 pub const FORK: &str = "/v1/sandboxes/{sel}/fork";
+/// Fork a sandbox's version into N new sandboxes at once.
+pub const FORKS: &str = "/v1/sandboxes/{sel}/forks";
 /// End the inspector's current turn by hand.
 pub const TURN: &str = "/v1/sandboxes/{sel}/turn";
 /// Turn reports as they happen.
@@ -83,6 +86,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (ROLLBACK, &["post"]),
     (RECOVER, &["post"]),
     (FORK, &["post"]),
+    (FORKS, &["post"]),
     (TURN, &["post"]),
     (WATCH, &["get"]),
     (VERSION, &["delete"]),
@@ -152,6 +156,11 @@ pub fn rollback(sel: &dyn Display) -> String {
 /// [`FORK`] for `sel`.
 pub fn fork(sel: &dyn Display) -> String {
     fill(FORK, sel, None)
+}
+
+/// [`FORKS`] for `sel`.
+pub fn forks(sel: &dyn Display) -> String {
+    fill(FORKS, sel, None)
 }
 
 /// [`TURN`] for `sel`.

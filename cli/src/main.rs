@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use crab_api::crabd::{ForkRequest, ImportQuery, RollbackRequest, TurnReport, VersionView, WatchStarted};
+use crab_api::crabd::{
+    ForkRequest, ForksRequest, ImportQuery, RollbackRequest, TurnReport, VersionView, WatchStarted, MAX_FORKS,
+};
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
 
@@ -89,9 +91,14 @@ enum Command {
         sandbox: SandboxSelector,
         /// A version number from `crabctl versions`, or `latest`.
         version: VersionSel,
-        /// The new sandbox's container id.
+        /// The new sandbox's container id; with `--count`, the prefix of
+        /// theirs (`<name>-1` …).
         #[arg(long)]
         name: Option<SandboxId>,
+        /// Make this many sandboxes from the version at once (1 to 64),
+        /// each made or failed on its own.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_FORKS)))]
+        count: Option<u32>,
     },
     /// Write a version as one archive, to start it on another host.
     Export {
@@ -285,6 +292,42 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             sandbox,
             version,
             name,
+            count: Some(count),
+        } => {
+            let req = ForksRequest {
+                version: *version,
+                count: *count,
+                prefix: name.clone(),
+            };
+            let r = crabd.forks(sandbox, &req).await?;
+            print(cli.json, &r, || {
+                let rows = r.forks.iter().map(|f| {
+                    vec![
+                        f.id.to_string(),
+                        f.pid.map_or("-".to_owned(), |p| p.to_string()),
+                        table::size(f.bytes),
+                        format!("{:.0}", f.total_ms),
+                        f.error.clone().unwrap_or_default(),
+                    ]
+                });
+                let made = r.forks.iter().filter(|f| f.error.is_none()).count();
+                format!(
+                    "{}{made} of {} forks of version {} in {:.0} ms\n",
+                    table::render(&["SANDBOX", "PID", "FILES", "MS", "ERROR"], rows),
+                    r.forks.len(),
+                    r.version,
+                    r.total_ms
+                )
+            });
+            if r.forks.iter().any(|f| f.error.is_some()) {
+                std::process::exit(1);
+            }
+        }
+        Command::Fork {
+            sandbox,
+            version,
+            name,
+            count: None,
         } => {
             let req = ForkRequest {
                 version: *version,

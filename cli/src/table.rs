@@ -24,8 +24,30 @@ pub fn render(header: &[&str], rows: impl Iterator<Item = Vec<String>>) -> Strin
     out
 }
 
+/// `bytes` for people: `512 B`, `3.4 MiB`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{bytes} B"),
+        _ => format!("{value:.1} {}", UNITS[unit]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sizes_for_people() {
+        assert_eq!(super::size(512), "512 B");
+        assert_eq!(super::size(3 * 1024 * 1024 + 400 * 1024), "3.4 MiB");
+        assert_eq!(super::size(u64::MAX), "16384.0 TiB");
+    }
+
     #[test]
     fn pads_columns() {
         let out = super::render(

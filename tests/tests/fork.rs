@@ -96,3 +96,64 @@ fn fork_runs_independently_of_its_source() {
     ctd.remove(copy);
     assert_clean(&ctd.scope(), &[id, copy, &second]);
 }
+
+/// `crabctl fork --count 16`: sixteen sandboxes from one version, made in
+/// parallel, each with the version's memory and files and its own future.
+#[test]
+fn sixteen_forks_of_one_version_each_have_its_state() {
+    let ctd = Containerd::start();
+    let id = "tree";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 7"), "ok");
+    crab_tests::sandbox::exec_sh(&ctd, id, "mkdir -p /data && echo root > /data/f1");
+    let files = tree_digest(pid, "/data");
+    // Each request counts: a fork's first one answers the next number.
+    let next: u64 = ask(pid, COUNTER, "peek").parse::<u64>().unwrap() + 1;
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(ask(pid, STORE, "set a 8"), "ok");
+
+    // Bad counts are refused before anything is made (crabd refuses
+    // them too: its HTTP tests).
+    for bad in ["0", "10000"] {
+        let e = crabctl_err(&ctd, &["fork", id, "1", "--count", bad]);
+        assert!(e.contains("--count"), "{e}");
+    }
+
+    let r = crabctl_ok(&ctd, &["fork", id, "1", "--count", "16", "--name", "branch"]);
+    let forks = r["forks"].as_array().expect("forks");
+    assert_eq!(forks.len(), 16);
+    let mut bytes = 0;
+    for (i, f) in forks.iter().enumerate() {
+        let fid = format!("branch-{}", i + 1);
+        assert_eq!(f["id"], fid.as_str());
+        assert!(f["error"].is_null(), "{f}");
+        let fpid = f["pid"].as_i64().expect("a pid") as i32;
+        assert_eq!(ctd.task_pid(&fid), Some(fpid));
+        assert_eq!(ask(fpid, STORE, "get a"), "7", "{fid}");
+        assert_eq!(ask(fpid, COUNTER, "peek"), next.to_string(), "{fid}");
+        assert_eq!(tree_digest(fpid, "/data"), files, "{fid}");
+        bytes += f["bytes"].as_u64().unwrap();
+    }
+    eprintln!(
+        "16 forks in {:.0} ms, {bytes} bytes of files written in all",
+        r["total_ms"].as_f64().unwrap()
+    );
+    // Each goes its own way.
+    let first = forks[0]["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(first, STORE, "set a 100"), "ok");
+    let second = forks[1]["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(second, STORE, "get a"), "7");
+    // Names taken: refused as a whole, nothing made.
+    let e = crabctl_err(&ctd, &["fork", id, "1", "--count", "2", "--name", "branch"]);
+    assert!(e.contains("exists already"), "{e}");
+
+    let mut ids: Vec<String> = (1..=16).map(|i| format!("branch-{i}")).collect();
+    for fid in &ids {
+        ctd.remove(fid);
+    }
+    ctd.remove(id);
+    ids.push(id.to_owned());
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert_clean(&ctd.scope(), &ids);
+}

@@ -9,9 +9,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, ErrorBody, ErrorCode, ForkReport, ForkRequest, ImportQuery,
-    ImportReport, Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo,
-    TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
+    CheckpointReport, CheckpointRequest, Crash, ErrorBody, ErrorCode, ForkOutcome, ForkReport, ForkRequest,
+    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
+    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -65,6 +66,9 @@ const SCHEMAS: &[&str] = &[
     "RollbackReport",
     "ForkRequest",
     "ForkReport",
+    "ForksRequest",
+    "ForksReport",
+    "ForkOutcome",
     "ImportQuery",
     "ImportReport",
     "VersionView",
@@ -443,6 +447,7 @@ fn the_helpers_find_each_routes_messages() {
         ("post", routes::RECOVER, Some("Crash"), Some("Recovery")),
         ("delete", routes::VERSION, None, Some("RemovalReport")),
         ("post", routes::FORK, Some("ForkRequest"), Some("ForkReport")),
+        ("post", routes::FORKS, Some("ForksRequest"), Some("ForksReport")),
         ("post", routes::TURN, None, Some("TurnReport")),
         ("get", routes::WATCH, None, Some("WatchLine")),
         ("get", routes::EXPORT, None, None),
@@ -700,7 +705,21 @@ fn rollbacks_forks_and_imports() {
             assert_valid("RollbackRequest", &RollbackRequest { version, undo });
         }
         for name in [None, Some(id("web-1-try2"))] {
-            assert_valid("ForkRequest", &ForkRequest { version, name });
+            assert_valid(
+                "ForkRequest",
+                &ForkRequest {
+                    version,
+                    name: name.clone(),
+                },
+            );
+            assert_valid(
+                "ForksRequest",
+                &ForksRequest {
+                    version,
+                    count: 16,
+                    prefix: name,
+                },
+            );
         }
     }
     assert_valid(
@@ -720,6 +739,29 @@ fn rollbacks_forks_and_imports() {
             pid: 51_440,
             version: 3,
             total_ms: 1_250.0,
+        },
+    );
+    assert_valid(
+        "ForksReport",
+        &ForksReport {
+            version: 3,
+            forks: vec![
+                ForkOutcome {
+                    id: id("tree-1"),
+                    pid: Some(51_441),
+                    bytes: 4096,
+                    total_ms: 900.5,
+                    error: None,
+                },
+                ForkOutcome {
+                    id: id("tree-2"),
+                    pid: None,
+                    bytes: 0,
+                    total_ms: 20.0,
+                    error: Some("containerd: no space left on device".into()),
+                },
+            ],
+            total_ms: 1_000.0,
         },
     );
     assert_valid(
@@ -890,6 +932,9 @@ fn what_the_types_refuse_the_spec_refuses() {
         assert_invalid(schema, doc.clone());
         assert!(rust_agrees(doc.clone()), "{schema}: the types' view of {doc}");
     }
+    // A fork count out of range: crabd answers 400 (the types take it).
+    assert_invalid("ForksRequest", json!({"version": 1, "count": 0}));
+    assert_invalid("ForksRequest", json!({"version": 1, "count": 10_000}));
     // A SandboxInfo is its registration and more: either missing fails.
     let info = to_json(&sandbox_infos()[0]);
     for field in ["id", "running", "fs_backend", "latest"] {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use super::{ClientError, UnixClient};
 use crate::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ImportQuery, ImportReport, Recovery,
-    Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
-    TurnReport, VersionView,
+    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ForksReport, ForksRequest,
+    ImportQuery, ImportReport, Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest,
+    SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -116,6 +116,11 @@ impl Crabd {
     /// Starts a new sandbox from a version of sandbox `sel`.
     pub async fn fork(&self, sel: &SandboxSelector, req: &ForkRequest) -> Result<ForkReport, ClientError> {
         self.http.post(&routes::fork(sel), req).await
+    }
+
+    /// Starts `req.count` new sandboxes from one version of sandbox `sel`.
+    pub async fn forks(&self, sel: &SandboxSelector, req: &ForksRequest) -> Result<ForksReport, ClientError> {
+        self.http.post(&routes::forks(sel), req).await
     }
 
     /// Ends sandbox `sel`'s current inspector turn by hand.

@@ -1,18 +1,34 @@
 //! A fork: a new sandbox, in the same containerd namespace, from one of a
-//! sandbox's versions (its files copied, its processes restored at Start).
+//! sandbox's versions (its files copied, its processes restored at Start
+//! from the version's process image, read in place). `forks` makes N of
+//! them from one version at once, each made or failed on its own.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crab_api::crabd::{ForkReport, ForkRequest};
+use crab_api::crabd::{ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, MAX_FORKS};
 use crab_api::{SandboxId, SandboxSelector, SnapshotName};
+use futures_util::StreamExt;
 use tracing::Instrument;
 
 use super::versions::movable_files;
 use super::work::{blocking_io, detached, unix_ms};
 use super::{ApiError, Daemon};
 use crate::containerd::{ContainerTemplate, Containerd};
+
+/// How many forks of one `forks` call are made at once: each copies files
+/// and waits on containerd and CRIU, so a few overlap well even on two
+/// cores.
+const PARALLEL: usize = 4;
+
+/// A sandbox [`Daemon::start_copy`] made.
+pub(super) struct Copied {
+    /// Its init's pid on the host.
+    pub pid: u32,
+    /// The disk its files took.
+    pub bytes: u64,
+}
 
 /// Where a copy's files come from: a snapshot of a sandbox's store.
 pub(super) struct FilesFrom {
@@ -57,13 +73,85 @@ impl Daemon {
                 };
                 let pid = d
                     .start_copy(&containerd, &template, &new_id, &images, from)
-                    .await?;
+                    .await?
+                    .pid;
                 let total_ms = started.elapsed().as_secs_f64() * 1e3;
                 tracing::info!(fork = %new_id, pid, elapsed_ms = total_ms, "forked");
                 Ok(ForkReport {
                     id: new_id,
                     pid,
                     version: number,
+                    total_ms,
+                })
+            }
+            .instrument(span),
+        )
+        .await
+    }
+
+    /// Starts `req.count` new sandboxes from version `req.version` of
+    /// sandbox `sel`, [`PARALLEL`] at a time; one that fails leaves nothing
+    /// and does not stop the others.
+    pub(super) async fn forks(
+        self: &Arc<Self>,
+        sel: &SandboxSelector,
+        req: ForksRequest,
+    ) -> Result<ForksReport, ApiError> {
+        if !(1..=MAX_FORKS).contains(&req.count) {
+            return Err(ApiError::BadRequest {
+                reason: format!("a fork count is 1 to {MAX_FORKS}, not {}", req.count),
+            });
+        }
+        let reg = self.registry.find(sel)?.registration;
+        let d = self.clone();
+        let span = tracing::info_span!("forks", sandbox = %reg.id, version = %req.version, count = req.count);
+        detached(
+            async move {
+                let busy = d.busy(&reg.id);
+                let _one_at_a_time = busy.lock().await;
+                let started = Instant::now();
+                let (version, images) = d.restorable(&reg.id, req.version).await?;
+                let number = version.record.version;
+                let fs = movable_files(&version.record)?;
+                let prefix = match req.prefix {
+                    Some(prefix) => prefix,
+                    None => SandboxId::new(format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000))?,
+                };
+                let ids = (1..=req.count)
+                    .map(|i| SandboxId::new(format!("{prefix}-{i}")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if let Some(taken) = ids.iter().find(|id| d.registry.get(id).is_some()) {
+                    return Err(ApiError::SandboxExists { id: taken.clone() });
+                }
+                let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
+                let template = containerd.template(reg.id.as_str()).await?;
+                let one = |new_id: SandboxId| {
+                    let (d, containerd, template, images) = (&d, &containerd, &template, &images);
+                    let from = FilesFrom {
+                        sandbox: reg.id.clone(),
+                        name: fs.name.clone(),
+                    };
+                    async move {
+                        let made = d.start_copy(containerd, template, &new_id, images, from).await;
+                        ForkOutcome {
+                            pid: made.as_ref().ok().map(|c| c.pid),
+                            bytes: made.as_ref().map_or(0, |c| c.bytes),
+                            error: made.err().map(|e| crab_api::error_chain(&e)),
+                            total_ms: started.elapsed().as_secs_f64() * 1e3,
+                            id: new_id,
+                        }
+                    }
+                };
+                let forks: Vec<ForkOutcome> = futures_util::stream::iter(ids.into_iter().map(one))
+                    .buffered(PARALLEL)
+                    .collect()
+                    .await;
+                let made = forks.iter().filter(|f| f.error.is_none()).count();
+                let total_ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(made, failed = forks.len() - made, elapsed_ms = total_ms, "forked");
+                Ok(ForksReport {
+                    version: number,
+                    forks,
                     total_ms,
                 })
             }
@@ -82,7 +170,7 @@ impl Daemon {
         new_id: &SandboxId,
         images: &Path,
         files: FilesFrom,
-    ) -> Result<u32, ApiError> {
+    ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
         let made = containerd.create_from(template, new_id.as_str(), images).await?;
         let upper = made.upper.clone();
@@ -93,11 +181,16 @@ impl Daemon {
             if let Err(e) = std::fs::remove_dir(&upper) {
                 tracing::debug!(error = %e, "remove the new, empty upper directory");
             }
-            d.files.clone_into(&files.sandbox, &files.name, &to, &upper)
+            d.files.clone_into(&files.sandbox, &files.name, &to, &upper)?;
+            Ok(disk_usage(&upper))
         })
         .await;
         let started = match copied {
-            Ok(()) => containerd.start(&made).await.map_err(ApiError::from),
+            Ok(bytes) => containerd
+                .start(&made)
+                .await
+                .map(|pid| Copied { pid, bytes })
+                .map_err(ApiError::from),
             Err(e) => Err(e),
         };
         if started.is_err() {
@@ -111,4 +204,31 @@ impl Daemon {
         }
         started
     }
+}
+
+/// The disk the files under `dir` take (allocated blocks, links not
+/// followed, each inode once); what cannot be read counts nothing.
+fn disk_usage(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    let mut todo = vec![dir.to_owned()];
+    let mut bytes = 0;
+    while let Some(path) = todo.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if seen.insert((meta.dev(), meta.ino())) {
+            bytes += meta.blocks() * 512;
+        }
+        if meta.is_dir() {
+            todo.extend(
+                std::fs::read_dir(&path)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    bytes
 }

@@ -186,6 +186,7 @@ async fn make_and_start(
         };
         d.start_copy(&containerd, &template, new_id, &images_dir, from)
             .await
+            .map(|copied| copied.pid)
     }
     .await;
     let pid = match started_copy {

@@ -144,6 +144,30 @@ async fn bad_input_is_refused_before_anything_is_done() {
             r#"{"version":1,"name":"../x"}"#,
             StatusCode::BAD_REQUEST,
         ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/forks",
+            r#"{"version":1,"count":0}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/forks",
+            r#"{"version":1,"count":10000}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/forks",
+            r#"{"version":1,"count":2,"prefix":"../x"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/sandboxes/s1/forks",
+            r#"{"version":1}"#,
+            StatusCode::BAD_REQUEST,
+        ),
         ("GET", "/v1/nothing", "", StatusCode::NOT_FOUND),
     ] {
         let (status, error) = check(&d, method, path, body).await;
