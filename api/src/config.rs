@@ -55,6 +55,11 @@ pub struct CrabdConfig {
     /// Seconds between two looks at stopped sandboxes, whose history goes
     /// once containerd has removed their container.
     pub gc_interval_secs: u64,
+    /// On SIGTERM, drain first (see `crabctl drain`) with this grace in
+    /// seconds; 0: stop at once.
+    pub drain_grace_secs: u64,
+    /// Where that drain exports each sandbox; empty: no export.
+    pub drain_export_dir: PathBuf,
     /// The host's checkpoint queue (`[crabd.schedule]`).
     pub schedule: ScheduleConfig,
 }

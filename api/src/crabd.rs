@@ -270,6 +270,53 @@ pub struct ForkOutcome {
     pub error: Option<String>,
 }
 
+/// The longest grace a drain takes, in seconds.
+pub const MAX_DRAIN_GRACE_SECS: u64 = 3600;
+
+/// `POST /v1/drain`: the host is going away (a spot instance reclaimed, a
+/// node drained): make every running sandbox durable within the grace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    /// Seconds until the host goes, 1 to [`MAX_DRAIN_GRACE_SECS`].
+    pub grace_secs: u64,
+    /// An absolute directory to export each sandbox's new version to
+    /// (`<id>.crab`, 0600; made 0700 if absent), to import on another host.
+    #[serde(default)]
+    pub export_dir: Option<PathBuf>,
+}
+
+/// What a drain made of each running sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainReport {
+    /// Each running sandbox, in the order their checkpoints were queued
+    /// (smallest expected first, so most are made within the grace).
+    pub sandboxes: Vec<DrainOutcome>,
+    /// The grace it had, in seconds.
+    pub grace_secs: u64,
+    /// The whole drain, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// One sandbox of a [`DrainReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainOutcome {
+    /// The sandbox.
+    pub id: SandboxId,
+    /// Whether it was made durable (and exported, if asked) within the
+    /// grace.
+    pub made: bool,
+    /// The version made for it.
+    pub version: Option<u64>,
+    /// From the drain's start to its version being durable, in ms.
+    pub durable_ms: Option<f64>,
+    /// The archive written for it.
+    pub archive: Option<PathBuf>,
+    /// From the drain's start to its archive being written, in ms.
+    pub exported_ms: Option<f64>,
+    /// Why it was not made (the whole error chain, or the grace ran out).
+    pub error: Option<String>,
+}
+
 /// A sandbox made from an archive.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImportReport {

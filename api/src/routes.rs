@@ -21,6 +21,7 @@
 //! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
 //! | GET | [`EXPORT`] | → a tar archive |
 //! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
+//! | POST | [`DRAIN`] | `DrainRequest` → `DrainReport` (one at a time) |
 //! | GET | [`METRICS`] | → Prometheus text |
 //!
 //! `{sel}` is what a person typed ([`crate::SandboxSelector`]: an id or a
@@ -68,6 +69,8 @@ pub const VERSION: &str = "/v1/sandboxes/{sel}/versions/{version}";
 pub const EXPORT: &str = "/v1/sandboxes/{sel}/versions/{version}/export";
 /// A new sandbox from an archive.
 pub const IMPORT: &str = "/v1/import";
+/// Make every running sandbox durable before the host goes.
+pub const DRAIN: &str = "/v1/drain";
 /// The host listener's prefix for a sandbox's LLM proxy.
 pub const HOST_PROXY_PREFIX: &str = "/s/";
 /// crabd's metrics, in the Prometheus text format.
@@ -92,6 +95,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (VERSION, &["delete"]),
     (EXPORT, &["get"]),
     (IMPORT, &["post"]),
+    (DRAIN, &["post"]),
     (METRICS, &["get"]),
 ];
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use crab_api::crabd::{
-    ForkRequest, ForksRequest, ImportQuery, RollbackRequest, TurnReport, VersionView, WatchStarted, MAX_FORKS,
+    DrainRequest, ForkRequest, ForksRequest, ImportQuery, RollbackRequest, TurnReport, VersionView,
+    WatchStarted, MAX_DRAIN_GRACE_SECS, MAX_FORKS,
 };
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
@@ -100,6 +101,17 @@ enum Command {
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_FORKS)))]
         count: Option<u32>,
     },
+    /// The host is going away: make every running sandbox durable within
+    /// the grace (the cheapest first) and export each to a directory, to
+    /// import elsewhere. Exits 1 if any was missed.
+    Drain {
+        /// Seconds until the host goes (1 to 3600).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_DRAIN_GRACE_SECS))]
+        grace: u64,
+        /// Where each sandbox's archive goes (`<id>.crab`); made 0700.
+        #[arg(long)]
+        export: Option<PathBuf>,
+    },
     /// Write a version as one archive, to start it on another host.
     Export {
         /// Container id, or a unique prefix of one.
@@ -183,6 +195,15 @@ enum RunError {
         sandbox: SandboxId,
         /// Whether its shim serves a proxy at all.
         has_proxy: bool,
+    },
+    /// A local step failed.
+    #[error("cannot {what}")]
+    Local {
+        /// The step.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -340,6 +361,54 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                     r.id, r.version, r.pid, r.total_ms
                 )
             });
+        }
+        Command::Drain { grace, export } => {
+            let dir = match export {
+                // crabd writes there: an absolute path, whatever the caller's cwd.
+                Some(dir) => Some(std::path::absolute(dir).map_err(|source| RunError::Local {
+                    what: "resolve the export directory",
+                    source,
+                })?),
+                None => None,
+            };
+            let req = DrainRequest {
+                grace_secs: *grace,
+                export_dir: dir,
+            };
+            // The drain answers within its grace: wait that long at least.
+            let wait = Duration::from_secs(cli.timeout.max(grace + 60));
+            let r = Crabd::new(&cli.socket, wait).drain(&req).await?;
+            print(cli.json, &r, || {
+                let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
+                let rows = r.sandboxes.iter().map(|s| {
+                    vec![
+                        s.id.to_string(),
+                        if s.made { "made" } else { "MISSED" }.to_owned(),
+                        s.version.map_or("-".to_owned(), |v| v.to_string()),
+                        ms(s.durable_ms),
+                        ms(s.exported_ms),
+                        match (&s.archive, &s.error) {
+                            (_, Some(e)) => e.clone(),
+                            (Some(a), None) => a.display().to_string(),
+                            (None, None) => String::new(),
+                        },
+                    ]
+                });
+                let made = r.sandboxes.iter().filter(|s| s.made).count();
+                format!(
+                    "{}{made} of {} sandboxes durable within {} s ({:.0} ms)\n",
+                    table::render(
+                        &["SANDBOX", "", "VERSION", "DURABLE MS", "EXPORTED MS", "ARCHIVE"],
+                        rows
+                    ),
+                    r.sandboxes.len(),
+                    r.grace_secs,
+                    r.total_ms
+                )
+            });
+            if r.sandboxes.iter().any(|s| !s.made) {
+                std::process::exit(1);
+            }
         }
         Command::Export {
             sandbox,

@@ -29,6 +29,7 @@ use crate::{StoreError, VersionStore};
 mod admit;
 mod checkpoint;
 mod disk_probe;
+mod drain;
 mod error;
 mod export;
 mod files;
@@ -101,6 +102,8 @@ pub struct Daemon {
     turns: turn_end::TurnQueue,
     /// What crabd counts.
     metrics: Arc<metrics::Metrics>,
+    /// Held by the one drain that may run.
+    draining: Arc<tokio::sync::Mutex<()>>,
 }
 
 // === impl Daemon ===
@@ -151,6 +154,7 @@ impl Daemon {
             lifecycle: tokio::sync::Mutex::new(()),
             proxy_port: None,
             inspection: Inspection::new(None),
+            draining: Arc::new(tokio::sync::Mutex::new(())),
         })
     }
 
@@ -235,9 +239,9 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
         tracing::warn!(path = %pid_file.display(), error = %e, "write pid file");
     }
     tracing::info!(socket = %socket.display(), root = %daemon.config.root.display(), "crabd serving");
-    let app = daemon.router();
+    let app = daemon.clone().router();
     let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown())
+        .with_graceful_shutdown(drain_then_stop(daemon.clone()))
         .await
         .map_err(|source| DaemonError::Io {
             op: "serve",
@@ -305,6 +309,29 @@ async fn bind(socket: &std::path::Path) -> Result<tokio::net::UnixListener, Daem
     let listener = tokio::net::UnixListener::bind(socket).map_err(|e| io("bind", e))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| io("chmod", e))?;
     Ok(listener)
+}
+
+/// Resolves on SIGTERM or SIGINT, after the drain `[crabd]
+/// drain_grace_secs` asks for (crabd serves on while it runs).
+async fn drain_then_stop(daemon: Arc<Daemon>) {
+    shutdown().await;
+    let grace_secs = daemon.config.drain_grace_secs;
+    if grace_secs == 0 {
+        return;
+    }
+    let dir = &daemon.config.drain_export_dir;
+    let req = crab_api::crabd::DrainRequest {
+        grace_secs,
+        export_dir: (!dir.as_os_str().is_empty()).then(|| dir.clone()),
+    };
+    match daemon.drain(req).await {
+        Ok(report) => {
+            for s in &report.sandboxes {
+                tracing::warn!(sandbox = %s.id, made = s.made, version = s.version, error = s.error.as_deref(), "drain at stop");
+            }
+        }
+        Err(e) => tracing::error!(error = %crab_api::error_chain(&e), "drain at stop failed"),
+    }
 }
 
 async fn shutdown() {

@@ -9,10 +9,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, ErrorBody, ErrorCode, ForkOutcome, ForkReport, ForkRequest,
-    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
-    WatchStarted,
+    CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
+    ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, ImportQuery, ImportReport,
+    Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered,
+    TurnEnd, TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -69,6 +69,9 @@ const SCHEMAS: &[&str] = &[
     "ForksRequest",
     "ForksReport",
     "ForkOutcome",
+    "DrainRequest",
+    "DrainReport",
+    "DrainOutcome",
     "ImportQuery",
     "ImportReport",
     "VersionView",
@@ -448,6 +451,7 @@ fn the_helpers_find_each_routes_messages() {
         ("delete", routes::VERSION, None, Some("RemovalReport")),
         ("post", routes::FORK, Some("ForkRequest"), Some("ForkReport")),
         ("post", routes::FORKS, Some("ForksRequest"), Some("ForksReport")),
+        ("post", routes::DRAIN, Some("DrainRequest"), Some("DrainReport")),
         ("post", routes::TURN, None, Some("TurnReport")),
         ("get", routes::WATCH, None, Some("WatchLine")),
         ("get", routes::EXPORT, None, None),
@@ -764,6 +768,42 @@ fn rollbacks_forks_and_imports() {
             total_ms: 1_000.0,
         },
     );
+    for export_dir in [None, Some("/var/lib/crab/drain".into())] {
+        assert_valid(
+            "DrainRequest",
+            &DrainRequest {
+                grace_secs: 30,
+                export_dir,
+            },
+        );
+    }
+    assert_valid(
+        "DrainReport",
+        &DrainReport {
+            sandboxes: vec![
+                DrainOutcome {
+                    id: id("web-1"),
+                    made: true,
+                    version: Some(4),
+                    durable_ms: Some(180.5),
+                    archive: Some("/var/lib/crab/drain/web-1.crab".into()),
+                    exported_ms: Some(420.0),
+                    error: None,
+                },
+                DrainOutcome {
+                    id: id("web-2"),
+                    made: false,
+                    version: None,
+                    durable_ms: None,
+                    archive: None,
+                    exported_ms: None,
+                    error: Some("not durable within the grace of 30s".into()),
+                },
+            ],
+            grace_secs: 30,
+            total_ms: 30_000.0,
+        },
+    );
     assert_valid(
         "ImportReport",
         &ImportReport {
@@ -935,6 +975,7 @@ fn what_the_types_refuse_the_spec_refuses() {
     // A fork count out of range: crabd answers 400 (the types take it).
     assert_invalid("ForksRequest", json!({"version": 1, "count": 0}));
     assert_invalid("ForksRequest", json!({"version": 1, "count": 10_000}));
+    assert_invalid("DrainRequest", json!({"grace_secs": 0}));
     // A SandboxInfo is its registration and more: either missing fails.
     let info = to_json(&sandbox_infos()[0]);
     for field in ["id", "running", "fs_backend", "latest"] {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use super::{ClientError, UnixClient};
 use crate::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ForksReport, ForksRequest,
-    ImportQuery, ImportReport, Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest,
-    SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
+    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
+    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -121,6 +121,11 @@ impl Crabd {
     /// Starts `req.count` new sandboxes from one version of sandbox `sel`.
     pub async fn forks(&self, sel: &SandboxSelector, req: &ForksRequest) -> Result<ForksReport, ClientError> {
         self.http.post(&routes::forks(sel), req).await
+    }
+
+    /// Makes every running sandbox durable (and exported) within a grace.
+    pub async fn drain(&self, req: &DrainRequest) -> Result<DrainReport, ClientError> {
+        self.http.post(routes::DRAIN, req).await
     }
 
     /// Ends sandbox `sel`'s current inspector turn by hand.

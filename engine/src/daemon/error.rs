@@ -139,6 +139,9 @@ pub enum ApiError {
         #[source]
         source: std::io::Error,
     },
+    /// Another drain is running.
+    #[error("a drain is running already: wait for its report")]
+    DrainRunning,
     /// A turn end got no version: a rollback came first.
     #[error("turn {turn} of sandbox {id} has no version: {why}")]
     Superseded {
@@ -250,6 +253,7 @@ impl ApiError {
                 _ => ErrorCode::Shim,
             },
             ApiError::Superseded { .. } => ErrorCode::Superseded,
+            ApiError::DrainRunning => ErrorCode::Busy,
             ApiError::TooManyTurns { .. } | ApiError::HeadMoved { .. } => ErrorCode::Busy,
             ApiError::Shared(e) => e.code(),
             ApiError::Io { .. } | ApiError::Worker(_) => ErrorCode::Internal,

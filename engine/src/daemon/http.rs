@@ -13,9 +13,9 @@ use axum::response::Response;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, ForkReport, ForkRequest, ForksReport, ForksRequest,
-    ImportQuery, ImportReport, Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest,
-    SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
+    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
+    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
 };
 use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use serde::de::DeserializeOwned;
@@ -38,6 +38,7 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::RECOVER, post(recover))
         .route(routes::FORK, post(fork))
         .route(routes::FORKS, post(forks))
+        .route(routes::DRAIN, post(drain))
         .route(routes::TURN, post(turn))
         .route(routes::WATCH, get(watch))
         .route(routes::EXPORT, get(export))
@@ -179,6 +180,11 @@ async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes
 async fn forks(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes) -> Reply<ForksReport> {
     let req: ForksRequest = parse(&body)?;
     d.forks(&selector(&sel)?, req).await.map(Json)
+}
+
+async fn drain(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<DrainReport> {
+    let req: DrainRequest = parse(&body)?;
+    d.drain(req).await.map(Json)
 }
 
 async fn turn(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<TurnReport> {

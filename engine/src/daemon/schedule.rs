@@ -137,6 +137,19 @@ impl Scheduler {
         rx.await.expect("a queued job is always given its slot")
     }
 
+    /// How long a capture of `sandbox` should take: its last capture's
+    /// bytes (else the host's average) over the byte budget (else over
+    /// `fallback_rate` bytes per second).
+    pub(super) fn expected_cost(&self, sandbox: &SandboxId, fallback_rate: f64) -> Duration {
+        let s = self.state.lock();
+        let bytes = match s.last_bytes.get(sandbox) {
+            Some(b) => *b as f64,
+            None => s.avg_bytes.unwrap_or(0.0),
+        };
+        let rate = self.shape.bytes_per_sec.unwrap_or(fallback_rate);
+        Duration::from_secs_f64(bytes / rate)
+    }
+
     /// Promotes `sandbox`'s queued job, if it has one: its turn's answer
     /// arrived and waits on it. Returns whether one was queued.
     pub(super) fn promote(self: &Arc<Self>, sandbox: &SandboxId) -> bool {

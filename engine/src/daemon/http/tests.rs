@@ -168,12 +168,50 @@ async fn bad_input_is_refused_before_anything_is_done() {
             r#"{"version":1}"#,
             StatusCode::BAD_REQUEST,
         ),
+        (
+            "POST",
+            "/v1/drain",
+            r#"{"grace_secs":0}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/drain",
+            r#"{"grace_secs":99999}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/drain",
+            r#"{"grace_secs":5,"export_dir":"out"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/drain",
+            r#"{"grace_secs":5,"export_dir":"/tmp/../etc"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
         ("GET", "/v1/nothing", "", StatusCode::NOT_FOUND),
     ] {
         let (status, error) = check(&d, method, path, body).await;
         assert_eq!(status, expected, "{method} {path}: {error}");
         assert!(!error.is_empty(), "{method} {path} answers why");
     }
+}
+
+#[tokio::test]
+async fn one_drain_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &[]);
+    let running = d.draining.clone().try_lock_owned().expect("no drain yet");
+    let (status, error) = check(&d, "POST", "/v1/drain", r#"{"grace_secs":5}"#).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert!(error.contains("drain is running"), "{error}");
+    drop(running);
+    // Nothing runs: an empty report.
+    let (status, error) = check(&d, "POST", "/v1/drain", r#"{"grace_secs":5}"#).await;
+    assert_eq!(status, StatusCode::OK, "{error}");
 }
 
 #[tokio::test]
