@@ -270,6 +270,26 @@ pub struct ForkOutcome {
     pub error: Option<String>,
 }
 
+/// `POST /v1/sandboxes/{sel}/resume`: start a sandbox whose task died with
+/// its host (or its shim) again, in its own container, from a version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeRequest {
+    /// The version (default: its head, else its newest valid one).
+    #[serde(default)]
+    pub version: Option<VersionSel>,
+}
+
+/// What a resume did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResumeReport {
+    /// The version it runs from.
+    pub version: u64,
+    /// Its new init's pid on the host.
+    pub pid: u32,
+    /// The whole resume, in milliseconds.
+    pub total_ms: f64,
+}
+
 /// The longest grace a drain takes, in seconds.
 pub const MAX_DRAIN_GRACE_SECS: u64 = 3600;
 

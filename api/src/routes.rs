@@ -21,6 +21,7 @@
 //! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
 //! | GET | [`EXPORT`] | → a tar archive |
 //! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
+//! | POST | [`RESUME`] | `ResumeRequest` → `ResumeReport` (a sandbox whose task died) |
 //! | POST | [`DRAIN`] | `DrainRequest` → `DrainReport` (one at a time) |
 //! | GET | [`METRICS`] | → Prometheus text |
 //!
@@ -69,6 +70,8 @@ pub const VERSION: &str = "/v1/sandboxes/{sel}/versions/{version}";
 pub const EXPORT: &str = "/v1/sandboxes/{sel}/versions/{version}/export";
 /// A new sandbox from an archive.
 pub const IMPORT: &str = "/v1/import";
+/// Start a sandbox whose task died again, from a version.
+pub const RESUME: &str = "/v1/sandboxes/{sel}/resume";
 /// Make every running sandbox durable before the host goes.
 pub const DRAIN: &str = "/v1/drain";
 /// The host listener's prefix for a sandbox's LLM proxy.
@@ -95,6 +98,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (VERSION, &["delete"]),
     (EXPORT, &["get"]),
     (IMPORT, &["post"]),
+    (RESUME, &["post"]),
     (DRAIN, &["post"]),
     (METRICS, &["get"]),
 ];
@@ -160,6 +164,11 @@ pub fn rollback(sel: &dyn Display) -> String {
 /// [`FORK`] for `sel`.
 pub fn fork(sel: &dyn Display) -> String {
     fill(FORK, sel, None)
+}
+
+/// [`RESUME`] for `sel`.
+pub fn resume(sel: &dyn Display) -> String {
+    fill(RESUME, sel, None)
 }
 
 /// [`FORKS`] for `sel`.

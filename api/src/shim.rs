@@ -15,6 +15,12 @@ use crate::{FsSnapshot, SnapshotName};
 /// directory instead of running the spec's process.
 pub const RESTORE_ANNOTATION: &str = "io.crab.restore.images";
 
+/// Spec annotation beside [`RESTORE_ANNOTATION`] with which crabd resumes
+/// a sandbox in its own container (`crabctl resume`): where the restored
+/// version stands in the conversation ([`ConversationAt`] as JSON). The
+/// shim then keeps the sandbox's transcript and fast-forwards its agent.
+pub const CONVERSATION_ANNOTATION: &str = "io.crab.restore.conversation";
+
 /// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimCheckpoint {

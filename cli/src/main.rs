@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use crab_api::crabd::{
-    DrainRequest, ForkRequest, ForksRequest, ImportQuery, RollbackRequest, TurnReport, VersionView,
-    WatchStarted, MAX_DRAIN_GRACE_SECS, MAX_FORKS,
+    DrainRequest, ForkRequest, ForksRequest, ImportQuery, ResumeRequest, RollbackRequest, TurnReport,
+    VersionView, WatchStarted, MAX_DRAIN_GRACE_SECS, MAX_FORKS,
 };
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
@@ -71,6 +71,15 @@ enum Command {
         /// loses the sandbox's processes instead of putting it back.
         #[arg(long)]
         no_undo: bool,
+    },
+    /// Start a sandbox whose task died with its host (or its shim) again,
+    /// in its own container, from a version: its files, its processes
+    /// and its conversation as they were then.
+    Resume {
+        /// Container id, or a unique prefix of one.
+        sandbox: SandboxSelector,
+        /// A version number, or `latest` (default: the sandbox's head).
+        version: Option<VersionSel>,
     },
     /// End a sandbox's current turn by hand: make its version and print
     /// what it changed (`none`, `fs`, `proc` or `full`, and why).
@@ -286,6 +295,17 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 format!(
                     "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",
                     r.version, r.pid, r.restore_ms, r.total_ms
+                )
+            });
+        }
+        Command::Resume { sandbox, version } => {
+            let r = crabd
+                .resume(sandbox, &ResumeRequest { version: *version })
+                .await?;
+            print(cli.json, &r, || {
+                format!(
+                    "{sandbox} runs again from version {}: pid {}, {:.1} ms\n",
+                    r.version, r.pid, r.total_ms
                 )
             });
         }

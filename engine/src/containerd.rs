@@ -1,24 +1,26 @@
 //! What crabd asks of containerd: a new container and task shaped like an
-//! existing one, whose init is restored from a checkpoint (a fork), and the
-//! cleanup when that fails.
+//! existing one, whose init is restored from a checkpoint (a fork), a new
+//! task of a container whose task died, restored the same way (a resume),
+//! and the cleanup when that fails.
 
 use std::path::{Path, PathBuf};
 
 use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::snapshots::{
-    PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
+    MountsRequest, PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
 };
 use containerd_client::services::v1::{
     Container, CreateContainerRequest, CreateTaskRequest, DeleteContainerRequest, DeleteTaskRequest,
-    GetContainerRequest, StartRequest,
+    GetContainerRequest, GetRequest, StartRequest, UpdateContainerRequest,
 };
 use containerd_client::tonic::{Request, Status};
+use containerd_client::types::v1::Status as TaskStatus;
 use containerd_client::types::Mount;
 use containerd_client::{with_namespace, Client};
 
 use serde::{Deserialize, Serialize};
 
-use crab_api::shim::RESTORE_ANNOTATION;
+use crab_api::shim::{ConversationAt, CONVERSATION_ANNOTATION, RESTORE_ANNOTATION};
 
 /// What talking to containerd can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -265,6 +267,151 @@ impl Containerd {
             });
         }
         Ok(made)
+    }
+
+    /// Container `id` as it is after its task died (the host or its shim
+    /// went): its dead task deleted, its writable layer's mounts found.
+    /// Refused while its task runs.
+    pub async fn resumable(&self, id: &str) -> Result<NewContainer, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let call = |call| move |status| ContainerdError::Call { call, status };
+        let container = self.container(id).await?;
+        let task = self
+            .client
+            .tasks()
+            .get(with_namespace!(
+                GetRequest {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                },
+                ns
+            ))
+            .await;
+        match task {
+            Ok(t) => {
+                let status = t.into_inner().process.map_or(0, |p| p.status);
+                if status == TaskStatus::Running as i32 || status == TaskStatus::Paused as i32 {
+                    return Err(unforkable(id, "its task runs: roll it back instead"));
+                }
+                self.client
+                    .tasks()
+                    .delete(with_namespace!(
+                        DeleteTaskRequest {
+                            container_id: id.to_owned()
+                        },
+                        ns
+                    ))
+                    .await
+                    .map_err(call("delete the dead task"))?;
+            }
+            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
+            Err(status) => return Err(call("get task")(status)),
+        }
+        if container.snapshot_key.is_empty() {
+            return Err(unforkable(id, "its rootfs is not a containerd snapshot"));
+        }
+        let mounts = self
+            .client
+            .snapshots()
+            .mounts(with_namespace!(
+                MountsRequest {
+                    snapshotter: container.snapshotter.clone(),
+                    key: container.snapshot_key.clone(),
+                },
+                ns
+            ))
+            .await
+            .map_err(call("snapshot mounts"))?
+            .into_inner()
+            .mounts;
+        let upper = overlay_upper(&mounts).ok_or_else(|| {
+            unforkable(
+                id,
+                "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
+            )
+        })?;
+        Ok(NewContainer {
+            id: id.to_owned(),
+            snapshotter: container.snapshotter,
+            mounts,
+            upper,
+        })
+    }
+
+    /// Sets (or, with `None`, removes) the annotations with which the shim
+    /// restores container `id`'s init at Start from `images`, where
+    /// `conversation` says the sandbox's conversation stands.
+    pub async fn set_restore(
+        &self,
+        id: &str,
+        restore: Option<(&Path, Option<&ConversationAt>)>,
+    ) -> Result<(), ContainerdError> {
+        let ns = self.namespace.as_str();
+        let mut container = self.container(id).await?;
+        let any = container
+            .spec
+            .as_mut()
+            .ok_or_else(|| unforkable(id, "it has no spec"))?;
+        let mut spec: serde_json::Value = serde_json::from_slice(&any.value)
+            .map_err(|e| unforkable(id, &format!("its spec is not JSON: {e}")))?;
+        let annotations = spec
+            .as_object_mut()
+            .ok_or_else(|| unforkable(id, "its spec is not an object"))?
+            .entry("annotations")
+            .or_insert_with(|| serde_json::json!({}));
+        let Some(annotations) = annotations.as_object_mut() else {
+            return Err(unforkable(id, "its spec's annotations are not an object"));
+        };
+        match restore {
+            Some((images, at)) => {
+                annotations.insert(RESTORE_ANNOTATION.into(), images.to_string_lossy().into());
+                match at {
+                    Some(at) => {
+                        let at = serde_json::to_string(at).expect("a position always serializes");
+                        annotations.insert(CONVERSATION_ANNOTATION.into(), at.into())
+                    }
+                    None => annotations.remove(CONVERSATION_ANNOTATION),
+                };
+            }
+            None => {
+                annotations.remove(RESTORE_ANNOTATION);
+                annotations.remove(CONVERSATION_ANNOTATION);
+            }
+        }
+        any.value = serde_json::to_vec(&spec).expect("a spec always serializes");
+        // No mask: every field is as it was but the spec.
+        self.client
+            .containers()
+            .update(with_namespace!(
+                UpdateContainerRequest {
+                    container: Some(container),
+                    update_mask: None,
+                },
+                ns
+            ))
+            .await
+            .map_err(|status| ContainerdError::Call {
+                call: "update container",
+                status,
+            })?;
+        Ok(())
+    }
+
+    async fn container(&self, id: &str) -> Result<Container, ContainerdError> {
+        self.client
+            .containers()
+            .get(with_namespace!(
+                GetContainerRequest { id: id.to_owned() },
+                self.namespace.as_str()
+            ))
+            .await
+            .map_err(|status| ContainerdError::Call {
+                call: "get container",
+                status,
+            })?
+            .into_inner()
+            .container
+            .ok_or_else(|| unforkable(id, "containerd has no record of it"))
     }
 
     /// Creates and starts the task of `c` (no stdio, like `ctr run -d`);

@@ -41,6 +41,7 @@ mod import;
 mod inspect;
 mod metrics;
 mod registry;
+mod resume;
 mod rollback;
 mod sandboxes;
 mod schedule;
@@ -232,6 +233,14 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let stop_host = tokio_util::sync::CancellationToken::new();
     let host_task =
         host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
+    if daemon.config.resume_on_boot {
+        // What ran when crabd last knew: gc marks the dead ones stopped soon.
+        let known = daemon.registry.running();
+        tokio::spawn({
+            let daemon = daemon.clone();
+            async move { daemon.resume_on_boot(known).await }
+        });
+    }
     let gc_task = tokio::spawn(gc::collect(daemon.clone()));
     let metrics_task = serve_metrics(&daemon).await;
     let pid_file = daemon.config.root.join("crabd.pid");

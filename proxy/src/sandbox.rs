@@ -17,14 +17,14 @@ use crate::config::ProxyConfig;
 use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{max_branch, Replay, ReplayError};
+use crate::replay::{conversation, max_branch, Replay, ReplayError};
 use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
 use crate::shared::Shared;
 use crate::side_call::SideCalls;
 use crate::stats::SandboxStats;
 use crate::tee::Tee;
-use crate::transcript::read_entries;
+use crate::transcript::{read_entries, BranchRecord, Entry};
 use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
 use crate::{Error, ProxyBody, SandboxId};
@@ -123,6 +123,49 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Opens the conversation of a sandbox started again from version `at`
+    /// over its old transcript (a resume after the host or its shim died):
+    /// live turns go on after `at.turn` (on a new branch when the
+    /// transcript has later turns there), and the agent inside, restored
+    /// too, is fast-forwarded as after [`Self::rewind`].
+    ///
+    /// # Errors
+    /// As [`Self::rewind`]; the conversation is then left as it was.
+    pub async fn resume(&self, at: ConversationAt) -> Result<(), Error> {
+        let mut entries = self.durable_entries().await?;
+        let path =
+            conversation(&entries, at.branch).ok_or(ReplayError::UnknownBranch { branch: at.branch })?;
+        let later = path.keys().any(|t| *t > at.turn);
+        let id = self.shared.id.to_string();
+        let (replay, branch) = self.shared.with_turns(|state| {
+            state.max_branch = state.max_branch.max(max_branch(&entries));
+            let mut here = at;
+            let mut branch = None;
+            if later {
+                state.max_branch += 1;
+                let record = BranchRecord {
+                    v: 1,
+                    sandbox: id,
+                    branch: state.max_branch,
+                    parent: at.branch,
+                    after: at.turn,
+                    unix_ms: crate::transcript::unix_ms(),
+                };
+                here.branch = record.branch;
+                entries.push(Entry::Branch(record.clone()));
+                branch = Some(record);
+            }
+            state.branch = here.branch;
+            state.last_turn = at.turn;
+            (Replay::rewind(&entries, here, state), branch)
+        });
+        if let Some(record) = branch {
+            self.shared.transcript.submit(Entry::Branch(record));
+        }
+        self.start(replay?);
+        Ok(())
+    }
+
     /// Drops an armed replay (a restore to a state whose place in the
     /// conversation is unknown): the conversation goes on as it is.
     pub fn cancel_replay(&self) {
@@ -132,7 +175,7 @@ impl Sandbox {
     }
 
     /// Every entry of the transcript, once those submitted so far are on disk.
-    async fn durable_entries(&self) -> Result<Vec<crate::transcript::Entry>, Error> {
+    async fn durable_entries(&self) -> Result<Vec<Entry>, Error> {
         self.flush_transcript().await;
         let path: PathBuf = self.transcript_path().to_owned();
         Ok(read_entries(&path).await.map_err(ReplayError::from)?)

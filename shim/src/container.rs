@@ -51,6 +51,9 @@ pub struct Container {
     /// A process image the init is restored from at Start (a sandbox
     /// forked or imported by crabd), instead of running the spec's process.
     pending_restore: Option<PathBuf>,
+    /// Where that image stands in the sandbox's own conversation, when it
+    /// is resumed in its own container (its transcript goes on).
+    pending_conversation: Option<crab_api::shim::ConversationAt>,
     /// crab-init is mounted in the container (it can be its init).
     init_mounted: bool,
     /// The init is crab-init: the commands it adopted from execs, and the
@@ -134,6 +137,11 @@ impl Container {
                 .as_ref()
                 .and_then(|a| a.get(crab_api::shim::RESTORE_ANNOTATION))
                 .map(PathBuf::from),
+            pending_conversation: spec
+                .annotations()
+                .as_ref()
+                .and_then(|a| a.get(crab_api::shim::CONVERSATION_ANNOTATION))
+                .and_then(|json| serde_json::from_str(json).ok()),
             init_mounted: false,
             adopted: None,
             asked: Vec::new(),
@@ -180,8 +188,16 @@ impl Container {
                     // the agent then meets a refused connection, and the log
                     // says why.
                     let hook = sandbox_proxy::turn_hook(proxy.config, &crate::config::get().crabd);
-                    match SandboxProxy::start(proxy.namespace, &c.id, c.init.pid, plan, proxy.config, hook)
-                        .await
+                    match SandboxProxy::start(
+                        proxy.namespace,
+                        &c.id,
+                        c.init.pid,
+                        plan,
+                        proxy.config,
+                        hook,
+                        None,
+                    )
+                    .await
                     {
                         Ok(p) => c.proxy = Some(p),
                         Err(e) => {

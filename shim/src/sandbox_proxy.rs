@@ -140,7 +140,10 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
 impl SandboxProxy {
     /// Opens the listener in the network namespace of `pid` and serves the
     /// sandbox `id` of containerd namespace `namespace` there and on the
-    /// plan's host socket; `hook` is called at each turn end.
+    /// plan's host socket; `hook` is called at each turn end. A sandbox
+    /// resumed from a version of its own (`resume`: where it stands in the
+    /// conversation) goes on with its transcript; any other starts a new
+    /// one, the old kept aside.
     pub async fn start(
         namespace: &str,
         id: &str,
@@ -148,12 +151,15 @@ impl SandboxProxy {
         plan: ProxyPlan,
         cfg: &ProxyShimConfig,
         hook: Arc<dyn TurnHook>,
+        resume: Option<ConversationAt>,
     ) -> Result<Self> {
         let port = cfg.port;
         let listener = listen_in_sandbox(pid, port).await?;
 
         let dir = cfg.transcript_dir.join(namespace);
-        archive_transcript(&dir, id)?;
+        if resume.is_none() {
+            archive_transcript(&dir, id)?;
+        }
         let transcript = dir.join(format!("{id}.jsonl"));
         let secs = Duration::from_secs;
         let upstream = |u: &str| {
@@ -192,6 +198,13 @@ impl SandboxProxy {
             reason: e.to_string(),
         })?;
         let sandbox = proxy.add_sandbox(sid).await.map_err(proxy_error)?;
+        // Before the listener serves: the restored agent's first request
+        // meets the replay.
+        if let Some(at) = resume {
+            if let Err(e) = sandbox.resume(at).await {
+                tracing::warn!(error = %crab_api::error_chain(&e), "{id}: the conversation starts over: no replay");
+            }
+        }
         let shutdown = CancellationToken::new();
         let netns_shutdown = shutdown.child_token();
         let task = tokio::spawn(crab_proxy::serve_sandbox(

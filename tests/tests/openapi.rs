@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
     ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, ImportQuery, ImportReport,
-    Recovery, Registration, RemovalReport, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered,
-    TurnEnd, TurnReport, VersionView, WatchStarted,
+    Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest, RollbackReport, RollbackRequest,
+    SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -72,6 +72,8 @@ const SCHEMAS: &[&str] = &[
     "DrainRequest",
     "DrainReport",
     "DrainOutcome",
+    "ResumeRequest",
+    "ResumeReport",
     "ImportQuery",
     "ImportReport",
     "VersionView",
@@ -452,6 +454,12 @@ fn the_helpers_find_each_routes_messages() {
         ("post", routes::FORK, Some("ForkRequest"), Some("ForkReport")),
         ("post", routes::FORKS, Some("ForksRequest"), Some("ForksReport")),
         ("post", routes::DRAIN, Some("DrainRequest"), Some("DrainReport")),
+        (
+            "post",
+            routes::RESUME,
+            Some("ResumeRequest"),
+            Some("ResumeReport"),
+        ),
         ("post", routes::TURN, None, Some("TurnReport")),
         ("get", routes::WATCH, None, Some("WatchLine")),
         ("get", routes::EXPORT, None, None),
@@ -766,6 +774,17 @@ fn rollbacks_forks_and_imports() {
                 },
             ],
             total_ms: 1_000.0,
+        },
+    );
+    for version in [None, Some(VersionSel::Latest), Some(VersionSel::Number(2))] {
+        assert_valid("ResumeRequest", &ResumeRequest { version });
+    }
+    assert_valid(
+        "ResumeReport",
+        &ResumeReport {
+            version: 2,
+            pid: 7_001,
+            total_ms: 380.5,
         },
     );
     for export_dir in [None, Some("/var/lib/crab/drain".into())] {

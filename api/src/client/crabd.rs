@@ -9,7 +9,8 @@ use super::{ClientError, UnixClient};
 use crate::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
     ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
+    TurnReport, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -121,6 +122,15 @@ impl Crabd {
     /// Starts `req.count` new sandboxes from one version of sandbox `sel`.
     pub async fn forks(&self, sel: &SandboxSelector, req: &ForksRequest) -> Result<ForksReport, ClientError> {
         self.http.post(&routes::forks(sel), req).await
+    }
+
+    /// Starts sandbox `sel`, whose task died, again from a version.
+    pub async fn resume(
+        &self,
+        sel: &SandboxSelector,
+        req: &ResumeRequest,
+    ) -> Result<ResumeReport, ClientError> {
+        self.http.post(&routes::resume(sel), req).await
     }
 
     /// Makes every running sandbox durable (and exported) within a grace.

@@ -15,7 +15,8 @@ use axum::{Json, Router};
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
     ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
-    RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
+    TurnReport, VersionView,
 };
 use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use serde::de::DeserializeOwned;
@@ -39,6 +40,7 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::FORK, post(fork))
         .route(routes::FORKS, post(forks))
         .route(routes::DRAIN, post(drain))
+        .route(routes::RESUME, post(resume))
         .route(routes::TURN, post(turn))
         .route(routes::WATCH, get(watch))
         .route(routes::EXPORT, get(export))
@@ -180,6 +182,11 @@ async fn fork(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes
 async fn forks(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes) -> Reply<ForksReport> {
     let req: ForksRequest = parse(&body)?;
     d.forks(&selector(&sel)?, req).await.map(Json)
+}
+
+async fn resume(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Bytes) -> Reply<ResumeReport> {
+    let req: ResumeRequest = parse(&body)?;
+    d.resume(&selector(&sel)?, req).await.map(Json)
 }
 
 async fn drain(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<DrainReport> {

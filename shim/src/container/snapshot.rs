@@ -348,7 +348,17 @@ impl Container {
             return;
         }
         let hook = crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd);
-        match SandboxProxy::start(&namespace, &self.id, self.init.pid, plan, config, hook).await {
+        match SandboxProxy::start(
+            &namespace,
+            &self.id,
+            self.init.pid,
+            plan,
+            config,
+            hook,
+            self.pending_conversation.take(),
+        )
+        .await
+        {
             Ok(p) => self.proxy = Some(p),
             Err(e) => {
                 tracing::error!(error = %crab_api::error_chain(&e), "{}: no LLM proxy after restore", self.id)

@@ -1,0 +1,141 @@
+//! A resume: a sandbox whose task died with its host (or its shim) starts
+//! again in its own container (containerd's and its snapshot reused) from
+//! one of its versions: the version's files replace its writable layer, and
+//! its shim restores the init at Start from the version's process image,
+//! going on with the sandbox's transcript. `[crabd] resume_on_boot` does
+//! this at crabd's start for every sandbox it knew running.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crab_api::crabd::{Registration, ResumeReport, ResumeRequest};
+use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionSel};
+use tracing::Instrument;
+
+use super::files::Files;
+use super::versions::movable_files;
+use super::work::{blocking, blocking_io, detached};
+use super::{ApiError, Daemon};
+use crate::containerd::Containerd;
+
+// === impl Daemon ===
+
+impl Daemon {
+    /// Starts sandbox `sel`, whose task is gone, from `req.version` (else
+    /// its head, else its newest valid version).
+    pub(super) async fn resume(
+        self: &Arc<Self>,
+        sel: &SandboxSelector,
+        req: ResumeRequest,
+    ) -> Result<ResumeReport, ApiError> {
+        let reg = self.registry.find(sel)?.registration;
+        let d = self.clone();
+        let span = tracing::warn_span!("resume", sandbox = %reg.id);
+        detached(
+            async move {
+                let busy = d.busy(&reg.id);
+                let _one_at_a_time = busy.lock().await;
+                d.resume_locked(&reg, req.version).await
+            }
+            .instrument(span),
+        )
+        .await
+    }
+
+    async fn resume_locked(
+        self: &Arc<Self>,
+        reg: &Registration,
+        which: Option<VersionSel>,
+    ) -> Result<ResumeReport, ApiError> {
+        let started = Instant::now();
+        let which = match which {
+            Some(which) => which,
+            None => {
+                let store = self.store.clone();
+                let sid = reg.id.clone();
+                let head = blocking(move || store.head(&sid)).await?;
+                head.map_or(VersionSel::Latest, VersionSel::Number)
+            }
+        };
+        let (version, images) = self.restorable(&reg.id, which).await?;
+        let number = version.record.version;
+        let fs = movable_files(&version.record)?;
+        let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
+        let container = containerd.resumable(reg.id.as_str()).await?;
+        let (files, id, upper) = (self.files.clone(), reg.id.clone(), container.upper.clone());
+        blocking_io(move || replace_upper(&files, &id, &fs.name, &upper)).await?;
+        let conversation = self.conversation_at(&reg.id, &version.record).await;
+        // The restored registration keeps this head: the next version
+        // descends from the version resumed.
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        blocking(move || store.set_head(&sid, Some(number))).await?;
+        containerd
+            .set_restore(reg.id.as_str(), Some((&images, conversation.as_ref())))
+            .await?;
+        let started_task = containerd.start(&container).await;
+        // The annotations served this start only: a later one is afresh.
+        if let Err(e) = containerd.set_restore(reg.id.as_str(), None).await {
+            tracing::warn!(error = %crab_api::error_chain(&e), "the restore annotations stay on the container");
+        }
+        let pid = started_task?;
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::warn!(version = number, pid, elapsed_ms = total_ms, "resumed");
+        Ok(ResumeReport {
+            version: number,
+            pid,
+            total_ms,
+        })
+    }
+
+    /// `[crabd] resume_on_boot`: resumes each of `known` (the sandboxes the
+    /// registry had running when crabd started) whose task is gone; one
+    /// that cannot be is logged and left.
+    pub(super) async fn resume_on_boot(self: &Arc<Self>, known: Vec<Registration>) {
+        for reg in known {
+            let sel = SandboxSelector::from(reg.id.clone());
+            match self.resume(&sel, ResumeRequest { version: None }).await {
+                Ok(r) => {
+                    tracing::warn!(sandbox = %reg.id, version = r.version, pid = r.pid, "resumed at start")
+                }
+                Err(e) => {
+                    tracing::info!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "not resumed at start")
+                }
+            }
+        }
+    }
+}
+
+/// Makes `upper` (the writable layer of sandbox `id`'s container) a copy of
+/// its snapshot `name`. The layer as it was is kept aside until the copy is
+/// whole, and put back if the copy fails; one kept aside by a resume that
+/// crabd did not finish is the layer as it was, and is put back first.
+fn replace_upper(files: &Files, id: &SandboxId, name: &SnapshotName, upper: &Path) -> Result<(), ApiError> {
+    let io = |op| move |source| ApiError::Io { op, source };
+    let file_name = upper
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let aside = upper.with_file_name(format!("{file_name}.crab-resume"));
+    if aside.exists() {
+        if upper.exists() {
+            std::fs::remove_dir_all(upper).map_err(io("remove a half-made writable layer"))?;
+        }
+        std::fs::rename(&aside, upper).map_err(io("put the writable layer back"))?;
+    }
+    std::fs::rename(upper, &aside).map_err(io("set the writable layer aside"))?;
+    match files.clone_into(id, name, id, upper) {
+        Ok(()) => {
+            if let Err(e) = std::fs::remove_dir_all(&aside) {
+                tracing::warn!(sandbox = %id, error = %e, "the old writable layer stays beside the new");
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(upper);
+            std::fs::rename(&aside, upper).map_err(io("put the writable layer back"))?;
+            Err(e)
+        }
+    }
+}
