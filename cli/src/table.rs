@@ -45,7 +45,7 @@ mod tests {
     fn sizes_for_people() {
         assert_eq!(super::size(512), "512 B");
         assert_eq!(super::size(3 * 1024 * 1024 + 400 * 1024), "3.4 MiB");
-        assert_eq!(super::size(u64::MAX), "16384.0 TiB");
+        assert_eq!(super::size(u64::MAX), "16777216.0 TiB");
     }
 
     #[test]

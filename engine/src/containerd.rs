@@ -193,15 +193,17 @@ impl Containerd {
     }
 
     /// Creates container `new_id` from `t` on a fresh writable layer of the
-    /// same parent, with the spec annotated to restore its init from `images`.
+    /// same parent, with the spec annotated to restore its init from `images`
+    /// (and where that stands in the conversation its transcript holds).
     pub async fn create_from(
         &self,
         t: &ContainerTemplate,
         new_id: &str,
         images: &Path,
+        conversation: Option<&ConversationAt>,
     ) -> Result<NewContainer, ContainerdError> {
         let ns = self.namespace.as_str();
-        let spec = fork_spec(t, new_id, images)?;
+        let spec = fork_spec(t, new_id, images, conversation)?;
         let mounts = self
             .client
             .snapshots()
@@ -276,6 +278,30 @@ impl Containerd {
         let ns = self.namespace.as_str();
         let call = |call| move |status| ContainerdError::Call { call, status };
         let container = self.container(id).await?;
+        if container.snapshot_key.is_empty() {
+            return Err(unforkable(id, "its rootfs is not a containerd snapshot"));
+        }
+        let mounts = self
+            .client
+            .snapshots()
+            .mounts(with_namespace!(
+                MountsRequest {
+                    snapshotter: container.snapshotter.clone(),
+                    key: container.snapshot_key.clone(),
+                },
+                ns
+            ))
+            .await
+            .map_err(call("snapshot mounts"))?
+            .into_inner()
+            .mounts;
+        let upper = overlay_upper(&mounts).ok_or_else(|| {
+            unforkable(
+                id,
+                "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
+            )
+        })?;
+        // Only a container this can resume loses its dead task.
         let task = self
             .client
             .tasks()
@@ -307,29 +333,6 @@ impl Containerd {
             Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
             Err(status) => return Err(call("get task")(status)),
         }
-        if container.snapshot_key.is_empty() {
-            return Err(unforkable(id, "its rootfs is not a containerd snapshot"));
-        }
-        let mounts = self
-            .client
-            .snapshots()
-            .mounts(with_namespace!(
-                MountsRequest {
-                    snapshotter: container.snapshotter.clone(),
-                    key: container.snapshot_key.clone(),
-                },
-                ns
-            ))
-            .await
-            .map_err(call("snapshot mounts"))?
-            .into_inner()
-            .mounts;
-        let upper = overlay_upper(&mounts).ok_or_else(|| {
-            unforkable(
-                id,
-                "its rootfs is not an overlay (only overlayfs snapshotters are supported)",
-            )
-        })?;
         Ok(NewContainer {
             id: id.to_owned(),
             snapshotter: container.snapshotter,
@@ -511,6 +514,7 @@ fn fork_spec(
     t: &ContainerTemplate,
     new_id: &str,
     images: &Path,
+    conversation: Option<&ConversationAt>,
 ) -> Result<prost_types::Any, ContainerdError> {
     let source = t.id.as_str();
     let mut spec = t.spec.clone();
@@ -553,6 +557,13 @@ fn fork_spec(
         RESTORE_ANNOTATION.to_owned(),
         images.to_string_lossy().into_owned().into(),
     );
+    match conversation {
+        Some(at) => {
+            let at = serde_json::to_string(at).expect("a position always serializes");
+            annotations.insert(CONVERSATION_ANNOTATION.to_owned(), at.into())
+        }
+        None => annotations.remove(CONVERSATION_ANNOTATION),
+    };
     Ok(prost_types::Any {
         type_url: SPEC_TYPE_URL.to_owned(),
         value: serde_json::to_vec(&spec).expect("a JSON value serializes"),

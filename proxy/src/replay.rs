@@ -16,9 +16,9 @@
 //!
 //! The first request that does not match (a `divergence` entry is
 //! recorded), or the first past the records, goes live as the next turn.
-//! Its turn starts a new branch after the last replayed turn, unless the
-//! conversation simply goes on where it was before the restore (a crash
-//! recovery of the newest turn). Nothing of the old branch is rewritten.
+//! Its turn starts a new branch after the last replayed turn, unless that
+//! branch has no later turn yet (a crash recovery of the newest turn): no
+//! turn of a branch is ever numbered twice. Nothing of the old branch is rewritten.
 //!
 //! Only the agent that was restored takes part: after a restore, requests
 //! from inside the sandbox (its own listener) replay, while an agent outside
@@ -34,6 +34,7 @@ use std::collections::{BTreeMap, HashMap};
 use crab_api::shim::ConversationAt;
 use sha2::{Digest, Sha256};
 
+pub(crate) use crate::transcript::{conversation, max_branch};
 use crate::transcript::{
     unix_ms, BranchRecord, DivergenceRecord, Entry, RecordedResponse, TranscriptError, TurnRecord,
 };
@@ -52,6 +53,14 @@ pub enum ReplayError {
     IncompleteTurn {
         /// The turn.
         turn: u64,
+    },
+    /// The transcript is too large to read for a replay.
+    #[error("transcript of {bytes} bytes is over the {limit} a replay reads")]
+    TooLarge {
+        /// Its size.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
     },
     /// The restored version's branch is not in the transcript.
     #[error("transcript has no branch {branch}")]
@@ -77,9 +86,6 @@ pub(crate) struct Replay {
     /// Whether only requests from inside the sandbox take part (its agent
     /// was restored with it); false: any (an agent put back to its start).
     inside_only: bool,
-    /// The branch and turn counter before the restore: a conversation that
-    /// goes live right there needs no new branch.
-    before: (u64, u64),
 }
 
 /// The turn counter, the current branch and the replay, changed together
@@ -92,6 +98,10 @@ pub(crate) struct TurnState {
     pub(crate) branch: u64,
     /// The newest branch in the transcript.
     pub(crate) max_branch: u64,
+    /// The newest turn numbered (or recorded) on each branch: a turn that
+    /// goes live after turn k of a branch whose tip is past k starts a new
+    /// branch, so no turn of a branch is ever numbered twice.
+    pub(crate) tips: HashMap<u64, u64>,
     /// The active replay, if any.
     pub(crate) replay: Option<Replay>,
 }
@@ -124,54 +134,6 @@ fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The newest branch named in `entries` (0 when none was started).
-pub(crate) fn max_branch(entries: &[Entry]) -> u64 {
-    entries
-        .iter()
-        .map(|e| match e {
-            Entry::Branch(b) => b.branch,
-            Entry::Turn(t) => t.branch,
-            Entry::Divergence(_) => 0,
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// The conversation of `branch`, by turn: its own records, then each
-/// ancestor's up to the turn where its child grew from it (within a branch
-/// the last record of a turn wins). None when `branch` was never started.
-pub(crate) fn conversation(entries: &[Entry], branch: u64) -> Option<BTreeMap<u64, TurnRecord>> {
-    let mut starts: HashMap<u64, (u64, u64)> = HashMap::new();
-    let mut own: HashMap<u64, BTreeMap<u64, &TurnRecord>> = HashMap::new();
-    for entry in entries {
-        match entry {
-            Entry::Branch(b) if b.branch != 0 && b.parent != b.branch => {
-                starts.entry(b.branch).or_insert((b.parent, b.after));
-            }
-            Entry::Turn(t) => {
-                own.entry(t.branch).or_default().insert(t.turn, t);
-            }
-            _ => {}
-        }
-    }
-    if branch != 0 && !starts.contains_key(&branch) {
-        return None;
-    }
-    let mut out = BTreeMap::new();
-    let (mut at, mut limit) = (branch, u64::MAX);
-    // Each step goes to a parent; a cycle (a corrupt file) ends the walk.
-    for _ in 0..=starts.len() {
-        for (&turn, &record) in own.get(&at).into_iter().flatten().filter(|(t, _)| **t <= limit) {
-            out.entry(turn).or_insert_with(|| record.clone());
-        }
-        let Some(&(parent, after)) = starts.get(&at) else {
-            break;
-        };
-        (at, limit) = (parent, limit.min(after));
-    }
-    Some(out)
-}
-
 fn complete(record: &TurnRecord) -> bool {
     record
         .response
@@ -192,7 +154,7 @@ impl Replay {
     pub(crate) fn rewind(
         entries: &[Entry],
         at: ConversationAt,
-        state: &TurnState,
+        state: &mut TurnState,
     ) -> Result<Self, ReplayError> {
         let path =
             conversation(entries, at.branch).ok_or(ReplayError::UnknownBranch { branch: at.branch })?;
@@ -203,12 +165,12 @@ impl Replay {
         let records = (next..=at.turn)
             .map_while(|turn| path.get(&turn).filter(|r| complete(r)).map(|r| (turn, r.clone())))
             .collect();
+        state.learn(entries);
         Ok(Self {
             parent: at.branch,
             next,
             records,
             inside_only: true,
-            before: (state.branch, state.last_turn),
         })
     }
 
@@ -218,7 +180,11 @@ impl Replay {
     /// # Errors
     /// [`ReplayError::MissingTurn`] or [`ReplayError::IncompleteTurn`] when a
     /// turn of the range has no complete record.
-    pub(crate) fn from_start(entries: &[Entry], until: u64, state: &TurnState) -> Result<Self, ReplayError> {
+    pub(crate) fn from_start(
+        entries: &[Entry],
+        until: u64,
+        state: &mut TurnState,
+    ) -> Result<Self, ReplayError> {
         let path = conversation(entries, state.branch).unwrap_or_default();
         let mut records = BTreeMap::new();
         for turn in 1..=until {
@@ -228,12 +194,12 @@ impl Replay {
             }
             records.insert(turn, record.clone());
         }
+        state.learn(entries);
         Ok(Self {
             parent: state.branch,
             next: 1,
             records,
             inside_only: false,
-            before: (state.branch, state.last_turn),
         })
     }
 
@@ -243,6 +209,42 @@ impl Replay {
             self.next,
             self.records.keys().next_back().copied().unwrap_or(self.next - 1),
         )
+    }
+}
+
+// === impl TurnState ===
+
+impl TurnState {
+    /// Takes in what the transcript says: its newest branch, and each
+    /// branch's newest turn.
+    pub(crate) fn learn(&mut self, entries: &[Entry]) {
+        self.max_branch = self.max_branch.max(max_branch(entries));
+        for entry in entries {
+            // A branch's conversation has its parent's turns up to `after`.
+            let (branch, turn) = match entry {
+                Entry::Turn(t) => (t.branch, t.turn),
+                Entry::Branch(b) => (b.branch, b.after),
+                Entry::Divergence(_) => continue,
+            };
+            let tip = self.tips.entry(branch).or_default();
+            *tip = (*tip).max(turn);
+        }
+    }
+
+    /// Starts branch `max_branch + 1` after turn `after` of `parent` and
+    /// goes on there; answers its entry.
+    pub(crate) fn branch_off(&mut self, sandbox: &str, parent: u64, after: u64) -> Entry {
+        self.max_branch += 1;
+        self.branch = self.max_branch;
+        self.tips.insert(self.branch, after);
+        Entry::Branch(BranchRecord {
+            v: 1,
+            sandbox: sandbox.to_owned(),
+            branch: self.branch,
+            parent,
+            after,
+            unix_ms: unix_ms(),
+        })
     }
 }
 
@@ -257,6 +259,8 @@ pub(crate) fn step(
 ) -> ReplayStep {
     let live = |state: &mut TurnState, entries| {
         state.last_turn += 1;
+        let tip = state.tips.entry(state.branch).or_default();
+        *tip = (*tip).max(state.last_turn);
         ReplayStep::Live {
             turn: state.last_turn,
             branch: state.branch,
@@ -300,23 +304,15 @@ pub(crate) fn step(
             unix_ms: unix_ms(),
         }));
     }
-    // Live from `turn` on: the conversation is the parent's up to turn - 1.
-    let (parent, before) = (replay.parent, replay.before);
+    // Live from `turn` on: the conversation is the parent's up to turn - 1,
+    // on the parent itself unless it has turns past that already.
+    let parent = replay.parent;
     state.replay = None;
     let after = turn - 1;
-    if (parent, after) == before {
+    if state.tips.get(&parent).copied().unwrap_or(0) <= after {
         state.branch = parent;
     } else {
-        state.max_branch += 1;
-        state.branch = state.max_branch;
-        entries.push(Entry::Branch(BranchRecord {
-            v: 1,
-            sandbox: sandbox.to_owned(),
-            branch: state.branch,
-            parent,
-            after,
-            unix_ms: unix_ms(),
-        }));
+        entries.push(state.branch_off(sandbox, parent, after));
     }
     state.last_turn = after;
     live(state, entries)

@@ -17,17 +17,20 @@ use crate::config::ProxyConfig;
 use crate::gate::Gate;
 use crate::hook::TurnHook;
 use crate::limit::LimitLayer;
-use crate::replay::{conversation, max_branch, Replay, ReplayError};
+use crate::replay::{conversation, Replay, ReplayError};
 use crate::replay_layer::ReplayService;
 use crate::route::RouteLayer;
 use crate::shared::Shared;
 use crate::side_call::SideCalls;
 use crate::stats::SandboxStats;
 use crate::tee::Tee;
-use crate::transcript::{read_entries, BranchRecord, Entry};
+use crate::transcript::{read_entries, Entry};
 use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
 use crate::{Error, ProxyBody, SandboxId};
+
+/// The largest transcript a replay reads.
+pub const MAX_REPLAY_BYTES: u64 = 128 << 20;
 
 /// The request path of one sandbox as a cloneable tower service; errors are
 /// already answers.
@@ -95,10 +98,9 @@ impl Sandbox {
     /// complete record of a turn in the range.
     pub async fn replay(&self, until: u64) -> Result<(), Error> {
         let entries = self.durable_entries().await?;
-        let replay = self.shared.with_turns(|state| {
-            state.max_branch = state.max_branch.max(max_branch(&entries));
-            Replay::from_start(&entries, until, state)
-        })?;
+        let replay = self
+            .shared
+            .with_turns(|state| Replay::from_start(&entries, until, state))?;
         self.start(replay);
         Ok(())
     }
@@ -115,10 +117,9 @@ impl Sandbox {
     /// `at.branch`; the conversation is then left as it was.
     pub async fn rewind(&self, at: ConversationAt) -> Result<(), Error> {
         let entries = self.durable_entries().await?;
-        let replay = self.shared.with_turns(|state| {
-            state.max_branch = state.max_branch.max(max_branch(&entries));
-            Replay::rewind(&entries, at, state)
-        })?;
+        let replay = self
+            .shared
+            .with_turns(|state| Replay::rewind(&entries, at, state))?;
         self.start(replay);
         Ok(())
     }
@@ -133,34 +134,25 @@ impl Sandbox {
     /// As [`Self::rewind`]; the conversation is then left as it was.
     pub async fn resume(&self, at: ConversationAt) -> Result<(), Error> {
         let mut entries = self.durable_entries().await?;
-        let path =
-            conversation(&entries, at.branch).ok_or(ReplayError::UnknownBranch { branch: at.branch })?;
-        let later = path.keys().any(|t| *t > at.turn);
+        conversation(&entries, at.branch).ok_or(ReplayError::UnknownBranch { branch: at.branch })?;
         let id = self.shared.id.to_string();
         let (replay, branch) = self.shared.with_turns(|state| {
-            state.max_branch = state.max_branch.max(max_branch(&entries));
+            state.learn(&entries);
             let mut here = at;
             let mut branch = None;
-            if later {
-                state.max_branch += 1;
-                let record = BranchRecord {
-                    v: 1,
-                    sandbox: id,
-                    branch: state.max_branch,
-                    parent: at.branch,
-                    after: at.turn,
-                    unix_ms: crate::transcript::unix_ms(),
-                };
-                here.branch = record.branch;
-                entries.push(Entry::Branch(record.clone()));
-                branch = Some(record);
+            // Later turns there: live ones go on a branch of their own.
+            if state.tips.get(&at.branch).copied().unwrap_or(0) > at.turn {
+                let entry = state.branch_off(&id, at.branch, at.turn);
+                here.branch = state.branch;
+                entries.push(entry.clone());
+                branch = Some(entry);
             }
             state.branch = here.branch;
             state.last_turn = at.turn;
             (Replay::rewind(&entries, here, state), branch)
         });
-        if let Some(record) = branch {
-            self.shared.transcript.submit(Entry::Branch(record));
+        if let Some(entry) = branch {
+            self.shared.transcript.submit(entry);
         }
         self.start(replay?);
         Ok(())
@@ -174,10 +166,20 @@ impl Sandbox {
         }
     }
 
-    /// Every entry of the transcript, once those submitted so far are on disk.
+    /// Every entry of the transcript, once those submitted so far are on
+    /// disk; refused past [`MAX_REPLAY_BYTES`] (a sandbox writes its own
+    /// transcript, and the shim reads it whole, outside its memory limit).
     async fn durable_entries(&self) -> Result<Vec<Entry>, Error> {
         self.flush_transcript().await;
         let path: PathBuf = self.transcript_path().to_owned();
+        let bytes = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+        if bytes > MAX_REPLAY_BYTES {
+            return Err(ReplayError::TooLarge {
+                bytes,
+                limit: MAX_REPLAY_BYTES,
+            }
+            .into());
+        }
         Ok(read_entries(&path).await.map_err(ReplayError::from)?)
     }
 

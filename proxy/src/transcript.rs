@@ -36,7 +36,8 @@
 //! for an agent that waits for each answer before its next request, turn N's
 //! record is durable before turn N+1's answer is released.
 
-use std::os::unix::fs::PermissionsExt;
+use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -240,17 +241,6 @@ pub enum TranscriptError {
         #[source]
         source: std::io::Error,
     },
-    /// A line other than a torn last one is not a transcript entry.
-    #[error("transcript {path} line {line_idx} is not an entry")]
-    Decode {
-        /// The file.
-        path: PathBuf,
-        /// 1-based line number.
-        line_idx: usize,
-        /// What the decoder said.
-        #[source]
-        source: serde_json::Error,
-    },
 }
 
 /// The writing side of one sandbox's transcript.
@@ -307,11 +297,12 @@ pub(crate) fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Reads every entry of a transcript file.
+/// Reads every entry of a transcript file. A line that is not an entry (a
+/// torn last line, or one a failing disk left) is skipped and logged: what
+/// it held is missing, which a replay treats as the end of what it knows.
 ///
 /// # Errors
-/// [`TranscriptError::Read`] if the file cannot be read,
-/// [`TranscriptError::Decode`] for a bad line other than a torn last one.
+/// [`TranscriptError::Read`] if the file cannot be read.
 pub async fn read_entries(path: &Path) -> Result<Vec<Entry>, TranscriptError> {
     let text = tokio::fs::read_to_string(path)
         .await
@@ -326,16 +317,97 @@ pub async fn read_entries(path: &Path) -> Result<Vec<Entry>, TranscriptError> {
         match serde_json::from_str(line) {
             Ok(entry) => entries.push(entry),
             Err(_) if torn_tail && idx + 1 == lines.len() => break,
-            Err(source) => {
-                return Err(TranscriptError::Decode {
-                    path: path.to_owned(),
-                    line_idx: idx + 1,
-                    source,
-                });
+            Err(error) => {
+                tracing::warn!(path = %path.display(), line = idx + 1, %error, "transcript line skipped: not an entry");
             }
         }
     }
     Ok(entries)
+}
+
+/// The newest branch named in `entries` (0 when none was started).
+pub fn max_branch(entries: &[Entry]) -> u64 {
+    entries
+        .iter()
+        .map(|e| match e {
+            Entry::Branch(b) => b.branch,
+            Entry::Turn(t) => t.branch,
+            Entry::Divergence(_) => 0,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The conversation of `branch`, by turn: its own records, then each
+/// ancestor's up to the turn where its child grew from it (within a branch
+/// the last record of a turn wins). None when `branch` was never started.
+pub fn conversation(entries: &[Entry], branch: u64) -> Option<BTreeMap<u64, TurnRecord>> {
+    let mut starts: HashMap<u64, (u64, u64)> = HashMap::new();
+    let mut own: HashMap<u64, BTreeMap<u64, &TurnRecord>> = HashMap::new();
+    for entry in entries {
+        match entry {
+            Entry::Branch(b) if b.branch != 0 && b.parent != b.branch => {
+                starts.entry(b.branch).or_insert((b.parent, b.after));
+            }
+            Entry::Turn(t) => {
+                own.entry(t.branch).or_default().insert(t.turn, t);
+            }
+            _ => {}
+        }
+    }
+    if branch != 0 && !starts.contains_key(&branch) {
+        return None;
+    }
+    let mut out = BTreeMap::new();
+    let (mut at, mut limit) = (branch, u64::MAX);
+    // Each step goes to a parent; a cycle (a corrupt file) ends the walk.
+    for _ in 0..=starts.len() {
+        for (&turn, &record) in own.get(&at).into_iter().flatten().filter(|(t, _)| **t <= limit) {
+            out.entry(turn).or_insert_with(|| record.clone());
+        }
+        let Some(&(parent, after)) = starts.get(&at) else {
+            break;
+        };
+        (at, limit) = (parent, limit.min(after));
+    }
+    Some(out)
+}
+
+/// Writes `records` as the transcript at `path`, which must not exist
+/// (0600, synced): the conversation a new sandbox starts from (a fork of a
+/// version). Each record is rewritten as `sandbox`'s, on the root branch.
+///
+/// # Errors
+/// [`TranscriptError::Open`] when the file exists or cannot be written.
+pub fn write_new(
+    path: &Path,
+    sandbox: &str,
+    records: impl IntoIterator<Item = TurnRecord>,
+) -> Result<(), TranscriptError> {
+    use std::io::Write;
+    let failed = |source| TranscriptError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let mut buf = Vec::new();
+    for mut record in records {
+        record.sandbox = sandbox.to_owned();
+        record.branch = 0;
+        // Entries hold only strings, numbers and enums: encoding cannot fail.
+        if let Ok(line) = serde_json::to_vec(&Entry::Turn(record)) {
+            buf.extend_from_slice(&line);
+            buf.push(b'\n');
+        }
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        // With O_EXCL, a symlink at `path` is refused, never followed.
+        .open(path)
+        .map_err(failed)?;
+    file.write_all(&buf).map_err(failed)?;
+    file.sync_all().map_err(failed)
 }
 
 // === impl Transcript ===
@@ -360,6 +432,7 @@ impl Transcript {
                 .await
                 .map_err(failed)?;
         }
+        cut_torn_tail(&path).await.map_err(failed)?;
         let file = tokio::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -421,6 +494,41 @@ impl Transcript {
     }
 }
 
+/// Cuts a torn last line (a crash mid-append) off the transcript at `path`,
+/// if it exists, so the next append starts a line of its own.
+async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::FileExt;
+        let file = match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let len = file.metadata()?.len();
+        let mut end = len;
+        let mut buf = vec![0u8; 64 << 10];
+        // Back from the end, in chunks, to the last LF.
+        while end > 0 {
+            let start = end.saturating_sub(buf.len() as u64);
+            let chunk = &mut buf[..(end - start) as usize];
+            file.read_exact_at(chunk, start)?;
+            if let Some(i) = chunk.iter().rposition(|b| *b == b'\n') {
+                end = start + i as u64 + 1;
+                break;
+            }
+            end = start;
+        }
+        if end < len {
+            tracing::warn!(cut = len - end, "transcript's torn last line cut off");
+            file.set_len(end)?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}
+
 /// The writer: appends what is queued, fsyncs once per batch (group commit),
 /// then publishes the new durable count. An I/O error is counted and logged;
 /// the count still advances so that no gate waits for a write that failed.
@@ -441,6 +549,7 @@ async fn write_loop(
                 buf.push(b'\n');
             }
         }
+        let start = file.metadata().await.map(|m| m.len());
         let written = async {
             file.write_all(&buf).await?;
             // tokio's File writes in the background: flush, so that this
@@ -451,6 +560,11 @@ async fn write_loop(
         }
         .await;
         if let Err(error) = written {
+            // A part of the batch may be there: cut it, so no torn line
+            // sits between whole ones.
+            if let Ok(start) = start {
+                let _ = file.set_len(start).await;
+            }
             stats.update(|s| s.n_transcript_errors += batch.len() as u64);
             let (sandbox, turn) = match batch.first() {
                 Some(Entry::Turn(r)) => (r.sandbox.as_str(), r.turn),
@@ -580,23 +694,39 @@ mod tests {
         assert_eq!(kept, ["content-type", "anthropic-version"]);
     }
 
+    const LINE: &str = r#"{"kind":"divergence","v":1,"sandbox":"s","turn":1,"path":"/","expected_sha256":"a","got_sha256":"b","unix_ms":1}"#;
+
     #[tokio::test]
-    async fn torn_last_line_is_ignored() {
+    async fn lines_that_are_no_entries_are_skipped() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let line = r#"{"kind":"divergence","v":1,"sandbox":"s","turn":1,"path":"/","expected_sha256":"a","got_sha256":"b","unix_ms":1}"#;
-        for (text, n_entries, ok) in [
-            (format!("{line}\n{line}\n"), 2, true),
-            (format!("{line}\n{{\"kind\":\"tu"), 1, true),
-            (format!("{{\"kind\":\"tu\n{line}\n"), 0, false),
-            (String::new(), 0, true),
+        for (text, n_entries) in [
+            (format!("{LINE}\n{LINE}\n"), 2),
+            (format!("{LINE}\n{{\"kind\":\"tu"), 1),
+            (format!("{{\"kind\":\"tu\n{LINE}\n"), 1),
+            (String::new(), 0),
         ] {
             let path = dir.path().join("t.jsonl");
             std::fs::write(&path, &text).expect("write");
-            match read_entries(&path).await {
-                Ok(entries) => assert!(ok && entries.len() == n_entries, "{text:?}"),
-                Err(TranscriptError::Decode { line_idx, .. }) => assert!(!ok && line_idx == 1, "{text:?}"),
-                Err(other) => panic!("{other:?}"),
-            }
+            let entries = read_entries(&path).await.expect("read");
+            assert_eq!(entries.len(), n_entries, "{text:?}");
         }
+    }
+
+    /// A torn last line (a crash mid-append) is cut off when the transcript
+    /// is opened again: the next entry starts a line of its own.
+    #[tokio::test]
+    async fn a_torn_tail_is_cut_off_at_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.jsonl");
+        std::fs::write(&path, format!("{LINE}\n{{\"kind\":\"tu")).expect("write");
+        let tracker = TaskTracker::new();
+        let t = Transcript::open(path.clone(), &tracker, Arc::new(StatsCell::default()))
+            .await
+            .expect("open");
+        let entry: Entry = serde_json::from_str(LINE).expect("an entry");
+        t.submit(entry);
+        t.wait_durable(1).await;
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(text, format!("{LINE}\n{LINE}\n"));
     }
 }

@@ -373,3 +373,81 @@ async fn a_turns_record_is_on_disk_before_the_next_answer_is_released() {
         resp.bytes().await.expect("body");
     }
 }
+
+/// A sandbox started again over its old transcript (a resume after its
+/// host died) from turn 3 of 5: the restored agent's turn 3 is answered
+/// from the record, and live turns go on as turn 4 on a branch after 3
+/// (the old 4 and 5 stay); an agent outside numbers on from there too.
+#[tokio::test]
+async fn a_resumed_sandbox_goes_on_with_its_transcript() {
+    let h = Harness::plain().await;
+    let body =
+        |n: u32| json!({"model": "gpt-test", "messages": [{"role": "user", "content": format!("step {n}")}]});
+    let mut answers = Vec::new();
+    for n in 1..=5 {
+        let resp = h
+            .post("/v1/chat/completions", &body(n))
+            .send()
+            .await
+            .expect("send");
+        answers.push(resp.bytes().await.expect("body"));
+    }
+    h.sandbox.flush_transcript().await;
+
+    // A new proxy (a new shim) over the same transcript.
+    let cfg = support::config(&h.upstream.url(), h.dir.path());
+    let proxy = crab_proxy::Proxy::new(cfg, h.hook.clone()).expect("proxy");
+    let sandbox = proxy
+        .add_sandbox(crab_proxy::SandboxId::new("sb1").expect("id"))
+        .await
+        .expect("sandbox");
+    let at = crab_api::shim::ConversationAt {
+        branch: 0,
+        turn: 3,
+        image_turn: Some(3),
+    };
+    sandbox.resume(at).await.expect("resume");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(crab_proxy::serve_sandbox(
+        listener,
+        sandbox.clone(),
+        h.shutdown.clone(),
+    ));
+    let post = |n: u32| {
+        h.client
+            .post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body(n).to_string())
+    };
+    let resp = post(3).send().await.expect("send");
+    assert_eq!(resp.headers()["x-crab-replayed"], "3");
+    assert_eq!(resp.bytes().await.expect("body"), answers[2]);
+    let resp = post(40).send().await.expect("send");
+    assert!(resp.headers().get("x-crab-replayed").is_none());
+    resp.bytes().await.expect("body");
+    assert_eq!(sandbox.last_turn(), 4);
+    assert_eq!(h.upstream.seen().len(), 6, "only the live turn went upstream");
+
+    sandbox.flush_transcript().await;
+    let entries = crab_proxy::transcript::read_entries(sandbox.transcript_path())
+        .await
+        .expect("transcript");
+    let turns: Vec<(u64, u64)> = support::turns_of(&entries)
+        .iter()
+        .map(|t| (t.branch, t.turn))
+        .collect();
+    assert_eq!(
+        turns,
+        [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 4)],
+        "nothing lost"
+    );
+    let branches: Vec<(u64, u64, u64)> = entries
+        .iter()
+        .filter_map(|e| match e {
+            Entry::Branch(b) => Some((b.branch, b.parent, b.after)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(branches, [(1, 0, 3)]);
+}

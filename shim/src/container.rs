@@ -448,24 +448,47 @@ impl Container {
     }
 
     /// Freezes or thaws the container's cgroup, leaving the recorded state
-    /// alone (a checkpoint freezes for a moment).
-    async fn set_frozen(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
+    /// alone (a checkpoint freezes for a moment). A thaw happens whatever
+    /// the init's state: libcontainer refuses to resume a container whose
+    /// init is gone, and a sandbox whose init died while it was frozen (a
+    /// crash during a checkpoint) would stay frozen, with whatever a
+    /// recovery restores into its cgroup.
+    pub(crate) async fn set_frozen(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
         let op = if pause { "pause" } else { "resume" };
         let dir = runtime.root().join(&self.id);
         let id = self.id.clone();
         tokio::task::spawn_blocking(move || {
-            let mut c =
-                libcontainer::container::Container::load(dir).map_err(|source| Error::Libcontainer {
-                    op,
-                    id: id.clone(),
-                    source: Box::new(source),
-                })?;
-            let r = if pause { c.pause() } else { c.resume() };
-            r.map_err(|source| Error::Libcontainer {
+            let failed = |source: libcontainer::error::LibcontainerError| Error::Libcontainer {
                 op,
-                id,
+                id: id.clone(),
                 source: Box::new(source),
-            })
+            };
+            let mut c = libcontainer::container::Container::load(dir).map_err(failed)?;
+            if pause {
+                return c.pause().map_err(failed);
+            }
+            match c.resume() {
+                Err(libcontainer::error::LibcontainerError::IncorrectStatus(status)) => {
+                    tracing::warn!(
+                        ?status,
+                        "{id}: thawing the cgroup of a container that is not paused"
+                    );
+                    let manager =
+                        libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
+                            cgroup_path: c.spec().map_err(failed)?.cgroup_path,
+                            systemd_cgroup: c.systemd(),
+                            container_name: id.clone(),
+                        })
+                        .map_err(|e| failed(e.into()))?;
+                    use libcgroups::common::CgroupManager;
+                    manager
+                        .freeze(libcgroups::common::FreezerState::Thawed)
+                        .map_err(|e| {
+                            failed(libcontainer::error::LibcontainerError::OtherCgroup(e.to_string()))
+                        })
+                }
+                other => other.map_err(failed),
+            }
         })
         .await
         .map_err(|e| Error::io(op)(std::io::Error::other(e)))?

@@ -160,6 +160,7 @@ impl SandboxProxy {
         if resume.is_none() {
             archive_transcript(&dir, id)?;
         }
+        let mut resume = resume;
         let transcript = dir.join(format!("{id}.jsonl"));
         let secs = Duration::from_secs;
         let upstream = |u: &str| {
@@ -186,7 +187,7 @@ impl SandboxProxy {
                 upstream_total: secs(cfg.upstream_total_timeout),
                 hook: secs(cfg.hold_timeout),
             },
-            transcript_dir: dir,
+            transcript_dir: dir.clone(),
         };
         let proxy_error = |e: crab_proxy::Error| Error::Proxy {
             id: id.to_owned(),
@@ -197,12 +198,18 @@ impl SandboxProxy {
             id: id.to_owned(),
             reason: e.to_string(),
         })?;
-        let sandbox = proxy.add_sandbox(sid).await.map_err(proxy_error)?;
+        let mut sandbox = proxy.add_sandbox(sid.clone()).await.map_err(proxy_error)?;
         // Before the listener serves: the restored agent's first request
         // meets the replay.
-        if let Some(at) = resume {
+        if let Some(at) = resume.take() {
             if let Err(e) = sandbox.resume(at).await {
+                // Numbering from 1 over the old turns would shadow them:
+                // the old transcript goes aside, whole.
                 tracing::warn!(error = %crab_api::error_chain(&e), "{id}: the conversation starts over: no replay");
+                sandbox.shutdown().await;
+                drop(proxy.remove_sandbox(&sid));
+                archive_transcript(&dir, id)?;
+                sandbox = proxy.add_sandbox(sid).await.map_err(proxy_error)?;
             }
         }
         let shutdown = CancellationToken::new();

@@ -334,7 +334,7 @@ fn each_turn_end_is_a_version_before_its_answer() {
 /// 3..5 stay in the transcript.
 #[test]
 fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
-    let answers: Vec<String> = (1..=10).map(|i| completion(&format!("answer{i}"))).collect();
+    let answers: Vec<String> = (1..=12).map(|i| completion(&format!("answer{i}"))).collect();
     let llm = ScriptedLlm::scripted(answers);
     let (ctd, base) = containerd("checkpoint_on_turn = true");
     let id = "insidepx";
@@ -445,8 +445,30 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
         .collect();
     assert_eq!(&rows[5..], [(3, 1, Some(2)), (4, 1, Some(6)), (5, 1, Some(7))]);
 
+    // A fork of turn 2 carries the conversation up to it: its agent asks
+    // turn 2 again and gets the recorded answer, then goes on live.
+    let fork = "insidefork";
+    crabctl_ok(&ctd, &["fork", id, "2", "--name", fork]);
+    wait_registered(&ctd, fork);
+    let fpid = ctd.task_pid(fork).expect("the fork runs");
+    crab_tests::wait_until(60, || tmp(fpid).join("done").exists().then_some(()))
+        .expect("the fork's agent finished");
+    assert_eq!(
+        said(fpid),
+        ["answer1", "answer2", "answer9", "answer10", "answer11"]
+    );
+    assert_eq!(llm.seen().len(), 11, "the fork's turn 2 came from its transcript");
+    let fork_path = path.with_file_name(format!("{fork}.jsonl"));
+    let fork_turns: Vec<u64> = turn_records(&fork_path)
+        .iter()
+        .map(|t| t["turn"].as_u64().unwrap())
+        .collect();
+    assert_eq!(fork_turns, [1, 2, 3, 4, 5]);
+    assert_eq!(version_turns(&ctd, fork), [3, 4, 5]);
+    ctd.remove(fork);
+
     ctd.remove(id);
-    assert_clean(&ctd.scope(), &[id]);
+    assert_clean(&ctd.scope(), &[id, fork]);
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);
 }

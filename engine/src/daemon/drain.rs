@@ -168,15 +168,22 @@ fn check_export_dir(dir: &Path) -> Result<(), ApiError> {
 }
 
 /// Makes `dir` (and its parents) if absent, and the last one root's alone:
-/// the archives hold the sandboxes' memory and environment.
+/// the archives hold the sandboxes' memory and environment. Refused when a
+/// component is a symlink or the directory is another user's (who could
+/// swap an archive in after it is written).
 fn make_private_dir(dir: &Path) -> Result<(), ApiError> {
+    use std::os::unix::fs::MetadataExt;
     let io = |op| move |source| ApiError::Io { op, source };
     std::fs::create_dir_all(dir).map_err(io("create the export directory"))?;
+    let refused = |why: &str| ApiError::BadRequest {
+        reason: format!("export directory {}: {why}", dir.display()),
+    };
+    if std::fs::canonicalize(dir).map_err(io("resolve the export directory"))? != dir {
+        return Err(refused("a component of it is a symlink (give its real path)"));
+    }
     let meta = std::fs::symlink_metadata(dir).map_err(io("inspect the export directory"))?;
-    if !meta.is_dir() {
-        return Err(ApiError::BadRequest {
-            reason: format!("{} is not a directory", dir.display()),
-        });
+    if !meta.is_dir() || meta.uid() != 0 {
+        return Err(refused("not a directory of root's"));
     }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .map_err(io("chmod the export directory"))

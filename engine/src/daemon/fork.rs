@@ -3,12 +3,15 @@
 //! from the version's process image, read in place). `forks` makes N of
 //! them from one version at once, each made or failed on its own.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crab_api::crabd::Registration;
 use crab_api::crabd::{ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, MAX_FORKS};
-use crab_api::{SandboxId, SandboxSelector, SnapshotName};
+use crab_api::shim::ConversationAt;
+use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionRecord};
+use crab_proxy::transcript::{conversation, read_entries, write_new};
 use futures_util::StreamExt;
 use tracing::Instrument;
 
@@ -28,6 +31,18 @@ pub(super) struct Copied {
     pub pid: u32,
     /// The disk its files took.
     pub bytes: u64,
+}
+
+/// The version a fork is made from.
+struct Source<'a> {
+    /// Its sandbox.
+    reg: &'a Registration,
+    /// Its record.
+    record: &'a VersionRecord,
+    /// The directory of its process image.
+    images: &'a Path,
+    /// Its file snapshot.
+    files: &'a SnapshotName,
 }
 
 /// Where a copy's files come from: a snapshot of a sandbox's store.
@@ -67,14 +82,13 @@ impl Daemon {
                 }
                 let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
                 let template = containerd.template(reg.id.as_str()).await?;
-                let from = FilesFrom {
-                    sandbox: reg.id.clone(),
-                    name: fs.name,
+                let source = Source {
+                    reg: &reg,
+                    record: &version.record,
+                    images: &images,
+                    files: &fs.name,
                 };
-                let pid = d
-                    .start_copy(&containerd, &template, &new_id, &images, from)
-                    .await?
-                    .pid;
+                let pid = d.fork_one(&containerd, &template, &source, &new_id).await?.pid;
                 let total_ms = started.elapsed().as_secs_f64() * 1e3;
                 tracing::info!(fork = %new_id, pid, elapsed_ms = total_ms, "forked");
                 Ok(ForkReport {
@@ -125,14 +139,16 @@ impl Daemon {
                 }
                 let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
                 let template = containerd.template(reg.id.as_str()).await?;
+                let source = Source {
+                    reg: &reg,
+                    record: &version.record,
+                    images: &images,
+                    files: &fs.name,
+                };
                 let one = |new_id: SandboxId| {
-                    let (d, containerd, template, images) = (&d, &containerd, &template, &images);
-                    let from = FilesFrom {
-                        sandbox: reg.id.clone(),
-                        name: fs.name.clone(),
-                    };
+                    let (d, containerd, template, source) = (&d, &containerd, &template, &source);
                     async move {
-                        let made = d.start_copy(containerd, template, &new_id, images, from).await;
+                        let made = d.fork_one(containerd, template, source, &new_id).await;
                         ForkOutcome {
                             pid: made.as_ref().ok().map(|c| c.pid),
                             bytes: made.as_ref().map_or(0, |c| c.bytes),
@@ -160,6 +176,91 @@ impl Daemon {
         .await
     }
 
+    /// Creates fork `new_id` of `source` in `containerd` from `template`,
+    /// its conversation (the version's turns, as the fork's own transcript
+    /// beside its source's) included; nothing is left if it fails.
+    async fn fork_one(
+        self: &Arc<Self>,
+        containerd: &Containerd,
+        template: &ContainerTemplate,
+        source: &Source<'_>,
+        new_id: &SandboxId,
+    ) -> Result<Copied, ApiError> {
+        let conversation = self.fork_conversation(source, new_id).await;
+        let from = FilesFrom {
+            sandbox: source.reg.id.clone(),
+            name: source.files.clone(),
+        };
+        let at = conversation.as_ref().map(|(at, _)| at);
+        let made = self
+            .start_copy(containerd, template, new_id, source.images, from, at)
+            .await;
+        match (&made, &conversation) {
+            (Err(_), Some((_, path))) => {
+                let _ = std::fs::remove_file(path);
+            }
+            // The restore annotations served this start only: a later
+            // start of the fork runs its own state, not the version's.
+            (Ok(_), _) => {
+                if let Err(e) = containerd.set_restore(new_id.as_str(), None).await {
+                    tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the restore annotations stay on the fork");
+                }
+            }
+            (Err(_), None) => {}
+        }
+        made
+    }
+
+    /// Writes the conversation of `source`'s version (its branch's turns up
+    /// to its turn) as the transcript of fork `new_id`, beside its
+    /// source's; answers where the fork stands in it, and the file. None
+    /// (logged) when the source keeps no transcript, the version ended no
+    /// turn, or the transcript cannot be read: the fork's conversation
+    /// then starts afresh.
+    async fn fork_conversation(
+        &self,
+        source: &Source<'_>,
+        new_id: &SandboxId,
+    ) -> Option<(ConversationAt, PathBuf)> {
+        let from = source.reg.transcript.clone()?;
+        let at = self.conversation_at(&source.reg.id, source.record).await?;
+        let entries = match read_entries(&from).await {
+            Ok(entries) => entries,
+            Err(e) => {
+                tracing::warn!(error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
+                return None;
+            }
+        };
+        let records: Vec<_> = conversation(&entries, at.branch)?
+            .into_iter()
+            .filter(|(turn, _)| *turn <= at.turn)
+            .map(|(_, record)| record)
+            .collect();
+        // A file there is another container's of that id (a live one's,
+        // perhaps): never touched; `write_new` refuses it.
+        let path = from.with_file_name(format!("{new_id}.jsonl"));
+        let (to, id) = (path.clone(), new_id.to_string());
+        let written = tokio::task::spawn_blocking(move || write_new(&to, &id, records)).await;
+        match written {
+            Ok(Ok(())) => Some((
+                ConversationAt {
+                    branch: 0,
+                    turn: at.turn,
+                    image_turn: at.image_turn,
+                },
+                path,
+            )),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the fork's conversation starts afresh");
+                None
+            }
+        }
+    }
+
     /// Creates sandbox `new_id` in `containerd` from `template`: its files
     /// a copy of `files`, its init restored from `images` when the shim
     /// starts it. Nothing is left if it fails.
@@ -170,9 +271,12 @@ impl Daemon {
         new_id: &SandboxId,
         images: &Path,
         files: FilesFrom,
+        conversation: Option<&ConversationAt>,
     ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
-        let made = containerd.create_from(template, new_id.as_str(), images).await?;
+        let made = containerd
+            .create_from(template, new_id.as_str(), images, conversation)
+            .await?;
         let upper = made.upper.clone();
         let d = self.clone();
         let to = new_id.clone();

@@ -184,7 +184,7 @@ async fn make_and_start(
             sandbox: new_id.clone(),
             name: m.fs.name.clone(),
         };
-        d.start_copy(&containerd, &template, new_id, &images_dir, from)
+        d.start_copy(&containerd, &template, new_id, &images_dir, from, None)
             .await
             .map(|copied| copied.pid)
     }

@@ -1,11 +1,13 @@
 //! A resume: a sandbox whose task died with its host (or its shim) starts
 //! again in its own container (containerd's and its snapshot reused) from
-//! one of its versions: the version's files replace its writable layer, and
-//! its shim restores the init at Start from the version's process image,
-//! going on with the sandbox's transcript. `[crabd] resume_on_boot` does
-//! this at crabd's start for every sandbox it knew running.
+//! one of its versions: a copy of the version's files is exchanged with its
+//! writable layer in one step (the layer as it was is kept until the
+//! version runs, and put back if it does not), and its shim restores the
+//! init at Start from the version's process image, going on with the
+//! sandbox's transcript. `[crabd] resume_on_boot` does this at crabd's
+//! start for every sandbox it knew running.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -63,9 +65,9 @@ impl Daemon {
         let fs = movable_files(&version.record)?;
         let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
         let container = containerd.resumable(reg.id.as_str()).await?;
-        let (files, id, upper) = (self.files.clone(), reg.id.clone(), container.upper.clone());
-        blocking_io(move || replace_upper(&files, &id, &fs.name, &upper)).await?;
         let conversation = self.conversation_at(&reg.id, &version.record).await;
+        let (files, id, upper) = (self.files.clone(), reg.id.clone(), container.upper.clone());
+        let old = blocking_io(move || swap_in_copy(&files, &id, &fs.name, &upper)).await?;
         // The restored registration keeps this head: the next version
         // descends from the version resumed.
         let store = self.store.clone();
@@ -78,6 +80,23 @@ impl Daemon {
         // The annotations served this start only: a later one is afresh.
         if let Err(e) = containerd.set_restore(reg.id.as_str(), None).await {
             tracing::warn!(error = %crab_api::error_chain(&e), "the restore annotations stay on the container");
+        }
+        // The layer as it was goes once the version runs; if it does not
+        // run, that layer is the sandbox's again.
+        let upper = container.upper.clone();
+        let ok = started_task.is_ok();
+        let dropped = blocking_io(move || {
+            if !ok {
+                exchange(&old, &upper)?;
+            }
+            std::fs::remove_dir_all(&old).map_err(|source| ApiError::Io {
+                op: "remove the layer set aside",
+                source,
+            })
+        })
+        .await;
+        if let Err(e) = dropped {
+            tracing::warn!(error = %crab_api::error_chain(&e), "the layer set aside stays");
         }
         let pid = started_task?;
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -108,34 +127,45 @@ impl Daemon {
 }
 
 /// Makes `upper` (the writable layer of sandbox `id`'s container) a copy of
-/// its snapshot `name`. The layer as it was is kept aside until the copy is
-/// whole, and put back if the copy fails; one kept aside by a resume that
-/// crabd did not finish is the layer as it was, and is put back first.
-fn replace_upper(files: &Files, id: &SandboxId, name: &SnapshotName, upper: &Path) -> Result<(), ApiError> {
-    let io = |op| move |source| ApiError::Io { op, source };
+/// its snapshot `name`, and answers where the layer as it was went. The
+/// copy is made beside it and exchanged with it in one step
+/// (`renameat2(RENAME_EXCHANGE)`), so `upper` is always a whole layer (gc
+/// never sees it gone, a crash leaves one or the other); a copy left by a
+/// resume crabd did not finish is removed first.
+fn swap_in_copy(
+    files: &Files,
+    id: &SandboxId,
+    name: &SnapshotName,
+    upper: &Path,
+) -> Result<PathBuf, ApiError> {
     let file_name = upper
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let aside = upper.with_file_name(format!("{file_name}.crab-resume"));
-    if aside.exists() {
-        if upper.exists() {
-            std::fs::remove_dir_all(upper).map_err(io("remove a half-made writable layer"))?;
-        }
-        std::fs::rename(&aside, upper).map_err(io("put the writable layer back"))?;
+    let beside = upper.with_file_name(format!("{file_name}.crab-resume"));
+    if beside.exists() {
+        std::fs::remove_dir_all(&beside).map_err(|source| ApiError::Io {
+            op: "remove an unfinished resume's copy",
+            source,
+        })?;
     }
-    std::fs::rename(upper, &aside).map_err(io("set the writable layer aside"))?;
-    match files.clone_into(id, name, id, upper) {
-        Ok(()) => {
-            if let Err(e) = std::fs::remove_dir_all(&aside) {
-                tracing::warn!(sandbox = %id, error = %e, "the old writable layer stays beside the new");
-            }
-            Ok(())
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(upper);
-            std::fs::rename(&aside, upper).map_err(io("put the writable layer back"))?;
-            Err(e)
-        }
+    if let Err(e) = files.clone_into(id, name, id, &beside) {
+        let _ = std::fs::remove_dir_all(&beside);
+        return Err(e);
     }
+    if let Err(e) = exchange(&beside, upper) {
+        let _ = std::fs::remove_dir_all(&beside);
+        return Err(e);
+    }
+    Ok(beside)
+}
+
+/// Exchanges directories `a` and `b` atomically.
+fn exchange(a: &Path, b: &Path) -> Result<(), ApiError> {
+    nix::fcntl::renameat2(None, a, None, b, nix::fcntl::RenameFlags::RENAME_EXCHANGE).map_err(|e| {
+        ApiError::Io {
+            op: "exchange the writable layer",
+            source: e.into(),
+        }
+    })
 }

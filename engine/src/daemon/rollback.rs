@@ -162,34 +162,50 @@ impl Daemon {
 
 impl Daemon {
     /// Where version `record` stands in its sandbox's conversation: its
-    /// turn and branch, and the turn its process image was taken at (the
-    /// restored agent's memory). None when it ended no turn.
+    /// turn and branch (a version that ended no turn, a checkpoint by hand
+    /// or a drain's, stands where its nearest ancestor that did), and the
+    /// turn its process image was taken at (the restored agent's memory;
+    /// unknown for an image of no turn). None when no ancestor ended a
+    /// turn: the conversation then goes on as it is.
     pub(super) async fn conversation_at(
         &self,
         id: &SandboxId,
         record: &VersionRecord,
     ) -> Option<ConversationAt> {
-        let turn = record.turn?;
-        let image_turn = match record.process_image {
-            Some(v) if v == record.version => record.turn,
-            Some(v) => {
-                let store = self.store.clone();
-                let sid = id.clone();
-                match blocking(move || store.record(&sid, v)).await {
-                    Ok(holder) => holder.and_then(|r| r.turn),
-                    Err(e) => {
-                        tracing::warn!(error = %crab_api::error_chain(&e), version = v, "the image's turn is unknown: no replay");
-                        None
-                    }
-                }
+        let store = self.store.clone();
+        let (sid, record) = (id.clone(), record.clone());
+        let found = blocking(move || {
+            let lookup = |v: u64| store.record(&sid, v);
+            // The nearest of it and its ancestors that ended a turn
+            // (parents are older versions, so the walk ends).
+            let mut at = Some(record.clone());
+            while let Some(r) = at.as_ref().filter(|r| r.turn.is_none()) {
+                at = match r.parent.filter(|p| *p < r.version) {
+                    Some(p) => lookup(p)?,
+                    None => None,
+                };
             }
-            None => None,
-        };
-        Some(ConversationAt {
-            branch: record.branch,
-            turn,
-            image_turn,
+            let image_turn = match record.process_image {
+                Some(v) if v == record.version => record.turn,
+                Some(v) => lookup(v)?.and_then(|r| r.turn),
+                None => None,
+            };
+            Ok(at.and_then(|r| {
+                r.turn.map(|turn| ConversationAt {
+                    branch: r.branch,
+                    turn,
+                    image_turn,
+                })
+            }))
         })
+        .await;
+        match found {
+            Ok(at) => at,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "where the version stands is unknown: no replay");
+                None
+            }
+        }
     }
 }
 

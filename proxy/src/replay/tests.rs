@@ -109,13 +109,19 @@ fn run_from(
     (got, branches)
 }
 
+/// A state with `last_turn` turns numbered on the root.
+fn numbered(last_turn: u64) -> TurnState {
+    TurnState {
+        last_turn,
+        tips: [(0, last_turn)].into(),
+        ..Default::default()
+    }
+}
+
 /// A state with `last_turn` turns on the root, replaying 1..=until.
 fn from_start(entries: &[Entry], until: u64, last_turn: u64) -> TurnState {
-    let mut state = TurnState {
-        last_turn,
-        ..Default::default()
-    };
-    state.replay = Some(Replay::from_start(entries, until, &state).expect("replay"));
+    let mut state = numbered(last_turn);
+    state.replay = Some(Replay::from_start(entries, until, &mut state).expect("replay"));
     state
 }
 
@@ -202,11 +208,8 @@ fn the_conversation_follows_its_branches() {
 
 /// A state after `n` turns of the root, rewound to `at`.
 fn rewound(entries: &[Entry], n: u64, at: ConversationAt) -> TurnState {
-    let mut state = TurnState {
-        last_turn: n,
-        ..Default::default()
-    };
-    state.replay = Some(Replay::rewind(entries, at, &state).expect("rewind"));
+    let mut state = numbered(n);
+    state.replay = Some(Replay::rewind(entries, at, &mut state).expect("rewind"));
     state
 }
 
@@ -285,6 +288,27 @@ fn a_recovery_goes_on_and_a_turn_without_its_answer_goes_live() {
     assert_eq!(branches, [(1, 0, 3)]);
 }
 
+/// A second restore before the agent went live: its turns past the
+/// version are still the old branch's, so going live there branches.
+#[test]
+fn a_second_restore_before_going_live_never_numbers_a_turn_twice() {
+    let p = "/v1/messages";
+    use Got::*;
+    let at3 = ConversationAt {
+        branch: 0,
+        turn: 3,
+        image_turn: Some(3),
+    };
+    let mut state = rewound(&five_turns(), 5, at3);
+    let (got, _) = run(&mut state, &[(p, "3")]);
+    assert_eq!(got, [Answer(3)]);
+    // Crashed again: recovered to the same version, the counter at 3.
+    state.replay = Some(Replay::rewind(&five_turns(), at3, &mut state).expect("rewind"));
+    let (got, branches) = run(&mut state, &[(p, "3"), (p, "4 live")]);
+    assert_eq!(got, [Answer(3), Live(1, 4, false)]);
+    assert_eq!(branches, [(1, 0, 3)], "the old turn 4 stays turn 4 of the root");
+}
+
 #[test]
 fn an_agent_outside_the_sandbox_goes_on_as_it_was() {
     let p = "/v1/messages";
@@ -311,7 +335,7 @@ fn a_rewind_needs_its_branch() {
         turn: 1,
         image_turn: Some(1),
     };
-    let err = Replay::rewind(&five_turns(), at, &TurnState::default()).expect_err("no branch 3");
+    let err = Replay::rewind(&five_turns(), at, &mut TurnState::default()).expect_err("no branch 3");
     assert!(matches!(err, ReplayError::UnknownBranch { branch: 3 }), "{err:?}");
 }
 
@@ -323,7 +347,7 @@ fn refuses_ranges_without_complete_records() {
         (vec![record(1, p, "{}", true), record(2, p, "{}", false)], 2, 2),
     ];
     for (entries, until, bad_turn) in cases {
-        match Replay::from_start(&entries, until, &TurnState::default()) {
+        match Replay::from_start(&entries, until, &mut TurnState::default()) {
             Err(ReplayError::MissingTurn { turn } | ReplayError::IncompleteTurn { turn }) => {
                 assert_eq!(turn, bad_turn)
             }

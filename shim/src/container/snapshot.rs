@@ -235,6 +235,19 @@ impl Container {
             // A new init: only what is asked of it from now on counts.
             self.asked.clear();
         }
+        // Before anything of the old sandbox dies: in a namespace that the
+        // restore keeps (docker's, a pod's), the old listener serves the
+        // restored agent at once.
+        if let Some(p) = &self.proxy {
+            p.rewind(conversation).await;
+        }
+        if self.recovering {
+            // A crash during a checkpoint can leave the cgroup frozen: its
+            // tasks would not die, nor would restored ones run.
+            if let Err(e) = self.set_frozen(false, runtime).await {
+                tracing::warn!(error = %crab_api::error_chain(&e), "{}: thaw before the recovery", self.id);
+            }
+        }
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
@@ -263,9 +276,6 @@ impl Container {
         self.init.pid = pid;
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
-        if let Some(p) = &self.proxy {
-            p.rewind(conversation).await;
-        }
         self.restart_proxy().await;
         Ok((pid, rx))
     }
