@@ -55,8 +55,8 @@ pub struct CrabdConfig {
     /// Seconds between two looks at stopped sandboxes, whose history goes
     /// once containerd has removed their container.
     pub gc_interval_secs: u64,
-    /// At start, resume every sandbox crabd knew running whose task is
-    /// gone (the host restarted), from its head version.
+    /// At crabd's first start after the host booted, resume every sandbox
+    /// it knew running whose task is gone, from its head version.
     pub resume_on_boot: bool,
     /// On SIGTERM, drain first (see `crabctl drain`) with this grace in
     /// seconds; 0: stop at once.

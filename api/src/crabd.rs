@@ -261,7 +261,8 @@ pub struct ForkOutcome {
     pub id: SandboxId,
     /// Its init's pid on the host, when it was made.
     pub pid: Option<u32>,
-    /// Bytes of files written for it (its own copy of the version's files).
+    /// The disk its own copy of the version's files takes (allocated
+    /// blocks, each inode once).
     pub bytes: u64,
     /// From the call's start to its init running (or its failure), in
     /// milliseconds.

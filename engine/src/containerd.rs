@@ -382,13 +382,14 @@ impl Containerd {
             }
         }
         any.value = serde_json::to_vec(&spec).expect("a spec always serializes");
-        // No mask: every field is as it was but the spec.
         self.client
             .containers()
             .update(with_namespace!(
                 UpdateContainerRequest {
                     container: Some(container),
-                    update_mask: None,
+                    update_mask: Some(prost_types::FieldMask {
+                        paths: vec!["spec".to_owned()],
+                    }),
                 },
                 ns
             ))

@@ -233,7 +233,9 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     let stop_host = tokio_util::sync::CancellationToken::new();
     let host_task =
         host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
-    if daemon.config.resume_on_boot {
+    // Only after the host restarted: a crabd restarted alone finds its
+    // sandboxes' tasks as containerd and their shims left them.
+    if resume::host_restarted(&daemon.config.root) && daemon.config.resume_on_boot {
         // What ran when crabd last knew: gc marks the dead ones stopped soon.
         let known = daemon.registry.running();
         tokio::spawn({

@@ -374,8 +374,9 @@ pub fn conversation(entries: &[Entry], branch: u64) -> Option<BTreeMap<u64, Turn
 }
 
 /// Writes `records` as the transcript at `path`, which must not exist
-/// (0600, synced): the conversation a new sandbox starts from (a fork of a
-/// version). Each record is rewritten as `sandbox`'s, on the root branch.
+/// (0600; written beside it, synced, linked in, so it is whole or absent):
+/// the conversation a new sandbox starts from (a fork of a version). Each
+/// record is rewritten as `sandbox`'s, on the root branch.
 ///
 /// # Errors
 /// [`TranscriptError::Open`] when the file exists or cannot be written.
@@ -399,15 +400,28 @@ pub fn write_new(
             buf.push(b'\n');
         }
     }
+    let tmp = path.with_extension("jsonl.tmp");
+    let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        // With O_EXCL, a symlink at `path` is refused, never followed.
-        .open(path)
+        // With O_EXCL, a symlink is refused, never followed.
+        .open(&tmp)
         .map_err(failed)?;
-    file.write_all(&buf).map_err(failed)?;
-    file.sync_all().map_err(failed)
+    let written = file
+        .write_all(&buf)
+        .and_then(|()| file.sync_all())
+        // A hard link fails when `path` exists: never over another's.
+        .and_then(|()| std::fs::hard_link(&tmp, path));
+    let _ = std::fs::remove_file(&tmp);
+    written.map_err(failed)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(failed)?;
+    }
+    Ok(())
 }
 
 // === impl Transcript ===

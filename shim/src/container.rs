@@ -141,7 +141,13 @@ impl Container {
                 .annotations()
                 .as_ref()
                 .and_then(|a| a.get(crab_api::shim::CONVERSATION_ANNOTATION))
-                .and_then(|json| serde_json::from_str(json).ok()),
+                .and_then(|json| match serde_json::from_str(json) {
+                    Ok(at) => Some(at),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "{}: conversation annotation ignored: its transcript starts afresh", req.id);
+                        None
+                    }
+                }),
             init_mounted: false,
             adopted: None,
             asked: Vec::new(),

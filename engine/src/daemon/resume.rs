@@ -169,3 +169,21 @@ fn exchange(a: &Path, b: &Path) -> Result<(), ApiError> {
         }
     })
 }
+
+/// Whether the host booted since crabd last ran with this root: the
+/// kernel's boot id differs from the one kept in `<root>/boot_id` (which is
+/// then updated). Unknown counts as restarted.
+pub(super) fn host_restarted(root: &Path) -> bool {
+    let Ok(now) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else {
+        return true;
+    };
+    let kept = root.join("boot_id");
+    let before = std::fs::read_to_string(&kept).unwrap_or_default();
+    if before == now {
+        return false;
+    }
+    if let Err(e) = std::fs::write(&kept, &now) {
+        tracing::warn!(path = %kept.display(), error = %e, "the boot id is not kept");
+    }
+    true
+}

@@ -104,6 +104,9 @@ impl TurnQueue {
     pub(super) fn rolled_back(&self, id: &SandboxId) {
         if let Some(t) = self.sandboxes.lock().get_mut(id) {
             t.rolling_back = false;
+            // The turns after a restore are numbered again from where it
+            // went: an old answer's number must not make them urgent.
+            t.answered = 0;
         }
     }
 

@@ -239,7 +239,12 @@ impl Container {
         // restore keeps (docker's, a pod's), the old listener serves the
         // restored agent at once.
         if let Some(p) = &self.proxy {
-            p.rewind(conversation).await;
+            // Bounded: a hung disk must not hang the restore.
+            let limit = Duration::from_secs(crate::config::get().shim.proxy.hold_timeout);
+            if tokio::time::timeout(limit, p.rewind(conversation)).await.is_err() {
+                tracing::warn!("{}: the transcript did not answer in time: no replay", self.id);
+                p.rewind(None).await;
+            }
         }
         if self.recovering {
             // A crash during a checkpoint can leave the cgroup frozen: its
