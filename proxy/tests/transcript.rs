@@ -282,13 +282,7 @@ async fn a_rewind_fast_forwards_the_agent_that_was_restored() {
         [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (1, 5)],
         "nothing lost"
     );
-    let branches: Vec<(u64, u64, u64)> = entries
-        .iter()
-        .filter_map(|e| match e {
-            Entry::Branch(b) => Some((b.branch, b.parent, b.after)),
-            _ => None,
-        })
-        .collect();
+    let branches = support::branches_of(&entries);
     assert_eq!(branches, [(1, 0, 4)]);
     assert_eq!(h.hook.branches.lock().last(), Some(&1));
 
@@ -442,12 +436,6 @@ async fn a_resumed_sandbox_goes_on_with_its_transcript() {
         [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 4)],
         "nothing lost"
     );
-    let branches: Vec<(u64, u64, u64)> = entries
-        .iter()
-        .filter_map(|e| match e {
-            Entry::Branch(b) => Some((b.branch, b.parent, b.after)),
-            _ => None,
-        })
-        .collect();
+    let branches = support::branches_of(&entries);
     assert_eq!(branches, [(1, 0, 3)]);
 }

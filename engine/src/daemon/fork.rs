@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crab_api::crabd::Registration;
-use crab_api::crabd::{ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, MAX_FORKS};
+use crab_api::crabd::{
+    ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, Registration, MAX_FORKS,
+};
 use crab_api::shim::ConversationAt;
-use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionRecord};
+use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionRecord, VersionSel};
 use crab_proxy::transcript::{conversation, read_entries, write_new};
 use futures_util::StreamExt;
 use tracing::Instrument;
@@ -24,6 +25,9 @@ use crate::containerd::{ContainerTemplate, Containerd};
 /// and waits on containerd and CRIU, so a few overlap well even on two
 /// cores.
 const PARALLEL: usize = 4;
+
+/// A fork's id, how its making went, and when it ended (ms from the start).
+type Made = (SandboxId, Result<Copied, ApiError>, f64);
 
 /// A sandbox [`Daemon::start_copy`] made.
 pub(super) struct Copied {
@@ -63,44 +67,19 @@ impl Daemon {
         req: ForkRequest,
     ) -> Result<ForkReport, ApiError> {
         let reg = self.registry.find(sel)?.registration;
-        let d = self.clone();
         let span = tracing::info_span!("fork", sandbox = %reg.id, version = %req.version);
-        detached(
-            async move {
-                let busy = d.busy(&reg.id);
-                let _one_at_a_time = busy.lock().await;
-                let started = Instant::now();
-                let (version, images) = d.restorable(&reg.id, req.version).await?;
-                let number = version.record.version;
-                let fs = movable_files(&version.record)?;
-                let new_id = match req.name {
-                    Some(name) => name,
-                    None => SandboxId::new(format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000))?,
-                };
-                if d.registry.get(&new_id).is_some() {
-                    return Err(ApiError::SandboxExists { id: new_id });
-                }
-                let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
-                let template = containerd.template(reg.id.as_str()).await?;
-                let source = Source {
-                    reg: &reg,
-                    record: &version.record,
-                    images: &images,
-                    files: &fs.name,
-                };
-                let pid = d.fork_one(&containerd, &template, &source, &new_id).await?.pid;
-                let total_ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(fork = %new_id, pid, elapsed_ms = total_ms, "forked");
-                Ok(ForkReport {
-                    id: new_id,
-                    pid,
-                    version: number,
-                    total_ms,
-                })
-            }
-            .instrument(span),
-        )
-        .await
+        let name = req.name;
+        let (version, mut made) = self
+            .make_forks(reg, req.version, |default| Ok(vec![name.unwrap_or(default)]))
+            .instrument(span)
+            .await?;
+        let (id, copied, total_ms) = made.pop().expect("one fork asked for");
+        Ok(ForkReport {
+            id,
+            pid: copied?.pid,
+            version,
+            total_ms,
+        })
     }
 
     /// Starts `req.count` new sandboxes from version `req.version` of
@@ -117,62 +96,86 @@ impl Daemon {
             });
         }
         let reg = self.registry.find(sel)?.registration;
-        let d = self.clone();
         let span = tracing::info_span!("forks", sandbox = %reg.id, version = %req.version, count = req.count);
-        detached(
-            async move {
-                let busy = d.busy(&reg.id);
-                let _one_at_a_time = busy.lock().await;
-                let started = Instant::now();
-                let (version, images) = d.restorable(&reg.id, req.version).await?;
-                let number = version.record.version;
-                let fs = movable_files(&version.record)?;
-                let prefix = match req.prefix {
-                    Some(prefix) => prefix,
-                    None => SandboxId::new(format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000))?,
-                };
-                let ids = (1..=req.count)
-                    .map(|i| SandboxId::new(format!("{prefix}-{i}")))
-                    .collect::<Result<Vec<_>, _>>()?;
-                if let Some(taken) = ids.iter().find(|id| d.registry.get(id).is_some()) {
-                    return Err(ApiError::SandboxExists { id: taken.clone() });
-                }
-                let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
-                let template = containerd.template(reg.id.as_str()).await?;
-                let source = Source {
-                    reg: &reg,
-                    record: &version.record,
-                    images: &images,
-                    files: &fs.name,
-                };
-                let one = |new_id: SandboxId| {
-                    let (d, containerd, template, source) = (&d, &containerd, &template, &source);
-                    async move {
-                        let made = d.fork_one(containerd, template, source, &new_id).await;
-                        ForkOutcome {
-                            pid: made.as_ref().ok().map(|c| c.pid),
-                            bytes: made.as_ref().map_or(0, |c| c.bytes),
-                            error: made.err().map(|e| crab_api::error_chain(&e)),
-                            total_ms: started.elapsed().as_secs_f64() * 1e3,
-                            id: new_id,
-                        }
-                    }
-                };
-                let forks: Vec<ForkOutcome> = futures_util::stream::iter(ids.into_iter().map(one))
-                    .buffered(PARALLEL)
+        let started = Instant::now();
+        let (prefix, count) = (req.prefix, req.count);
+        let (version, made) = self
+            .make_forks(reg, req.version, move |default| {
+                let prefix = prefix.unwrap_or(default);
+                (1..=count)
+                    .map(|i| SandboxId::new(format!("{prefix}-{i}")).map_err(ApiError::from))
                     .collect()
-                    .await;
-                let made = forks.iter().filter(|f| f.error.is_none()).count();
-                let total_ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(made, failed = forks.len() - made, elapsed_ms = total_ms, "forked");
-                Ok(ForksReport {
-                    version: number,
-                    forks,
-                    total_ms,
-                })
+            })
+            .instrument(span)
+            .await?;
+        let forks: Vec<ForkOutcome> = made
+            .into_iter()
+            .map(|(id, copied, total_ms)| ForkOutcome {
+                id,
+                pid: copied.as_ref().ok().map(|c| c.pid),
+                bytes: copied.as_ref().map_or(0, |c| c.bytes),
+                error: copied.err().map(|e| crab_api::error_chain(&e)),
+                total_ms,
+            })
+            .collect();
+        Ok(ForksReport {
+            version,
+            forks,
+            total_ms: started.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Makes the forks of version `which` of sandbox `reg` that `ids` names
+    /// (given the default id, `<id>-fork<version>-<n>`), [`PARALLEL`] at a
+    /// time, on a task of its own under the sandbox's lock; answers the
+    /// version and each fork's id, outcome and time from the start.
+    async fn make_forks(
+        self: &Arc<Self>,
+        reg: Registration,
+        which: VersionSel,
+        ids: impl FnOnce(SandboxId) -> Result<Vec<SandboxId>, ApiError> + Send + 'static,
+    ) -> Result<(u64, Vec<Made>), ApiError> {
+        let d = self.clone();
+        detached(async move {
+            let busy = d.busy(&reg.id);
+            let _one_at_a_time = busy.lock().await;
+            let started = Instant::now();
+            let (version, images) = d.restorable(&reg.id, which).await?;
+            let number = version.record.version;
+            let fs = movable_files(&version.record)?;
+            let default = SandboxId::new(format!("{}-fork{number}-{}", reg.id, unix_ms() % 100_000))?;
+            let ids = ids(default)?;
+            if let Some(taken) = ids.iter().find(|id| d.registry.get(id).is_some()) {
+                return Err(ApiError::SandboxExists { id: taken.clone() });
             }
-            .instrument(span),
-        )
+            let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
+            let template = containerd.template(reg.id.as_str()).await?;
+            let source = Source {
+                reg: &reg,
+                record: &version.record,
+                images: &images,
+                files: &fs.name,
+            };
+            let one = |new_id: SandboxId| {
+                let (d, containerd, template, source) = (&d, &containerd, &template, &source);
+                async move {
+                    let made = d.fork_one(containerd, template, source, &new_id).await;
+                    (new_id, made, started.elapsed().as_secs_f64() * 1e3)
+                }
+            };
+            let made: Vec<Made> = futures_util::stream::iter(ids.into_iter().map(one))
+                .buffered(PARALLEL)
+                .collect()
+                .await;
+            let ok = made.iter().filter(|m| m.1.is_ok()).count();
+            tracing::info!(
+                made = ok,
+                failed = made.len() - ok,
+                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                "forked"
+            );
+            Ok((number, made))
+        })
         .await
     }
 

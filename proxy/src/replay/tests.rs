@@ -213,6 +213,15 @@ fn rewound(entries: &[Entry], n: u64, at: ConversationAt) -> TurnState {
     state
 }
 
+/// Where a restore puts the conversation.
+fn conv(branch: u64, turn: u64, image_turn: Option<u64>) -> ConversationAt {
+    ConversationAt {
+        branch,
+        turn,
+        image_turn,
+    }
+}
+
 fn five_turns() -> Vec<Entry> {
     (1..=5)
         .map(|t| record(t, "/v1/messages", &t.to_string(), true))
@@ -225,22 +234,14 @@ fn a_rollback_replays_from_the_image_and_branches_where_it_goes_live() {
     use Got::*;
     // Back to turn 2 of 5, its own image: turn 2 asked again is answered,
     // turn 3 goes live on branch 1 after turn 2; the old 3..5 stay.
-    let at = ConversationAt {
-        branch: 0,
-        turn: 2,
-        image_turn: Some(2),
-    };
+    let at = conv(0, 2, Some(2));
     let mut state = rewound(&five_turns(), 5, at);
     let (got, branches) = run(&mut state, &[(p, "2"), (p, "3 live"), (p, "4 live")]);
     assert_eq!(got, [Answer(2), Live(1, 3, false), Live(1, 4, false)]);
     assert_eq!(branches, [(1, 0, 2)]);
 
     // Version at turn 5, image of turn 2: turns 2..5 are answered.
-    let at = ConversationAt {
-        branch: 0,
-        turn: 5,
-        image_turn: Some(2),
-    };
+    let at = conv(0, 5, Some(2));
     let mut state = rewound(&five_turns(), 5, at);
     let (got, branches) = run(&mut state, &[(p, "2"), (p, "3"), (p, "4"), (p, "5"), (p, "6")]);
     assert_eq!(
@@ -265,11 +266,7 @@ fn a_recovery_goes_on_and_a_turn_without_its_answer_goes_live() {
     // crashed branch stays there).
     let mut entries = five_turns();
     entries.pop();
-    let at = ConversationAt {
-        branch: 0,
-        turn: 5,
-        image_turn: Some(5),
-    };
+    let at = conv(0, 5, Some(5));
     let mut state = rewound(&entries, 5, at);
     let (got, branches) = run(&mut state, &[(p, "5")]);
     assert_eq!(got, [Live(1, 5, false)]);
@@ -277,11 +274,7 @@ fn a_recovery_goes_on_and_a_turn_without_its_answer_goes_live() {
 
     // An image that ended no turn: nothing is replayed; the next turn is
     // the version's next.
-    let at = ConversationAt {
-        branch: 0,
-        turn: 3,
-        image_turn: None,
-    };
+    let at = conv(0, 3, None);
     let mut state = rewound(&five_turns(), 5, at);
     let (got, branches) = run(&mut state, &[(p, "4 live")]);
     assert_eq!(got, [Live(1, 4, false)]);
@@ -294,11 +287,7 @@ fn a_recovery_goes_on_and_a_turn_without_its_answer_goes_live() {
 fn a_second_restore_before_going_live_never_numbers_a_turn_twice() {
     let p = "/v1/messages";
     use Got::*;
-    let at3 = ConversationAt {
-        branch: 0,
-        turn: 3,
-        image_turn: Some(3),
-    };
+    let at3 = conv(0, 3, Some(3));
     let mut state = rewound(&five_turns(), 5, at3);
     let (got, _) = run(&mut state, &[(p, "3")]);
     assert_eq!(got, [Answer(3)]);
@@ -313,11 +302,7 @@ fn a_second_restore_before_going_live_never_numbers_a_turn_twice() {
 fn an_agent_outside_the_sandbox_goes_on_as_it_was() {
     let p = "/v1/messages";
     use Got::*;
-    let at = ConversationAt {
-        branch: 0,
-        turn: 2,
-        image_turn: Some(2),
-    };
+    let at = conv(0, 2, Some(2));
     let mut state = rewound(&five_turns(), 5, at);
     // Its request equals turn 2's record, yet it is the outside agent's.
     let (got, branches) = run_from(&mut state, false, &[(p, "2"), (p, "7")]);
@@ -330,11 +315,7 @@ fn an_agent_outside_the_sandbox_goes_on_as_it_was() {
 
 #[test]
 fn a_rewind_needs_its_branch() {
-    let at = ConversationAt {
-        branch: 3,
-        turn: 1,
-        image_turn: Some(1),
-    };
+    let at = conv(3, 1, Some(1));
     let err = Replay::rewind(&five_turns(), at, &mut TurnState::default()).expect_err("no branch 3");
     assert!(matches!(err, ReplayError::UnknownBranch { branch: 3 }), "{err:?}");
 }

@@ -190,6 +190,17 @@ pub fn turns_of(entries: &[Entry]) -> Vec<TurnRecord> {
         .collect()
 }
 
+/// `(branch, parent, after)` of each branch entry.
+pub fn branches_of(entries: &[Entry]) -> Vec<(u64, u64, u64)> {
+    entries
+        .iter()
+        .filter_map(|e| match e {
+            Entry::Branch(b) => Some((b.branch, b.parent, b.after)),
+            _ => None,
+        })
+        .collect()
+}
+
 pub fn chat_body(model: &str, stream: bool) -> serde_json::Value {
     serde_json::json!({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
 }
