@@ -161,7 +161,8 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn crabctl_json(ctd: &Containerd, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+/// `crabctl --json args…`'s answer, or why it failed.
+pub(crate) fn crabctl_json(ctd: &Containerd, args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let out = crabctl(ctd, args);
     if !out.status.success() {
         bail!("crabctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));

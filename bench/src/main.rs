@@ -15,6 +15,7 @@ mod fs;
 mod inspector;
 mod observe;
 mod proxy;
+mod recovery;
 mod runtime;
 mod stats;
 mod turn;
@@ -55,6 +56,18 @@ enum Bench {
         #[arg(long, default_value_t = 100)]
         mb: usize,
         /// Checkpoints (and restores) per runtime.
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+    },
+    /// Crash to running again (a SIGKILLed init restored from its head
+    /// version by crabd) beside a cold start of the same image, for a
+    /// sandbox holding nothing and one holding `mb` MB; forks of one
+    /// version, 1, 4 and 16 at once (wall time, disk).
+    Recovery {
+        /// Resident memory of the bigger sandbox's process, MB.
+        #[arg(long, default_value_t = 100)]
+        mb: usize,
+        /// Crashes per size (each in a sandbox of its own).
         #[arg(long, default_value_t = 10)]
         runs: usize,
     },
@@ -117,6 +130,7 @@ fn main() -> anyhow::Result<()> {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
         Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
+        Bench::Recovery { mb, runs } => recovery::run(mb, runs),
         Bench::Turn { runs } => turn::run(runs),
         Bench::Density {
             sandboxes,
