@@ -14,7 +14,8 @@ fn ctr_task_checkpoint_makes_an_image() {
         &[
             "sh",
             "-c",
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done",
+            // Written through a rename: a reader never sees it half-written.
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.05; done",
         ],
     );
     let read = |n: &str| -> u64 {

@@ -13,7 +13,8 @@ fn task_survives_containerd_restart() {
         &[
             "sh",
             "-c",
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done",
+            // Written through a rename: a reader never sees it half-written.
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.05; done",
         ],
     );
     let pid = ctd.task_pid("r").expect("task listed");
