@@ -23,28 +23,8 @@ use crate::stats::{ms, percentile};
 pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     let ctd = Containerd::start();
     ctd.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
-    let script = format!(
-        "import os, time\nb = bytearray(os.urandom({mb} << 20))\nopen('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n"
-    );
     for (rt, id) in [(RUNC, "ck-runc"), (CRAB, "ck-crab")] {
-        ctd.ctr_ok(&[
-            "run",
-            "-d",
-            "--runtime",
-            rt,
-            PYTHON_SDK,
-            id,
-            "/opt/crab/sdk-venv/bin/python3",
-            "-c",
-            &script,
-        ]);
-        let pid = ctd.task_pid(id).context("task pid")?;
-        wait_until(120, || {
-            std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
-                .exists()
-                .then_some(())
-        })
-        .with_context(|| format!("{id} never filled its memory"))?;
+        start_holding(&ctd, rt, id, mb)?;
     }
     let rss = rss_mib(ctd.task_pid("ck-crab").context("crab pid")?);
     wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
@@ -159,6 +139,33 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
         ctd.remove(id);
     }
     Ok(())
+}
+
+/// `ctr run -d` on `runtime` of a Python process holding `mb` MB of
+/// resident memory; answers the init's pid once the memory is filled.
+pub(crate) fn start_holding(ctd: &Containerd, runtime: &str, id: &str, mb: usize) -> anyhow::Result<i32> {
+    let script = format!(
+        "import os, time\nb = bytearray(os.urandom({mb} << 20))\nopen('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n"
+    );
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        runtime,
+        PYTHON_SDK,
+        id,
+        "/opt/crab/sdk-venv/bin/python3",
+        "-c",
+        &script,
+    ]);
+    let pid = ctd.task_pid(id).context("task pid")?;
+    wait_until(120, || {
+        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
+            .exists()
+            .then_some(())
+    })
+    .with_context(|| format!("{id} never filled its memory"))?;
+    Ok(pid)
 }
 
 /// `crabctl --json args…`'s answer, or why it failed.

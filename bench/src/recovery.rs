@@ -12,13 +12,13 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use crab_tests::image::{python_sdk_archive, PYTHON_SDK};
+use crab_tests::image::python_sdk_archive;
 use crab_tests::sandbox::crabctl;
 use crab_tests::{wait_until, Containerd, CRAB, RUNC};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::checkpoint::crabctl_json;
+use crate::checkpoint::{crabctl_json, start_holding};
 use crate::stats::{ms, percentile};
 
 /// Runs the benchmark and prints its tables.
@@ -29,21 +29,18 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     println!("{:<44} {:>10} {:>10} {:>10}", "figure (ms)", "p50", "p95", "max");
     let mut n = 0;
     for size in [0, mb] {
-        let script = format!(
-            "import os, time\nb = bytearray(os.urandom({size} << 20))\nopen('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n"
-        );
         // [cold start (runc), crash to running (crab), crabd's own measure]
         let mut s: [Vec<Duration>; 3] = Default::default();
         for _ in 0..runs {
             n += 1;
             let cold = format!("cold{n}");
             let t = Instant::now();
-            start(&ctd, RUNC, &cold, &script)?;
+            start_holding(&ctd, RUNC, &cold, size)?;
             s[0].push(t.elapsed());
             ctd.remove(&cold);
 
             let id = format!("crash{n}");
-            let pid = start(&ctd, CRAB, &id, &script)?;
+            let pid = start_holding(&ctd, CRAB, &id, size)?;
             wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
             crabctl_json(&ctd, &["checkpoint", &id])?;
             let t = Instant::now();
@@ -80,10 +77,7 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     }
 
     // Forks of one version of a sandbox holding `mb` MB.
-    let script = format!(
-        "import os, time\nb = bytearray(os.urandom({mb} << 20))\nopen('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n"
-    );
-    start(&ctd, CRAB, "forked", &script)?;
+    start_holding(&ctd, CRAB, "forked", mb)?;
     crabctl_json(&ctd, &["checkpoint", "forked"])?;
     println!("\nforks of one version ({mb} MB of memory; process images read in place, files copied)");
     println!(
@@ -117,28 +111,4 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     ctd.remove("forked");
     println!("target: crash to running well under a cold start's time plus the work it lost");
     Ok(())
-}
-
-/// `ctr run -d` of the benchmark's Python script on `runtime`; answers the
-/// init's pid once the script holds its memory.
-fn start(ctd: &Containerd, runtime: &str, id: &str, script: &str) -> anyhow::Result<i32> {
-    ctd.ctr_ok(&[
-        "run",
-        "-d",
-        "--runtime",
-        runtime,
-        PYTHON_SDK,
-        id,
-        "/opt/crab/sdk-venv/bin/python3",
-        "-c",
-        script,
-    ]);
-    let pid = ctd.task_pid(id).context("task pid")?;
-    wait_until(120, || {
-        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
-            .exists()
-            .then_some(())
-    })
-    .with_context(|| format!("{id} never filled its memory"))?;
-    Ok(pid)
 }
