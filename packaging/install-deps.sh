@@ -115,12 +115,14 @@ WRAP
 fi
 
 # The official OpenAI and Anthropic Python SDKs, for the proxy's SDK tests
-# (proxy/tests/sdk.rs), in a private venv so the system Python stays as it is.
+# (proxy/tests/sdk.rs), and the official MCP SDK, for the agent tool's test
+# (tests/tests/agent_tools.rs), in a private venv so the system Python stays
+# as it is.
 SDK_VENV=${SDK_VENV:-/opt/crab/sdk-venv}
-if ! "$SDK_VENV/bin/python3" -c 'import openai, anthropic' 2>/dev/null; then
-  log "installing the openai and anthropic SDKs into $SDK_VENV"
+if ! "$SDK_VENV/bin/python3" -c 'import openai, anthropic, mcp' 2>/dev/null; then
+  log "installing the openai, anthropic and mcp SDKs into $SDK_VENV"
   /usr/bin/python3 -m venv "$SDK_VENV" 2>/dev/null || python3 -m venv "$SDK_VENV"
-  "$SDK_VENV/bin/pip" install -q --disable-pip-version-check 'openai>=1.40,<3' 'anthropic>=0.34,<1'
+  "$SDK_VENV/bin/pip" install -q --disable-pip-version-check 'openai>=1.40,<3' 'anthropic>=0.34,<1' 'mcp>=1.9,<2'
 fi
 
 # mini-swe-agent, an unmodified agent the integration tests run on the host

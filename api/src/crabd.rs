@@ -163,6 +163,10 @@ pub struct RollbackRequest {
     /// Take an undo checkpoint first (see [`ShimRestore::undo`]).
     #[serde(default = "yes")]
     pub undo: bool,
+    /// Put back the version's files only: the processes go on as they
+    /// are, and a new version (class `fs`) records the result.
+    #[serde(default)]
+    pub files_only: bool,
 }
 
 /// `POST /v1/sandboxes/{id}/recover`: how the sandbox's init died.
@@ -202,6 +206,10 @@ pub struct RollbackReport {
     pub undo_ms: f64,
     /// The whole rollback, verification included, in milliseconds.
     pub total_ms: f64,
+    /// A files-only rollback: the version whose files were put back
+    /// (`version` is then the new version that records them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files_from: Option<u64>,
 }
 
 /// `POST /v1/sandboxes/{sel}/fork`.

@@ -109,6 +109,9 @@ impl AsRef<str> for SandboxId {
 
 // === impl SandboxSelector ===
 
+/// The mark of an exact selector.
+const EXACT: char = '=';
+
 impl SandboxSelector {
     /// Validates `sel` by the id rule (a prefix of a valid id is one too).
     ///
@@ -116,21 +119,31 @@ impl SandboxSelector {
     /// [`InvalidSelector`].
     pub fn new(sel: impl Into<String>) -> Result<Self, InvalidSelector> {
         let sel = sel.into();
-        if !well_formed(&sel) {
+        if !well_formed(sel.strip_prefix(EXACT).unwrap_or(&sel)) {
             return Err(InvalidSelector { sel });
         }
         Ok(Self(sel))
     }
 
+    /// The selector of `id` and no other (written `=<id>`): what a program
+    /// acting for one sandbox sends, so that a gone sandbox never resolves
+    /// to another whose id it begins.
+    pub fn exact(id: &SandboxId) -> Self {
+        Self(format!("{EXACT}{id}"))
+    }
+
     /// Whether `id` is the sandbox this selects, or one of its candidates.
     pub fn matches(&self, id: &SandboxId) -> bool {
-        id.as_str().starts_with(&self.0)
+        match self.0.strip_prefix(EXACT) {
+            Some(exact) => id.as_str() == exact,
+            None => id.as_str().starts_with(&self.0),
+        }
     }
 
     /// Whether it is `id` exactly (an exact id wins over longer ones it
     /// is a prefix of).
     pub fn is_exactly(&self, id: &SandboxId) -> bool {
-        id.as_str() == self.0
+        id.as_str() == self.0.strip_prefix(EXACT).unwrap_or(&self.0)
     }
 
     /// The text typed.
@@ -167,6 +180,20 @@ mod tests {
     fn check(id: &str, valid: bool) {
         assert_eq!(SandboxId::new(id).is_ok(), valid, "{id:?}");
         assert_eq!(SandboxSelector::new(id).is_ok(), valid, "{id:?}");
+    }
+
+    #[test]
+    fn an_exact_selector_matches_its_id_only() {
+        let (a, ab) = (SandboxId::new("a").unwrap(), SandboxId::new("ab").unwrap());
+        let exact = SandboxSelector::exact(&a);
+        assert_eq!(exact.to_string(), "=a");
+        assert_eq!(exact.to_string().parse::<SandboxSelector>().unwrap(), exact);
+        assert!(exact.matches(&a) && exact.is_exactly(&a));
+        assert!(!exact.matches(&ab));
+        assert!(SandboxSelector::new("a").unwrap().matches(&ab));
+        for bad in ["=", "==a", "=../a", "a="] {
+            assert!(SandboxSelector::new(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

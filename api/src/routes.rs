@@ -111,6 +111,8 @@ pub mod shim {
     pub const RESTORE: &str = "/restore";
     /// Delete file snapshots no version names any more.
     pub const FORGET: &str = "/forget";
+    /// Put the sandbox's files back to a snapshot's, its processes kept.
+    pub const RESTORE_FILES: &str = "/restore-files";
 }
 
 /// `pattern` with `{sel}`/`{id}` and `{version}` (or `{turn}`) filled in.

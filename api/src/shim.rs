@@ -92,6 +92,25 @@ fn yes() -> bool {
     true
 }
 
+/// `POST /restore-files` to a shim: make the sandbox's files snapshot
+/// `fs`'s in place, its processes kept (frozen meanwhile).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimRestoreFiles {
+    /// The filesystem snapshot.
+    pub fs: FsTarget,
+}
+
+/// A shim's answer to `POST /restore-files`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShimFilesRestored {
+    /// Entries written (created, replaced or given new metadata).
+    pub written: u64,
+    /// Entries removed.
+    pub removed: u64,
+    /// How long the sandbox was frozen, in milliseconds.
+    pub frozen_ms: f64,
+}
+
 /// A shim's answer to `POST /restore`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShimRestored {

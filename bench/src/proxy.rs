@@ -21,7 +21,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use crab_proxy::{
     serve_host, serve_relay, serve_sandbox, Limits, NoopHook, Proxy, ProxyConfig, SandboxId, SandboxSockets,
-    Timeouts, TurnEndRules, Upstreams,
+    Timeouts, ToolsConfig, TurnEndRules, Upstreams,
 };
 use http_body_util::{channel::Channel, combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
@@ -93,6 +93,7 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
             hook: Duration::from_secs(30),
         },
         transcript_dir: dir.clone(),
+        tools: ToolsConfig { calls_per_minute: 0 },
     };
     let proxy = Proxy::new(config, Arc::new(NoopHook))?;
     let mut sockets = HashMap::new();

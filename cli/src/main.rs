@@ -71,6 +71,11 @@ enum Command {
         /// loses the sandbox's processes instead of putting it back.
         #[arg(long)]
         no_undo: bool,
+        /// Put back the version's files only, in place: the processes go
+        /// on as they are (frozen meanwhile), and a new version records
+        /// the result.
+        #[arg(long, conflicts_with = "no_undo")]
+        files_only: bool,
     },
     /// Start a sandbox whose task died with its host (or its shim) again,
     /// in its own container, from a version: its files, its processes
@@ -285,17 +290,25 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             sandbox,
             version,
             no_undo,
+            files_only,
         } => {
             let req = RollbackRequest {
                 version: *version,
                 undo: !no_undo,
+                files_only: *files_only,
             };
             let r = crabd.rollback(sandbox, &req).await?;
             print(cli.json, &r, || {
-                format!(
+                match r.files_from {
+                Some(from) => format!(
+                    "files of version {from} put back, recorded as version {}: frozen {:.1} ms, total {:.1} ms\n",
+                    r.version, r.restore_ms, r.total_ms
+                ),
+                None => format!(
                     "rolled back to version {}: pid {}, restore {:.1} ms, total {:.1} ms\n",
                     r.version, r.pid, r.restore_ms, r.total_ms
-                )
+                ),
+            }
             });
         }
         Command::Resume { sandbox, version } => {

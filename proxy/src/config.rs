@@ -21,6 +21,15 @@ pub struct ProxyConfig {
     pub timeouts: Timeouts,
     /// Directory of the transcripts, one `<sandbox>.jsonl` each.
     pub transcript_dir: PathBuf,
+    /// The agent's rollback tool (`/crab/`).
+    pub tools: ToolsConfig,
+}
+
+/// The agent's rollback tool (see `tools`).
+#[derive(Debug, Clone, Copy)]
+pub struct ToolsConfig {
+    /// Calls a sandbox may make in any minute (0: unlimited).
+    pub calls_per_minute: u32,
 }
 
 /// Base URLs of the upstream APIs (`scheme://host[:port][/prefix]`); the

@@ -17,7 +17,8 @@
 //! [`serve_host`] (every sandbox of one [`Proxy`] under `/s/<sandbox>/…`),
 //! [`serve_relay`] (crabd's host listener: `/s/<sandbox>/…` relayed to each
 //! sandbox's unix socket, found through [`SandboxSockets`]), [`TurnHook`],
-//! [`ProxyConfig`], [`Error`].
+//! [`ProxyConfig`], [`AgentTools`] (the engine behind the agent's own
+//! rollback tool, plain HTTP and MCP under `/crab/`), [`Error`].
 //!
 //! Turn rules in detail: the k-th main-loop request of a sandbox ends turn k
 //! (from 1); a request refused before forwarding (413) is no turn; a
@@ -26,7 +27,7 @@
 //! turns answered by a replay count but do not call the hook.
 //!
 //! A request's path through a sandbox is one tower layer per concern:
-//! route detect → body limit → replay → turn-end mark → hold gate →
+//! the agent's tool (`/crab/`) → route detect → body limit → replay → turn-end mark → hold gate →
 //! transcript tee → upstream client (see [`Sandbox::service`]).
 //!
 //! Must never: rewrite a request or response body, add buffering to a
@@ -52,11 +53,12 @@ mod shared;
 mod side_call;
 mod stats;
 mod tee;
+mod tools;
 pub mod transcript;
 mod turn;
 mod upstream;
 
-pub use config::{ConfigError, Limits, ProxyConfig, Timeouts, Upstreams};
+pub use config::{ConfigError, Limits, ProxyConfig, Timeouts, ToolsConfig, Upstreams};
 pub use crab_api::{InvalidSandboxId, SandboxId};
 pub use error::Error;
 pub use hook::{HookError, NoopHook, TurnHook};
@@ -69,6 +71,7 @@ pub use route::{Api, InvalidRoutePattern, Provider, Route, RoutePattern, TurnEnd
 pub use sandbox::{Sandbox, SandboxService};
 pub use server::{serve_host, serve_sandbox, split_host_path, Listener};
 pub use stats::{SandboxStats, TurnHold};
+pub use tools::{AgentTools, ToolError, MCP_PATH};
 pub use upstream::{StreamError, UpstreamError};
 
 /// The body of every answer: upstream streams pass through it chunk by chunk.

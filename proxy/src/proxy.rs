@@ -8,6 +8,7 @@ use parking_lot::RwLock;
 
 use crate::config::ProxyConfig;
 use crate::hook::TurnHook;
+use crate::tools::AgentTools;
 use crate::upstream::{build_client, UpstreamClient};
 use crate::{Error, Sandbox, SandboxId};
 
@@ -33,6 +34,7 @@ pub struct Proxy {
 struct Inner {
     config: Arc<ProxyConfig>,
     hook: Arc<dyn TurnHook>,
+    tools: Option<Arc<dyn AgentTools>>,
     client: UpstreamClient,
     sandboxes: RwLock<HashMap<SandboxId, Sandbox>>,
 }
@@ -44,11 +46,25 @@ impl Proxy {
     /// [`Error::Config`] when an upstream URL is not absolute http(s), or
     /// the TLS client cannot be set up.
     pub fn new(config: ProxyConfig, hook: Arc<dyn TurnHook>) -> Result<Self, Error> {
+        Self::with_tools(config, hook, None)
+    }
+
+    /// A proxy as [`Proxy::new`] whose sandboxes serve the agent's
+    /// rollback tool (`/crab/`, see [`AgentTools`]) through `tools`.
+    ///
+    /// # Errors
+    /// As [`Proxy::new`].
+    pub fn with_tools(
+        config: ProxyConfig,
+        hook: Arc<dyn TurnHook>,
+        tools: Option<Arc<dyn AgentTools>>,
+    ) -> Result<Self, Error> {
         config.upstreams.validate()?;
         let client = build_client(&config.timeouts)?;
         let inner = Inner {
             config: Arc::new(config),
             hook,
+            tools,
             client,
             sandboxes: RwLock::new(HashMap::new()),
         };
@@ -73,6 +89,7 @@ impl Proxy {
             id.clone(),
             self.inner.config.clone(),
             self.inner.hook.clone(),
+            self.inner.tools.clone(),
             self.inner.client.clone(),
         )
         .await?;

@@ -24,6 +24,7 @@ use crate::shared::Shared;
 use crate::side_call::SideCalls;
 use crate::stats::SandboxStats;
 use crate::tee::Tee;
+use crate::tools::{AgentTools, Tools};
 use crate::transcript::{read_entries, Entry};
 use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
@@ -47,9 +48,10 @@ impl Sandbox {
         id: SandboxId,
         config: Arc<ProxyConfig>,
         hook: Arc<dyn TurnHook>,
+        tools: Option<Arc<dyn AgentTools>>,
         client: UpstreamClient,
     ) -> Result<Self, Error> {
-        let shared = Shared::open(id, config, hook, client).await?;
+        let shared = Shared::open(id, config, hook, tools, client).await?;
         tracing::info!(sandbox = %shared.id, "sandbox added to the proxy");
         Ok(Self {
             shared: Arc::new(shared),
@@ -189,7 +191,7 @@ impl Sandbox {
         self.shared.with_turns(|state| state.replay = Some(replay));
     }
 
-    /// The request path: route detect → body limit → side calls → replay →
+    /// The request path: the agent's tool (`/crab/`) → route detect → body limit → side calls → replay →
     /// turn-end mark → hold gate → transcript tee → upstream client; errors
     /// become answers.
     pub fn service(&self) -> SandboxService {
@@ -202,6 +204,7 @@ impl Sandbox {
             shared.stats.clone(),
         );
         let stack = ServiceBuilder::new()
+            .layer(layer_fn(with_shared(shared, Tools::new)))
             .layer(RouteLayer::new(config.turn_ends.clone()))
             .layer(LimitLayer::new(config.limits.max_request_body))
             .layer(layer_fn(with_shared(shared, SideCalls::new)))

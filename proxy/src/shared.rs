@@ -13,6 +13,7 @@ use crate::config::ProxyConfig;
 use crate::hook::TurnHook;
 use crate::replay::TurnState;
 use crate::stats::StatsCell;
+use crate::tools::{AgentTools, RateLimit};
 use crate::transcript::Transcript;
 use crate::upstream::UpstreamClient;
 use crate::{Error, SandboxId};
@@ -40,6 +41,10 @@ pub(crate) struct Shared {
     answer_time: Mutex<Option<Duration>>,
     /// The conversations seen, to tell side calls (never across an await).
     pub(crate) conversations: Mutex<crate::side_call::Conversations>,
+    /// The engine behind the agent's tool, if there is one.
+    pub(crate) tools: Option<Arc<dyn AgentTools>>,
+    /// The tool's rate limit.
+    pub(crate) tool_rate: RateLimit,
 }
 
 // === impl Shared ===
@@ -51,6 +56,7 @@ impl Shared {
         id: SandboxId,
         config: Arc<ProxyConfig>,
         hook: Arc<dyn TurnHook>,
+        tools: Option<Arc<dyn AgentTools>>,
         client: UpstreamClient,
     ) -> Result<Self, Error> {
         let tracker = TaskTracker::new();
@@ -59,7 +65,7 @@ impl Shared {
         let transcript = Transcript::open(path, &tracker, stats.clone()).await?;
         Ok(Self {
             id,
-            config,
+            config: config.clone(),
             hook,
             transcript,
             stats,
@@ -69,6 +75,8 @@ impl Shared {
             turns: Mutex::new(TurnState::default()),
             answer_time: Mutex::new(None),
             conversations: Mutex::new(Default::default()),
+            tool_rate: RateLimit::new(config.tools.calls_per_minute),
+            tools,
         })
     }
 

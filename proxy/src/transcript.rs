@@ -15,6 +15,8 @@
 //! {"v":1,"kind":"divergence","sandbox":"s1","turn":2,"path":"/v1/messages",
 //!  "expected_sha256":"…","got_sha256":"…","unix_ms":…}
 //! {"v":1,"kind":"branch","sandbox":"s1","branch":1,"parent":0,"after":2,"unix_ms":…}
+//! {"v":1,"kind":"tool","sandbox":"s1","tool":"rollback_files","via":"mcp","inside":true,
+//!  "args":{"turn":2,"files_only":true},"after_turn":5,"result":{…},"error":null,"unix_ms":…,"took_us":…}
 //! ```
 //!
 //! The conversation is a tree, like the versions it belongs to. Every turn
@@ -77,6 +79,8 @@ pub enum Entry {
     Divergence(DivergenceRecord),
     /// A new branch of the conversation.
     Branch(BranchRecord),
+    /// A call of the agent's rollback tool (see `tools`).
+    Tool(ToolRecord),
 }
 
 /// One turn: the request that ended it and the upstream's answer.
@@ -220,6 +224,34 @@ pub struct BranchRecord {
     pub unix_ms: u64,
 }
 
+/// A call of the agent's rollback tool, refused ones included.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The tool (`list_versions`, `checkpoint`, `rollback_files`,
+    /// `rollback_sandbox`; `invalid` for a call that did not parse).
+    pub tool: String,
+    /// `http` or `mcp`.
+    pub via: String,
+    /// Whether it came from inside the sandbox.
+    pub inside: bool,
+    /// Its arguments.
+    pub args: serde_json::Value,
+    /// The newest turn given out when it came.
+    pub after_turn: u64,
+    /// What it answered, if it succeeded.
+    pub result: Option<serde_json::Value>,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// Wall clock, ms since the Unix epoch.
+    pub unix_ms: u64,
+    /// How long it took, in microseconds.
+    pub took_us: u64,
+}
+
 /// Transcript I/O failures.
 #[derive(Debug, thiserror::Error)]
 pub enum TranscriptError {
@@ -332,7 +364,7 @@ pub fn max_branch(entries: &[Entry]) -> u64 {
         .map(|e| match e {
             Entry::Branch(b) => b.branch,
             Entry::Turn(t) => t.branch,
-            Entry::Divergence(_) => 0,
+            Entry::Divergence(_) | Entry::Tool(_) => 0,
         })
         .max()
         .unwrap_or(0)
@@ -584,6 +616,7 @@ async fn write_loop(
                 Some(Entry::Turn(r)) => (r.sandbox.as_str(), r.turn),
                 Some(Entry::Divergence(r)) => (r.sandbox.as_str(), r.turn),
                 Some(Entry::Branch(r)) => (r.sandbox.as_str(), r.after),
+                Some(Entry::Tool(r)) => (r.sandbox.as_str(), r.after_turn),
                 None => ("", 0),
             };
             tracing::error!(sandbox, turn, path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");

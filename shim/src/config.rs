@@ -130,6 +130,11 @@ pub struct ProxyShimConfig {
     /// Whether a request on those routes that is a side call (another,
     /// shorter conversation than the turns') ends no turn.
     pub side_calls: bool,
+    /// Whether the proxy serves the agent's rollback tool (`/crab/`, plain
+    /// HTTP and MCP); needs `[crabd] register = true`.
+    pub agent_tools: bool,
+    /// Tool calls a sandbox may make in any minute (0: unlimited).
+    pub tool_calls_per_minute: u32,
 }
 
 pub use crab_api::config::ConfigError;

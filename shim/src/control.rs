@@ -17,7 +17,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use crab_api::crabd::{ErrorBody, ErrorCode, Registration};
-use crab_api::shim::{ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestored};
+use crab_api::shim::{
+    ShimCheckpoint, ShimForget, ShimForgotten, ShimRestore, ShimRestoreFiles, ShimRestored,
+};
 use crab_api::{routes, ClientError, Crabd, SandboxId};
 use tokio::sync::Mutex;
 use tracing::Instrument;
@@ -84,6 +86,7 @@ impl Control {
             .route(routes::shim::CHECKPOINT, post(checkpoint))
             .route(routes::shim::RESTORE, post(restore))
             .route(routes::shim::FORGET, post(forget))
+            .route(routes::shim::RESTORE_FILES, post(restore_files))
             .with_state(Ctx {
                 id: id.clone(),
                 container: container.clone(),
@@ -253,6 +256,33 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => refuse_error(e),
         Err(e) => refuse(ErrorCode::Internal, format!("restore task: {e}")),
+    }
+}
+
+async fn restore_files(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
+    let req: ShimRestoreFiles = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                ErrorCode::InvalidRequest,
+                format!("invalid restore-files request: {e}"),
+            )
+        }
+    };
+    // Runs to its end even if crabd hangs up: the thaw must happen.
+    let span = tracing::info_span!("restore_files", sandbox = %ctx.id);
+    let done = tokio::spawn(
+        async move {
+            let c = ctx.container.lock().await;
+            c.engine_restore_files(&req, &ctx.runtime).await
+        }
+        .instrument(span),
+    )
+    .await;
+    match done {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => refuse_error(e),
+        Err(e) => refuse(ErrorCode::Internal, format!("restore-files task: {e}")),
     }
 }
 

@@ -15,6 +15,7 @@
 //! Must never: steal an exit status that belongs to containerd, leave mounts,
 //! cgroups or sockets behind after Delete, or log process environments.
 
+mod agent_tools;
 mod cgroup;
 pub mod config;
 mod container;

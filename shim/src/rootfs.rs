@@ -273,6 +273,31 @@ impl Rootfs {
         rolled
     }
 
+    /// Makes the files snapshot `target`'s in place, through the mounted
+    /// rootfs: the container's processes stay (the caller froze them).
+    /// Answers the entries written and removed.
+    pub async fn restore_files(&self, target: &FsTarget, ctx: &FsCtx<'_>) -> Result<(u64, u64)> {
+        let location = self.location(&target.store, ctx.id)?;
+        let lowers = self
+            .mounts
+            .iter()
+            .flat_map(|m| &m.options)
+            .filter_map(|o| o.strip_prefix("lowerdir="))
+            .flat_map(|l| l.split(':'))
+            .map(PathBuf::from)
+            .collect();
+        let op = FsOp::RestoreFiles {
+            location,
+            name: target.name.clone(),
+            live: self.target.clone(),
+            lowers,
+            work: ctx.bundle.join(".crab-files"),
+        };
+        let out = run(op, ctx).await?.unwrap_or_default();
+        let mut counts = out.split(' ').map(|n| n.parse().unwrap_or(0));
+        Ok((counts.next().unwrap_or(0), counts.next().unwrap_or(0)))
+    }
+
     /// Deletes snapshot `target`.
     pub async fn destroy(&self, target: &FsTarget, ctx: &FsCtx<'_>) -> Result<()> {
         let location = self.location(&target.store, ctx.id)?;

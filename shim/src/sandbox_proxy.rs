@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use crab_api::shim::ConversationAt;
 use crab_proxy::{
-    Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, TurnHook, Upstreams,
+    Limits, NoopHook, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, ToolsConfig, TurnEndRules, TurnHook,
+    Upstreams,
 };
 use serde_json::Value;
 use tokio::task::JoinHandle;
@@ -188,12 +189,16 @@ impl SandboxProxy {
                 hook: secs(cfg.hold_timeout),
             },
             transcript_dir: dir.clone(),
+            tools: ToolsConfig {
+                calls_per_minute: cfg.tool_calls_per_minute,
+            },
         };
         let proxy_error = |e: crab_proxy::Error| Error::Proxy {
             id: id.to_owned(),
             reason: e.to_string(),
         };
-        let proxy = Proxy::new(config, hook).map_err(proxy_error)?;
+        let proxy = Proxy::with_tools(config, hook, agent_tools(cfg, &crate::config::get().crabd))
+            .map_err(proxy_error)?;
         let sid = SandboxId::new(id).map_err(|e| Error::Proxy {
             id: id.to_owned(),
             reason: e.to_string(),
@@ -330,6 +335,24 @@ pub fn turn_hook(cfg: &ProxyShimConfig, crabd: &crate::config::CrabdShimConfig) 
         // Every turn is safe at once.
         Arc::new(NoopHook)
     }
+}
+
+/// The engine behind the agent's rollback tool: crabd when `agent_tools`
+/// is set and shims register with crabd, otherwise none (the tool then
+/// answers 503).
+fn agent_tools(
+    cfg: &ProxyShimConfig,
+    crabd: &crate::config::CrabdShimConfig,
+) -> Option<Arc<dyn crab_proxy::AgentTools>> {
+    if !(cfg.agent_tools && crabd.register) {
+        return None;
+    }
+    // A rollback may take as long as crabd gives a shim.
+    let limit = Duration::from_secs(crabd.shim_timeout_secs + 30);
+    Some(Arc::new(crate::agent_tools::CrabdTools::new(
+        &crabd.socket,
+        limit,
+    )))
 }
 
 /// Adds the proxy variables `env` to an exec's OCI process spec (JSON), so

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crab_api::{BackendKind, Location, SnapshotName};
 
-use crate::{BtrfsBackend, OverlayCopyBackend, Result, ZfsBackend};
+use crate::{BtrfsBackend, OverlayCopyBackend, Result, SnapshotFiles, ZfsBackend};
 
 /// A sandbox's writable filesystem and its named snapshots.
 ///
@@ -37,6 +37,17 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Makes the live tree equal to snapshot `name`; every snapshot survives.
     fn rollback(&self, name: &SnapshotName) -> Result<()>;
+
+    /// Where snapshot `name`'s files can be read in place, for a
+    /// files-only rollback ([`crate::sync_tree`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Unsupported`] where the backend cannot show them.
+    fn files(&self, name: &SnapshotName) -> Result<SnapshotFiles> {
+        Err(crate::Error::Unsupported {
+            what: format!("reading {:?} snapshot {name} in place", self.kind()),
+        })
+    }
 
     /// Makes a new, independent writable filesystem at `to` whose content is
     /// snapshot `name`, and returns its backend.

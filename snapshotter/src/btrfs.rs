@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::command::{run, run_from, run_to};
-use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, SnapshotName};
+use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, SnapshotFiles, SnapshotName};
 
 const BTRFS: &str = "btrfs";
 
@@ -205,6 +205,10 @@ impl Backend for BtrfsBackend {
             tracing::warn!(old = %fresh.display(), error = %e, "old live subvolume kept");
         }
         Ok(())
+    }
+
+    fn files(&self, name: &SnapshotName) -> Result<SnapshotFiles> {
+        self.require(name).map(SnapshotFiles::Tree)
     }
 
     fn clone_to(&self, name: &SnapshotName, to: &Location) -> Result<Box<dyn Backend>> {

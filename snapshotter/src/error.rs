@@ -87,6 +87,12 @@ pub enum Error {
         /// What, and how to allow it.
         reason: String,
     },
+    /// The backend cannot do this.
+    #[error("not supported: {what}")]
+    Unsupported {
+        /// What was asked.
+        what: String,
+    },
     /// A filesystem operation failed.
     #[error("{op} {path}")]
     Io {

@@ -4,7 +4,7 @@
 //!
 //! Public face: the [`Backend`] trait, [`open`] (a backend for a
 //! [`Location`]), the three implementations [`ZfsBackend`], [`BtrfsBackend`]
-//! and [`OverlayCopyBackend`], and [`Error`].
+//! and [`OverlayCopyBackend`], [`sync_tree`] (a files-only rollback in place) and [`Error`].
 //!
 //! Calls block (they run `zfs`/`btrfs` commands or walk trees): async
 //! callers run them on a blocking thread.
@@ -20,6 +20,7 @@ mod btrfs;
 mod command;
 mod error;
 mod overlay;
+mod sync;
 mod zfs;
 mod zfs_snapshotter;
 
@@ -27,6 +28,7 @@ pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, Snapsh
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
 pub use overlay::{OverlayCopyBackend, StreamPolicy};
+pub use sync::{sync_tree, Scope, SnapshotFiles, SyncReport};
 pub use zfs::ZfsBackend;
 pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};
 

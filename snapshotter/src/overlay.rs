@@ -20,7 +20,7 @@ mod archive;
 pub use archive::StreamPolicy;
 mod copy;
 mod index;
-mod tree;
+pub(crate) mod tree;
 
 use std::io::{BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -31,7 +31,7 @@ use walkdir::WalkDir;
 use self::copy::{copy_tree, restore_tree, Previous};
 use self::index::Index;
 use self::tree::{remove_any, Meta};
-use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, SnapshotName};
+use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, SnapshotFiles, SnapshotName};
 
 /// Snapshots of an overlayfs upper directory, kept as copies.
 #[derive(Debug, Clone)]
@@ -254,6 +254,14 @@ impl Backend for OverlayCopyBackend {
         let index = Index::load(&self.file(name, "index"))?;
         std::fs::create_dir_all(&self.upper).map_err(Error::io("create", &self.upper))?;
         restore_tree(&self.dir(name), &self.upper, &index)
+    }
+
+    fn files(&self, name: &SnapshotName) -> Result<SnapshotFiles> {
+        self.require(name)?;
+        Ok(SnapshotFiles::Layer {
+            dir: self.dir(name),
+            live: self.upper.clone(),
+        })
     }
 
     fn clone_to(&self, name: &SnapshotName, to: &Location) -> Result<Box<dyn Backend>> {

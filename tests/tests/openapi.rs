@@ -714,7 +714,14 @@ fn turns() {
 fn rollbacks_forks_and_imports() {
     for version in [VersionSel::Latest, VersionSel::Number(3)] {
         for undo in [true, false] {
-            assert_valid("RollbackRequest", &RollbackRequest { version, undo });
+            assert_valid(
+                "RollbackRequest",
+                &RollbackRequest {
+                    version,
+                    undo,
+                    files_only: !undo,
+                },
+            );
         }
         for name in [None, Some(id("web-1-try2"))] {
             assert_valid(

@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crab_api::crabd::{Crash, Recovery, Registration, RollbackReport, RollbackRequest};
-use crab_api::shim::{ConversationAt, FsTarget, ShimRestore, ShimRestored};
-use crab_api::{routes, SandboxId, SandboxSelector, VersionRecord, VersionSel};
+use crab_api::shim::{
+    ConversationAt, FsTarget, ShimFilesRestored, ShimRestore, ShimRestoreFiles, ShimRestored,
+};
+use crab_api::{routes, Class, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use tracing::Instrument;
 
 use super::work::{blocking, detached};
@@ -33,7 +35,10 @@ impl Daemon {
             async move {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
-                d.restore_version(&reg, req.version, req.undo).await
+                match req.files_only {
+                    true => d.restore_files(&reg, req.version).await,
+                    false => d.restore_version(&reg, req.version, req.undo).await,
+                }
             }
             .instrument(span),
         )
@@ -156,11 +161,85 @@ impl Daemon {
             restore_ms: done.restore_ms,
             undo_ms: done.undo_ms,
             total_ms,
+            files_from: None,
         })
     }
 }
 
 impl Daemon {
+    /// Puts the files of version `which` back into sandbox `reg` in place,
+    /// its processes kept, and records the result as a new version of
+    /// class `fs` (files of `which`, processes of the head), under the
+    /// caller's hold of its busy lock. Until that version is published the
+    /// sandbox descends from no version if anything failed: the next
+    /// version is then whole.
+    async fn restore_files(
+        self: &Arc<Self>,
+        reg: &Registration,
+        which: VersionSel,
+    ) -> Result<RollbackReport, ApiError> {
+        let started = Instant::now();
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        let version = blocking(move || match which {
+            VersionSel::Latest => store.latest_valid(&sid),
+            VersionSel::Number(n) => store.get(&sid, n),
+        })
+        .await?;
+        let from = version.record.version;
+        let fs = version.record.fs_snapshot.ok_or_else(|| ApiError::NoFsSnapshot {
+            id: reg.id.clone(),
+            version: from,
+        })?;
+        let call = ShimRestoreFiles {
+            fs: FsTarget {
+                name: fs.name,
+                store: self.files.store_dir(&reg.id),
+            },
+        };
+        let recorded = async {
+            let done: ShimFilesRestored = self.call_shim(reg, routes::shim::RESTORE_FILES, &call).await?;
+            let class = self.effective_class(reg, Class::Fs)?;
+            let slot = self
+                .scheduler
+                .admit(&reg.id, tokio::time::Instant::now(), true)
+                .await;
+            let made = self.capture(reg, class, None, Some(slot)).await?;
+            Ok::<_, ApiError>((done, made))
+        }
+        .await;
+        let (done, made) = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                // The files may be anything between the two states now.
+                let store = self.store.clone();
+                let sid = reg.id.clone();
+                if let Err(head) = blocking(move || store.set_head(&sid, None)).await {
+                    tracing::warn!(error = %crab_api::error_chain(&head), "forget the head");
+                }
+                return Err(e);
+            }
+        };
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            from,
+            version = made.version.version,
+            written = done.written,
+            removed = done.removed,
+            frozen_ms = done.frozen_ms,
+            elapsed_ms = total_ms,
+            "files restored"
+        );
+        Ok(RollbackReport {
+            version: made.version.version,
+            pid: reg.pid,
+            restore_ms: done.frozen_ms,
+            undo_ms: 0.0,
+            total_ms,
+            files_from: Some(from),
+        })
+    }
+
     /// Where version `record` stands in its sandbox's conversation: its
     /// turn and branch (a version that ended no turn, a checkpoint by hand
     /// or a drain's, stands where its nearest ancestor that did), and the

@@ -13,7 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use crab_proxy::transcript::{read_entries, Entry, TurnRecord};
 use crab_proxy::{
-    HookError, Limits, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, TurnEndRules, TurnHook, Upstreams,
+    HookError, Limits, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, ToolsConfig, TurnEndRules, TurnHook,
+    Upstreams,
 };
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
@@ -109,6 +110,7 @@ pub fn config(upstream: &str, dir: &Path) -> ProxyConfig {
             hook: Duration::from_secs(10),
         },
         transcript_dir: dir.join("transcripts"),
+        tools: ToolsConfig { calls_per_minute: 0 },
     }
 }
 

@@ -4,7 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crab_api::shim::{ConversationAt, FsTarget, ShimCheckpoint, ShimCheckpointed, ShimRestore};
+use crab_api::shim::{
+    ConversationAt, FsTarget, ShimCheckpoint, ShimCheckpointed, ShimFilesRestored, ShimRestore,
+    ShimRestoreFiles,
+};
 use crab_api::FsSnapshot;
 use crab_api::{BackendKind, Location, SnapshotName};
 
@@ -134,6 +137,36 @@ impl Container {
             tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
         }
         Ok(fs)
+    }
+
+    /// Makes the container's files snapshot `req.fs`'s in place while its
+    /// processes, frozen, are kept: their mount, open files and
+    /// connections survive (an agent inside that asked for it gets its
+    /// answer).
+    pub async fn engine_restore_files(
+        &self,
+        req: &ShimRestoreFiles,
+        runtime: &RuntimeClient,
+    ) -> Result<ShimFilesRestored> {
+        self.expect_state(&self.init, ProcessState::Running, "restore files")?;
+        self.rootfs.check_snapshot(&req.fs, &self.fs_ctx(runtime)).await?;
+        self.set_frozen(true, runtime).await?;
+        let frozen_at = Instant::now();
+        let done = self.rootfs.restore_files(&req.fs, &self.fs_ctx(runtime)).await;
+        let thawed = self.set_frozen(false, runtime).await;
+        let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
+        let (written, removed) = done?;
+        thawed?;
+        tracing::info!(
+            "{}: files of {} restored ({written} written, {removed} removed), frozen {frozen_ms:.1} ms",
+            self.id,
+            req.fs.name
+        );
+        Ok(ShimFilesRestored {
+            written,
+            removed,
+            frozen_ms,
+        })
     }
 
     /// Replaces the container's processes (and files) with a checkpoint's.
