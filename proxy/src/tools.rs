@@ -17,7 +17,7 @@
 //!
 //! Bounded: calls are rate-limited per sandbox (`calls_per_minute`, 0 =
 //! unlimited), bodies are at most [`MAX_BODY`]. Every call, a refused one
-//! too, is a `tool` entry of the transcript.
+//! too, is a `tool` entry of the transcript, durable before it is answered.
 
 mod mcp;
 mod rate;
@@ -240,6 +240,14 @@ pub(crate) async fn run(
         took_us: started.elapsed().as_micros() as u64,
     };
     shared.transcript.submit(Entry::Tool(record));
+    // Answered once recorded, as a turn is (bounded as the hold is).
+    let durable = shared.transcript.wait_durable(shared.transcript.submitted());
+    if tokio::time::timeout(shared.config.timeouts.hook, durable)
+        .await
+        .is_err()
+    {
+        tracing::warn!(sandbox = %shared.id, tool = name, "tool call answered before its record was durable");
+    }
     match &result {
         Ok(_) => tracing::info!(sandbox = %shared.id, tool = name, via, inside, "agent tool call"),
         Err(e) => {
@@ -261,7 +269,7 @@ async fn execute(shared: &Shared, call: Call, inside: bool) -> Result<Value, Too
         Call::Versions => {
             let now = crate::transcript::unix_ms();
             let versions: Vec<Value> = tools.versions(id).await?.iter().map(|r| view(r, now)).collect();
-            Ok(json!({ "versions": versions }))
+            Ok(json!({ "sandbox": id, "versions": versions }))
         }
         Call::Checkpoint { class } => {
             let (record, frozen_ms) = tools.checkpoint(id, class).await?;

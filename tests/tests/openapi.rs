@@ -741,16 +741,19 @@ fn rollbacks_forks_and_imports() {
             );
         }
     }
-    assert_valid(
-        "RollbackReport",
-        &RollbackReport {
-            version: 3,
-            pid: 51_002,
-            restore_ms: 310.5,
-            undo_ms: 98.0,
-            total_ms: 420.75,
-        },
-    );
+    for files_from in [None, Some(2)] {
+        assert_valid(
+            "RollbackReport",
+            &RollbackReport {
+                version: 3,
+                pid: 51_002,
+                restore_ms: 310.5,
+                undo_ms: 98.0,
+                total_ms: 420.75,
+                files_from,
+            },
+        );
+    }
     assert_valid(
         "ForkReport",
         &ForkReport {

@@ -187,7 +187,7 @@ pub fn turns_of(entries: &[Entry]) -> Vec<TurnRecord> {
         .iter()
         .filter_map(|e| match e {
             Entry::Turn(t) => Some(t.clone()),
-            Entry::Divergence(_) | Entry::Branch(_) => None,
+            Entry::Divergence(_) | Entry::Branch(_) | Entry::Tool(_) => None,
         })
         .collect()
 }
