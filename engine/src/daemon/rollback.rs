@@ -1,5 +1,7 @@
 //! A rollback: the shim replaces the sandbox's processes (and files) with a
-//! verified version's, after an undo checkpoint unless asked not to. The
+//! verified version's, after an undo checkpoint unless asked not to; or,
+//! files only, writes the version's files in place under its running
+//! processes, and a new `fs` version records the result. The
 //! restored version becomes the sandbox's head: the next version descends
 //! from it, and the inspector's ledger starts again from the restored
 //! state. Turn ends whose capture had not started are superseded. A
