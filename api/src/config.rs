@@ -164,6 +164,28 @@ pub fn config_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH))
 }
 
+/// The directory of the transcripts (`[shim.proxy] transcript_dir` of
+/// `path` over the embedded defaults): crabd writes an imported sandbox's
+/// conversation where its shim will keep it.
+///
+/// # Errors
+/// As [`load`].
+pub fn transcript_dir(path: &Path) -> Result<PathBuf, ConfigError> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        shim: Shim,
+    }
+    #[derive(serde::Deserialize)]
+    struct Shim {
+        proxy: Proxy,
+    }
+    #[derive(serde::Deserialize)]
+    struct Proxy {
+        transcript_dir: PathBuf,
+    }
+    load::<File>(path).map(|f| f.shim.proxy.transcript_dir)
+}
+
 /// Reads `path` (a missing file is an empty one) over the embedded
 /// `packaging/crab.toml` and deserializes the merged whole as `T`, each
 /// component taking the tables it knows.

@@ -6,6 +6,8 @@
 //! ```text
 //! images/<file>...     the version's CRIU image files
 //! fs.stream            its filesystem snapshot (the backend's export stream)
+//! transcript.jsonl     its conversation, when it has one: the turns of its
+//!                      branch up to its turn (a new sandbox's transcript)
 //! crab-export.json     the manifest, last: what the members are, with sizes
 //!                      and sha256, the version's record, and the container
 //!                      template (image, runtime, spec, snapshotter, parent)
@@ -21,6 +23,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 
+use crab_api::shim::ConversationAt;
 use crab_snapshotter::SnapshotName;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -32,6 +35,8 @@ use crate::{ImageFile, VersionRecord};
 pub const MANIFEST: &str = "crab-export.json";
 /// The filesystem stream's member name.
 pub const FS_STREAM: &str = "fs.stream";
+/// The conversation's member name.
+pub const TRANSCRIPT: &str = "transcript.jsonl";
 const FORMAT: u32 = 1;
 
 /// What an archive holds.
@@ -47,6 +52,41 @@ pub struct Manifest {
     pub fs: FsMember,
     /// The process image's files (the record's, or the reused image's).
     pub images: Vec<ImageFile>,
+    /// The version's conversation, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transcript: Option<TranscriptMember>,
+}
+
+/// The conversation of an archive: a transcript whose turns are the
+/// version's branch up to its turn, all on the root branch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TranscriptMember {
+    /// Where the version stands in it.
+    pub at: ConversationAt,
+    /// The file's size.
+    pub bytes: u64,
+    /// The file's sha256, lower-case hex.
+    pub sha256: String,
+}
+
+/// What an archive is made of.
+#[derive(Debug)]
+pub struct Contents<'a> {
+    /// The version.
+    pub version: &'a VersionRecord,
+    /// How to make its container.
+    pub container: &'a ContainerTemplate,
+    /// The directory of its image files.
+    pub images_dir: &'a Path,
+    /// Its image files.
+    pub images: &'a [ImageFile],
+    /// Its filesystem snapshot's name.
+    pub fs_name: &'a SnapshotName,
+    /// The file holding the snapshot's export stream.
+    pub fs_stream: &'a Path,
+    /// Its conversation: a transcript file, and where the version stands
+    /// in it.
+    pub transcript: Option<(&'a Path, ConversationAt)>,
 }
 
 /// The filesystem stream of an archive.
@@ -103,6 +143,8 @@ pub struct Unpacked {
     pub images_dir: PathBuf,
     /// The filesystem stream.
     pub fs_stream: PathBuf,
+    /// The conversation's transcript, if the archive has one.
+    pub transcript: Option<PathBuf>,
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ArchiveError + 'a {
@@ -113,36 +155,38 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Ar
     }
 }
 
-/// Writes an archive to `out`: the image files of `images_dir`, the
-/// filesystem stream in file `fs_stream`, then the manifest.
-pub fn pack(
-    out: impl Write,
-    version: &VersionRecord,
-    container: &ContainerTemplate,
-    images_dir: &Path,
-    images: &[ImageFile],
-    fs_name: &SnapshotName,
-    fs_stream: &Path,
-) -> Result<(), ArchiveError> {
+/// Writes an archive of `c` to `out`: the image files, the filesystem
+/// stream, the transcript, then the manifest.
+pub fn pack(out: impl Write, c: &Contents<'_>) -> Result<(), ArchiveError> {
     let mut tar = tar::Builder::new(out);
-    for f in images {
-        let path = images_dir.join(&f.path);
+    for f in c.images {
+        let path = c.images_dir.join(&f.path);
         tar.append_path_with_name(&path, format!("images/{}", f.path))
             .map_err(io("add", &path))?;
     }
-    let (bytes, sha256) = hash_file(fs_stream)?;
-    tar.append_path_with_name(fs_stream, FS_STREAM)
-        .map_err(io("add", fs_stream))?;
+    let (bytes, sha256) = hash_file(c.fs_stream)?;
+    tar.append_path_with_name(c.fs_stream, FS_STREAM)
+        .map_err(io("add", c.fs_stream))?;
+    let transcript = match c.transcript {
+        Some((path, at)) => {
+            let (bytes, sha256) = hash_file(path)?;
+            tar.append_path_with_name(path, TRANSCRIPT)
+                .map_err(io("add", path))?;
+            Some(TranscriptMember { at, bytes, sha256 })
+        }
+        None => None,
+    };
     let manifest = Manifest {
         format: FORMAT,
-        version: version.clone(),
-        container: container.clone(),
+        version: c.version.clone(),
+        container: c.container.clone(),
         fs: FsMember {
-            name: fs_name.clone(),
+            name: c.fs_name.clone(),
             bytes,
             sha256,
         },
-        images: images.to_vec(),
+        images: c.images.to_vec(),
+        transcript,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
     let mut header = tar::Header::new_gnu();
@@ -210,6 +254,9 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
         FS_STREAM.to_owned(),
         (manifest.fs.bytes, manifest.fs.sha256.clone()),
     );
+    if let Some(t) = &manifest.transcript {
+        expected.insert(TRANSCRIPT.to_owned(), (t.bytes, t.sha256.clone()));
+    }
     for (name, want) in &expected {
         match seen.get(name) {
             None => {
@@ -230,18 +277,20 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
             reason: format!("{extra} is not in the manifest"),
         });
     }
+    let transcript = manifest.transcript.as_ref().map(|_| staging.join(TRANSCRIPT));
     Ok(Unpacked {
         manifest,
         images_dir: staging.join("images"),
         fs_stream: staging.join(FS_STREAM),
+        transcript,
     })
 }
 
-/// Where member `name` goes under `staging`: `fs.stream`, or a plain
-/// relative path under `images/`.
+/// Where member `name` goes under `staging`: `fs.stream`,
+/// `transcript.jsonl`, or a plain relative path under `images/`.
 fn member_path(staging: &Path, name: &str) -> Result<PathBuf, ArchiveError> {
-    if name == FS_STREAM {
-        return Ok(staging.join(FS_STREAM));
+    if name == FS_STREAM || name == TRANSCRIPT {
+        return Ok(staging.join(name));
     }
     let rel = name
         .strip_prefix("images/")

@@ -334,7 +334,7 @@ fn each_turn_end_is_a_version_before_its_answer() {
 /// 3..5 stay in the transcript.
 #[test]
 fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
-    let answers: Vec<String> = (1..=12).map(|i| completion(&format!("answer{i}"))).collect();
+    let answers: Vec<String> = (1..=15).map(|i| completion(&format!("answer{i}"))).collect();
     let llm = ScriptedLlm::scripted(answers);
     let (ctd, base) = containerd("checkpoint_on_turn = true");
     let id = "insidepx";
@@ -467,8 +467,48 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
     assert_eq!(version_turns(&ctd, fork), [3, 4, 5]);
     ctd.remove(fork);
 
+    // An export of turn 2 carries the conversation too: imported, its
+    // agent gets turn 2 from the archive's transcript, then goes live.
+    let archive = base.join("turn2.crab");
+    crabctl_ok(&ctd, &["export", id, "2", &archive.to_string_lossy()]);
+    let imported = "insideimp";
+    let address = ctd.address().to_string_lossy().into_owned();
+    crabctl_ok(
+        &ctd,
+        &[
+            "import",
+            "--trusted",
+            &archive.to_string_lossy(),
+            "--name",
+            imported,
+            "--namespace",
+            &ctd.namespace,
+            "--containerd",
+            &address,
+        ],
+    );
+    wait_registered(&ctd, imported);
+    let ipid = ctd.task_pid(imported).expect("the import runs");
+    crab_tests::wait_until(60, || tmp(ipid).join("done").exists().then_some(()))
+        .expect("the import's agent finished");
+    assert_eq!(
+        said(ipid),
+        ["answer1", "answer2", "answer12", "answer13", "answer14"]
+    );
+    assert_eq!(
+        llm.seen().len(),
+        14,
+        "the import's turn 2 came from its transcript"
+    );
+    let imported_turns: Vec<u64> = turn_records(&path.with_file_name(format!("{imported}.jsonl")))
+        .iter()
+        .map(|t| t["turn"].as_u64().unwrap())
+        .collect();
+    assert_eq!(imported_turns, [1, 2, 3, 4, 5]);
+    ctd.remove(imported);
+
     ctd.remove(id);
-    assert_clean(&ctd.scope(), &[id, fork]);
+    assert_clean(&ctd.scope(), &[id, fork, imported]);
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);
 }

@@ -12,6 +12,8 @@ use crab_api::{SandboxSelector, VersionSel};
 use super::versions::movable_files;
 use super::work::{blocking, blocking_io, detached};
 use super::{ApiError, Daemon};
+use crab_proxy::transcript::write_new;
+
 use crate::archive;
 use crate::containerd::Containerd;
 
@@ -70,6 +72,7 @@ impl Daemon {
             .await?
             .template(reg.id.as_str())
             .await?;
+        let conversation = d.version_conversation(reg, &v.record).await;
         let staging = d.staging("export")?;
         let record = v.record.clone();
         let d2 = d.clone();
@@ -79,17 +82,31 @@ impl Daemon {
             let mut stream =
                 std::fs::File::create(&stream_path).map_err(io("create the filesystem stream"))?;
             d2.files.export(&record.sandbox, &fs.name, &mut stream)?;
+            let transcript_path = staging.path().join(archive::TRANSCRIPT);
+            let transcript = match conversation {
+                Some((at, records)) => {
+                    match write_new(&transcript_path, record.sandbox.as_str(), records) {
+                        Ok(()) => Some((transcript_path.as_path(), at)),
+                        Err(e) => {
+                            tracing::warn!(error = %crab_api::error_chain(&e), "exported without its conversation");
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
             let tar_path = staging.path().join("archive.tar");
             let out = std::fs::File::create(&tar_path).map_err(io("create the archive"))?;
-            archive::pack(
-                std::io::BufWriter::new(out),
-                &record,
-                &template,
-                &images_dir,
-                &images,
-                &fs.name,
-                &stream_path,
-            )?;
+            let contents = archive::Contents {
+                version: &record,
+                container: &template,
+                images_dir: &images_dir,
+                images: &images,
+                fs_name: &fs.name,
+                fs_stream: &stream_path,
+                transcript,
+            };
+            archive::pack(std::io::BufWriter::new(out), &contents)?;
             let file = std::fs::File::open(&tar_path).map_err(io("open the archive"))?;
             // The open file outlives its directory (the guard removes it
             // here, or on any failure above): nothing stays behind.

@@ -12,7 +12,7 @@ use crab_api::crabd::{
 };
 use crab_api::shim::ConversationAt;
 use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionRecord, VersionSel};
-use crab_proxy::transcript::{conversation, read_entries, write_new};
+use crab_proxy::transcript::{conversation, read_entries, write_new, TurnRecord};
 use futures_util::StreamExt;
 use tracing::Instrument;
 
@@ -214,23 +214,42 @@ impl Daemon {
         made
     }
 
-    /// Writes the conversation of `source`'s version (its branch's turns up
-    /// to its turn) as the transcript of fork `new_id`, beside its
-    /// source's; answers where the fork stands in it, and the file. None
-    /// (logged) when the source keeps no transcript, the version ended no
-    /// turn, or the transcript cannot be read: the fork's conversation
-    /// then starts afresh.
+    /// Writes the conversation of `source`'s version as the transcript of
+    /// fork `new_id`, beside its source's; answers where the fork stands
+    /// in it, and the file. None (logged) when there is none (see
+    /// [`Daemon::version_conversation`]) or it cannot be written: the
+    /// fork's conversation then starts afresh.
     async fn fork_conversation(
         &self,
         source: &Source<'_>,
         new_id: &SandboxId,
     ) -> Option<(ConversationAt, PathBuf)> {
         let from = source.reg.transcript.clone()?;
-        let at = self.conversation_at(&source.reg.id, source.record).await?;
+        let (at, records) = self.version_conversation(source.reg, source.record).await?;
+        // A file there is another container's of that id (a live one's,
+        // perhaps): never touched; `write_new` refuses it.
+        let path = from.with_file_name(format!("{new_id}.jsonl"));
+        write_conversation(&path, new_id, records)
+            .await
+            .then_some((at, path))
+    }
+
+    /// The conversation of version `record` of `reg`'s sandbox: its
+    /// branch's turns up to its turn, and where the version stands in them
+    /// once they are written as a new transcript (on its root branch).
+    /// None (logged) when the sandbox keeps no transcript, the version
+    /// ended no turn, or the transcript cannot be read.
+    pub(super) async fn version_conversation(
+        &self,
+        reg: &Registration,
+        record: &VersionRecord,
+    ) -> Option<(ConversationAt, Vec<TurnRecord>)> {
+        let from = reg.transcript.clone()?;
+        let at = self.conversation_at(&reg.id, record).await?;
         let entries = match read_entries(&from).await {
             Ok(entries) => entries,
             Err(e) => {
-                tracing::warn!(error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
+                tracing::warn!(error = %crab_api::error_chain(&e), "the version's conversation is left behind");
                 return None;
             }
         };
@@ -239,29 +258,12 @@ impl Daemon {
             .filter(|(turn, _)| *turn <= at.turn)
             .map(|(_, record)| record)
             .collect();
-        // A file there is another container's of that id (a live one's,
-        // perhaps): never touched; `write_new` refuses it.
-        let path = from.with_file_name(format!("{new_id}.jsonl"));
-        let (to, id) = (path.clone(), new_id.to_string());
-        let written = tokio::task::spawn_blocking(move || write_new(&to, &id, records)).await;
-        match written {
-            Ok(Ok(())) => Some((
-                ConversationAt {
-                    branch: 0,
-                    turn: at.turn,
-                    image_turn: at.image_turn,
-                },
-                path,
-            )),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the fork's conversation starts afresh");
-                None
-            }
-        }
+        let at = ConversationAt {
+            branch: 0,
+            turn: at.turn,
+            image_turn: at.image_turn,
+        };
+        Some((at, records))
     }
 
     /// Creates sandbox `new_id` in `containerd` from `template`: its files
@@ -338,4 +340,22 @@ fn disk_usage(dir: &Path) -> u64 {
         }
     }
     bytes
+}
+
+/// Writes `records` as sandbox `id`'s new transcript at `path` (see
+/// `write_new`); false (logged) when it cannot: its conversation then
+/// starts afresh.
+pub(super) async fn write_conversation(path: &Path, id: &SandboxId, records: Vec<TurnRecord>) -> bool {
+    let (to, id) = (path.to_owned(), id.to_string());
+    match tokio::task::spawn_blocking(move || write_new(&to, &id, records)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %crab_api::error_chain(&e), "the conversation starts afresh");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the conversation starts afresh");
+            false
+        }
+    }
 }

@@ -6,7 +6,11 @@ use std::time::Instant;
 
 use axum::body::Body;
 use crab_api::crabd::{ImportQuery, ImportReport};
+use std::path::PathBuf;
+
+use crab_api::shim::ConversationAt;
 use crab_api::{BackendKind, FsSnapshot, SandboxId, VersionRecord};
+use crab_proxy::transcript::{conversation, read_entries};
 use futures_util::StreamExt;
 use tokio::io::AsyncWriteExt;
 
@@ -168,6 +172,7 @@ async fn make_and_start(
 
     let namespace = q.namespace.unwrap_or_else(|| d.config.namespace.clone());
     let address = q.containerd.unwrap_or_else(|| d.config.containerd.clone());
+    let conversation = import_conversation(unpacked, &namespace, new_id).await;
     let started_copy = async {
         let containerd = Containerd::connect(&address, &namespace).await?;
         let store = d.store.clone();
@@ -184,11 +189,15 @@ async fn make_and_start(
             sandbox: new_id.clone(),
             name: m.fs.name.clone(),
         };
-        d.start_copy(&containerd, &template, new_id, &images_dir, from, None)
+        let at = conversation.as_ref().map(|(at, _)| at);
+        d.start_copy(&containerd, &template, new_id, &images_dir, from, at)
             .await
             .map(|copied| copied.pid)
     }
     .await;
+    if let (Err(_), Some((_, path))) = (&started_copy, &conversation) {
+        let _ = std::fs::remove_file(path);
+    }
     let pid = match started_copy {
         Ok(pid) => pid,
         Err(e) => {
@@ -213,4 +222,45 @@ impl From<ArchiveError> for ApiError {
     fn from(e: ArchiveError) -> Self {
         ApiError::Archive(e)
     }
+}
+
+/// Writes the archive's conversation as sandbox `new_id`'s transcript,
+/// where its shim in `namespace` keeps it (`[shim.proxy] transcript_dir`);
+/// answers where the sandbox stands in it, and the file. None (logged)
+/// when the archive has none or it cannot be written: the sandbox's
+/// conversation then starts afresh.
+async fn import_conversation(
+    unpacked: &archive::Unpacked,
+    namespace: &str,
+    new_id: &SandboxId,
+) -> Option<(ConversationAt, PathBuf)> {
+    let member = unpacked.manifest.transcript.as_ref()?;
+    let staged = unpacked.transcript.clone()?;
+    let dir = match crab_api::config::transcript_dir(&crab_api::config::config_path()) {
+        Ok(dir) => dir.join(namespace),
+        Err(e) => {
+            tracing::warn!(error = %crab_api::error_chain(&e), "the import's conversation starts afresh");
+            return None;
+        }
+    };
+    let records = match read_entries(&staged).await {
+        Ok(entries) => conversation(&entries, 0)?.into_values().collect(),
+        Err(e) => {
+            tracing::warn!(error = %crab_api::error_chain(&e), "the import's conversation starts afresh");
+            return None;
+        }
+    };
+    use std::os::unix::fs::DirBuilderExt;
+    if let Err(e) = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+    {
+        tracing::warn!(error = %e, dir = %dir.display(), "the import's conversation starts afresh");
+        return None;
+    }
+    let path = dir.join(format!("{new_id}.jsonl"));
+    super::fork::write_conversation(&path, new_id, records)
+        .await
+        .then_some((member.at, path))
 }
