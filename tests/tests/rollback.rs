@@ -50,6 +50,37 @@ fn rollback_on_btrfs() {
     assert_clean(&ctd.scope(), &["bt"]);
 }
 
+/// A files-only rollback on btrfs: the snapshot's tree is synced onto the
+/// running subvolume; the processes (their pid, their memory) stay.
+#[test]
+fn files_only_rollback_on_btrfs_keeps_the_processes() {
+    let ctd = Containerd::start_on_btrfs();
+    let id = "btf";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    write_files(&ctd, id, 1);
+    let v1 = crabctl_ok(&ctd, &["checkpoint", id])["version"]["version"]
+        .as_u64()
+        .expect("a version");
+    let at_v1 = tree_digest(pid, "/data");
+    write_files(&ctd, id, 2);
+    assert_eq!(ask(pid, STORE, "set k after"), "ok");
+    assert_ne!(tree_digest(pid, "/data"), at_v1);
+
+    let r = crabctl_ok(&ctd, &["rollback", id, &v1.to_string(), "--files-only"]);
+    assert_eq!(r["files_from"], v1, "{r}");
+    assert_eq!(tree_digest(pid, "/data"), at_v1);
+    assert_eq!(ctd.task_pid(id), Some(pid), "the init was not replaced");
+    assert_eq!(ask(pid, STORE, "get k"), "after", "the store's memory is kept");
+    // The result is a version: a whole rollback to it gives the same files.
+    let newest = r["version"].as_u64().expect("the new version");
+    let back = crabctl_ok(&ctd, &["rollback", id, &newest.to_string()]);
+    let pid = back["pid"].as_i64().expect("pid") as i32;
+    assert_eq!(tree_digest(pid, "/data"), at_v1);
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}
+
 /// Checkpoints the stateful sandbox `id` with its files on `backend`
 /// (snapshots in `store`),
 /// changes everything, rolls back twice, and checks the exit status.
