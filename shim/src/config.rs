@@ -59,6 +59,9 @@ pub struct ShimConfig {
     /// Run crab-init as the pid 1 of containers with their own pid
     /// namespace (see `crate::init`).
     pub init: bool,
+    /// Variables (`NAME=value`) every sandbox's processes get unless
+    /// they set the name themselves (see `crate::spec_env`).
+    pub env: Vec<crate::spec_env::EnvVar>,
     /// The sandbox's LLM proxy.
     pub proxy: ProxyShimConfig,
 }

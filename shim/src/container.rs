@@ -164,6 +164,7 @@ impl Container {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };
+        crate::spec_env::inject(&bundle, &crate::config::get().shim.env)?;
         if crate::config::get().shim.init {
             c.init_mounted = init::inject(&bundle, &init::installed(runtime.root())?)?;
         }
@@ -360,6 +361,10 @@ impl Container {
             if !spec.is_empty() {
                 spec = sandbox_proxy::inject_exec(&spec, &plan.env, &plan.replaced)?;
             }
+        }
+        let defaults = &crate::config::get().shim.env;
+        if !spec.is_empty() && !defaults.is_empty() {
+            spec = crate::spec_env::inject_exec(&spec, defaults)?;
         }
         let terminal = serde_json::from_slice::<serde_json::Value>(&spec)
             .ok()

@@ -36,6 +36,7 @@ mod rootfs;
 mod runtime;
 mod sandbox_proxy;
 mod service;
+mod spec_env;
 mod task;
 mod turn_hook;
 

@@ -452,3 +452,30 @@ fn a_flooded_and_robbed_report_wedges_nothing() {
     ctd.remove("rob");
     assert_clean(&ctd.scope(), &["rob"]);
 }
+
+/// `[shim] env`: every process of a crab sandbox (the spec's and each
+/// exec's) gets libuv's io_uring switch off, unless it sets it itself;
+/// runc's do not.
+#[test]
+fn sandboxes_get_the_default_variables_unless_they_set_them() {
+    let ctd = Containerd::start();
+    let echo = "echo ${UV_USE_IO_URING:-unset}";
+    for (rt, env, want) in [
+        (CRAB, None, "0"),
+        (CRAB, Some("UV_USE_IO_URING=1"), "1"),
+        (RUNC, None, "unset"),
+    ] {
+        let mut args = vec!["run", "--rm", "--runtime", rt];
+        if let Some(e) = env {
+            args.extend(["--env", e]);
+        }
+        args.extend([BUSYBOX, "envd", "sh", "-c", echo]);
+        let out = ctd.ctr(&args);
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want, "{rt} {env:?}");
+    }
+    ctd.run_detached(CRAB, "envx", &["sleep", "60"]);
+    let out = ctd.ctr_ok(&["task", "exec", "--exec-id", "e1", "envx", "sh", "-c", echo]);
+    assert_eq!(out.trim(), "0", "an exec gets it too");
+    ctd.remove("envx");
+    assert_clean(&ctd.scope(), &["envd", "envx"]);
+}
