@@ -2,7 +2,7 @@
 //! stats, and the request path its listeners serve.
 
 use std::convert::Infallible;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use http::{Request, Response};
@@ -25,7 +25,7 @@ use crate::side_call::SideCalls;
 use crate::stats::SandboxStats;
 use crate::tee::Tee;
 use crate::tools::{AgentTools, Tools};
-use crate::transcript::{read_entries, Entry};
+use crate::transcript::Entry;
 use crate::turn::TurnMark;
 use crate::upstream::{Upstream, UpstreamClient};
 use crate::{Error, ProxyBody, SandboxId};
@@ -99,12 +99,7 @@ impl Sandbox {
     /// [`ReplayError`] when the transcript cannot be read or lacks a
     /// complete record of a turn in the range.
     pub async fn replay(&self, until: u64) -> Result<(), Error> {
-        let entries = self.durable_entries().await?;
-        let replay = self
-            .shared
-            .with_turns(|state| Replay::from_start(&entries, until, state))?;
-        self.start(replay);
-        Ok(())
+        self.shared.replay_from_start(until).await
     }
 
     /// Tells the proxy that a restore put the sandbox back to `at`: the
@@ -168,27 +163,12 @@ impl Sandbox {
         }
     }
 
-    /// Every entry of the transcript, once those submitted so far are on
-    /// disk; refused past [`MAX_REPLAY_BYTES`] (a sandbox writes its own
-    /// transcript, and the shim reads it whole, outside its memory limit).
     async fn durable_entries(&self) -> Result<Vec<Entry>, Error> {
-        self.flush_transcript().await;
-        let path: PathBuf = self.transcript_path().to_owned();
-        let bytes = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
-        if bytes > MAX_REPLAY_BYTES {
-            return Err(ReplayError::TooLarge {
-                bytes,
-                limit: MAX_REPLAY_BYTES,
-            }
-            .into());
-        }
-        Ok(read_entries(&path).await.map_err(ReplayError::from)?)
+        self.shared.durable_entries().await
     }
 
     fn start(&self, replay: Replay) {
-        let (first, last) = replay.range();
-        tracing::info!(sandbox = %self.shared.id, first, last, "replay armed");
-        self.shared.with_turns(|state| state.replay = Some(replay));
+        self.shared.start_replay(replay);
     }
 
     /// The request path: the agent's tool (`/crab/`) → route detect → body limit → side calls → replay →

@@ -11,10 +11,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::ProxyConfig;
 use crate::hook::TurnHook;
-use crate::replay::TurnState;
+use crate::replay::{Replay, ReplayError, TurnState};
 use crate::stats::StatsCell;
 use crate::tools::{AgentTools, RateLimit};
 use crate::transcript::Transcript;
+use crate::transcript::{read_entries, Entry};
 use crate::upstream::UpstreamClient;
 use crate::{Error, SandboxId};
 
@@ -109,5 +110,36 @@ impl Shared {
     /// Runs `f` on the turn state under its lock (never across an await).
     pub(crate) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnState) -> R) -> R {
         f(&mut self.turns.lock())
+    }
+
+    /// Every entry of the transcript, once those submitted so far are on
+    /// disk; refused past [`crate::sandbox::MAX_REPLAY_BYTES`] (a sandbox
+    /// writes its own transcript, and the shim reads it whole, outside its
+    /// memory limit).
+    pub(crate) async fn durable_entries(&self) -> Result<Vec<Entry>, Error> {
+        self.transcript.wait_durable(self.transcript.submitted()).await;
+        let path = self.transcript.path().to_owned();
+        let bytes = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+        let limit = crate::sandbox::MAX_REPLAY_BYTES;
+        if bytes > limit {
+            return Err(ReplayError::TooLarge { bytes, limit }.into());
+        }
+        Ok(read_entries(&path).await.map_err(ReplayError::from)?)
+    }
+
+    /// Arms `replay`: the next requests are answered from it.
+    pub(crate) fn start_replay(&self, replay: Replay) {
+        let (first, last) = replay.range();
+        tracing::info!(sandbox = %self.id, first, last, "replay armed");
+        self.with_turns(|state| state.replay = Some(replay));
+    }
+
+    /// Answers turns 1..=`until` of the current branch from the transcript
+    /// to an agent put back to its start (see `Sandbox::replay`).
+    pub(crate) async fn replay_from_start(&self, until: u64) -> Result<(), Error> {
+        let entries = self.durable_entries().await?;
+        let replay = self.with_turns(|state| Replay::from_start(&entries, until, state))?;
+        self.start_replay(replay);
+        Ok(())
     }
 }

@@ -7,6 +7,7 @@
 //! GET  /crab/v1/versions                                 → {"versions":[{"version","turn","branch","class","age_secs","parent"}]}
 //! POST /crab/v1/checkpoint {"class":"full"|"fs"}         → {"version",…,"frozen_ms"}
 //! POST /crab/v1/rollback   {"turn":K | "version":N, "files_only":true}
+//! POST /crab/v1/replay     {"turn":1}                  (outside only) → {"version","until"}
 //! POST /crab/mcp                                         MCP, streamable HTTP (JSON answers, no session)
 //! ```
 //!
@@ -102,8 +103,18 @@ impl ToolError {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Call {
     Versions,
-    Checkpoint { class: Class },
-    Rollback { to: Target, files_only: bool },
+    Checkpoint {
+        class: Class,
+    },
+    Rollback {
+        to: Target,
+        files_only: bool,
+    },
+    /// An agent outside, started again from scratch: the sandbox back to
+    /// the turn it starts from, its requests answered from the transcript.
+    Replay {
+        from: u64,
+    },
 }
 
 /// Where a rollback goes.
@@ -118,6 +129,13 @@ pub(crate) enum Target {
 struct CheckpointArgs {
     #[serde(default)]
     class: Option<Class>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayArgs {
+    #[serde(default)]
+    turn: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -169,6 +187,13 @@ impl Call {
                 };
                 Ok(Call::Rollback { to, files_only })
             }
+            "replay" => {
+                let a: ReplayArgs = serde_json::from_value(args).map_err(bad_args)?;
+                match a.turn.unwrap_or(1) {
+                    0 => Err(ToolError::bad("turns are numbered from 1")),
+                    from => Ok(Call::Replay { from }),
+                }
+            }
             other => Err(ToolError::new(
                 StatusCode::NOT_FOUND,
                 format!("no tool {other:?}"),
@@ -182,6 +207,7 @@ impl Call {
             Call::Checkpoint { .. } => "checkpoint",
             Call::Rollback { files_only: true, .. } => "rollback_files",
             Call::Rollback { .. } => "rollback_sandbox",
+            Call::Replay { .. } => "replay",
         }
     }
 
@@ -197,6 +223,7 @@ impl Call {
                 v["files_only"] = json!(files_only);
                 v
             }
+            Call::Replay { from } => json!({ "turn": from }),
         }
     }
 }
@@ -300,6 +327,37 @@ async fn execute(shared: &Shared, call: Call, inside: bool) -> Result<Value, Too
                 "total_ms": r.total_ms,
             }))
         }
+        Call::Replay { from } => {
+            if inside {
+                return Err(ToolError::new(
+                    StatusCode::CONFLICT,
+                    "an agent inside the sandbox is restored with it and fast-forwarded on its own",
+                ));
+            }
+            let (last, branch) = shared.with_turns(|t| (t.last_turn, t.branch));
+            if from > last {
+                return Err(ToolError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("turn {from} is past the conversation's last, {last}"),
+                ));
+            }
+            let version = turn_version(&tools.versions(id).await?, from, branch)?;
+            let r = tools.rollback(id, version, false).await?;
+            // The longest prefix of the conversation that has whole records
+            // (a turn cut by a crash is asked of the LLM again).
+            let mut until = last;
+            while until > 0 {
+                match shared.replay_from_start(until).await {
+                    Ok(()) => break,
+                    Err(crate::Error::Replay(
+                        crate::ReplayError::IncompleteTurn { turn }
+                        | crate::ReplayError::MissingTurn { turn },
+                    )) if turn > 0 && turn <= until => until = turn - 1,
+                    Err(e) => return Err(ToolError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
+                }
+            }
+            Ok(json!({ "version": r.version, "until": until }))
+        }
     }
 }
 
@@ -393,7 +451,8 @@ where
         (&Method::GET, "/crab/v1/versions") => "list_versions",
         (&Method::POST, "/crab/v1/checkpoint") => "checkpoint",
         (&Method::POST, "/crab/v1/rollback") => "rollback_sandbox",
-        (_, "/crab/v1/versions" | "/crab/v1/checkpoint" | "/crab/v1/rollback") => {
+        (&Method::POST, "/crab/v1/replay") => "replay",
+        (_, "/crab/v1/versions" | "/crab/v1/checkpoint" | "/crab/v1/rollback" | "/crab/v1/replay") => {
             return answer(Err(ToolError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method not allowed",

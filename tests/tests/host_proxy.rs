@@ -513,6 +513,64 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// An agent outside its sandbox, started again from scratch (its host
+/// died): its harness asks the sandbox's tool for a replay through the
+/// proxy URL; the sandbox goes back to turn 1's version, and the agent's
+/// requests get the recorded answers until the conversation's last turn,
+/// then live ones. The upstream sees each turn once.
+#[test]
+fn a_restarted_outside_agent_is_fast_forwarded_through_its_url() {
+    let answers = ["one", "two", "three", "four"].map(completion).to_vec();
+    let llm = ScriptedLlm::scripted(answers);
+    let (ctd, base) = containerd("");
+    let id = "ffwdpx";
+    run_sandbox(&ctd, &llm, id);
+    let url = crab_tests::sandbox::proxy_url(&ctd, id);
+    assert_eq!(host_agent(&url, 3, false), ["one", "two", "three"]);
+    assert_eq!(version_turns(&ctd, id), [1, 2, 3]);
+    let pid = ctd.task_pid(id).expect("running");
+
+    let port = port_of(&url);
+    let path = url.split_once(&format!(":{port}")).expect("a port").1.to_owned();
+    let (status, r) = raw_post(port, &format!("{path}/crab/v1/replay"), "{}");
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["until"], 3, "{r}");
+    assert_ne!(
+        ctd.task_pid(id),
+        Some(pid),
+        "the sandbox went back to turn 1's version"
+    );
+
+    assert_eq!(host_agent(&url, 4, false), ["one", "two", "three", "four"]);
+    assert_eq!(llm.seen().len(), 4, "turns 1..3 came from the transcript");
+    // Refused: a turn past the conversation.
+    let (status, r) = raw_post(port, &format!("{path}/crab/v1/replay"), r#"{"turn":99}"#);
+    assert_eq!(status, 404, "{r}");
+    finish(ctd, id, &base);
+}
+
+/// `POST path` with a JSON `body` to 127.0.0.1:`port`: the status and the
+/// body.
+fn raw_post(port: u16, path: &str, body: &str) -> (u16, Value) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("read");
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
 /// An agent started by `ctr task exec` in a sandbox whose spec set
 /// `OPENAI_BASE_URL` (as mini-swe-agent's `docker exec … python agent.py`
 /// does) talks to its LLM through the sandbox's proxy: the exec inherits
