@@ -34,6 +34,7 @@ bench: deps release
 	target/release/crab-bench fs
 	target/release/crab-bench checkpoint
 	target/release/crab-bench recovery
+	target/release/crab-bench fastforward
 	target/release/crab-bench turn
 	target/release/crab-bench inspector
 	target/release/crab-bench density

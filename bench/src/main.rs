@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 mod checkpoint;
 mod density;
 mod eval;
+mod fastforward;
 mod fs;
 mod inspector;
 mod observe;
@@ -113,6 +114,23 @@ enum Bench {
         #[arg(long, default_value_t = 20)]
         reps: usize,
     },
+    /// An agent put back to its head turn: its requests answered from the
+    /// sandbox's transcript (the proxy's replay) beside asking the
+    /// upstream again, with the LLM latencies of real runs (scaled).
+    Fastforward {
+        /// Traced SWE tasks (from bench/eval/swe.toml's default set).
+        #[arg(long, default_value_t = 4)]
+        tasks: usize,
+        /// Turns per task (0: all).
+        #[arg(long, default_value_t = 30)]
+        turns: usize,
+        /// Scale of the traced LLM times (1.0: as traced).
+        #[arg(long, default_value_t = 0.05)]
+        scale: f64,
+        /// The traces (mini-swe-agent steps, JSON lines).
+        #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/mini-swe-agent.jsonl"))]
+        traces: std::path::PathBuf,
+    },
     /// Latency the LLM proxy adds (p50/p99, non-streaming and streaming
     /// time to first byte, 1 and 64 clients) beside calling the upstream directly.
     Proxy {
@@ -140,6 +158,12 @@ fn main() -> anyhow::Result<()> {
         } => density::run(&sandboxes, turns, scale, &traces),
         Bench::Eval(args) => eval::run(&args.quick_if_asked()),
         Bench::Inspector { turns, reps } => inspector::run(turns, reps),
+        Bench::Fastforward {
+            tasks,
+            turns,
+            scale,
+            traces,
+        } => fastforward::run(tasks, turns, scale, &traces),
         Bench::Proxy { requests, think_ms } => {
             proxy::run(requests, std::time::Duration::from_millis(think_ms))
         }

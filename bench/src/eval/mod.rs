@@ -15,7 +15,7 @@ mod report;
 mod sandbox;
 mod state;
 mod testbed;
-mod workload;
+pub(crate) mod workload;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -97,7 +97,6 @@ impl Args {
     }
 }
 
-const SWE_TOML: &str = include_str!("../../eval/swe.toml");
 const TERMINAL_TOML: &str = include_str!("../../eval/terminal.toml");
 
 /// Runs the evaluation and writes its report under `args.out`.
@@ -106,7 +105,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     if args.swe > 0 || !args.swe_names.is_empty() {
         tasks.extend(workload::swe(
-            SWE_TOML,
+            workload::SWE_TOML,
             &args.traces,
             &args.swe_names,
             args.swe,

@@ -102,6 +102,9 @@ struct Turn {
     run: String,
 }
 
+/// The SWE mix's data file.
+pub const SWE_TOML: &str = include_str!("../../eval/swe.toml");
+
 /// Longest think time after scaling: a run must fit the machine.
 const MAX_THINK: Duration = Duration::from_secs(30);
 
