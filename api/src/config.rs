@@ -65,6 +65,32 @@ pub struct CrabdConfig {
     pub drain_export_dir: PathBuf,
     /// The host's checkpoint queue (`[crabd.schedule]`).
     pub schedule: ScheduleConfig,
+    /// Rules a turn must keep (`[crabd.safety]`).
+    pub safety: SafetyConfig,
+}
+
+/// `[crabd.safety]`: rules over what the inspector reports of a turn. A
+/// turn that breaks one is rolled back to the sandbox's head version
+/// (files and processes) before its answer is released, and the agent gets
+/// `notice` instead of the LLM's answer.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SafetyConfig {
+    /// Paths that must not change, as globs over the sandbox's absolute
+    /// paths (`*` within a component, `**` any number of components).
+    pub protected_paths: Vec<String>,
+    /// Command names (`comm`) that must not be left running at a turn's
+    /// end, nor be exec'd by a process that was.
+    pub forbidden_commands: Vec<String>,
+    /// What the agent is told; `{rule}` and `{what}` are filled in.
+    pub notice: String,
+}
+
+impl SafetyConfig {
+    /// Whether any rule is set.
+    pub fn any(&self) -> bool {
+        !self.protected_paths.is_empty() || !self.forbidden_commands.is_empty()
+    }
 }
 
 /// `[crabd] recover`: what happens to a sandbox whose init dies without

@@ -75,6 +75,10 @@ pub struct TurnReport {
     /// Why (a bounded sample: changed paths, started or exited processes,
     /// or why the inspector could not vouch for the turn).
     pub reasons: Vec<serde_json::Value>,
+    /// How many reasons there were (more than `reasons` when the sample
+    /// was cut).
+    #[serde(default)]
+    pub n_reasons: usize,
 }
 
 /// The first line of a watch: the watch is live, and every turn that ends
@@ -119,6 +123,10 @@ pub struct TurnEnd {
     /// The branch of the sandbox's conversation the turn is on (0: the root).
     #[serde(default)]
     pub branch: u64,
+    /// Whether the request that ended it came from inside the sandbox (its
+    /// agent is then restored with it by a safety rollback).
+    #[serde(default)]
+    pub inside: bool,
     /// How many turns of the transcript belong to the turn's version.
     pub transcript_turns: u64,
     /// When the proxy expects the turn's answer, in milliseconds from now
@@ -153,6 +161,23 @@ pub struct CheckpointReport {
     pub frozen_ms: f64,
     /// The whole checkpoint, hashing and publishing included, in milliseconds.
     pub total_ms: f64,
+    /// Set when the turn broke a safety rule (`[crabd.safety]`) and was
+    /// rolled back instead: `version` is then the version restored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back: Option<SafetyRollback>,
+}
+
+/// A turn rolled back because it broke a safety rule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SafetyRollback {
+    /// The rule (`protected_paths`, `forbidden_commands`) and its pattern.
+    pub rule: String,
+    /// What broke it (a path, a command).
+    pub what: String,
+    /// The version the sandbox was put back to.
+    pub version: u64,
+    /// What the agent is told instead of the LLM's answer.
+    pub notice: String,
 }
 
 /// `POST /v1/sandboxes/{sel}/rollback`.

@@ -71,6 +71,11 @@ pub struct ShimRestore {
     /// as it is).
     #[serde(default)]
     pub conversation: Option<ConversationAt>,
+    /// A safety rollback's notice: the restored agent gets it as the answer
+    /// to the request it asks again (`conversation.turn`'s) instead of the
+    /// recorded one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notice: Option<String>,
 }
 
 /// Where a version stands in its sandbox's conversation (the transcript's

@@ -43,6 +43,7 @@ mod metrics;
 mod registry;
 mod resume;
 mod rollback;
+mod safety;
 mod sandboxes;
 mod schedule;
 mod turn_end;

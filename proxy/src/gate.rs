@@ -21,7 +21,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower::Service;
 
+use crate::hook::{SafetyRollback, TurnEndCall, TurnVerdict};
 use crate::outcome::GateOutcome;
+use crate::replay_layer::response_of;
+use crate::route::{Api, Route};
+use crate::server::FromInside;
+use crate::transcript::{Entry, SafetyRecord};
 use crate::shared::Shared;
 use crate::stats::TurnHold;
 use crate::turn::TurnCtx;
@@ -38,11 +43,11 @@ pub(crate) struct Gate<S> {
 /// the hold: how long the answer waited for the gate (zero if the gate
 /// opened first). `on_answer` runs when the answer arrives, with it, told
 /// whether it must wait (the gate is still closed).
-pub(crate) async fn hold<R>(
-    gate: impl Future<Output = (GateOutcome, Instant)>,
+pub(crate) async fn hold<R, G>(
+    gate: impl Future<Output = (G, Instant)>,
     answer: impl Future<Output = R>,
     on_answer: impl FnOnce(&R, bool),
-) -> (R, GateOutcome, Duration) {
+) -> (R, G, Duration) {
     let opened = AtomicBool::new(false);
     let gate = async {
         let g = gate.await;
@@ -58,9 +63,12 @@ pub(crate) async fn hold<R>(
     (r, outcome, opened_at.saturating_duration_since(answered_at))
 }
 
+/// How a gate opened, and the engine's rollback of the turn, if it did.
+type Opened = (GateOutcome, Option<SafetyRollback>);
+
 /// Starts the gate of `turn`: the hook and the durability wait, in a task of
 /// the sandbox (so the hook runs to its end even if the agent leaves).
-fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64) -> impl Future<Output = (GateOutcome, Instant)> {
+fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64, inside: bool) -> impl Future<Output = (Opened, Instant)> {
     let expected = shared.expected_answer();
     let (tx, rx) = oneshot::channel();
     let durable_target = shared.transcript.submitted();
@@ -72,26 +80,52 @@ fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64) -> impl Future<Output
     shared.tracker.spawn(async move {
         let deadline = Instant::now() + timeout;
         let work = async {
-            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(&sandbox, turn, branch, expected));
+            let end = TurnEndCall {
+                sandbox: &sandbox,
+                turn,
+                branch,
+                expected_answer: expected,
+                inside,
+            };
+            let hook = tokio::time::timeout_at(deadline, hook.turn_ended(end));
             let durable = tokio::time::timeout_at(deadline, durable);
             match tokio::join!(hook, durable) {
-                (Err(_), _) => GateOutcome::HookTimedOut,
+                (Err(_), _) => (GateOutcome::HookTimedOut, None),
                 (Ok(Err(error)), _) => {
                     tracing::warn!(sandbox = %sandbox, turn, error = &error as &dyn std::error::Error, "turn hook failed; answer released");
-                    GateOutcome::HookFailed
+                    (GateOutcome::HookFailed, None)
                 }
-                (Ok(Ok(())), Err(_)) => GateOutcome::TranscriptTimedOut,
-                (Ok(Ok(())), Ok(())) => GateOutcome::Opened,
+                (Ok(Ok(TurnVerdict::RolledBack(r))), _) => (GateOutcome::RolledBack, Some(r)),
+                (Ok(Ok(TurnVerdict::Safe)), Err(_)) => (GateOutcome::TranscriptTimedOut, None),
+                (Ok(Ok(TurnVerdict::Safe)), Ok(())) => (GateOutcome::Opened, None),
             }
         };
         let outcome = tokio::select! {
             outcome = work => outcome,
-            () = cancel.cancelled() => GateOutcome::Cancelled,
+            () = cancel.cancelled() => (GateOutcome::Cancelled, None),
         };
         // The receiver is gone if the agent left; the outcome is then moot.
         let _ = tx.send((outcome, Instant::now()));
     });
-    async move { rx.await.unwrap_or((GateOutcome::Cancelled, Instant::now())) }
+    async move { rx.await.unwrap_or(((GateOutcome::Cancelled, None), Instant::now())) }
+}
+
+/// The notice of a turn's safety rollback, as the answer to its request,
+/// recorded in the transcript (which rule, what broke it, where the
+/// sandbox went back to).
+fn notice_instead(shared: &Shared, ctx: &TurnCtx, api: Api, request: &Bytes, r: SafetyRollback) -> Response<ProxyBody> {
+    tracing::warn!(sandbox = %shared.id, turn = ctx.turn, rule = r.rule, what = r.what, version = r.version, "turn rolled back by a safety rule: the agent gets the notice");
+    shared.transcript.submit(Entry::Safety(SafetyRecord {
+        v: 1,
+        sandbox: shared.id.to_string(),
+        turn: ctx.turn,
+        branch: ctx.branch,
+        rule: r.rule,
+        what: r.what,
+        version: r.version,
+        unix_ms: crate::transcript::unix_ms(),
+    }));
+    response_of(&crate::notice::response(api, request, &r.notice))
 }
 
 impl<S> Gate<S> {
@@ -120,7 +154,10 @@ where
         let Some(ctx) = ctx else {
             return Box::pin(inner.call(req));
         };
-        let gate = open_gate(&self.shared, ctx.turn, ctx.branch);
+        let inside = req.extensions().get::<FromInside>().is_some();
+        let api = req.extensions().get::<Route>().map_or(Api::Other, |r| r.api);
+        let request = req.body().clone();
+        let gate = open_gate(&self.shared, ctx.turn, ctx.branch, inside);
         let stats = self.shared.stats.clone();
         let shared = self.shared.clone();
         Box::pin(async move {
@@ -138,7 +175,7 @@ where
                         .spawn(async move { hook.answer_waiting(&sandbox, turn).await });
                 }
             };
-            let (result, outcome, held) = hold(gate, inner.call(req), on_answer).await;
+            let (result, (outcome, rolled_back), held) = hold(gate, inner.call(req), on_answer).await;
             ctx.set_released(outcome, held);
             stats.turn_released(TurnHold {
                 turn: ctx.turn,
@@ -151,7 +188,11 @@ where
                 hold_ms = held.as_secs_f64() * 1000.0,
                 "answer released"
             );
-            result
+            match rolled_back {
+                // The answer belongs to a state that is gone: dropped.
+                Some(r) => Ok(notice_instead(&shared, &ctx, api, &request, r)),
+                None => result,
+            }
         })
     }
 }

@@ -4,8 +4,21 @@ use std::error::Error as StdError;
 use std::time::Duration;
 
 use async_trait::async_trait;
+pub use crab_api::crabd::SafetyRollback;
 
 use crate::SandboxId;
+
+/// What the engine made of a turn end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TurnVerdict {
+    /// The turn's state is safe (its version is published, or none was
+    /// needed): its answer goes to the agent.
+    Safe,
+    /// The turn broke a safety rule and the sandbox was put back to its
+    /// previous version: the agent gets the rollback's notice instead of
+    /// the answer.
+    RolledBack(SafetyRollback),
+}
 
 /// Called once per turn end; returns when the sandbox's state at that turn
 /// end is safe (its version is published, or the engine decided `none`).
@@ -16,27 +29,35 @@ use crate::SandboxId;
 /// disconnects: the turn did end.
 #[async_trait]
 pub trait TurnHook: Send + Sync + 'static {
-    /// Turn `turn` (numbered from 1 per sandbox) of `sandbox` ended, on
-    /// branch `branch` of its conversation (see [`crate::transcript`]); its
-    /// answer is expected in about `expected_answer` (the proxy's running
-    /// estimate of the sandbox's LLM, once it has seen an answer).
+    /// A turn of a sandbox ended (see [`TurnEndCall`]: its number from 1,
+    /// its branch of the conversation, see [`crate::transcript`], when its
+    /// answer is expected, where its request came from).
     ///
     /// # Errors
     /// Any [`HookError`]; the proxy then releases the answer anyway and
     /// records the failure (the agent is never wedged by the engine).
-    async fn turn_ended(
-        &self,
-        sandbox: &SandboxId,
-        turn: u64,
-        branch: u64,
-        expected_answer: Option<Duration>,
-    ) -> Result<(), HookError>;
+    async fn turn_ended(&self, end: TurnEndCall<'_>) -> Result<TurnVerdict, HookError>;
 
     /// Turn `turn`'s answer arrived while [`TurnHook::turn_ended`] had not
     /// returned: the answer is held now, so the engine may hurry. Called at
     /// most once per turn, in a task of its own; its failure is only
     /// logged.
     async fn answer_waiting(&self, _sandbox: &SandboxId, _turn: u64) {}
+}
+
+/// One turn end, as the hook is told of it.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnEndCall<'a> {
+    /// The sandbox.
+    pub sandbox: &'a SandboxId,
+    /// The turn (from 1 per sandbox).
+    pub turn: u64,
+    /// The branch of the conversation it is on.
+    pub branch: u64,
+    /// When its answer is expected (the proxy's running estimate).
+    pub expected_answer: Option<Duration>,
+    /// Whether its request came from inside the sandbox.
+    pub inside: bool,
 }
 
 /// Why a [`TurnHook`] could not make a turn safe.
@@ -64,13 +85,7 @@ pub struct NoopHook;
 
 #[async_trait]
 impl TurnHook for NoopHook {
-    async fn turn_ended(
-        &self,
-        _sandbox: &SandboxId,
-        _turn: u64,
-        _branch: u64,
-        _expected_answer: Option<Duration>,
-    ) -> Result<(), HookError> {
-        Ok(())
+    async fn turn_ended(&self, _end: TurnEndCall<'_>) -> Result<TurnVerdict, HookError> {
+        Ok(TurnVerdict::Safe)
     }
 }

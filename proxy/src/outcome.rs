@@ -17,4 +17,7 @@ pub enum GateOutcome {
     TranscriptTimedOut,
     /// The sandbox shut down before the gate opened.
     Cancelled,
+    /// The engine rolled the turn back (a safety rule): the agent got the
+    /// notice, not the answer.
+    RolledBack,
 }

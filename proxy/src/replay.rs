@@ -35,6 +35,7 @@ use crab_api::shim::ConversationAt;
 use sha2::{Digest, Sha256};
 
 pub(crate) use crate::transcript::{conversation, max_branch};
+use crate::outcome::GateOutcome;
 use crate::transcript::{
     unix_ms, BranchRecord, DivergenceRecord, Entry, RecordedResponse, TranscriptError, TurnRecord,
 };
@@ -140,6 +141,8 @@ fn complete(record: &TurnRecord) -> bool {
         .as_ref()
         .is_some_and(RecordedResponse::is_complete)
         && record.request.body.to_bytes().is_some()
+        // Its answer belongs to a state a safety rule rolled back.
+        && record.gate != Some(GateOutcome::RolledBack)
 }
 
 // === impl Replay ===
@@ -203,6 +206,19 @@ impl Replay {
         })
     }
 
+    /// Answers the last turn it replays with `answer(its record)` instead of
+    /// the recorded answer (a safety rollback's notice); false when it
+    /// replays none.
+    pub(crate) fn answer_last_with(&mut self, answer: impl FnOnce(&TurnRecord) -> RecordedResponse) -> bool {
+        match self.records.values_mut().next_back() {
+            Some(record) => {
+                record.response = Some(answer(record));
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The first turn it would answer, and the last.
     pub(crate) fn range(&self) -> (u64, u64) {
         (
@@ -224,7 +240,7 @@ impl TurnState {
             let (branch, turn) = match entry {
                 Entry::Turn(t) => (t.branch, t.turn),
                 Entry::Branch(b) => (b.branch, b.after),
-                Entry::Divergence(_) | Entry::Tool(_) => continue,
+                Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) => continue,
             };
             let tip = self.tips.entry(branch).or_default();
             *tip = (*tip).max(turn);

@@ -21,6 +21,14 @@ use crate::{Error, ProxyBody};
 
 /// The recorded answer as a response, marked `x-crab-replayed: <turn>`.
 fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBody> {
+    let mut resp = response_of(&recorded);
+    resp.headers_mut().insert("x-crab-replayed", HeaderValue::from(turn));
+    resp
+}
+
+/// A recorded answer as a response (status, headers but the framing ones,
+/// body).
+pub(crate) fn response_of(recorded: &RecordedResponse) -> Response<ProxyBody> {
     let body = recorded.body.to_bytes().unwrap_or_default();
     let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *resp.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
@@ -38,7 +46,6 @@ fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBod
             headers.append(name, value);
         }
     }
-    headers.insert("x-crab-replayed", HeaderValue::from(turn));
     resp
 }
 
@@ -101,7 +108,7 @@ where
                         Entry::Branch(b) => {
                             tracing::info!(sandbox = %self.shared.id, branch = b.branch, parent = b.parent, after = b.after, "the conversation branches");
                         }
-                        Entry::Turn(_) | Entry::Tool(_) => {}
+                        Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) => {}
                     }
                     self.shared.transcript.submit(entry);
                 }

@@ -113,10 +113,30 @@ impl Sandbox {
     /// [`ReplayError`] when the transcript cannot be read or has no branch
     /// `at.branch`; the conversation is then left as it was.
     pub async fn rewind(&self, at: ConversationAt) -> Result<(), Error> {
+        self.rewind_with_notice(at, None).await
+    }
+
+    /// [`Self::rewind`] after a safety rollback: the restored agent gets
+    /// `notice` (in its provider's answer format) as the answer to the
+    /// last request it asks again, instead of the recorded answer whose
+    /// actions were rolled back.
+    ///
+    /// # Errors
+    /// As [`Self::rewind`].
+    pub async fn rewind_with_notice(&self, at: ConversationAt, notice: Option<&str>) -> Result<(), Error> {
         let entries = self.durable_entries().await?;
-        let replay = self
+        let mut replay = self
             .shared
             .with_turns(|state| Replay::rewind(&entries, at, state))?;
+        if let Some(text) = notice {
+            let told = replay.answer_last_with(|record| {
+                let body = record.request.body.to_bytes().unwrap_or_default();
+                crate::notice::response(record.api, &body, text)
+            });
+            if !told {
+                tracing::warn!(sandbox = %self.shared.id, turn = at.turn, "the restored agent asks nothing again: the rollback's notice is not delivered");
+            }
+        }
         self.start(replay);
         Ok(())
     }

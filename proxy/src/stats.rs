@@ -108,7 +108,7 @@ impl StatsCell {
             GateOutcome::HookFailed => s.n_hook_failures += 1,
             GateOutcome::HookTimedOut => s.n_hook_timeouts += 1,
             GateOutcome::TranscriptTimedOut => s.n_transcript_timeouts += 1,
-            GateOutcome::Cancelled => {}
+            GateOutcome::Cancelled | GateOutcome::RolledBack => {}
         }
         if !hold.hold.is_zero() {
             s.n_held += 1;

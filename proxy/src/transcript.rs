@@ -17,6 +17,8 @@
 //! {"v":1,"kind":"branch","sandbox":"s1","branch":1,"parent":0,"after":2,"unix_ms":…}
 //! {"v":1,"kind":"tool","sandbox":"s1","tool":"rollback_files","via":"mcp","inside":true,
 //!  "args":{"turn":2,"files_only":true},"after_turn":5,"result":{…},"error":null,"unix_ms":…,"took_us":…}
+//! {"v":1,"kind":"safety","sandbox":"s1","turn":6,"branch":0,"rule":"protected_paths \"/etc/**\"",
+//!  "what":"/etc/passwd","version":5,"unix_ms":…}
 //! ```
 //!
 //! The conversation is a tree, like the versions it belongs to. Every turn
@@ -81,6 +83,8 @@ pub enum Entry {
     Branch(BranchRecord),
     /// A call of the agent's rollback tool (see `tools`).
     Tool(ToolRecord),
+    /// A turn the engine rolled back because it broke a safety rule.
+    Safety(SafetyRecord),
 }
 
 /// One turn: the request that ended it and the upstream's answer.
@@ -252,6 +256,29 @@ pub struct ToolRecord {
     pub took_us: u64,
 }
 
+/// A turn rolled back by a safety rule: the agent got a notice instead of
+/// its answer (the turn's record has gate `rolled_back` and is never
+/// replayed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SafetyRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The turn rolled back.
+    pub turn: u64,
+    /// Its branch.
+    pub branch: u64,
+    /// The rule it broke.
+    pub rule: String,
+    /// What broke it.
+    pub what: String,
+    /// The version the sandbox went back to.
+    pub version: u64,
+    /// Wall clock, ms since the Unix epoch.
+    pub unix_ms: u64,
+}
+
 /// Transcript I/O failures.
 #[derive(Debug, thiserror::Error)]
 pub enum TranscriptError {
@@ -364,7 +391,7 @@ pub fn max_branch(entries: &[Entry]) -> u64 {
         .map(|e| match e {
             Entry::Branch(b) => b.branch,
             Entry::Turn(t) => t.branch,
-            Entry::Divergence(_) | Entry::Tool(_) => 0,
+            Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) => 0,
         })
         .max()
         .unwrap_or(0)
@@ -617,6 +644,7 @@ async fn write_loop(
                 Some(Entry::Divergence(r)) => (r.sandbox.as_str(), r.turn),
                 Some(Entry::Branch(r)) => (r.sandbox.as_str(), r.after),
                 Some(Entry::Tool(r)) => (r.sandbox.as_str(), r.after_turn),
+                Some(Entry::Safety(r)) => (r.sandbox.as_str(), r.turn),
                 None => ("", 0),
             };
             tracing::error!(sandbox, turn, path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");

@@ -277,12 +277,12 @@ impl SandboxProxy {
     /// agent asks next goes live as it would have. Before the listener in
     /// the restored namespace exists, so the restored agent's first request
     /// meets the replay.
-    pub async fn rewind(&self, at: Option<ConversationAt>) {
+    pub async fn rewind(&self, at: Option<ConversationAt>, notice: Option<&str>) {
         let Some(at) = at else {
             self.sandbox.cancel_replay();
             return;
         };
-        if let Err(e) = self.sandbox.rewind(at).await {
+        if let Err(e) = self.sandbox.rewind_with_notice(at, notice).await {
             tracing::warn!(error = %crab_api::error_chain(&e), branch = at.branch, turn = at.turn, "no replay after the restore: the agent's requests go live");
             self.sandbox.cancel_replay();
         }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use crab_api::crabd::{CheckpointReport, TurnEnd};
 use crab_api::{ClientError, Crabd};
-use crab_proxy::{HookError, SandboxId, TurnHook};
+use crab_proxy::{HookError, SandboxId, TurnEndCall, TurnHook, TurnVerdict};
 
 /// A [`TurnHook`] that has crabd checkpoint the sandbox at each turn end.
 pub struct EngineHook {
@@ -64,23 +64,28 @@ impl EngineHook {
 
 #[async_trait]
 impl TurnHook for EngineHook {
-    async fn turn_ended(
-        &self,
-        sandbox: &SandboxId,
-        turn: u64,
-        branch: u64,
-        expected_answer: Option<Duration>,
-    ) -> Result<(), HookError> {
+    async fn turn_ended(&self, call: TurnEndCall<'_>) -> Result<TurnVerdict, HookError> {
+        let TurnEndCall {
+            sandbox,
+            turn,
+            branch,
+            expected_answer,
+            inside,
+        } = call;
         // Turn N ends when request N arrives; the gate has made the records
         // of turns 1..N-1 durable before it releases N's answer, so those
         // are the conversation that belongs to this version.
         let end = TurnEnd {
             turn,
             branch,
+            inside,
             transcript_turns: turn.saturating_sub(1),
             expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         };
         match self.send(sandbox, &end).await {
+            Ok(CheckpointReport {
+                rolled_back: Some(r), ..
+            }) => Ok(TurnVerdict::RolledBack(r)),
             Ok(r) => {
                 tracing::info!(
                     %sandbox,
@@ -91,7 +96,7 @@ impl TurnHook for EngineHook {
                     elapsed_ms = r.total_ms,
                     "turn is a version"
                 );
-                Ok(())
+                Ok(TurnVerdict::Safe)
             }
             // The gate logs the failure (the proxy's `turn hook failed`),
             // with the sandbox and turn, in containerd's log.

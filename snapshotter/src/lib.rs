@@ -28,7 +28,7 @@ pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, Snapsh
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
 pub use overlay::{OverlayCopyBackend, StreamPolicy};
-pub use sync::{sync_tree, Scope, SnapshotFiles, SyncReport};
+pub use sync::{differences, sync_tree, Scope, SnapshotFiles, SyncReport};
 pub use zfs::ZfsBackend;
 pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};
 

@@ -220,7 +220,21 @@ fn same_entry(src: &Path, want: &Meta, dst: &Path, have: &Meta) -> Result<bool> 
 }
 
 fn same_content(a: &Path, b: &Path) -> Result<bool> {
-    let open = |p: &Path| std::fs::File::open(p).map_err(Error::io("open", p));
+    // Never through a symlink, never blocking on a fifo swapped in: only a
+    // regular file is read.
+    let open = |p: &Path| {
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(p)
+            .map_err(Error::io("open", p))?;
+        match f.metadata() {
+            Ok(m) if m.is_file() => Ok(f),
+            Ok(_) => Err(Error::io("open", p)(std::io::Error::other("not a regular file"))),
+            Err(e) => Err(Error::io("stat", p)(e)),
+        }
+    };
     let (mut fa, mut fb) = (open(a)?, open(b)?);
     let (mut ba, mut bb) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
     loop {
@@ -245,6 +259,52 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// The paths (relative) that `keep` selects and that differ between the
+/// trees (or overlay layers) `old` and `new`: present in one only, of
+/// another kind, owner, mode, xattrs, size, link target or content (a
+/// directory's times and size do not count: its children's changes are
+/// their own). Reads only; never follows a symlink.
+pub fn differences(old: &Path, new: &Path, keep: &dyn Fn(&Path) -> bool) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut seen = HashSet::new();
+    for (root, other, first) in [(new, old, true), (old, new, false)] {
+        for entry in WalkDir::new(root).min_depth(1).follow_links(false).sort_by_file_name() {
+            let entry = entry.map_err(|e| Error::Io {
+                op: "walk",
+                path: root.to_owned(),
+                source: e.into(),
+            })?;
+            let rel = entry
+                .path()
+                .strip_prefix(root)
+                .expect("walkdir yields paths under its root")
+                .to_owned();
+            if !keep(&rel) || (!first && seen.contains(&rel)) {
+                continue;
+            }
+            if first {
+                seen.insert(rel.clone());
+            }
+            let there = other.join(&rel);
+            let differ = match (Meta::read(entry.path()), meta_if_any(&there)) {
+                // Gone meanwhile (the tree is live): a change.
+                (Err(_), _) | (_, Ok(None)) => true,
+                (Ok(a), Ok(Some(b))) if a.kind == Kind::Dir => {
+                    !(b.kind == Kind::Dir && a.mode == b.mode && a.uid == b.uid && a.gid == b.gid && a.xattrs == b.xattrs)
+                }
+                (Ok(a), Ok(Some(b))) => !same_entry(entry.path(), &a, &there, &b).unwrap_or(false),
+                (_, Err(_)) => true,
+            };
+            if differ {
+                out.push(rel);
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
 }
 
 fn meta_if_any(path: &Path) -> Result<Option<Meta>> {
@@ -315,6 +375,29 @@ mod tests {
             sync_tree(&src, &live, &Scope::Whole).unwrap(),
             SyncReport::default()
         );
+    }
+
+    #[test]
+    fn differences_are_listed_within_the_filter() {
+        let t = tempfile::tempdir().unwrap();
+        let (old, new) = (t.path().join("old"), t.path().join("new"));
+        write(&old, "etc/passwd", "root");
+        write(&new, "etc/passwd", "root and more");
+        write(&old, "etc/same", "x");
+        write(&new, "etc/same", "x");
+        let m = Meta::read(&old.join("etc/same")).unwrap();
+        crate::overlay::tree::set_times(&new.join("etc/same"), &m).unwrap();
+        write(&old, "etc/gone", "y");
+        write(&new, "etc/new", "z");
+        write(&new, "tmp/scratch", "ignored: outside the filter");
+        nix::unistd::mkfifo(&new.join("etc/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let keep = |p: &Path| p.starts_with("etc");
+        let got = differences(&old, &new, &keep).unwrap();
+        let want: Vec<PathBuf> = ["etc/fifo", "etc/gone", "etc/new", "etc/passwd"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        assert_eq!(got, want);
     }
 
     #[test]

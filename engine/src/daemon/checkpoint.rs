@@ -188,6 +188,7 @@ impl Daemon {
             version,
             frozen_ms,
             total_ms,
+            rolled_back: None,
         })
     }
 }

@@ -177,9 +177,13 @@ impl TurnInspector for crab_inspector::Inspector {
                 .iter()
                 .map(|reason| serde_json::to_value(reason).expect("a reason serializes"))
                 .collect(),
+            n_reasons: r.n_reasons,
         })
     }
 }
+
+/// The reasons a report carries when safety rules judge them.
+const SAFETY_REASONS: usize = 1 << 16;
 
 /// Loads the eBPF inspector as `[crabd]` says; `None` (logged) when it is
 /// off or cannot load here (no BPF, not root, another crabd owns the pins).
@@ -189,6 +193,10 @@ pub fn load(config: &CrabdConfig) -> Option<Box<dyn TurnInspector>> {
     }
     let mut ic = crab_inspector::InspectorConfig::host(config.noisy_comms.clone());
     ic.pin_dir = config.inspector_pin_dir.clone();
+    if config.safety.any() {
+        // Safety rules judge every change, not a sample.
+        ic.max_reasons = SAFETY_REASONS;
+    }
     match crab_inspector::Inspector::load(ic) {
         Ok(i) => {
             tracing::info!(pins = %config.inspector_pin_dir.display(), "inspector loaded");
@@ -207,6 +215,7 @@ fn full(sandbox: &SandboxId, why: &str) -> TurnReport {
         turn: 0,
         class: Class::Full,
         reasons: vec![serde_json::json!({ "kind": "unknown", "why": why })],
+        n_reasons: 1,
     }
 }
 

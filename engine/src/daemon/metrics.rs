@@ -63,6 +63,8 @@ pub(super) struct Metrics {
     pub restore: Histogram,
     /// Sandboxes recovered after a crash.
     pub recoveries: Counter,
+    /// Turns rolled back because they broke a safety rule.
+    pub safety_rollbacks: Counter,
 }
 
 // === impl Metrics ===
@@ -136,6 +138,12 @@ impl Metrics {
                 r,
                 "recoveries",
                 "Sandboxes restored after their init crashed",
+                Counter::default(),
+            ),
+            safety_rollbacks: add(
+                r,
+                "safety_rollbacks",
+                "Turns rolled back because they broke a safety rule",
                 Counter::default(),
             ),
             registry,

@@ -39,7 +39,7 @@ impl Daemon {
                 let _one_at_a_time = busy.lock().await;
                 match req.files_only {
                     true => d.restore_files(&reg, req.version).await,
-                    false => d.restore_version(&reg, req.version, req.undo).await,
+                    false => d.restore_version(&reg, req.version, req.undo, None).await,
                 }
             }
             .instrument(span),
@@ -73,7 +73,7 @@ impl Daemon {
                 let sid = reg.id.clone();
                 let head = blocking(move || store.head(&sid)).await?;
                 let which = head.map_or(VersionSel::Latest, VersionSel::Number);
-                let done = d.restore_version(&reg, which, false).await?;
+                let done = d.restore_version(&reg, which, false, None).await?;
                 let recovery = Recovery {
                     version: done.version,
                     pid: done.pid,
@@ -103,12 +103,14 @@ impl Daemon {
 
     /// Replaces the processes (and files) of sandbox `reg` with version
     /// `which`'s, under the caller's hold of its busy lock, and makes that
-    /// version its head.
-    async fn restore_version(
+    /// version its head; the restored agent gets `notice` instead of the
+    /// last answer it asks again (a safety rollback's).
+    pub(super) async fn restore_version(
         self: &Arc<Self>,
         reg: &Registration,
         which: VersionSel,
         undo: bool,
+        notice: Option<String>,
     ) -> Result<RollbackReport, ApiError> {
         let d = self;
         let started = Instant::now();
@@ -127,6 +129,7 @@ impl Daemon {
         let call = ShimRestore {
             undo,
             conversation,
+            notice,
             images_dir,
             fs: version.record.fs_snapshot.map(|f| FsTarget {
                 name: f.name,

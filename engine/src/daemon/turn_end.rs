@@ -351,6 +351,21 @@ impl Daemon {
             }
             Some(slot)
         };
+        if let Some(breach) = self.judge(reg, &report).await {
+            let store = self.store.clone();
+            let sid = reg.id.clone();
+            match super::work::blocking(move || store.head(&sid)).await? {
+                Some(head) => {
+                    drop(slot);
+                    let inside = batch.iter().any(|w| w.end.inside);
+                    let done = self.roll_back_turn(reg, head, breach, inside).await?;
+                    return Ok((done, report));
+                }
+                None => {
+                    tracing::error!(sandbox = %reg.id, rule = breach.rule, what = breach.what, "the turn broke a safety rule, but the sandbox has no version to go back to: it is saved as it is");
+                }
+            }
+        }
         let newest = batch.iter().map(|w| w.end).max_by_key(|e| e.turn);
         let end = newest.map(|e| TurnEnd {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),

@@ -203,7 +203,7 @@ impl Container {
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
         let (pid, rx, failure) = match self
-            .replace_processes(&req.images_dir, req.fs.as_ref(), req.conversation, runtime)
+            .replace_processes(&req.images_dir, req.fs.as_ref(), (req.conversation, req.notice.as_deref()), runtime)
             .await
         {
             Ok((pid, rx)) => (pid, rx, None),
@@ -217,7 +217,7 @@ impl Container {
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
                 match self
-                    .replace_processes(&undo_dir, undo_fs.as_ref(), None, runtime)
+                    .replace_processes(&undo_dir, undo_fs.as_ref(), (None, None), runtime)
                     .await
                 {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
@@ -250,12 +250,14 @@ impl Container {
 
     /// Kills the current processes, rolls the rootfs back to `fs`, restores
     /// `images`, and re-wires stdio and the proxy, which learns where the
-    /// restored agent stands in the conversation (`conversation`).
+    /// restored agent stands in the conversation (`conversation`), and
+    /// what to tell it instead of the last answer it asks again (a safety
+    /// rollback's notice).
     async fn replace_processes(
         &mut self,
         images: &Path,
         fs: Option<&FsTarget>,
-        conversation: Option<ConversationAt>,
+        (conversation, notice): (Option<ConversationAt>, Option<&str>),
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
         // Docker's pin of its namespace: found now while the init lives,
@@ -274,9 +276,9 @@ impl Container {
         if let Some(p) = &self.proxy {
             // Bounded: a hung disk must not hang the restore.
             let limit = Duration::from_secs(crate::config::get().shim.proxy.hold_timeout);
-            if tokio::time::timeout(limit, p.rewind(conversation)).await.is_err() {
+            if tokio::time::timeout(limit, p.rewind(conversation, notice)).await.is_err() {
                 tracing::warn!("{}: the transcript did not answer in time: no replay", self.id);
-                p.rewind(None).await;
+                p.rewind(None, None).await;
             }
         }
         if self.recovering {
