@@ -189,7 +189,8 @@ pub struct RollbackRequest {
     #[serde(default = "yes")]
     pub undo: bool,
     /// Put back the version's files only: the processes go on as they
-    /// are, and a new version (class `fs`) records the result.
+    /// are, and a new whole version records the result (`undo` does not
+    /// apply).
     #[serde(default)]
     pub files_only: bool,
 }

@@ -72,8 +72,8 @@ enum Command {
         #[arg(long)]
         no_undo: bool,
         /// Put back the version's files only, in place: the processes go
-        /// on as they are (frozen meanwhile), and a new version records
-        /// the result.
+        /// on as they are (frozen meanwhile), and a new whole version
+        /// records the result.
         #[arg(long, conflicts_with = "no_undo")]
         files_only: bool,
     },

@@ -26,9 +26,9 @@ use crate::outcome::GateOutcome;
 use crate::replay_layer::response_of;
 use crate::route::{Api, Route};
 use crate::server::FromInside;
-use crate::transcript::{Entry, SafetyRecord};
 use crate::shared::Shared;
 use crate::stats::TurnHold;
+use crate::transcript::{Entry, SafetyRecord};
 use crate::turn::TurnCtx;
 use crate::{Error, ProxyBody};
 
@@ -68,7 +68,12 @@ type Opened = (GateOutcome, Option<SafetyRollback>);
 
 /// Starts the gate of `turn`: the hook and the durability wait, in a task of
 /// the sandbox (so the hook runs to its end even if the agent leaves).
-fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64, inside: bool) -> impl Future<Output = (Opened, Instant)> {
+fn open_gate(
+    shared: &Arc<Shared>,
+    turn: u64,
+    branch: u64,
+    inside: bool,
+) -> impl Future<Output = (Opened, Instant)> {
     let expected = shared.expected_answer();
     let (tx, rx) = oneshot::channel();
     let durable_target = shared.transcript.submitted();
@@ -77,7 +82,8 @@ fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64, inside: bool) -> impl
     let sandbox = shared.id.clone();
     let timeout = shared.config.timeouts.hook;
     let cancel = shared.cancel.clone();
-    shared.tracker.spawn(async move {
+    let shared = shared.clone();
+    shared.clone().tracker.spawn(async move {
         let deadline = Instant::now() + timeout;
         let work = async {
             let end = TurnEndCall {
@@ -95,7 +101,10 @@ fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64, inside: bool) -> impl
                     tracing::warn!(sandbox = %sandbox, turn, error = &error as &dyn std::error::Error, "turn hook failed; answer released");
                     (GateOutcome::HookFailed, None)
                 }
-                (Ok(Ok(TurnVerdict::RolledBack(r))), _) => (GateOutcome::RolledBack, Some(r)),
+                (Ok(Ok(TurnVerdict::RolledBack(r))), _) => {
+                    record_rollback(&shared, turn, branch, &r);
+                    (GateOutcome::RolledBack, Some(r))
+                }
                 (Ok(Ok(TurnVerdict::Safe)), Err(_)) => (GateOutcome::TranscriptTimedOut, None),
                 (Ok(Ok(TurnVerdict::Safe)), Ok(())) => (GateOutcome::Opened, None),
             }
@@ -107,24 +116,31 @@ fn open_gate(shared: &Arc<Shared>, turn: u64, branch: u64, inside: bool) -> impl
         // The receiver is gone if the agent left; the outcome is then moot.
         let _ = tx.send((outcome, Instant::now()));
     });
-    async move { rx.await.unwrap_or(((GateOutcome::Cancelled, None), Instant::now())) }
+    async move {
+        rx.await
+            .unwrap_or(((GateOutcome::Cancelled, None), Instant::now()))
+    }
 }
 
-/// The notice of a turn's safety rollback, as the answer to its request,
-/// recorded in the transcript (which rule, what broke it, where the
-/// sandbox went back to).
-fn notice_instead(shared: &Shared, ctx: &TurnCtx, api: Api, request: &Bytes, r: SafetyRollback) -> Response<ProxyBody> {
-    tracing::warn!(sandbox = %shared.id, turn = ctx.turn, rule = r.rule, what = r.what, version = r.version, "turn rolled back by a safety rule: the agent gets the notice");
+/// Records a turn's safety rollback in the transcript (which rule, what
+/// broke it, where the sandbox went back to), whether or not its agent is
+/// still there to be told.
+fn record_rollback(shared: &Shared, turn: u64, branch: u64, r: &SafetyRollback) {
+    tracing::warn!(sandbox = %shared.id, turn, rule = r.rule, what = r.what, version = r.version, "turn rolled back by a safety rule");
     shared.transcript.submit(Entry::Safety(SafetyRecord {
         v: 1,
         sandbox: shared.id.to_string(),
-        turn: ctx.turn,
-        branch: ctx.branch,
-        rule: r.rule,
-        what: r.what,
+        turn,
+        branch,
+        rule: r.rule.clone(),
+        what: r.what.clone(),
         version: r.version,
         unix_ms: crate::transcript::unix_ms(),
     }));
+}
+
+/// The notice of a turn's safety rollback, as the answer to its request.
+fn notice_instead(api: Api, request: &Bytes, r: SafetyRollback) -> Response<ProxyBody> {
     response_of(&crate::notice::response(api, request, &r.notice))
 }
 
@@ -190,7 +206,7 @@ where
             );
             match rolled_back {
                 // The answer belongs to a state that is gone: dropped.
-                Some(r) => Ok(notice_instead(&shared, &ctx, api, &request, r)),
+                Some(r) => Ok(notice_instead(api, &request, r)),
                 None => result,
             }
         })

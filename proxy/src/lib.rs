@@ -69,7 +69,7 @@ pub use proxy::Proxy;
 pub use relay::{serve_relay, SandboxSockets};
 pub use replay::{canonical, ReplayError};
 pub use route::{Api, InvalidRoutePattern, Provider, Route, RoutePattern, TurnEndRules};
-pub use sandbox::{Sandbox, SandboxService};
+pub use sandbox::{Sandbox, SandboxService, MAX_REPLAY_BYTES};
 pub use server::{serve_host, serve_sandbox, split_host_path, Listener};
 pub use stats::{SandboxStats, TurnHold};
 pub use tools::{AgentTools, ToolError, MCP_PATH};

@@ -66,7 +66,10 @@ fn chat_stream(model: &str, created: u64, text: &str) -> String {
         })
     };
     let mut out = sse(&[
-        (None, chunk(json!({"role": "assistant", "content": text}), Value::Null)),
+        (
+            None,
+            chunk(json!({"role": "assistant", "content": text}), Value::Null),
+        ),
         (None, chunk(json!({}), json!("stop"))),
     ]);
     out.push_str("data: [DONE]\n\n");
@@ -87,7 +90,10 @@ fn message_stream(model: &str, text: &str) -> String {
     start["content"] = json!([]);
     start["stop_reason"] = Value::Null;
     sse(&[
-        (Some("message_start"), json!({"type": "message_start", "message": start})),
+        (
+            Some("message_start"),
+            json!({"type": "message_start", "message": start}),
+        ),
         (
             Some("content_block_start"),
             json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
@@ -96,7 +102,10 @@ fn message_stream(model: &str, text: &str) -> String {
             Some("content_block_delta"),
             json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
         ),
-        (Some("content_block_stop"), json!({"type": "content_block_stop", "index": 0})),
+        (
+            Some("content_block_stop"),
+            json!({"type": "content_block_stop", "index": 0}),
+        ),
         (
             Some("message_delta"),
             json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
@@ -158,13 +167,15 @@ mod tests {
         let r = response(Api::OpenAiChat, br#"{"stream":true}"#, text);
         let b = body(&r);
         assert!(b.ends_with("data: [DONE]\n\n"), "{b}");
-        let first: Value = serde_json::from_str(b.lines().next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+        let first: Value =
+            serde_json::from_str(b.lines().next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
         assert_eq!(first["choices"][0]["delta"]["content"], text);
         let r = response(Api::AnthropicMessages, br#"{"model":"claude"}"#, text);
         let v: Value = serde_json::from_str(&body(&r)).unwrap();
         assert_eq!(v["content"][0]["text"], text);
         let r = response(Api::AnthropicMessages, br#"{"stream":true}"#, text);
-        let events: Vec<&str> = body(&r)
+        let text_body = body(&r);
+        let events: Vec<&str> = text_body
             .lines()
             .filter_map(|l| l.strip_prefix("event: "))
             .collect();

@@ -34,8 +34,8 @@ use std::collections::{BTreeMap, HashMap};
 use crab_api::shim::ConversationAt;
 use sha2::{Digest, Sha256};
 
-pub(crate) use crate::transcript::{conversation, max_branch};
 use crate::outcome::GateOutcome;
+pub(crate) use crate::transcript::{conversation, max_branch};
 use crate::transcript::{
     unix_ms, BranchRecord, DivergenceRecord, Entry, RecordedResponse, TranscriptError, TurnRecord,
 };

@@ -22,7 +22,8 @@ use crate::{Error, ProxyBody};
 /// The recorded answer as a response, marked `x-crab-replayed: <turn>`.
 fn replayed_response(turn: u64, recorded: RecordedResponse) -> Response<ProxyBody> {
     let mut resp = response_of(&recorded);
-    resp.headers_mut().insert("x-crab-replayed", HeaderValue::from(turn));
+    resp.headers_mut()
+        .insert("x-crab-replayed", HeaderValue::from(turn));
     resp
 }
 

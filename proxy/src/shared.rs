@@ -13,7 +13,7 @@ use crate::config::ProxyConfig;
 use crate::hook::TurnHook;
 use crate::replay::{Replay, ReplayError, TurnState};
 use crate::stats::StatsCell;
-use crate::tools::{AgentTools, RateLimit};
+use crate::tools::{AgentTools, ToolLimits};
 use crate::transcript::Transcript;
 use crate::transcript::{read_entries, Entry};
 use crate::upstream::UpstreamClient;
@@ -44,8 +44,8 @@ pub(crate) struct Shared {
     pub(crate) conversations: Mutex<crate::side_call::Conversations>,
     /// The engine behind the agent's tool, if there is one.
     pub(crate) tools: Option<Arc<dyn AgentTools>>,
-    /// The tool's rate limit.
-    pub(crate) tool_rate: RateLimit,
+    /// The tool's rate limits and its record of refusals.
+    pub(crate) tool_limits: ToolLimits,
 }
 
 // === impl Shared ===
@@ -76,7 +76,7 @@ impl Shared {
             turns: Mutex::new(TurnState::default()),
             answer_time: Mutex::new(None),
             conversations: Mutex::new(Default::default()),
-            tool_rate: RateLimit::new(config.tools.calls_per_minute),
+            tool_limits: ToolLimits::new(config.tools.calls_per_minute),
             tools,
         })
     }

@@ -7,7 +7,7 @@
 //! GET  /crab/v1/versions                                 → {"versions":[{"version","turn","branch","class","age_secs","parent"}]}
 //! POST /crab/v1/checkpoint {"class":"full"|"fs"}         → {"version",…,"frozen_ms"}
 //! POST /crab/v1/rollback   {"turn":K | "version":N, "files_only":true}
-//! POST /crab/v1/replay     {"turn":1}                  (outside only) → {"version","until"}
+//! POST /crab/v1/replay                                 (outside only) → {"version","until"}
 //! POST /crab/mcp                                         MCP, streamable HTTP (JSON answers, no session)
 //! ```
 //!
@@ -40,7 +40,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower::Service;
 
-pub(crate) use rate::RateLimit;
+pub(crate) use rate::ToolLimits;
 
 use crate::server::FromInside;
 use crate::shared::Shared;
@@ -111,10 +111,9 @@ pub(crate) enum Call {
         files_only: bool,
     },
     /// An agent outside, started again from scratch: the sandbox back to
-    /// the turn it starts from, its requests answered from the transcript.
-    Replay {
-        from: u64,
-    },
+    /// turn 1's version (where the agent starts: its commands run again),
+    /// its requests answered from the transcript.
+    Replay,
 }
 
 /// Where a rollback goes.
@@ -129,13 +128,6 @@ pub(crate) enum Target {
 struct CheckpointArgs {
     #[serde(default)]
     class: Option<Class>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReplayArgs {
-    #[serde(default)]
-    turn: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -164,7 +156,8 @@ impl Call {
             },
             "checkpoint" => {
                 let a: CheckpointArgs = serde_json::from_value(args).map_err(bad_args)?;
-                let class = a.class.unwrap_or(Class::Full);
+                // Files by default: cheap, and what an agent undoes.
+                let class = a.class.unwrap_or(Class::Fs);
                 if !matches!(class, Class::Fs | Class::Full) {
                     return Err(ToolError::bad("a checkpoint's class is \"fs\" or \"full\""));
                 }
@@ -187,13 +180,10 @@ impl Call {
                 };
                 Ok(Call::Rollback { to, files_only })
             }
-            "replay" => {
-                let a: ReplayArgs = serde_json::from_value(args).map_err(bad_args)?;
-                match a.turn.unwrap_or(1) {
-                    0 => Err(ToolError::bad("turns are numbered from 1")),
-                    from => Ok(Call::Replay { from }),
-                }
-            }
+            "replay" => match args.as_object() {
+                Some(o) if o.is_empty() => Ok(Call::Replay),
+                _ => Err(ToolError::bad("replay takes no arguments: it starts at turn 1")),
+            },
             other => Err(ToolError::new(
                 StatusCode::NOT_FOUND,
                 format!("no tool {other:?}"),
@@ -207,7 +197,7 @@ impl Call {
             Call::Checkpoint { .. } => "checkpoint",
             Call::Rollback { files_only: true, .. } => "rollback_files",
             Call::Rollback { .. } => "rollback_sandbox",
-            Call::Replay { .. } => "replay",
+            Call::Replay => "replay",
         }
     }
 
@@ -223,7 +213,7 @@ impl Call {
                 v["files_only"] = json!(files_only);
                 v
             }
-            Call::Replay { from } => json!({ "turn": from }),
+            Call::Replay => json!({}),
         }
     }
 }
@@ -242,15 +232,23 @@ pub(crate) async fn run(
         Ok(c) => (c.name().to_owned(), c.args()),
         Err(_) => ("invalid".to_owned(), Value::Null),
     };
-    let result = match call {
-        Err(e) => Err(e),
-        Ok(call) => match shared.tool_rate.try_take() {
-            Err(wait) => Err(ToolError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("rate limit: try again in {:.1} s", wait.as_secs_f64()),
-            )),
-            Ok(()) => execute(shared, call, inside).await,
-        },
+    // Every call counts, a malformed one too: each may cost a record.
+    let limited = shared.tool_limits.take(inside);
+    let result = match (limited, call) {
+        (Err(wait), _) => Err(ToolError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("rate limit: try again in {:.1} s", wait.as_secs_f64()),
+        )),
+        (Ok(()), Err(e)) => Err(e),
+        (Ok(()), Ok(call)) => execute(shared, call, inside).await,
+    };
+    // A run of refusals is one record a minute (the rest are counted in
+    // the next record): refused calls must not grow the transcript.
+    let refused = result
+        .as_ref()
+        .is_err_and(|e| e.status == StatusCode::TOO_MANY_REQUESTS.as_u16());
+    let Some(unrecorded_refusals) = shared.tool_limits.record(refused) else {
+        return result;
     };
     let after_turn = shared.with_turns(|t| t.last_turn);
     let record = ToolRecord {
@@ -261,10 +259,11 @@ pub(crate) async fn run(
         inside,
         args,
         after_turn,
-        result: result.as_ref().ok().cloned(),
-        error: result.as_ref().err().map(|e| e.message.clone()),
+        result: result.as_ref().ok().map(|v| summary(&name, v)),
+        error: result.as_ref().err().map(|e| bounded(&e.message)),
         unix_ms,
         took_us: started.elapsed().as_micros() as u64,
+        unrecorded_refusals,
     };
     shared.transcript.submit(Entry::Tool(record));
     // Answered once recorded, as a turn is (bounded as the hold is).
@@ -327,7 +326,8 @@ async fn execute(shared: &Shared, call: Call, inside: bool) -> Result<Value, Too
                 "total_ms": r.total_ms,
             }))
         }
-        Call::Replay { from } => {
+        Call::Replay => {
+            let from = 1;
             if inside {
                 return Err(ToolError::new(
                     StatusCode::CONFLICT,
@@ -361,8 +361,52 @@ async fn execute(shared: &Shared, call: Call, inside: bool) -> Result<Value, Too
     }
 }
 
-/// The newest version that ended `turn`, on `branch` if one did there.
+/// What a transcript keeps of a call's answer: a version list is counted,
+/// not copied.
+fn summary(tool: &str, result: &Value) -> Value {
+    match (tool, result["versions"].as_array()) {
+        ("list_versions", Some(list)) => json!({ "n_versions": list.len() }),
+        _ => result.clone(),
+    }
+}
+
+/// At most [`MAX_RECORDED_ERROR`] bytes of an error message (it may quote
+/// what the caller sent).
+fn bounded(message: &str) -> String {
+    if message.len() <= MAX_RECORDED_ERROR {
+        return message.to_owned();
+    }
+    let mut end = MAX_RECORDED_ERROR;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
+}
+
+/// The longest error message a tool record keeps.
+const MAX_RECORDED_ERROR: usize = 512;
+
+/// The version that ended `turn` in the sandbox's line of history: the
+/// nearest such ancestor of the newest version on `branch` (parents are
+/// older versions), else the newest that did on `branch`, else anywhere.
 fn turn_version(versions: &[VersionRecord], turn: u64, branch: u64) -> Result<u64, ToolError> {
+    let by_number: std::collections::HashMap<u64, &VersionRecord> =
+        versions.iter().map(|r| (r.version, r)).collect();
+    let newest_on_branch = versions
+        .iter()
+        .filter(|r| r.branch == branch)
+        .map(|r| r.version)
+        .max();
+    let mut at = newest_on_branch.and_then(|v| by_number.get(&v).copied());
+    while let Some(r) = at {
+        if r.turn == Some(turn) {
+            return Ok(r.version);
+        }
+        at = r
+            .parent
+            .filter(|p| *p < r.version)
+            .and_then(|p| by_number.get(&p).copied());
+    }
     let newest = |on_branch: bool| {
         versions
             .iter()
@@ -434,6 +478,30 @@ where
 {
     let inside = req.extensions().get::<FromInside>().is_some();
     let (parts, body) = req.into_parts();
+    // A web page (a browser in the sandbox, a DNS rebinding) sends an
+    // Origin; a tool client does not. Posts are JSON, which a page cannot
+    // send without asking first.
+    if parts.headers.contains_key(http::header::ORIGIN) {
+        return answer(Err(ToolError::new(
+            StatusCode::FORBIDDEN,
+            "requests from web pages (with an Origin) are refused",
+        )));
+    }
+    let json = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("application/json")
+        });
+    if parts.method == Method::POST && !json {
+        return answer(Err(ToolError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "a tool call's body is application/json",
+        )));
+    }
     let path = parts.uri.path().trim_end_matches('/');
     let body = match Limited::new(body, MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
@@ -530,7 +598,7 @@ mod tests {
         assert!(Call::parse("list_versions", json!({"x": 1}), true).is_err());
         assert_eq!(
             Call::parse("checkpoint", json!({}), true).unwrap(),
-            Call::Checkpoint { class: Class::Full }
+            Call::Checkpoint { class: Class::Fs }
         );
         assert!(Call::parse("checkpoint", json!({"class": "none"}), true).is_err());
         assert!(Call::parse("checkpoint", json!({"class": "fs", "extra": true}), true).is_err());
@@ -572,6 +640,23 @@ mod tests {
         ];
         assert_eq!(turn_version(&vs, 2, 0).unwrap(), 4);
         assert_eq!(turn_version(&vs, 2, 1).unwrap(), 5);
+        // Along the parents: branch 1 grew from version 2 (turn 2 of branch
+        // 0), not from version 4, a later try of turn 2.
+        let mut tree = vec![
+            record(1, Some(1), 0),
+            record(2, Some(2), 0),
+            record(3, Some(3), 0),
+            record(4, Some(2), 0),
+        ];
+        tree.push(VersionRecord {
+            parent: Some(2),
+            ..record(5, Some(3), 1)
+        });
+        for (i, r) in tree.iter_mut().enumerate().skip(1).take(3) {
+            r.parent = Some(i as u64);
+        }
+        assert_eq!(turn_version(&tree, 2, 1).unwrap(), 2);
+        assert_eq!(turn_version(&tree, 2, 0).unwrap(), 4);
         // Not on this branch: the newest anywhere.
         assert_eq!(turn_version(&vs, 1, 1).unwrap(), 1);
         assert_eq!(turn_version(&vs, 9, 0).unwrap_err().status, 404);

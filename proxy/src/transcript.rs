@@ -254,6 +254,10 @@ pub struct ToolRecord {
     pub unix_ms: u64,
     /// How long it took, in microseconds.
     pub took_us: u64,
+    /// Calls refused by the rate limit since the previous record and not
+    /// recorded (a run of refusals is one record a minute).
+    #[serde(default)]
+    pub unrecorded_refusals: u64,
 }
 
 /// A turn rolled back by a safety rule: the agent got a notice instead of

@@ -57,3 +57,52 @@ async fn official_python_sdks_work_through_the_proxy() {
     assert_eq!(raw.lines().count(), 7);
     assert!(!raw.contains("sk-ant-test") && !raw.contains("sk-test-openai"));
 }
+
+/// A turn the engine rolled back: each official SDK, streaming or not, in
+/// each API, reads the notice as an ordinary answer; the transcript says
+/// which rule, and the turns' records are never replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_turn_answers_the_notice_in_each_api() {
+    let python = sdk_python();
+    let script: std::collections::HashMap<_, _> = (1..=6).map(|t| (t, support::HookStep::RollBack)).collect();
+    let h = Harness::start(script, |_| {}).await;
+    let check = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/notice_check.py");
+    let run = tokio::process::Command::new(&python)
+        .arg(&check)
+        .env("CRAB_BASE", &h.base)
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("sdk script finished")
+        .expect("spawn");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "sdk script failed: {stderr}");
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
+    for call in [
+        "chat",
+        "chat_stream",
+        "messages",
+        "messages_stream",
+        "responses",
+        "responses_stream",
+    ] {
+        assert_eq!(got[call], support::NOTICE, "{call}: {got}");
+    }
+    h.sandbox.flush_transcript().await;
+    let entries = h.entries().await;
+    let safety = entries
+        .iter()
+        .filter(|e| matches!(e, crab_proxy::transcript::Entry::Safety(_)))
+        .count();
+    assert_eq!(safety, 6);
+    let gates: Vec<_> = h.turns().await.iter().map(|t| t.gate).collect();
+    assert!(
+        gates
+            .iter()
+            .all(|g| *g == Some(crab_proxy::GateOutcome::RolledBack)),
+        "{gates:?}"
+    );
+}

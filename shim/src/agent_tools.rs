@@ -47,7 +47,12 @@ fn tool_error(e: ClientError) -> ToolError {
 impl AgentTools for CrabdTools {
     async fn versions(&self, sandbox: &SandboxId) -> Result<Vec<VersionRecord>, ToolError> {
         let views = self.crabd.versions(&exact(sandbox)).await.map_err(tool_error)?;
-        Ok(views.into_iter().filter_map(|v| v.record).collect())
+        // Only those a rollback can use.
+        Ok(views
+            .into_iter()
+            .filter(|v| v.defect.is_none())
+            .filter_map(|v| v.record)
+            .collect())
     }
 
     async fn checkpoint(&self, sandbox: &SandboxId, class: Class) -> Result<(VersionRecord, f64), ToolError> {

@@ -464,6 +464,19 @@ impl Container {
     /// init is gone, and a sandbox whose init died while it was frozen (a
     /// crash during a checkpoint) would stay frozen, with whatever a
     /// recovery restores into its cgroup.
+    /// Freezes the container's cgroup for a checkpoint. A freeze that
+    /// failed is undone: the kernel may still complete it after the call
+    /// gave up (a task in uninterruptible sleep), and nothing would thaw it.
+    pub(crate) async fn freeze_for_capture(&self, runtime: &RuntimeClient) -> Result<()> {
+        let frozen = self.set_frozen(true, runtime).await;
+        if frozen.is_err() {
+            if let Err(e) = self.set_frozen(false, runtime).await {
+                tracing::warn!(error = %crab_api::error_chain(&e), "{}: thaw after a failed freeze", self.id);
+            }
+        }
+        frozen
+    }
+
     pub(crate) async fn set_frozen(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
         let op = if pause { "pause" } else { "resume" };
         let dir = runtime.root().join(&self.id);

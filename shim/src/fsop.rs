@@ -153,6 +153,9 @@ impl ReadOnlyOverlay {
             }
             lowerdir.push_str(d);
         }
+        // Left by a shim that died mid-sync: gone first.
+        let _ = nix::mount::umount2(at, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(at);
         std::fs::create_dir_all(at).map_err(bad)?;
         let flags =
             nix::mount::MsFlags::MS_RDONLY | nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV;

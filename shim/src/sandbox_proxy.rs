@@ -347,11 +347,12 @@ fn agent_tools(
     if !(cfg.agent_tools && crabd.register) {
         return None;
     }
-    // A rollback may take as long as crabd gives a shim.
-    let limit = Duration::from_secs(crabd.shim_timeout_secs + 30);
+    // A rollback waits for the sandbox's lock and a slot, then two shim
+    // calls; crabd finishes it even if this call gives up, so the limit
+    // only bounds a crabd that hangs.
     Some(Arc::new(crate::agent_tools::CrabdTools::new(
         &crabd.socket,
-        limit,
+        Duration::from_secs(3600),
     )))
 }
 

@@ -117,55 +117,82 @@ struct Sync<'a> {
     report: SyncReport,
 }
 
+/// One step of the walk (an explicit stack: a sandbox chooses how deep its
+/// tree is, and the walk must not recurse that deep).
+enum Step {
+    /// Compare the entry at this path and act.
+    Entry(PathBuf),
+    /// Queue the children of this directory (in both trees).
+    Children(PathBuf),
+    /// Its children are done: set this directory's own metadata.
+    Finish(PathBuf),
+}
+
 impl Sync<'_> {
-    /// Syncs the children of `rel`, a directory in both trees, then its
-    /// own metadata (which the children's changes touched).
+    /// Syncs the directory `rel` (in both trees): its children, then its
+    /// own metadata, which their changes touched.
     fn dir(&mut self, rel: &Path) -> Result<()> {
-        let (src, dst) = (self.source.join(rel), self.live.join(rel));
-        let mut children = names(&src)?;
-        children.extend(names(&dst)?);
-        for name in children {
-            let child = rel.join(&name);
-            if !self.scope.holds(&child)
-                && exists(&self.source.join(&child)) == exists(&self.live.join(&child))
-            {
-                continue;
+        let mut stack = vec![Step::Finish(rel.to_owned()), Step::Children(rel.to_owned())];
+        while let Some(step) = stack.pop() {
+            match step {
+                Step::Children(rel) => {
+                    let mut children = names(&self.source.join(&rel))?;
+                    children.extend(names(&self.live.join(&rel))?);
+                    // Reversed: popped in name order.
+                    for name in children.into_iter().rev() {
+                        let child = rel.join(&name);
+                        let differ = exists(&self.source.join(&child)) != exists(&self.live.join(&child));
+                        if self.scope.holds(&child) || differ {
+                            stack.push(Step::Entry(child));
+                        }
+                    }
+                }
+                Step::Entry(rel) => {
+                    if self.entry(&rel)? {
+                        stack.push(Step::Finish(rel.clone()));
+                        stack.push(Step::Children(rel));
+                    }
+                }
+                Step::Finish(rel) => {
+                    let (src, dst) = (self.source.join(&rel), self.live.join(&rel));
+                    let want = Meta::read(&src)?;
+                    if !want.same_shape(&Meta::read(&dst)?) {
+                        apply_meta(&dst, &want)?;
+                        self.report.written += 1;
+                    }
+                }
             }
-            self.entry(&child)?;
-        }
-        let want = Meta::read(&src)?;
-        if !want.same_shape(&Meta::read(&dst)?) {
-            apply_meta(&dst, &want)?;
-            self.report.written += 1;
         }
         Ok(())
     }
 
-    fn entry(&mut self, rel: &Path) -> Result<()> {
+    /// Makes the entry at `rel` the source's; true when it is a directory
+    /// in both trees, whose children are still to do.
+    fn entry(&mut self, rel: &Path) -> Result<bool> {
         let (src, dst) = (self.source.join(rel), self.live.join(rel));
         let want = meta_if_any(&src)?;
         let have = meta_if_any(&dst)?;
         match (want, have) {
-            (None, None) => Ok(()),
+            (None, None) => {}
             (None, Some(_)) => {
                 remove_any(&dst)?;
                 self.report.removed += 1;
-                Ok(())
             }
-            (Some(_), None) => self.copy(&src, &dst),
+            (Some(_), None) => self.copy(&src, &dst)?,
             (Some(want), Some(have)) if want.kind != have.kind => {
                 remove_any(&dst)?;
-                self.copy(&src, &dst)
+                self.copy(&src, &dst)?;
             }
-            (Some(want), Some(_)) if want.kind == Kind::Dir => self.dir(rel),
+            (Some(want), Some(_)) if want.kind == Kind::Dir => return Ok(true),
             (Some(want), Some(have)) => {
-                if same_entry(&src, &want, &dst, &have)? {
-                    return Ok(());
+                // Unreadable (a lease, a swapped-in fifo): not the same.
+                if !same_entry(&src, &want, &dst, &have).unwrap_or(false) {
+                    remove_any(&dst)?;
+                    self.copy(&src, &dst)?;
                 }
-                remove_any(&dst)?;
-                self.copy(&src, &dst)
             }
         }
+        Ok(false)
     }
 
     /// Copies the entry `src` (a directory with everything below it) to
@@ -270,7 +297,11 @@ pub fn differences(old: &Path, new: &Path, keep: &dyn Fn(&Path) -> bool) -> Resu
     let mut out = Vec::new();
     let mut seen = HashSet::new();
     for (root, other, first) in [(new, old, true), (old, new, false)] {
-        for entry in WalkDir::new(root).min_depth(1).follow_links(false).sort_by_file_name() {
+        for entry in WalkDir::new(root)
+            .min_depth(1)
+            .follow_links(false)
+            .sort_by_file_name()
+        {
             let entry = entry.map_err(|e| Error::Io {
                 op: "walk",
                 path: root.to_owned(),
@@ -288,11 +319,28 @@ pub fn differences(old: &Path, new: &Path, keep: &dyn Fn(&Path) -> bool) -> Resu
                 seen.insert(rel.clone());
             }
             let there = other.join(&rel);
-            let differ = match (Meta::read(entry.path()), meta_if_any(&there)) {
+            // overlayfs's own bookkeeping (`trusted.overlay.*`: origin,
+            // impure, …) changes with copy-ups, not with content.
+            let own = |m: Meta| Meta {
+                xattrs: m
+                    .xattrs
+                    .into_iter()
+                    .filter(|(n, _)| !n.to_string_lossy().starts_with("trusted.overlay."))
+                    .collect(),
+                ..m
+            };
+            let differ = match (
+                Meta::read(entry.path()).map(own),
+                meta_if_any(&there).map(|m| m.map(own)),
+            ) {
                 // Gone meanwhile (the tree is live): a change.
                 (Err(_), _) | (_, Ok(None)) => true,
                 (Ok(a), Ok(Some(b))) if a.kind == Kind::Dir => {
-                    !(b.kind == Kind::Dir && a.mode == b.mode && a.uid == b.uid && a.gid == b.gid && a.xattrs == b.xattrs)
+                    !(b.kind == Kind::Dir
+                        && a.mode == b.mode
+                        && a.uid == b.uid
+                        && a.gid == b.gid
+                        && a.xattrs == b.xattrs)
                 }
                 (Ok(a), Ok(Some(b))) => !same_entry(entry.path(), &a, &there, &b).unwrap_or(false),
                 (_, Err(_)) => true,
@@ -390,7 +438,11 @@ mod tests {
         write(&old, "etc/gone", "y");
         write(&new, "etc/new", "z");
         write(&new, "tmp/scratch", "ignored: outside the filter");
-        nix::unistd::mkfifo(&new.join("etc/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(
+            &new.join("etc/fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         let keep = |p: &Path| p.starts_with("etc");
         let got = differences(&old, &new, &keep).unwrap();
         let want: Vec<PathBuf> = ["etc/fifo", "etc/gone", "etc/new", "etc/passwd"]
@@ -398,6 +450,50 @@ mod tests {
             .map(PathBuf::from)
             .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_deep_tree_is_walked_without_recursion() {
+        let t = tempfile::tempdir().unwrap();
+        let (src, live) = (t.path().join("src"), t.path().join("live"));
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::create_dir_all(&live).unwrap();
+        // Deeper than a recursive walk on a small stack would go.
+        let make = |root: &Path, file: &str| {
+            let mut dir = std::fs::File::open(root).unwrap();
+            for _ in 0..600 {
+                nix::sys::stat::mkdirat(
+                    Some(std::os::fd::AsRawFd::as_raw_fd(&dir)),
+                    "d",
+                    nix::sys::stat::Mode::from_bits_truncate(0o755),
+                )
+                .unwrap();
+                dir = std::fs::File::open(format!(
+                    "/proc/self/fd/{}/d",
+                    std::os::fd::AsRawFd::as_raw_fd(&dir)
+                ))
+                .unwrap();
+            }
+            std::fs::write(
+                format!("/proc/self/fd/{}/f", std::os::fd::AsRawFd::as_raw_fd(&dir)),
+                file,
+            )
+            .unwrap();
+        };
+        make(&src, "old");
+        make(&live, "new");
+        let run = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || {
+                sync_tree(&src, &live, &Scope::Whole)?;
+                let deepest = (0..600).fold(live.clone(), |p, _| p.join("d")).join("f");
+                assert_eq!(std::fs::read_to_string(deepest).unwrap(), "old");
+                Ok::<_, Error>(())
+            })
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        run.unwrap();
     }
 
     #[test]

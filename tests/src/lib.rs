@@ -6,6 +6,7 @@
 
 pub mod containerd;
 pub mod docker;
+pub mod http;
 pub mod image;
 pub mod leftovers;
 pub mod llm;

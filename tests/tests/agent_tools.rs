@@ -7,9 +7,9 @@
 //! limit holds; every call is in the transcript. Needs root: CI runs it
 //! as root.
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use crab_tests::http::{request, request_in};
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
@@ -36,42 +36,9 @@ fn containerd(extra: &str) -> (Containerd, PathBuf) {
     (ctd, base)
 }
 
-/// One HTTP/1.1 exchange with `127.0.0.1:port` in `pid`'s network
-/// namespace (the sandbox's own listener: a caller inside): the status and
-/// the JSON body.
+/// One exchange with the sandbox's own listener from inside it.
 fn inside(pid: i32, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-    let (method, path, body) = (method.to_owned(), path.to_owned(), body.map(str::to_owned));
-    // setns(CLONE_NEWNET) changes only the calling thread.
-    std::thread::spawn(move || {
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).expect("the sandbox's netns");
-        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        exchange(7878, &method, &path, body.as_deref(), "127.0.0.1:7878")
-    })
-    .join()
-    .expect("the client thread does not panic")
-}
-
-fn exchange(port: u16, method: &str, path: &str, body: Option<&str>, host: &str) -> (u16, Value) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(120)))
-        .unwrap();
-    let body = body.unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("read");
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    request_in(pid, 7878, method, path, &[], body)
 }
 
 /// Runs `fixtures/mcp_client.py` inside sandbox `id` with the SDK venv of
@@ -177,7 +144,10 @@ fn an_agent_rolls_its_files_back_and_keeps_running() {
         .iter()
         .find(|v| v["version"] == newest)
         .unwrap_or_else(|| panic!("no version {newest} in {versions}"));
-    assert_eq!(record["class"], "fs");
+    assert_eq!(
+        record["class"], "full",
+        "a whole version: files and the processes as they run"
+    );
 
     // Plain HTTP, from inside.
     let (status, listed) = inside(pid, "GET", "/crab/v1/versions", None);
@@ -191,6 +161,7 @@ fn an_agent_rolls_its_files_back_and_keeps_running() {
     assert_eq!(status, 409, "{refused}");
     assert_eq!(ctd.task_pid(id), Some(pid));
     // Bad input: clear errors, nothing changed.
+    let files_v1 = format!(r#"{{"version":{v1}}}"#);
     for (method, path, body, want) in [
         ("POST", "/crab/v1/rollback", Some(r#"{"turn":99}"#), 404),
         ("POST", "/crab/v1/rollback", Some("{not json"), 400),
@@ -208,6 +179,13 @@ fn an_agent_rolls_its_files_back_and_keeps_running() {
         let (status, answer) = inside(pid, method, path, body);
         assert_eq!(status, want, "{method} {path} {body:?}: {answer}");
     }
+    // Not from a web page, not in another content type.
+    let page = [("origin", "http://evil.example")];
+    let (status, _) = request_in(pid, 7878, "POST", "/crab/v1/rollback", &page, Some(&files_v1));
+    assert_eq!(status, 403);
+    let form = [("content-type", "text/plain")];
+    let (status, _) = request_in(pid, 7878, "POST", "/crab/v1/rollback", &form, Some(&files_v1));
+    assert_eq!(status, 415);
     assert_eq!(tree_digest(pid, "/data"), at_v1);
 
     // Another sandbox's tool reaches that sandbox only.
@@ -231,12 +209,13 @@ fn an_agent_rolls_its_files_back_and_keeps_running() {
         .and_then(|r| r.split_once('/'))
         .expect("a loopback URL");
     let port: u16 = port.parse().expect("a port");
-    let (status, whole) = exchange(
+    let (status, whole) = request(
         port,
         "POST",
         &format!("/{prefix}/crab/v1/rollback"),
-        Some(&format!(r#"{{"version":{v1}}}"#)),
         &format!("127.0.0.1:{port}"),
+        &[],
+        Some(&format!(r#"{{"version":{v1}}}"#)),
     );
     assert_eq!(status, 200, "{whole}");
     assert_eq!(whole["files_only"], false);

@@ -9,7 +9,6 @@
 //! The agent is the official OpenAI SDK on the host (`fixtures/host_agent.py`,
 //! from the SDK venv of `packaging/install-deps.sh`).
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crab_tests::image::BUSYBOX;
@@ -114,21 +113,7 @@ fn raw_get(port: u16, path: &str) -> (u16, Value) {
 
 /// `GET path` naming `host` as its `Host`.
 fn raw_get_as(port: u16, path: &str, host: &str) -> (u16, Value) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("read");
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    crab_tests::http::request(port, "GET", path, host, &[], None)
 }
 
 fn port_of(url: &str) -> u16 {
@@ -543,32 +528,16 @@ fn a_restarted_outside_agent_is_fast_forwarded_through_its_url() {
 
     assert_eq!(host_agent(&url, 4, false), ["one", "two", "three", "four"]);
     assert_eq!(llm.seen().len(), 4, "turns 1..3 came from the transcript");
-    // Refused: a turn past the conversation.
-    let (status, r) = raw_post(port, &format!("{path}/crab/v1/replay"), r#"{"turn":99}"#);
-    assert_eq!(status, 404, "{r}");
+    // Refused: arguments (a replay starts at turn 1, where the agent does).
+    let (status, r) = raw_post(port, &format!("{path}/crab/v1/replay"), r#"{"turn":3}"#);
+    assert_eq!(status, 400, "{r}");
     finish(ctd, id, &base);
 }
 
 /// `POST path` with a JSON `body` to 127.0.0.1:`port`: the status and the
 /// body.
 fn raw_post(port: u16, path: &str, body: &str) -> (u16, Value) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("read");
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    crab_tests::http::request(port, "POST", path, &format!("127.0.0.1:{port}"), &[], Some(body))
 }
 
 /// An agent started by `ctr task exec` in a sandbox whose spec set

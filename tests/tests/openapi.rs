@@ -12,7 +12,7 @@ use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
     ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, ImportQuery, ImportReport,
     Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest, RollbackReport, RollbackRequest,
-    SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
+    SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -63,6 +63,7 @@ const SCHEMAS: &[&str] = &[
     "CheckpointRequest",
     "CheckpointReport",
     "RollbackRequest",
+    "SafetyRollback",
     "RollbackReport",
     "ForkRequest",
     "ForkReport",
@@ -622,6 +623,21 @@ fn versions() {
                 version: r.clone(),
                 frozen_ms: 12.5,
                 total_ms: 140.25,
+                rolled_back: None,
+            },
+        );
+        assert_valid(
+            "CheckpointReport",
+            &CheckpointReport {
+                version: r.clone(),
+                frozen_ms: 0.0,
+                total_ms: 310.5,
+                rolled_back: Some(SafetyRollback {
+                    rule: "protected_paths \"/etc/**\"".into(),
+                    what: "/etc/passwd".into(),
+                    version: r.version,
+                    notice: "rolled back".into(),
+                }),
             },
         );
         assert_valid("CheckpointRequest", &CheckpointRequest { class });
@@ -670,18 +686,21 @@ fn turns() {
                 Value::Null,
                 json!([1, "two"]),
             ],
+            n_reasons: 9,
         },
         TurnReport {
             sandbox: id("web-1"),
             turn: 0,
             class: Class::Full,
             reasons: vec![json!({"kind": "unknown", "why": "no inspector"})],
+            n_reasons: 1,
         },
         TurnReport {
             sandbox: id("web-1"),
             turn: 8,
             class: Class::None,
             reasons: vec![],
+            n_reasons: 0,
         },
     ];
     for report in &reports {
@@ -695,12 +714,13 @@ fn turns() {
     assert_valid("WatchStarted", &started);
     assert_valid("WatchLine", &started);
     assert_invalid("WatchStarted", json!({"watching": "../x"}));
-    for expected_answer_ms in [None, Some(4_200)] {
+    for (expected_answer_ms, inside) in [(None, true), (Some(4_200), false)] {
         assert_valid(
             "TurnEnd",
             &TurnEnd {
                 turn: 7,
                 branch: 2,
+                inside,
                 transcript_turns: 14,
                 expected_answer_ms,
             },

@@ -246,7 +246,7 @@ impl Daemon {
     ) -> Option<(ConversationAt, Vec<TurnRecord>)> {
         let from = reg.transcript.clone()?;
         let at = self.conversation_at(&reg.id, record).await?;
-        let entries = match read_entries(&from).await {
+        let entries = match bounded_entries(&from).await {
             Ok(entries) => entries,
             Err(e) => {
                 tracing::warn!(error = %crab_api::error_chain(&e), "the version's conversation is left behind");
@@ -358,4 +358,21 @@ pub(super) async fn write_conversation(path: &Path, id: &SandboxId, records: Vec
             false
         }
     }
+}
+
+/// The entries of the transcript at `path`, refused past
+/// `crab_proxy::MAX_REPLAY_BYTES` (a sandbox writes its own transcript;
+/// crabd reads it whole).
+pub(super) async fn bounded_entries(
+    path: &Path,
+) -> Result<Vec<crab_proxy::transcript::Entry>, std::io::Error> {
+    let bytes = tokio::fs::metadata(path).await?.len();
+    if bytes > crab_proxy::MAX_REPLAY_BYTES {
+        return Err(std::io::Error::other(format!(
+            "{}: {bytes} bytes, over the {} a conversation is read at",
+            path.display(),
+            crab_proxy::MAX_REPLAY_BYTES
+        )));
+    }
+    read_entries(path).await.map_err(std::io::Error::other)
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use crab_api::shim::ConversationAt;
 use crab_api::{BackendKind, FsSnapshot, SandboxId, VersionRecord};
-use crab_proxy::transcript::{conversation, read_entries};
+use crab_proxy::transcript::conversation;
 use futures_util::StreamExt;
 use tokio::io::AsyncWriteExt;
 
@@ -236,6 +236,19 @@ async fn import_conversation(
 ) -> Option<(ConversationAt, PathBuf)> {
     let member = unpacked.manifest.transcript.as_ref()?;
     let staged = unpacked.transcript.clone()?;
+    // A containerd namespace is one plain name; anything else is no path.
+    let plain = !namespace.is_empty()
+        && !namespace.starts_with('.')
+        && namespace
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !plain {
+        tracing::warn!(
+            namespace,
+            "the import's conversation starts afresh: not a namespace name"
+        );
+        return None;
+    }
     let dir = match crab_api::config::transcript_dir(&crab_api::config::config_path()) {
         Ok(dir) => dir.join(namespace),
         Err(e) => {
@@ -243,7 +256,7 @@ async fn import_conversation(
             return None;
         }
     };
-    let records = match read_entries(&staged).await {
+    let records = match super::fork::bounded_entries(&staged).await {
         Ok(entries) => conversation(&entries, 0)?.into_values().collect(),
         Err(e) => {
             tracing::warn!(error = %crab_api::error_chain(&e), "the import's conversation starts afresh");

@@ -1,7 +1,7 @@
 //! A rollback: the shim replaces the sandbox's processes (and files) with a
 //! verified version's, after an undo checkpoint unless asked not to; or,
 //! files only, writes the version's files in place under its running
-//! processes, and a new `fs` version records the result. The
+//! processes, and a new whole version records the result. The
 //! restored version becomes the sandbox's head: the next version descends
 //! from it, and the inspector's ledger starts again from the restored
 //! state. Turn ends whose capture had not started are superseded. A
@@ -173,11 +173,12 @@ impl Daemon {
 
 impl Daemon {
     /// Puts the files of version `which` back into sandbox `reg` in place,
-    /// its processes kept, and records the result as a new version of
-    /// class `fs` (files of `which`, processes of the head), under the
-    /// caller's hold of its busy lock. Until that version is published the
-    /// sandbox descends from no version if anything failed: the next
-    /// version is then whole.
+    /// its processes kept, and records the result as a new whole version
+    /// (files and processes as they now are), under the caller's hold of
+    /// its busy lock. From the sync on, the sandbox descends from no
+    /// version until that one is published: a crash or a failure in
+    /// between makes the next version whole, never files paired with a
+    /// process image that did not see them.
     async fn restore_files(
         self: &Arc<Self>,
         reg: &Registration,
@@ -202,29 +203,19 @@ impl Daemon {
                 store: self.files.store_dir(&reg.id),
             },
         };
-        let recorded = async {
-            let done: ShimFilesRestored = self.call_shim(reg, routes::shim::RESTORE_FILES, &call).await?;
-            let class = self.effective_class(reg, Class::Fs)?;
-            let slot = self
-                .scheduler
-                .admit(&reg.id, tokio::time::Instant::now(), true)
-                .await;
-            let made = self.capture(reg, class, None, Some(slot)).await?;
-            Ok::<_, ApiError>((done, made))
-        }
-        .await;
-        let (done, made) = match recorded {
-            Ok(r) => r,
-            Err(e) => {
-                // The files may be anything between the two states now.
-                let store = self.store.clone();
-                let sid = reg.id.clone();
-                if let Err(head) = blocking(move || store.set_head(&sid, None)).await {
-                    tracing::warn!(error = %crab_api::error_chain(&head), "forget the head");
-                }
-                return Err(e);
-            }
-        };
+        // Durably first: from the sync on, the files stop matching the
+        // head's process image.
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        blocking(move || store.set_head(&sid, None)).await?;
+        let done: ShimFilesRestored = self.call_shim(reg, routes::shim::RESTORE_FILES, &call).await?;
+        // No head: a whole version, processes as they run now.
+        let class = self.effective_class(reg, Class::Full)?;
+        let slot = self
+            .scheduler
+            .admit(&reg.id, tokio::time::Instant::now(), true)
+            .await;
+        let made = self.capture(reg, class, None, Some(slot)).await?;
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
             from,

@@ -86,7 +86,10 @@ impl Daemon {
         let patterns = self.config.safety.protected_paths.clone();
         let id = reg.id.clone();
         blocking_io(move || {
-            let fs_error = |source| ApiError::Fs { id: id.clone(), source };
+            let fs_error = |source| ApiError::Fs {
+                id: id.clone(),
+                source,
+            };
             let files = crab_snapshotter::open(&location)
                 .and_then(|b| b.files(&fs.name))
                 .map_err(fs_error)?;
@@ -96,7 +99,13 @@ impl Daemon {
             };
             let keep = |rel: &Path| protected(&patterns, rel).is_some();
             let changed = crab_snapshotter::differences(&old, &new, &keep).map_err(fs_error)?;
-            Ok(changed.first().and_then(|rel| {
+            // The most specific: the first path no other lies under.
+            let leaf = changed
+                .iter()
+                .enumerate()
+                .find(|(i, p)| changed.get(i + 1).is_none_or(|next| !next.starts_with(p)))
+                .map(|(_, p)| p);
+            Ok(leaf.and_then(|rel| {
                 protected(&patterns, rel).map(|pattern| Breach {
                     rule: format!("protected_paths {pattern:?}"),
                     what: format!("/{}", rel.display()),
@@ -127,7 +136,12 @@ impl Daemon {
             .replace("{what}", &breach.what);
         tracing::warn!(sandbox = %reg.id, rule = breach.rule, what = breach.what, version = head, "the turn broke a safety rule: rolling back");
         let done = self
-            .restore_version(reg, VersionSel::Number(head), true, inside.then(|| notice.clone()))
+            .restore_version(
+                reg,
+                VersionSel::Number(head),
+                true,
+                inside.then(|| notice.clone()),
+            )
             .await?;
         self.metrics.safety_rollbacks.inc();
         let store = self.store.clone();
@@ -265,9 +279,13 @@ mod tests {
             serde_json::json!({"kind": "started", "pid": 9, "comm": "python3"}),
         ]);
         assert_eq!(from_reasons(&rules, &ok), None);
-        let bad = report(vec![serde_json::json!({"kind": "changed", "path": "/etc/passwd"})]);
+        let bad = report(vec![
+            serde_json::json!({"kind": "changed", "path": "/etc/passwd"}),
+        ]);
         assert_eq!(from_reasons(&rules, &bad).unwrap().what, "/etc/passwd");
-        let bad = report(vec![serde_json::json!({"kind": "started", "pid": 9, "comm": "nc"})]);
+        let bad = report(vec![
+            serde_json::json!({"kind": "started", "pid": 9, "comm": "nc"}),
+        ]);
         assert!(from_reasons(&rules, &bad).unwrap().rule.contains("nc"));
     }
 }

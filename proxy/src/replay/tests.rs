@@ -98,7 +98,9 @@ fn run_from(
                                 diverged = true;
                             }
                             Entry::Branch(b) => branches.push((b.branch, b.parent, b.after)),
-                            Entry::Turn(_) | Entry::Tool(_) => panic!("a step writes no turn or tool call"),
+                            Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) => {
+                                panic!("a step writes no turn or tool call")
+                            }
                         }
                     }
                     Got::Live(branch, turn, diverged)

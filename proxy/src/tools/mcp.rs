@@ -141,7 +141,7 @@ fn tools() -> Value {
         },
         {
             "name": "checkpoint",
-            "description": "Save the sandbox now (class full: files and processes; fs: files only). Answers the new version.",
+            "description": "Save the sandbox now (class fs, the default: files only; full: files and processes). Answers the new version.",
             "inputSchema": {
                 "type": "object",
                 "properties": { "class": { "type": "string", "enum": ["full", "fs"] } },

@@ -1,9 +1,60 @@
-//! The tool's rate limit: a token bucket per sandbox, `per_minute` calls
-//! in any minute at most (full at start), 0 = unlimited.
+//! The tool's rate limits: a token bucket per sandbox and side (callers
+//! inside the sandbox cannot spend the outside harness's calls),
+//! `per_minute` calls in any minute at most (full at start), 0 =
+//! unlimited; and how often a refusal is recorded.
 
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+
+/// A sandbox's limits.
+#[derive(Debug)]
+pub(crate) struct ToolLimits {
+    inside: RateLimit,
+    outside: RateLimit,
+    /// When a refusal was last recorded, and those not recorded since.
+    refusals: Mutex<(Option<Instant>, u64)>,
+}
+
+impl ToolLimits {
+    /// At most `per_minute` calls a minute from each side; 0: no limit.
+    pub(crate) fn new(per_minute: u32) -> Self {
+        ToolLimits {
+            inside: RateLimit::new(per_minute),
+            outside: RateLimit::new(per_minute),
+            refusals: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Takes a call's token from its side's bucket.
+    pub(crate) fn take(&self, inside: bool) -> Result<(), Duration> {
+        match inside {
+            true => self.inside.try_take(),
+            false => self.outside.try_take(),
+        }
+    }
+
+    /// Whether to record a call (`refused`: by the rate limit): Some with
+    /// the refusals not recorded before it, or None (counted instead; at
+    /// most one refusal a minute is recorded).
+    pub(crate) fn record(&self, refused: bool) -> Option<u64> {
+        self.record_at(refused, Instant::now())
+    }
+
+    fn record_at(&self, refused: bool, now: Instant) -> Option<u64> {
+        let mut r = self.refusals.lock();
+        let recent =
+            r.0.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(60));
+        if refused && recent {
+            r.1 += 1;
+            return None;
+        }
+        if refused {
+            r.0 = Some(now);
+        }
+        Some(std::mem::take(&mut r.1))
+    }
+}
 
 /// A token bucket.
 #[derive(Debug)]
@@ -62,6 +113,21 @@ mod tests {
         );
         assert!(limit.take_at(t0 + Duration::from_secs(31)).is_ok());
         assert!(limit.take_at(t0 + Duration::from_secs(31)).is_err());
+    }
+
+    #[test]
+    fn a_run_of_refusals_is_one_record_a_minute() {
+        let limits = ToolLimits::new(1);
+        let t0 = Instant::now();
+        assert_eq!(limits.record_at(true, t0), Some(0));
+        assert_eq!(limits.record_at(true, t0 + Duration::from_secs(1)), None);
+        assert_eq!(limits.record_at(true, t0 + Duration::from_secs(2)), None);
+        assert_eq!(limits.record_at(false, t0 + Duration::from_secs(3)), Some(2));
+        assert_eq!(limits.record_at(true, t0 + Duration::from_secs(61)), Some(0));
+        // The sides are apart.
+        assert!(limits.take(true).is_ok());
+        assert!(limits.take(true).is_err());
+        assert!(limits.take(false).is_ok());
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use crab_proxy::transcript::{read_entries, Entry, TurnRecord};
 use crab_proxy::{
-    HookError, Limits, Proxy, ProxyConfig, Sandbox, SandboxId, Timeouts, ToolsConfig, TurnEndRules, TurnHook,
-    Upstreams,
+    HookError, Limits, Proxy, ProxyConfig, SafetyRollback, Sandbox, SandboxId, Timeouts, ToolsConfig,
+    TurnEndCall, TurnEndRules, TurnHook, TurnVerdict, Upstreams,
 };
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
@@ -28,7 +28,12 @@ pub enum HookStep {
     Delay(Duration),
     Fail,
     Never,
+    /// The engine rolled the turn back: the agent gets [`NOTICE`].
+    RollBack,
 }
+
+/// What a rolled-back turn's agent is told.
+pub const NOTICE: &str = "Crab rolled back your last step: \"/etc/passwd\" is protected.";
 
 /// A hook that follows a per-turn script (default: return at once) and
 /// records its calls.
@@ -50,26 +55,27 @@ struct ScriptedFailure;
 
 #[async_trait]
 impl TurnHook for ScriptedHook {
-    async fn turn_ended(
-        &self,
-        sandbox: &SandboxId,
-        turn: u64,
-        branch: u64,
-        expected_answer: Option<Duration>,
-    ) -> Result<(), HookError> {
-        self.calls.lock().push((sandbox.to_string(), turn));
-        self.branches.lock().push(branch);
-        self.expected.lock().push(expected_answer);
+    async fn turn_ended(&self, end: TurnEndCall<'_>) -> Result<TurnVerdict, HookError> {
+        let turn = end.turn;
+        self.calls.lock().push((end.sandbox.to_string(), turn));
+        self.branches.lock().push(end.branch);
+        self.expected.lock().push(end.expected_answer);
         match self.script.get(&turn) {
-            None => Ok(()),
+            None => Ok(TurnVerdict::Safe),
             Some(HookStep::Delay(d)) => {
                 tokio::time::sleep(*d).await;
-                Ok(())
+                Ok(TurnVerdict::Safe)
             }
             Some(HookStep::Fail) => Err(HookError::CheckpointFailed {
                 source: Box::new(ScriptedFailure),
             }),
             Some(HookStep::Never) => std::future::pending().await,
+            Some(HookStep::RollBack) => Ok(TurnVerdict::RolledBack(SafetyRollback {
+                rule: "protected_paths \"/etc/**\"".into(),
+                what: "/etc/passwd".into(),
+                version: turn,
+                notice: NOTICE.into(),
+            })),
         }
     }
 
@@ -187,7 +193,7 @@ pub fn turns_of(entries: &[Entry]) -> Vec<TurnRecord> {
         .iter()
         .filter_map(|e| match e {
             Entry::Turn(t) => Some(t.clone()),
-            Entry::Divergence(_) | Entry::Branch(_) | Entry::Tool(_) => None,
+            Entry::Divergence(_) | Entry::Branch(_) | Entry::Tool(_) | Entry::Safety(_) => None,
         })
         .collect()
 }

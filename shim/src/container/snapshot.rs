@@ -91,7 +91,7 @@ impl Container {
             self.rootfs.check_backend(&self.id)?;
         }
         let t0 = Instant::now();
-        self.set_frozen(true, runtime).await?;
+        self.freeze_for_capture(runtime).await?;
         let frozen_at = Instant::now();
         let made = self.checkpoint_frozen(req, runtime).await;
         let t_thaw = Instant::now();
@@ -150,7 +150,7 @@ impl Container {
     ) -> Result<ShimFilesRestored> {
         self.expect_state(&self.init, ProcessState::Running, "restore files")?;
         self.rootfs.check_snapshot(&req.fs, &self.fs_ctx(runtime)).await?;
-        self.set_frozen(true, runtime).await?;
+        self.freeze_for_capture(runtime).await?;
         let frozen_at = Instant::now();
         let done = self.rootfs.restore_files(&req.fs, &self.fs_ctx(runtime)).await;
         let thawed = self.set_frozen(false, runtime).await;
@@ -203,7 +203,12 @@ impl Container {
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
         let (pid, rx, failure) = match self
-            .replace_processes(&req.images_dir, req.fs.as_ref(), (req.conversation, req.notice.as_deref()), runtime)
+            .replace_processes(
+                &req.images_dir,
+                req.fs.as_ref(),
+                (req.conversation, req.notice.as_deref()),
+                runtime,
+            )
             .await
         {
             Ok((pid, rx)) => (pid, rx, None),
@@ -276,7 +281,10 @@ impl Container {
         if let Some(p) = &self.proxy {
             // Bounded: a hung disk must not hang the restore.
             let limit = Duration::from_secs(crate::config::get().shim.proxy.hold_timeout);
-            if tokio::time::timeout(limit, p.rewind(conversation, notice)).await.is_err() {
+            if tokio::time::timeout(limit, p.rewind(conversation, notice))
+                .await
+                .is_err()
+            {
                 tracing::warn!("{}: the transcript did not answer in time: no replay", self.id);
                 p.rewind(None, None).await;
             }
