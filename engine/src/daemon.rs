@@ -106,6 +106,9 @@ pub struct Daemon {
     metrics: Arc<metrics::Metrics>,
     /// Held by the one drain that may run.
     draining: Arc<tokio::sync::Mutex<()>>,
+    /// Each sandbox's last version that safety rules judged clean (in
+    /// memory: after a restart, a turn is judged against its parent).
+    clean: parking_lot::Mutex<HashMap<SandboxId, u64>>,
 }
 
 // === impl Daemon ===
@@ -157,6 +160,7 @@ impl Daemon {
             proxy_port: None,
             inspection: Inspection::new(None),
             draining: Arc::new(tokio::sync::Mutex::new(())),
+            clean: parking_lot::Mutex::new(HashMap::new()),
         })
     }
 

@@ -21,6 +21,7 @@ pub(crate) fn response(api: Api, body: &[u8], text: &str) -> RecordedResponse {
         (Api::AnthropicMessages, true) => ("text/event-stream", message_stream(model, text)),
         (Api::OpenAiResponses, false) => ("application/json", responses(model, created, text).to_string()),
         (Api::OpenAiResponses, true) => ("text/event-stream", responses_stream(model, created, text)),
+        // No answer format to speak: the error shape, as the proxy's errors.
         (Api::Other, _) => (
             "application/json",
             json!({"type": "error", "error": {"type": "crab_rolled_back", "message": text}}).to_string(),
@@ -115,38 +116,98 @@ fn message_stream(model: &str, text: &str) -> String {
     ])
 }
 
+fn output_text(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn output_message(text: &str, status: &str) -> Value {
+    let content = if status == "completed" {
+        json!([output_text(text)])
+    } else {
+        json!([])
+    };
+    json!({"type": "message", "id": "msg_crab_notice", "status": status, "role": "assistant", "content": content})
+}
+
 fn responses(model: &str, created: u64, text: &str) -> Value {
     json!({
         "id": "resp_crab_notice", "object": "response", "created_at": created, "status": "completed",
-        "model": model,
-        "output": [{
-            "type": "message", "id": "msg_crab_notice", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }],
-        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+        "model": model, "output": [output_message(text, "completed")],
+        "error": null, "incomplete_details": null, "instructions": null, "metadata": {},
+        "parallel_tool_calls": true, "temperature": null, "top_p": null, "tool_choice": "auto", "tools": [],
+        "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0},
     })
 }
 
+/// The events of a streamed answer, in the order SDKs' stream helpers
+/// check (an item, its part, the text, then each closed).
 fn responses_stream(model: &str, created: u64, text: &str) -> String {
     let done = responses(model, created, text);
     let mut started = done.clone();
     started["status"] = json!("in_progress");
     started["output"] = json!([]);
-    sse(&[
-        (
-            Some("response.created"),
-            json!({"type": "response.created", "sequence_number": 0, "response": started}),
+    started["usage"] = Value::Null;
+    let at = |n: u64, mut event: Value| {
+        event["sequence_number"] = json!(n);
+        (event["type"].as_str().map(str::to_owned), event)
+    };
+    let item = json!({"item_id": "msg_crab_notice", "output_index": 0, "content_index": 0});
+    let with = |mut base: Value, extra: Value| {
+        if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        base
+    };
+    let events = [
+        at(
+            0,
+            json!({"type": "response.created", "response": started.clone()}),
         ),
-        (
-            Some("response.output_text.delta"),
-            json!({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg_crab_notice",
-                   "output_index": 0, "content_index": 0, "delta": text}),
+        at(1, json!({"type": "response.in_progress", "response": started})),
+        at(
+            2,
+            json!({"type": "response.output_item.added", "output_index": 0, "item": output_message(text, "in_progress")}),
         ),
-        (
-            Some("response.completed"),
-            json!({"type": "response.completed", "sequence_number": 2, "response": done}),
+        at(
+            3,
+            with(
+                item.clone(),
+                json!({"type": "response.content_part.added", "part": output_text("")}),
+            ),
         ),
-    ])
+        at(
+            4,
+            with(
+                item.clone(),
+                json!({"type": "response.output_text.delta", "delta": text, "logprobs": []}),
+            ),
+        ),
+        at(
+            5,
+            with(
+                item.clone(),
+                json!({"type": "response.output_text.done", "text": text, "logprobs": []}),
+            ),
+        ),
+        at(
+            6,
+            with(
+                item,
+                json!({"type": "response.content_part.done", "part": output_text(text)}),
+            ),
+        ),
+        at(
+            7,
+            json!({"type": "response.output_item.done", "output_index": 0, "item": output_message(text, "completed")}),
+        ),
+        at(8, json!({"type": "response.completed", "response": done})),
+    ];
+    let mut out = String::new();
+    for (name, data) in events {
+        out.push_str(&format!("event: {}\ndata: {data}\n\n", name.unwrap_or_default()));
+    }
+    out
 }
 
 #[cfg(test)]

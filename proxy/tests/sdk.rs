@@ -64,7 +64,7 @@ async fn official_python_sdks_work_through_the_proxy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolled_back_turn_answers_the_notice_in_each_api() {
     let python = sdk_python();
-    let script: std::collections::HashMap<_, _> = (1..=6).map(|t| (t, support::HookStep::RollBack)).collect();
+    let script: std::collections::HashMap<_, _> = (1..=7).map(|t| (t, support::HookStep::RollBack)).collect();
     let h = Harness::start(script, |_| {}).await;
     let check = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/notice_check.py");
     let run = tokio::process::Command::new(&python)
@@ -88,6 +88,7 @@ async fn a_rolled_back_turn_answers_the_notice_in_each_api() {
         "messages_stream",
         "responses",
         "responses_stream",
+        "chat_stream_helper",
     ] {
         assert_eq!(got[call], support::NOTICE, "{call}: {got}");
     }
@@ -97,7 +98,7 @@ async fn a_rolled_back_turn_answers_the_notice_in_each_api() {
         .iter()
         .filter(|e| matches!(e, crab_proxy::transcript::Entry::Safety(_)))
         .count();
-    assert_eq!(safety, 6);
+    assert_eq!(safety, 7);
     let gates: Vec<_> = h.turns().await.iter().map(|t| t.gate).collect();
     assert!(
         gates

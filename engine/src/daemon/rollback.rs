@@ -103,14 +103,16 @@ impl Daemon {
 
     /// Replaces the processes (and files) of sandbox `reg` with version
     /// `which`'s, under the caller's hold of its busy lock, and makes that
-    /// version its head; the restored agent gets `notice` instead of the
-    /// last answer it asks again (a safety rollback's).
+    /// version its head. `notice`: None rewinds the conversation as usual;
+    /// Some(notice) is a safety rollback's, which rewinds it only for an
+    /// agent inside (Some(Some)), which gets the notice instead of the last
+    /// answer it asks again, and leaves an agent outside as it is.
     pub(super) async fn restore_version(
         self: &Arc<Self>,
         reg: &Registration,
         which: VersionSel,
         undo: bool,
-        notice: Option<String>,
+        notice: Option<Option<String>>,
     ) -> Result<RollbackReport, ApiError> {
         let d = self;
         let started = Instant::now();
@@ -125,7 +127,11 @@ impl Daemon {
         let store = d.store.clone();
         let sid = reg.id.clone();
         blocking(move || store.set_head(&sid, None)).await?;
-        let conversation = d.conversation_at(&reg.id, &version.record).await;
+        let conversation = match &notice {
+            Some(None) => None,
+            _ => d.conversation_at(&reg.id, &version.record).await,
+        };
+        let notice = notice.flatten();
         let call = ShimRestore {
             undo,
             conversation,

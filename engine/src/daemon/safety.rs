@@ -4,17 +4,20 @@
 //! is released, and the agent is told why instead (the proxy answers the
 //! notice in the provider's format).
 //!
-//! What is judged: the inspector's report of the turn (changed paths that
-//! are absolute, processes left running or exec'd) and, for a turn that
-//! changed files on an overlay or btrfs rootfs, the files themselves: each
-//! path under a protected glob is compared with the head version's
-//! snapshot, so a path the sandbox named relative to its working directory
-//! is judged too. A turn the inspector cannot vouch for (lost records) is
-//! judged on what it did report.
+//! What is judged, once the turn's version is captured: the inspector's
+//! report of the turn (changed absolute paths, processes left running or
+//! exec'd) and, on an overlay or btrfs rootfs, the captured files
+//! themselves: each path under a protected glob is compared with the last
+//! clean version's snapshot (both static, out of the sandbox's reach), so a
+//! path named relative to a working directory, or changed after the
+//! inspector's look, is judged too. The target of a rollback is the last
+//! version judged clean (after a crabd restart, the turn's parent), never a
+//! version the rules did not see (a checkpoint by hand or by the agent's
+//! tool). Fails closed: a breach that cannot be undone, or files that
+//! cannot be compared, withhold the LLM's answer.
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use crab_api::config::SafetyConfig;
 use crab_api::crabd::{CheckpointReport, Registration, SafetyRollback, TurnReport};
@@ -23,6 +26,9 @@ use crab_snapshotter::SnapshotFiles;
 
 use super::work::{blocking, blocking_io};
 use super::{ApiError, Daemon};
+
+/// The longest name of what broke a rule that a notice quotes.
+const MAX_WHAT: usize = 200;
 
 /// A broken rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,67 +42,145 @@ pub(super) struct Breach {
 // === impl Daemon ===
 
 impl Daemon {
-    /// The first rule turn `report` of `reg`'s sandbox broke, if any. The
-    /// caller holds the sandbox's lock.
-    pub(super) async fn judge(&self, reg: &Registration, report: &TurnReport) -> Option<Breach> {
-        let rules = &self.config.safety;
-        if !rules.any() {
-            return None;
+    /// Holds turn version `made` of `reg`'s sandbox to the safety rules:
+    /// answers it as it is when no rule is set or none is broken (it is
+    /// then the sandbox's last clean version); else puts the sandbox back
+    /// to its last clean version (the turn's parent after a crabd restart)
+    /// and answers the rollback, whose notice the agent gets instead of the
+    /// LLM's answer. Fails closed: a breach that cannot be undone, or a
+    /// check that cannot be made, still withholds the answer (the notice
+    /// says so). `inside`: the agent runs in the sandbox and is restored
+    /// with it. The caller holds the sandbox's lock.
+    pub(super) async fn enforce(
+        self: &Arc<Self>,
+        reg: &Registration,
+        report: &TurnReport,
+        made: CheckpointReport,
+        inside: bool,
+    ) -> CheckpointReport {
+        if !self.config.safety.any() {
+            return made;
         }
-        if let Some(b) = from_reasons(rules, report) {
-            return Some(b);
-        }
-        if rules.protected_paths.is_empty() || !report.class.needs_fs() {
-            return None;
-        }
-        match self.changed_protected(reg).await {
-            Ok(found) => found,
+        let baseline = self.clean.lock().get(&reg.id).copied().or(made.version.parent);
+        let breach = match from_reasons(&self.config.safety, report) {
+            Some(b) => Some(b),
+            None => self
+                .changed_protected(reg, baseline, &made.version)
+                .await
+                .unwrap_or_else(|e| {
+                    Some(Breach {
+                        rule: "safety check".into(),
+                        what: format!("the files could not be compared: {}", crab_api::error_chain(&e)),
+                    })
+                }),
+        };
+        let Some(breach) = breach else {
+            self.clean.lock().insert(reg.id.clone(), made.version.version);
+            return made;
+        };
+        // Quoted and cut: the sandbox chose the name, and the notice is
+        // spoken to the agent as its own assistant's words.
+        let what: String = format!("{:?}", breach.what).chars().take(MAX_WHAT).collect();
+        let notice = self
+            .config
+            .safety
+            .notice
+            .replace("{rule}", &breach.rule)
+            .replace("{what}", &what);
+        tracing::warn!(sandbox = %reg.id, rule = breach.rule, what = breach.what, version = made.version.version, back_to = ?baseline, "the turn broke a safety rule: rolling back");
+        let Some(target) = baseline else {
+            tracing::error!(sandbox = %reg.id, "no version to go back to: the turn's answer is withheld");
+            return withheld(made, breach, &notice, "no earlier version to go back to");
+        };
+        let restored = self
+            .restore_version(
+                reg,
+                VersionSel::Number(target),
+                true,
+                Some(inside.then(|| notice.clone())),
+            )
+            .await;
+        match restored {
+            Ok(done) => {
+                self.metrics.safety_rollbacks.inc();
+                self.clean.lock().insert(reg.id.clone(), done.version);
+                let store = self.store.clone();
+                let sid = reg.id.clone();
+                let version = match blocking(move || store.get(&sid, done.version)).await {
+                    Ok(v) => v.record,
+                    Err(_) => made.version.clone(),
+                };
+                CheckpointReport {
+                    version,
+                    frozen_ms: 0.0,
+                    total_ms: made.total_ms,
+                    rolled_back: Some(SafetyRollback {
+                        rule: breach.rule,
+                        what: breach.what,
+                        version: done.version,
+                        notice,
+                    }),
+                }
+            }
             Err(e) => {
-                tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "protected paths not compared with the head version");
-                None
+                tracing::error!(sandbox = %reg.id, error = %crab_api::error_chain(&e), "the safety rollback failed: the turn's answer is withheld");
+                withheld(made, breach, &notice, "the rollback failed")
             }
         }
     }
 
-    /// The first protected path whose entry differs between the sandbox's
-    /// live files and its head version's snapshot (overlay and btrfs).
-    async fn changed_protected(&self, reg: &Registration) -> Result<Option<Breach>, ApiError> {
-        let store = self.store.clone();
-        let sid = reg.id.clone();
-        let Some(head) = blocking(move || store.head(&sid)).await? else {
+    /// The first protected path whose entry differs between version
+    /// `made`'s files and version `baseline`'s (both snapshots crabd or
+    /// the backend keeps, which the sandbox cannot change; overlay and
+    /// btrfs). None when the turn changed no files.
+    async fn changed_protected(
+        &self,
+        reg: &Registration,
+        baseline: Option<u64>,
+        made: &crab_api::VersionRecord,
+    ) -> Result<Option<Breach>, ApiError> {
+        let rules = &self.config.safety;
+        let (Some(base), Some(new_fs)) = (baseline, made.fs_snapshot.clone()) else {
             return Ok(None);
         };
+        if rules.protected_paths.is_empty() {
+            return Ok(None);
+        }
         let store = self.store.clone();
         let sid = reg.id.clone();
-        let record = blocking(move || store.get(&sid, head)).await?.record;
-        let (Some(fs), Some(layer)) = (record.fs_snapshot, reg.layer.clone()) else {
+        let Some(old_fs) = blocking(move || store.get(&sid, base)).await?.record.fs_snapshot else {
             return Ok(None);
         };
-        let location = match fs.backend {
-            BackendKind::OverlayCopy => Location::OverlayCopy {
-                upper: layer.clone(),
-                store: self.files.store_dir(&reg.id),
+        if old_fs.name == new_fs.name {
+            return Ok(None);
+        }
+        let location = match new_fs.backend {
+            BackendKind::OverlayCopy => match reg.layer.clone() {
+                Some(upper) => Location::OverlayCopy {
+                    upper,
+                    store: self.files.store_dir(&reg.id),
+                },
+                None => return Ok(None),
             },
             BackendKind::Btrfs => match &reg.own_snapshots {
                 Some(l) => l.clone(),
                 None => return Ok(None),
             },
+            // Judged on the inspector's absolute paths alone.
             BackendKind::Zfs => return Ok(None),
         };
-        let patterns = self.config.safety.protected_paths.clone();
+        let patterns = rules.protected_paths.clone();
         let id = reg.id.clone();
         blocking_io(move || {
             let fs_error = |source| ApiError::Fs {
                 id: id.clone(),
                 source,
             };
-            let files = crab_snapshotter::open(&location)
-                .and_then(|b| b.files(&fs.name))
-                .map_err(fs_error)?;
-            let (old, new) = match files {
-                SnapshotFiles::Tree(dir) => (dir, layer),
-                SnapshotFiles::Layer { dir, live } => (dir, live),
+            let backend = crab_snapshotter::open(&location).map_err(fs_error)?;
+            let dir = |name| match backend.files(name).map_err(fs_error)? {
+                SnapshotFiles::Tree(dir) | SnapshotFiles::Layer { dir, .. } => Ok::<_, ApiError>(dir),
             };
+            let (old, new) = (dir(&old_fs.name)?, dir(&new_fs.name)?);
             let keep = |rel: &Path| protected(&patterns, rel).is_some();
             let changed = crab_snapshotter::differences(&old, &new, &keep).map_err(fs_error)?;
             // The most specific: the first path no other lies under.
@@ -114,50 +198,20 @@ impl Daemon {
         })
         .await
     }
+}
 
-    /// Puts sandbox `reg` back to its head version `head` because its turn
-    /// broke a rule, and answers what its turn ends get: the head's record
-    /// and the rollback (whose notice the agent gets). `inside`: the agent
-    /// runs in the sandbox and is restored too (it gets the notice as the
-    /// answer it asks again). The caller holds the sandbox's lock.
-    pub(super) async fn roll_back_turn(
-        self: &Arc<Self>,
-        reg: &Registration,
-        head: u64,
-        breach: Breach,
-        inside: bool,
-    ) -> Result<CheckpointReport, ApiError> {
-        let started = Instant::now();
-        let notice = self
-            .config
-            .safety
-            .notice
-            .replace("{rule}", &breach.rule)
-            .replace("{what}", &breach.what);
-        tracing::warn!(sandbox = %reg.id, rule = breach.rule, what = breach.what, version = head, "the turn broke a safety rule: rolling back");
-        let done = self
-            .restore_version(
-                reg,
-                VersionSel::Number(head),
-                true,
-                inside.then(|| notice.clone()),
-            )
-            .await?;
-        self.metrics.safety_rollbacks.inc();
-        let store = self.store.clone();
-        let sid = reg.id.clone();
-        let version = blocking(move || store.get(&sid, done.version)).await?.record;
-        Ok(CheckpointReport {
+/// A breach that could not be undone: the turn's version stands, and the
+/// agent gets the notice (saying so) instead of the LLM's answer.
+fn withheld(made: CheckpointReport, breach: Breach, notice: &str, why: &str) -> CheckpointReport {
+    let version = made.version.version;
+    CheckpointReport {
+        rolled_back: Some(SafetyRollback {
+            rule: breach.rule,
+            what: breach.what,
             version,
-            frozen_ms: 0.0,
-            total_ms: started.elapsed().as_secs_f64() * 1e3,
-            rolled_back: Some(SafetyRollback {
-                rule: breach.rule,
-                what: breach.what,
-                version: done.version,
-                notice,
-            }),
-        })
+            notice: format!("{notice} (Crab could not undo it: {why}; ask the sandbox's owner.)"),
+        }),
+        ..made
     }
 }
 
@@ -167,7 +221,12 @@ fn from_reasons(rules: &SafetyConfig, report: &TurnReport) -> Option<Breach> {
         let kind = reason["kind"].as_str().unwrap_or_default();
         match kind {
             "changed" | "mapped_file_changed" => {
-                let Some(path) = reason["path"].as_str().filter(|p| p.starts_with('/')) else {
+                // `..` cannot be resolved by name: the files themselves are
+                // compared instead.
+                let Some(path) = reason["path"]
+                    .as_str()
+                    .filter(|p| p.starts_with('/') && !p.split('/').any(|c| c == ".."))
+                else {
                     continue;
                 };
                 if let Some(pattern) = protected(&rules.protected_paths, Path::new(path)) {
@@ -184,7 +243,7 @@ fn from_reasons(rules: &SafetyConfig, report: &TurnReport) -> Option<Breach> {
                 if rules.forbidden_commands.iter().any(|c| c == comm) {
                     return Some(Breach {
                         rule: format!("forbidden_commands {comm:?}"),
-                        what: format!("{comm} (pid {})", reason["pid"]),
+                        what: comm.to_owned(),
                     });
                 }
             }

@@ -327,6 +327,11 @@ impl Daemon {
     ) -> Result<(CheckpointReport, TurnReport), ApiError> {
         let mut report = self.classify(&reg.id).await?;
         let mut class = self.effective_class(reg, report.class)?;
+        if !self.config.safety.protected_paths.is_empty() && reg.fs_backend.is_some() {
+            // Protected paths are judged on the captured files: every turn
+            // captures them, whatever the inspector saw.
+            class = class.union(Class::Fs);
+        }
         let slot = if class == Class::None {
             None
         } else {
@@ -351,27 +356,16 @@ impl Daemon {
             }
             Some(slot)
         };
-        if let Some(breach) = self.judge(reg, &report).await {
-            let store = self.store.clone();
-            let sid = reg.id.clone();
-            match super::work::blocking(move || store.head(&sid)).await? {
-                Some(head) => {
-                    drop(slot);
-                    let inside = batch.iter().any(|w| w.end.inside);
-                    let done = self.roll_back_turn(reg, head, breach, inside).await?;
-                    return Ok((done, report));
-                }
-                None => {
-                    tracing::error!(sandbox = %reg.id, rule = breach.rule, what = breach.what, "the turn broke a safety rule, but the sandbox has no version to go back to: it is saved as it is");
-                }
-            }
-        }
         let newest = batch.iter().map(|w| w.end).max_by_key(|e| e.turn);
         let end = newest.map(|e| TurnEnd {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
             ..e
         });
         let version = self.turn_version(reg, class, end, slot).await?;
+        // Judged on what was captured (static, crabd's own), not on the
+        // live tree the sandbox can still change.
+        let inside = batch.iter().any(|w| w.end.inside);
+        let version = self.enforce(reg, &report, version, inside).await;
         Ok((version, report))
     }
 

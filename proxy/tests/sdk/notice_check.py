@@ -20,6 +20,10 @@ out["messages"] = an.messages.create(model="m", max_tokens=16, messages=say).con
 with an.messages.stream(model="m", max_tokens=16, messages=say) as s:
     out["messages_stream"] = "".join(s.text_stream)
 out["responses"] = oa.responses.create(model="m", input="hi").output_text
-stream = oa.responses.create(model="m", input="hi", stream=True)
-out["responses_stream"] = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+with oa.responses.stream(model="m", input="hi") as s:
+    deltas = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+    final = s.get_final_response().output_text
+out["responses_stream"] = deltas if deltas == final else f"{deltas!r} != {final!r}"
+with oa.chat.completions.stream(model="m", messages=say) as s:
+    out["chat_stream_helper"] = s.get_final_completion().choices[0].message.content
 print(json.dumps(out))
