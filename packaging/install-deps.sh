@@ -31,6 +31,7 @@ base_pkgs=(
   busybox-static debootstrap iproute2 procps psmisc curl ca-certificates
   git gcc libc6-dev sqlite3
   python3 python3-pip python3-venv jq util-linux e2fsprogs
+  nodejs
   fonts-dejavu-core
 )
 

@@ -109,6 +109,8 @@ pub struct Daemon {
     /// Each sandbox's last version that safety rules judged clean (in
     /// memory: after a restart, a turn is judged against its parent).
     clean: parking_lot::Mutex<HashMap<SandboxId, u64>>,
+    /// Each sandbox's safety rollbacks since its last clean turn.
+    breaches: parking_lot::Mutex<HashMap<SandboxId, u32>>,
 }
 
 // === impl Daemon ===
@@ -161,6 +163,7 @@ impl Daemon {
             inspection: Inspection::new(None),
             draining: Arc::new(tokio::sync::Mutex::new(())),
             clean: parking_lot::Mutex::new(HashMap::new()),
+            breaches: parking_lot::Mutex::new(HashMap::new()),
         })
     }
 

@@ -21,14 +21,15 @@ fn sdk_python() -> PathBuf {
     python
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn official_python_sdks_work_through_the_proxy() {
-    let python = sdk_python();
-    let h = Harness::plain().await;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/sdk_check.py");
-    let run = tokio::process::Command::new(&python)
-        .arg(&script)
-        .env("CRAB_BASE", &h.base)
+/// Runs `tests/sdk/<script>` with `python` against the proxy at `base`;
+/// answers the JSON it prints.
+async fn run_script(python: &std::path::Path, script: &str, base: &str) -> serde_json::Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/sdk")
+        .join(script);
+    let run = tokio::process::Command::new(python)
+        .arg(&path)
+        .env("CRAB_BASE", base)
         .env_remove("OPENAI_BASE_URL")
         .env_remove("ANTHROPIC_BASE_URL")
         .kill_on_drop(true)
@@ -38,8 +39,15 @@ async fn official_python_sdks_work_through_the_proxy() {
         .expect("sdk script finished")
         .expect("spawn");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "sdk script failed: {stderr}");
-    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
+    assert!(out.status.success(), "{script} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).expect("script output is JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_sdks_work_through_the_proxy() {
+    let python = sdk_python();
+    let h = Harness::plain().await;
+    let got = run_script(&python, "sdk_check.py", &h.base).await;
     support::assert_sdk_report(&got);
     // chat, chat stream, chat tools, responses, messages, messages stream, 429: 7 turns;
     // models and count_tokens are auxiliary.
@@ -66,21 +74,7 @@ async fn a_rolled_back_turn_answers_the_notice_in_each_api() {
     let python = sdk_python();
     let script: std::collections::HashMap<_, _> = (1..=7).map(|t| (t, support::HookStep::RollBack)).collect();
     let h = Harness::start(script, |_| {}).await;
-    let check = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/notice_check.py");
-    let run = tokio::process::Command::new(&python)
-        .arg(&check)
-        .env("CRAB_BASE", &h.base)
-        .env_remove("OPENAI_BASE_URL")
-        .env_remove("ANTHROPIC_BASE_URL")
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("sdk script finished")
-        .expect("spawn");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "sdk script failed: {stderr}");
-    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("script output is JSON");
+    let got = run_script(&python, "notice_check.py", &h.base).await;
     for call in [
         "chat",
         "chat_stream",

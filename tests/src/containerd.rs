@@ -42,6 +42,24 @@ impl Containerd {
         Self::start_in(dir, extra, env, None)
     }
 
+    /// Starts containerd whose shims and crabd read a `crab.toml` of the
+    /// test's: `[shim.proxy] transcript_dir` in a directory of the test's,
+    /// which is returned (transcripts under `<dir>/transcripts/<namespace>/`;
+    /// the caller removes it), then `toml` (keys of `[shim.proxy]`, or
+    /// tables of their own).
+    pub fn start_with_transcripts(prefix: &str, toml: &str) -> (Self, PathBuf) {
+        let base = std::env::temp_dir().join(unique(prefix));
+        std::fs::create_dir_all(&base).expect("create the test's directory");
+        let config = base.join("crab.toml");
+        let text = format!(
+            "[shim.proxy]\ntranscript_dir = \"{}\"\n{toml}\n",
+            base.join("transcripts").display()
+        );
+        std::fs::write(&config, text).expect("write crab.toml");
+        let ctd = Self::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+        (ctd, base)
+    }
+
     /// Starts containerd whose btrfs snapshotter has a btrfs filesystem of
     /// its own (a loop file), and makes it `ctr`'s snapshotter.
     pub fn start_on_btrfs() -> Self {

@@ -21,19 +21,7 @@ use serde_json::{json, Value};
 /// containerd whose shims read `extra` under `[shim.proxy]` and write
 /// transcripts into a directory of the test's.
 fn containerd(extra: &str) -> (Containerd, PathBuf) {
-    let base = std::env::temp_dir().join(crab_tests::unique("crabtool"));
-    std::fs::create_dir_all(&base).unwrap();
-    let config = base.join("crab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[shim.proxy]\ntranscript_dir = \"{}\"\n{extra}\n",
-            base.join("transcripts").display()
-        ),
-    )
-    .unwrap();
-    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
-    (ctd, base)
+    Containerd::start_with_transcripts("crabtool", extra)
 }
 
 /// One exchange with the sandbox's own listener from inside it.

@@ -20,19 +20,7 @@ const RULES: &str = "[crabd]\ninspector = true\n[crabd.safety]\nprotected_paths 
 /// containerd with the safety rules, whose shims write transcripts into a
 /// directory of the test's.
 fn containerd() -> (Containerd, PathBuf) {
-    let base = std::env::temp_dir().join(crab_tests::unique("crabsafe"));
-    std::fs::create_dir_all(&base).unwrap();
-    let config = base.join("crab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[shim.proxy]\ntranscript_dir = \"{}\"\n{RULES}",
-            base.join("transcripts").display()
-        ),
-    )
-    .unwrap();
-    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
-    (ctd, base)
+    Containerd::start_with_transcripts("crabsafe", RULES)
 }
 
 fn entries(ctd: &Containerd, base: &Path, id: &str, kind: &str) -> Vec<Value> {

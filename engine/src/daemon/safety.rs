@@ -27,6 +27,10 @@ use crab_snapshotter::SnapshotFiles;
 use super::work::{blocking, blocking_io};
 use super::{ApiError, Daemon};
 
+/// Safety rollbacks in a row (no clean turn between) before crabd stops
+/// rolling back and only withholds answers.
+const MAX_BREACHES: u32 = 3;
+
 /// The longest name of what broke a rule that a notice quotes.
 const MAX_WHAT: usize = 200;
 
@@ -76,7 +80,14 @@ impl Daemon {
         };
         let Some(breach) = breach else {
             self.clean.lock().insert(reg.id.clone(), made.version.version);
+            self.breaches.lock().remove(&reg.id);
             return made;
+        };
+        let streak = {
+            let mut b = self.breaches.lock();
+            let n = b.entry(reg.id.clone()).or_default();
+            *n += 1;
+            *n
         };
         // Quoted and cut: the sandbox chose the name, and the notice is
         // spoken to the agent as its own assistant's words.
@@ -92,6 +103,12 @@ impl Daemon {
             tracing::error!(sandbox = %reg.id, "no version to go back to: the turn's answer is withheld");
             return withheld(made, breach, &notice, "no earlier version to go back to");
         };
+        if streak > MAX_BREACHES {
+            // The clean version itself leads back to the breach (a process
+            // of it does it again): rolling back once more would loop.
+            tracing::error!(sandbox = %reg.id, streak, "breach after breach: no more rollbacks, the turn's answer is withheld");
+            return withheld(made, breach, &notice, "it happened again after every rollback");
+        }
         let restored = self
             .restore_version(
                 reg,
