@@ -59,12 +59,7 @@ pub struct ProxyPlan {
 /// (atomically rewritten), when the container gets a network namespace of
 /// its own. Returns the plan for [`SandboxProxy::start`].
 pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-    let mut spec: Value = serde_json::from_slice(&text).map_err(|e| Error::InvalidBundle {
-        bundle: bundle.to_owned(),
-        reason: e.to_string(),
-    })?;
+    let mut spec = crate::spec_env::read_spec(bundle)?;
     if !private_netns(&spec) {
         tracing::info!(
             "{}: shares a network namespace with the host: no LLM proxy",
@@ -125,11 +120,7 @@ pub fn inject(bundle: &Path, cfg: &ProxyShimConfig) -> Result<Option<ProxyPlan>>
         false,
     );
     *env = Value::Array(vars.into_iter().map(Value::String).collect());
-    let bytes =
-        serde_json::to_vec(&spec).map_err(|e| Error::io("encode config.json")(std::io::Error::other(e)))?;
-    let tmp = bundle.join(".config.json.crab");
-    std::fs::write(&tmp, bytes).map_err(Error::io(format!("write {}", tmp.display())))?;
-    std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
+    crate::spec_env::write_spec(bundle, &spec)?;
     Ok(Some(ProxyPlan {
         upstreams: (openai, anthropic),
         env: injected,

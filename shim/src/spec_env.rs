@@ -66,12 +66,7 @@ pub fn inject(bundle: &Path, vars: &[EnvVar]) -> Result<()> {
     if vars.is_empty() {
         return Ok(());
     }
-    let path = bundle.join("config.json");
-    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-    let mut spec: Value = serde_json::from_slice(&text).map_err(|e| Error::InvalidBundle {
-        bundle: bundle.to_owned(),
-        reason: e.to_string(),
-    })?;
+    let mut spec = read_spec(bundle)?;
     let Some(process) = spec.get_mut("process") else {
         return Ok(());
     };
@@ -80,8 +75,24 @@ pub fn inject(bundle: &Path, vars: &[EnvVar]) -> Result<()> {
     if *process == before {
         return Ok(());
     }
+    write_spec(bundle, &spec)
+}
+
+/// The bundle's `config.json`, as JSON.
+pub fn read_spec(bundle: &Path) -> Result<Value> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
+    serde_json::from_slice(&text).map_err(|e| Error::InvalidBundle {
+        bundle: bundle.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Replaces the bundle's `config.json` with `spec`, atomically.
+pub fn write_spec(bundle: &Path, spec: &Value) -> Result<()> {
+    let path = bundle.join("config.json");
     let bytes =
-        serde_json::to_vec(&spec).map_err(|e| Error::io("encode config.json")(std::io::Error::other(e)))?;
+        serde_json::to_vec(spec).map_err(|e| Error::io("encode config.json")(std::io::Error::other(e)))?;
     let tmp = bundle.join(".config.json.crab");
     std::fs::write(&tmp, bytes).map_err(Error::io(format!("write {}", tmp.display())))?;
     std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))
