@@ -217,6 +217,11 @@ pub struct Recovery {
     /// How long the recovery took, from crabd's hearing of the crash, in
     /// milliseconds.
     pub total_ms: u64,
+    /// The versions passed over on the way to `version`, newest first, and
+    /// why each cannot be restored (a corrupt head falls back to its
+    /// parent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passed_over: Vec<String>,
 }
 
 /// What a rollback did.
@@ -236,6 +241,11 @@ pub struct RollbackReport {
     /// (`version` is then the new version that records them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files_from: Option<u64>,
+    /// The versions passed over on the way to `version`, newest first, and
+    /// why each cannot be restored (a corrupt head falls back to its
+    /// parent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passed_over: Vec<String>,
 }
 
 /// `POST /v1/sandboxes/{sel}/fork`.
@@ -323,6 +333,11 @@ pub struct ResumeReport {
     pub pid: u32,
     /// The whole resume, in milliseconds.
     pub total_ms: f64,
+    /// The versions passed over on the way to `version`, newest first, and
+    /// why each cannot be restored (a corrupt head falls back to its
+    /// parent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passed_over: Vec<String>,
 }
 
 /// The longest grace a drain takes, in seconds.

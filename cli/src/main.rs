@@ -246,10 +246,19 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                         },
                         s.versions.to_string(),
                         s.latest.map_or("-".to_owned(), |v| v.to_string()),
+                        recovered(s),
                     ]
                 });
                 table::render(
-                    &["SANDBOX", "NAMESPACE", "STATE", "PID", "VERSIONS", "LATEST"],
+                    &[
+                        "SANDBOX",
+                        "NAMESPACE",
+                        "STATE",
+                        "PID",
+                        "VERSIONS",
+                        "LATEST",
+                        "RECOVERED",
+                    ],
                     rows,
                 )
             });
@@ -317,8 +326,11 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 .await?;
             print(cli.json, &r, || {
                 format!(
-                    "{sandbox} runs again from version {}: pid {}, {:.1} ms\n",
-                    r.version, r.pid, r.total_ms
+                    "{}{sandbox} runs again from version {}: pid {}, {:.1} ms\n",
+                    passed_over(&r.passed_over),
+                    r.version,
+                    r.pid,
+                    r.total_ms
                 )
             });
         }
@@ -553,6 +565,27 @@ fn versions_table(list: &[VersionView]) -> String {
 fn turn_line(r: &TurnReport) -> String {
     let reasons: Vec<String> = r.reasons.iter().map(|v| v.to_string()).collect();
     format!("turn {} {}: {}\n", r.turn, r.class, reasons.join(" "))
+}
+
+/// The `RECOVERED` cell of `crabctl ps`: how many automatic recoveries,
+/// and the last one's version and time (`!` when it passed over a corrupt
+/// head).
+fn recovered(s: &crab_api::crabd::SandboxInfo) -> String {
+    match &s.last_recovery {
+        None => "-".to_owned(),
+        Some(r) => format!(
+            "{}x, last v{}{} in {} ms",
+            s.recoveries,
+            r.version,
+            if r.passed_over.is_empty() { "" } else { "!" },
+            r.total_ms
+        ),
+    }
+}
+
+/// One line per version a restore passed over, and why.
+fn passed_over(why: &[String]) -> String {
+    why.iter().map(|e| format!("passed over: {e}\n")).collect()
 }
 
 fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {

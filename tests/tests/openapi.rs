@@ -213,6 +213,10 @@ fn sandbox_infos() -> Vec<SandboxInfo> {
                 exit_status: 137,
                 at_unix_ms: 1_780_000_000_000,
                 total_ms: 412,
+                passed_over: (i == 2)
+                    .then(|| "version 7 of sandbox web-1 is corrupt".to_owned())
+                    .into_iter()
+                    .collect(),
             }),
         })
         .collect()
@@ -771,6 +775,12 @@ fn rollbacks_forks_and_imports() {
                 undo_ms: 98.0,
                 total_ms: 420.75,
                 files_from,
+                passed_over: match files_from {
+                    Some(_) => vec![],
+                    None => vec![
+                        "version 4 of sandbox web-1: image file pages.img of version 4 is corrupt".into(),
+                    ],
+                },
             },
         );
     }
@@ -815,6 +825,7 @@ fn rollbacks_forks_and_imports() {
             version: 2,
             pid: 7_001,
             total_ms: 380.5,
+            passed_over: vec!["version 3 of sandbox web-1 is corrupt".into()],
         },
     );
     for export_dir in [None, Some("/var/lib/crab/drain".into())] {

@@ -112,3 +112,86 @@ fn a_sandbox_without_a_version_cannot_resume() {
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
 }
+
+/// Flips a byte in the middle of the largest file of version `v`'s process
+/// image (same size: only crabd's re-hashing sees it).
+fn corrupt_image(ctd: &Containerd, id: &str, v: u64) {
+    let dir = ctd.crabd_root().join("images").join(id).join(v.to_string());
+    let largest = walkdir(&dir)
+        .into_iter()
+        .max_by_key(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+        .unwrap_or_else(|| panic!("no image files in {}", dir.display()));
+    let mut bytes = std::fs::read(&largest).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0xff;
+    std::fs::write(&largest, bytes).unwrap();
+}
+
+/// The regular files under `dir`.
+fn walkdir(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let ft = e.file_type().unwrap();
+        if ft.is_dir() {
+            files.extend(walkdir(&e.path()));
+        } else if ft.is_file() {
+            files.push(e.path());
+        }
+    }
+    files
+}
+
+#[test]
+fn a_corrupt_head_falls_back_to_its_parent_and_says_so() {
+    let ctd = Containerd::start();
+    let id = "rotten";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+    let v2 = crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(v2["version"]["parent"], 1, "{v2}");
+    corrupt_image(&ctd, id, 2);
+
+    // A resume without a version takes the head's parent, and says why.
+    crash(&ctd, id);
+    let r = crabctl_ok(&ctd, &["resume", id]);
+    assert_eq!(r["version"], 1, "{r}");
+    let why = r["passed_over"].to_string();
+    assert!(why.contains("version 2") && why.contains("corrupt"), "{r}");
+    let pid = r["pid"].as_i64().unwrap() as i32;
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "get a"), "1", "version 1's memory");
+    // Asked for by number, the corrupt version is refused, not replaced.
+    crash(&ctd, id);
+    let e = crabctl_err(&ctd, &["resume", id, "2"]);
+    assert!(e.contains("corrupt"), "{e}");
+
+    // An automatic recovery does the same: its head (v3) is corrupt, so
+    // it comes back from v3's parent (v1, the version it resumed).
+    let pid = crabctl_ok(&ctd, &["resume", id])["pid"].as_i64().unwrap() as i32;
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 3"), "ok");
+    let v3 = crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(v3["version"]["parent"], 1, "{v3}");
+    let v3 = v3["version"]["version"].as_u64().unwrap();
+    corrupt_image(&ctd, id, v3);
+    kill(Pid::from_raw(pid), SIGKILL).unwrap();
+    let pid = wait_until(30, || ctd.task_pid(id).filter(|&p| p != pid))
+        .unwrap_or_else(|| panic!("not recovered: {:?}", ctd.task_status(id)));
+    assert_eq!(ask(pid, STORE, "get a"), "1", "version 1's memory");
+    let info = wait_until(10, || {
+        crab_tests::sandbox::listed(&ctd, id).filter(|e| e["recoveries"] == 1)
+    })
+    .expect("crabd counts the recovery");
+    let last = &info["last_recovery"];
+    assert_eq!(last["version"], 1, "{info}");
+    assert!(
+        last["passed_over"].to_string().contains(&format!("version {v3}")),
+        "{info}"
+    );
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}

@@ -16,7 +16,7 @@ use crab_api::{SandboxId, SandboxSelector, SnapshotName, VersionSel};
 use tracing::Instrument;
 
 use super::files::Files;
-use super::versions::movable_files;
+use super::versions::{movable_files, Pick};
 use super::work::{blocking, blocking_io, detached};
 use super::{ApiError, Daemon};
 use crate::containerd::Containerd;
@@ -25,7 +25,8 @@ use crate::containerd::Containerd;
 
 impl Daemon {
     /// Starts sandbox `sel`, whose task is gone, from `req.version` (else
-    /// its head, else its newest valid version).
+    /// its head or, when that cannot be restored, its nearest valid
+    /// ancestor; with no head, its newest valid version).
     pub(super) async fn resume(
         self: &Arc<Self>,
         sel: &SandboxSelector,
@@ -51,16 +52,8 @@ impl Daemon {
         which: Option<VersionSel>,
     ) -> Result<ResumeReport, ApiError> {
         let started = Instant::now();
-        let which = match which {
-            Some(which) => which,
-            None => {
-                let store = self.store.clone();
-                let sid = reg.id.clone();
-                let head = blocking(move || store.head(&sid)).await?;
-                head.map_or(VersionSel::Latest, VersionSel::Number)
-            }
-        };
-        let (version, images) = self.restorable(&reg.id, which).await?;
+        let pick = which.map_or(Pick::Head, Pick::Sel);
+        let (version, images, passed_over) = self.pick(&reg.id, pick).await?;
         let number = version.record.version;
         let fs = movable_files(&version.record)?;
         let containerd = Containerd::connect(&reg.containerd, &reg.namespace).await?;
@@ -105,6 +98,7 @@ impl Daemon {
             version: number,
             pid,
             total_ms,
+            passed_over,
         })
     }
 

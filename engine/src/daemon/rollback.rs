@@ -18,6 +18,7 @@ use crab_api::shim::{
 use crab_api::{routes, Class, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use tracing::Instrument;
 
+use super::versions::Pick;
 use super::work::{blocking, detached};
 use super::{ApiError, Daemon};
 
@@ -39,7 +40,10 @@ impl Daemon {
                 let _one_at_a_time = busy.lock().await;
                 match req.files_only {
                     true => d.restore_files(&reg, req.version).await,
-                    false => d.restore_version(&reg, req.version, req.undo, None).await,
+                    false => {
+                        d.restore_version(&reg, Pick::Sel(req.version), req.undo, None)
+                            .await
+                    }
                 }
             }
             .instrument(span),
@@ -69,11 +73,7 @@ impl Daemon {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
                 let started = Instant::now();
-                let store = d.store.clone();
-                let sid = reg.id.clone();
-                let head = blocking(move || store.head(&sid)).await?;
-                let which = head.map_or(VersionSel::Latest, VersionSel::Number);
-                let done = d.restore_version(&reg, which, false, None).await?;
+                let done = d.restore_version(&reg, Pick::Head, false, None).await?;
                 let recovery = Recovery {
                     version: done.version,
                     pid: done.pid,
@@ -82,6 +82,7 @@ impl Daemon {
                         .duration_since(std::time::UNIX_EPOCH)
                         .map_or(0, |t| t.as_millis() as u64),
                     total_ms: started.elapsed().as_millis() as u64,
+                    passed_over: done.passed_over,
                 };
                 d.registry.update(&reg.id, |e| {
                     e.recoveries += 1;
@@ -92,6 +93,7 @@ impl Daemon {
                     version = recovery.version,
                     pid = recovery.pid,
                     total_ms = recovery.total_ms,
+                    passed_over = ?recovery.passed_over,
                     "recovered after a crash"
                 );
                 Ok(recovery)
@@ -110,13 +112,13 @@ impl Daemon {
     pub(super) async fn restore_version(
         self: &Arc<Self>,
         reg: &Registration,
-        which: VersionSel,
+        which: Pick,
         undo: bool,
         notice: Option<Option<String>>,
     ) -> Result<RollbackReport, ApiError> {
         let d = self;
         let started = Instant::now();
-        let (version, images_dir) = d.restorable(&reg.id, which).await?;
+        let (version, images_dir, passed_over) = d.pick(&reg.id, which).await?;
         let number = version.record.version;
         // From here the sandbox's state is replaced: turn ends not yet
         // captured are overtaken, and until the restore is done the sandbox
@@ -173,6 +175,7 @@ impl Daemon {
             undo_ms: done.undo_ms,
             total_ms,
             files_from: None,
+            passed_over,
         })
     }
 }
@@ -239,6 +242,7 @@ impl Daemon {
             undo_ms: 0.0,
             total_ms,
             files_from: Some(from),
+            passed_over: Vec::new(),
         })
     }
 

@@ -24,6 +24,7 @@ use crab_api::crabd::{CheckpointReport, Registration, SafetyRollback, TurnReport
 use crab_api::{BackendKind, Location, VersionSel};
 use crab_snapshotter::SnapshotFiles;
 
+use super::versions::Pick;
 use super::work::{blocking, blocking_io};
 use super::{ApiError, Daemon};
 
@@ -112,7 +113,7 @@ impl Daemon {
         let restored = self
             .restore_version(
                 reg,
-                VersionSel::Number(target),
+                Pick::Sel(VersionSel::Number(target)),
                 true,
                 Some(inside.then(|| notice.clone())),
             )

@@ -58,13 +58,37 @@ impl Daemon {
         id: &SandboxId,
         which: VersionSel,
     ) -> Result<(crate::Version, PathBuf), ApiError> {
+        let (version, images, _) = self.pick(id, Pick::Sel(which)).await?;
+        Ok((version, images))
+    }
+
+    /// Like [`Daemon::restorable`] for any [`Pick`], with why the versions
+    /// passed over (a corrupt head's) could not be restored.
+    pub(super) async fn pick(
+        &self,
+        id: &SandboxId,
+        pick: Pick,
+    ) -> Result<(crate::Version, PathBuf, Vec<String>), ApiError> {
         let store = self.store.clone();
         let sid = id.clone();
-        let version = blocking(move || match which {
-            VersionSel::Latest => store.latest_valid(&sid),
-            VersionSel::Number(n) => store.get(&sid, n),
+        let (version, passed) = blocking(move || match pick {
+            Pick::Sel(VersionSel::Latest) => Ok((store.latest_valid(&sid)?, Vec::new())),
+            Pick::Sel(VersionSel::Number(n)) => Ok((store.get(&sid, n)?, Vec::new())),
+            Pick::Head => match store.head(&sid)? {
+                Some(head) => store.nearest_valid(&sid, head),
+                None => store.latest_valid_passing(&sid),
+            },
         })
         .await?;
+        let passed: Vec<String> = passed.iter().map(|e| crab_api::error_chain(e)).collect();
+        if let Some(first) = passed.first() {
+            tracing::warn!(
+                sandbox = %id,
+                version = version.record.version,
+                head = %first,
+                "the head cannot be restored: its nearest valid ancestor is"
+            );
+        }
         let images = version
             .images_dir
             .clone()
@@ -72,8 +96,19 @@ impl Daemon {
                 id: id.clone(),
                 version: version.record.version,
             })?;
-        Ok((version, images))
+        Ok((version, images, passed))
     }
+}
+
+/// Which version a restore takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pick {
+    /// This one (an error when it cannot be restored).
+    Sel(VersionSel),
+    /// The sandbox's head, or its nearest ancestor that can be restored (a
+    /// corrupt head falls back to its parent); with no head, its newest
+    /// valid version.
+    Head,
 }
 
 /// The file snapshot of version `record`, if it is one crabd keeps and so

@@ -100,13 +100,75 @@ impl VersionStore {
     /// # Errors
     /// [`StoreError::NoValidVersion`] when none is.
     pub fn latest_valid(&self, sandbox: &SandboxId) -> Result<Version, StoreError> {
+        Ok(self.latest_valid_passing(sandbox)?.0)
+    }
+
+    /// Like [`VersionStore::latest_valid`], with the errors of the newer
+    /// versions passed over, newest first.
+    ///
+    /// # Errors
+    /// [`StoreError::NoValidVersion`] when no version is valid.
+    pub fn latest_valid_passing(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<(Version, Vec<StoreError>), StoreError> {
         let m = self.inner.manifest_of(sandbox)?;
         let mut checker = Checker::new(&self.inner, sandbox, &m, Depth::Hashes);
+        let mut passed = Vec::new();
         for record in m.records().rev() {
             match checker.check(record) {
-                Ok(()) => return Ok(self.inner.version_of(sandbox, record)),
+                Ok(()) => return Ok((self.inner.version_of(sandbox, record), passed)),
                 Err(defect) => {
                     tracing::warn!(sandbox = %sandbox, version = record.version, ?defect, "version not valid, trying an older one");
+                    passed.push(StoreError::from_defect(sandbox, record.version, &defect));
+                }
+            }
+        }
+        Err(StoreError::NoValidVersion {
+            sandbox: sandbox.clone(),
+        })
+    }
+
+    /// Version `version` of `sandbox` if [`VersionStore::get`] accepts it,
+    /// else its nearest ancestor that it accepts (a corrupt head falls back
+    /// to its parent), with the errors of the versions passed over, newest
+    /// first.
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownVersion`] when no intact line holds `version`;
+    /// [`StoreError::NoValidVersion`] when neither it nor an ancestor is
+    /// valid.
+    pub fn nearest_valid(
+        &self,
+        sandbox: &SandboxId,
+        version: u64,
+    ) -> Result<(Version, Vec<StoreError>), StoreError> {
+        let m = self.inner.manifest_of(sandbox)?;
+        let mut checker = Checker::new(&self.inner, sandbox, &m, Depth::Hashes);
+        let mut passed = Vec::new();
+        let mut next = Some(version);
+        while let Some(n) = next {
+            let record = match m.lookup(n) {
+                Lookup::Found(r) => r,
+                Lookup::Bad { defect } => {
+                    passed.push(StoreError::from_defect(sandbox, n, defect));
+                    break;
+                }
+                Lookup::Unknown if n == version => {
+                    return Err(StoreError::UnknownVersion {
+                        sandbox: sandbox.clone(),
+                        version,
+                    })
+                }
+                // Its parent was removed (retention): no older one to try.
+                Lookup::Unknown => break,
+            };
+            match checker.check(record) {
+                Ok(()) => return Ok((self.inner.version_of(sandbox, record), passed)),
+                Err(defect) => {
+                    tracing::warn!(sandbox = %sandbox, version = n, ?defect, "version not valid, trying its parent");
+                    passed.push(StoreError::from_defect(sandbox, n, &defect));
+                    next = record.parent;
                 }
             }
         }

@@ -242,3 +242,34 @@ fn a_corrupt_newest_line_forces_a_full_version() {
     assert_eq!(fx.run("a n")[0].version, 3);
     assert_eq!(fx.summary(), "v1 #3!line3 v3 v4");
 }
+
+#[test]
+fn a_corrupt_version_falls_back_to_its_nearest_valid_ancestor() {
+    let nearest = |script: &str, damage: Damage, from: u64| {
+        let fx = fixture();
+        fx.run(script);
+        apply(&fx, damage);
+        let fx = fx.reopen();
+        match fx.store.nearest_valid(&fx.s1, from) {
+            Ok((v, passed)) => {
+                let passed: Vec<_> = passed.into_iter().map(|e| outcome::<()>(Err(e))).collect();
+                format!("v{} past [{}]", v.record.version, passed.join(", "))
+            }
+            Err(e) => outcome::<()>(Err(e)),
+        }
+    };
+    let flip = |version, file| Damage::FlipImage { version, file };
+    assert_eq!(
+        nearest("a p p", flip(3, "pages.img"), 3),
+        "v2 past [corrupt-image 3 pages.img]"
+    );
+    // A version that reuses a corrupt image falls back past its holder.
+    assert_eq!(
+        nearest("a p n", flip(2, "pages.img"), 3),
+        "v1 past [corrupt-image 2 pages.img, corrupt-image 2 pages.img]"
+    );
+    // An intact version is itself; another's damage does not matter.
+    assert_eq!(nearest("a p p", flip(2, "pages.img"), 3), "v3 past []");
+    assert_eq!(nearest("a n", flip(1, "pages.img"), 2), "no-valid-version");
+    assert_eq!(nearest("a n", flip(1, "pages.img"), 9), "unknown-version 9");
+}
