@@ -430,6 +430,21 @@ impl Container {
         })
     }
 
+    /// [`Error::IoUring`] when a process of the container holds an
+    /// io_uring (CRIU cannot dump one): refused before CRIU starts.
+    fn refuse_io_uring(&self) -> Result<()> {
+        let pids = cgroup::pids(&self.cgroups_path, &self.id)?;
+        match crate::uring::find(std::path::Path::new("/proc"), &pids) {
+            None => Ok(()),
+            Some(ring) => Err(Error::IoUring {
+                id: self.id.clone(),
+                pid: ring.pid,
+                comm: ring.comm,
+                held: ring.held,
+            }),
+        }
+    }
+
     async fn kill_all(&self, sig: Signal) -> Result<()> {
         let pids = cgroup::pids(&self.cgroups_path, &self.id).unwrap_or_default();
         for pid in pids {
@@ -557,6 +572,7 @@ impl Container {
                 reason: "no image path".to_owned(),
             });
         }
+        self.refuse_io_uring()?;
         runtime
             .checkpoint(&self.id, &self.bundle, &image_path, &opts)
             .await

@@ -312,7 +312,7 @@ fn refuse_error(e: Error) -> Response {
         Error::RestoreUndone { .. } => ErrorCode::RestoreUndone,
         Error::BadState { .. } => ErrorCode::NotRunning,
         Error::NoFsBackend { .. } => ErrorCode::NoFsBackend,
-        Error::Unsupported { .. } => ErrorCode::Unsupported,
+        Error::Unsupported { .. } | Error::IoUring { .. } => ErrorCode::Unsupported,
         Error::Snapshot { .. }
         | Error::Runtime {
             kind: FailureKind::Fs,

@@ -221,6 +221,21 @@ pub enum Error {
         /// Why the undo failed.
         undo: String,
     },
+    /// A process of the container holds an io_uring, which CRIU cannot dump.
+    #[error(
+        "{id}: process {pid} ({comm}) holds an io_uring ({held}), which CRIU cannot checkpoint; \
+         Node.js (libuv) stops using io_uring with UV_USE_IO_URING=0, which crab's default [shim] env sets"
+    )]
+    IoUring {
+        /// The container.
+        id: String,
+        /// The process, on the host.
+        pid: u32,
+        /// Its command name.
+        comm: String,
+        /// How it holds the ring (`fd N`, `a mapping`).
+        held: String,
+    },
     /// The call is part of the task API but this shim does not offer it.
     #[error("{call} is not supported by the crab shim")]
     Unsupported {
@@ -253,7 +268,7 @@ impl Error {
             | Error::InvalidCheckpointOptions { .. }
             | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
-            Error::NoFsBackend { .. } => ttrpc::Code::FAILED_PRECONDITION,
+            Error::NoFsBackend { .. } | Error::IoUring { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Runtime { kind, .. } => match kind {
                 FailureKind::NoSuchContainer => ttrpc::Code::NOT_FOUND,
                 FailureKind::BadRequest => ttrpc::Code::INTERNAL,

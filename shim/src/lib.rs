@@ -39,6 +39,7 @@ mod service;
 mod spec_env;
 mod task;
 mod turn_hook;
+mod uring;
 
 pub use config::Config;
 pub use error::Error;

@@ -1,12 +1,13 @@
 //! Agents on Node.js (the runtime of Claude Code and Gemini CLI): a Node
 //! process with state in memory, a timer, a listening socket and an open
 //! connection checkpoints and rolls back like any process, and runs with
-//! libuv's io_uring switch off (`[shim] env`), which CRIU could not dump.
+//! libuv's io_uring switch off (`[shim] env`), which CRIU could not dump;
+//! a process that turns it on gets its checkpoint refused, clearly.
 //! The host's Node through the devbox image (the host's /usr bound
 //! read-only); real containerd and CRIU. Needs root: CI runs it as root.
 
 use crab_tests::leftovers::assert_clean;
-use crab_tests::sandbox::{crabctl_ok, exec_sh, try_ask, wait_registered};
+use crab_tests::sandbox::{crabctl_err, crabctl_ok, exec_sh, try_ask, wait_registered};
 use crab_tests::{wait_until, Containerd};
 
 const PORT: u16 = 7010;
@@ -72,6 +73,46 @@ fn a_node_process_with_timers_and_sockets_rolls_back() {
     // The timer runs on after the restore.
     wait_until(10, || (peek(pid).1 > ticks + 5).then_some(())).expect("the timer ticks after the restore");
     assert_eq!(try_ask(pid, PORT, "hit").expect("hit"), "4");
+
+    // A Node process that turns io_uring back on holds rings CRIU cannot
+    // dump: the checkpoint is refused before CRIU runs, naming it and the
+    // switch, and the sandbox runs on, thawed.
+    let ring = "const fs = require('fs'); fs.writeFileSync('/work/uring.pid', String(process.pid)); \
+                fs.readFile('/work/server.js', () => fs.writeFileSync('/work/uring-ready', '1')); \
+                setInterval(() => {}, 1000);";
+    exec_sh(
+        &ctd,
+        id,
+        &format!("cd /work && (UV_USE_IO_URING=1 node -e \"{ring}\" > /work/uring.log 2>&1 &)"),
+    );
+    let root = format!("/proc/{pid}/root/work");
+    wait_until(30, || {
+        std::path::Path::new(&format!("{root}/uring-ready"))
+            .exists()
+            .then_some(())
+    })
+    .expect("the io_uring node started");
+    let versions = crabctl_ok(&ctd, &["versions", id]).as_array().map(Vec::len);
+    let e = crabctl_err(&ctd, &["checkpoint", id]);
+    let ring_pid = std::fs::read_to_string(format!("{root}/uring.pid")).unwrap();
+    assert!(
+        e.contains("io_uring") && e.contains("UV_USE_IO_URING=0") && e.contains("(node)"),
+        "{e}"
+    );
+    assert_eq!(
+        crabctl_ok(&ctd, &["versions", id]).as_array().map(Vec::len),
+        versions
+    );
+    assert_eq!(try_ask(pid, PORT, "hit").expect("thawed"), "5");
+    exec_sh(&ctd, id, &format!("kill {ring_pid}"));
+    wait_until(20, || {
+        crab_tests::sandbox::crabctl(&ctd, &["checkpoint", id])
+            .status
+            .success()
+            .then_some(())
+    })
+    .expect("a checkpoint once the ring is gone");
+
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
 }

@@ -133,6 +133,7 @@ impl Container {
                 ..Default::default()
             };
             let t = Instant::now();
+            self.refuse_io_uring()?;
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
             tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
         }
