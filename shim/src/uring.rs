@@ -84,9 +84,9 @@ mod tests {
 
     #[test]
     fn a_real_ring_is_found() {
+        let mut params = [0u8; 120];
         // SAFETY: io_uring_setup with a zeroed params block of its size;
         // the fd it answers is closed below.
-        let mut params = [0u8; 120];
         let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4, params.as_mut_ptr()) };
         if fd < 0 {
             let e = std::io::Error::last_os_error();
