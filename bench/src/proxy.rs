@@ -83,9 +83,12 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
         limits: Limits {
             max_request_body: 1 << 20,
             transcript_body_cap: 1 << 20,
+            transcript_max_bytes: u64::MAX,
+            max_connections: 1024,
         },
         timeouts: Timeouts {
             client_header: Duration::from_secs(10),
+            client_body: Duration::from_secs(60),
             upstream_connect: Duration::from_secs(5),
             upstream_header: Duration::from_secs(30),
             upstream_idle: Duration::from_secs(30),

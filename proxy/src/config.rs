@@ -50,6 +50,12 @@ pub struct Limits {
     /// Bytes of one response body kept in its transcript record; the record
     /// of a longer response is marked incomplete (the agent still gets all).
     pub transcript_body_cap: usize,
+    /// Bytes a sandbox's transcript may grow to; records past it are
+    /// dropped (counted, and one `overflow` line says so).
+    pub transcript_max_bytes: u64,
+    /// Connections a sandbox's listeners hold at once; one more is
+    /// answered 503 and closed.
+    pub max_connections: usize,
 }
 
 /// Deadlines; each has its own error.
@@ -57,6 +63,9 @@ pub struct Limits {
 pub struct Timeouts {
     /// A client must send its request head within this (slowloris guard).
     pub client_header: Duration,
+    /// A client must send its whole request body within this (from its
+    /// head; a trickled body is cut with 408).
+    pub client_body: Duration,
     /// TCP (and TLS) connect to the upstream.
     pub upstream_connect: Duration,
     /// From sending the request to the upstream's response head.

@@ -66,6 +66,13 @@ pub enum Error {
         /// The `Host` the request named.
         host: String,
     },
+    /// The listener holds as many connections as it may: this one is
+    /// answered and closed.
+    #[error("too many connections: at most {limit} at once")]
+    TooManyConnections {
+        /// The limit.
+        limit: usize,
+    },
     /// A host-listener path is not `/s/<sandbox>/…`.
     #[error("path {path:?} does not start with /s/<sandbox>/")]
     NotASandboxPath {
@@ -101,6 +108,8 @@ impl Error {
             Self::SandboxExchange { .. } => "crab_sandbox_exchange_failed",
             Self::Request(RequestError::TooLarge { .. }) => "crab_request_too_large",
             Self::Request(RequestError::BodyRead { .. }) => "crab_request_body_read",
+            Self::Request(RequestError::BodyTimeout { .. }) => "crab_request_body_timeout",
+            Self::TooManyConnections { .. } => "crab_too_many_connections",
             Self::Upstream(UpstreamError::Unreachable { .. }) => "crab_upstream_unreachable",
             Self::Upstream(UpstreamError::Exchange { .. }) => "crab_upstream_exchange_failed",
             Self::Upstream(UpstreamError::HeaderTimeout { .. }) => "crab_upstream_header_timeout",
@@ -120,6 +129,8 @@ impl Error {
             Self::ForeignHost { .. } => StatusCode::FORBIDDEN,
             Self::SandboxExists { .. } | Self::Replay(_) => StatusCode::CONFLICT,
             Self::Request(RequestError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Request(RequestError::BodyTimeout { .. }) => StatusCode::REQUEST_TIMEOUT,
+            Self::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Upstream(UpstreamError::HeaderTimeout { .. } | UpstreamError::TotalTimeout { .. }) => {
                 StatusCode::GATEWAY_TIMEOUT
             }

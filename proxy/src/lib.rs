@@ -70,7 +70,7 @@ pub use relay::{serve_relay, SandboxSockets};
 pub use replay::{canonical, ReplayError};
 pub use route::{Api, InvalidRoutePattern, Provider, Route, RoutePattern, TurnEndRules};
 pub use sandbox::{Sandbox, SandboxService, MAX_REPLAY_BYTES};
-pub use server::{serve_host, serve_sandbox, split_host_path, Listener};
+pub use server::{serve_host, serve_sandbox, split_host_path, Listener, MAX_HOST_CONNECTIONS};
 pub use stats::{SandboxStats, TurnHold};
 pub use tools::{AgentTools, ToolError, MCP_PATH};
 pub use upstream::{StreamError, UpstreamError};

@@ -1,11 +1,13 @@
 //! The request body limit: reads a request body into memory up to the
 //! configured limit (the transcript and the replay matcher need it whole;
-//! request bodies are bounded, answers are streamed). Larger bodies get 413.
+//! request bodies are bounded, answers are streamed). Larger bodies get 413;
+//! a body that has not all arrived by the body deadline gets 408.
 
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, Request, Response};
@@ -24,6 +26,12 @@ pub enum RequestError {
         /// The limit.
         limit: usize,
     },
+    /// The body did not all arrive within the deadline.
+    #[error("request body not received within {secs} s")]
+    BodyTimeout {
+        /// The deadline, seconds.
+        secs: u64,
+    },
     /// The client's body stream failed (disconnect, bad chunking).
     #[error("cannot read the request body")]
     BodyRead {
@@ -37,18 +45,21 @@ pub enum RequestError {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LimitLayer {
     limit: usize,
+    deadline: Duration,
 }
 
 /// The service made by [`LimitLayer`].
 #[derive(Debug, Clone)]
 pub(crate) struct Limit<S> {
     limit: usize,
+    deadline: Duration,
     inner: S,
 }
 
 impl LimitLayer {
-    pub(crate) fn new(limit: usize) -> Self {
-        Self { limit }
+    /// Bodies of at most `limit` bytes, all arrived within `deadline`.
+    pub(crate) fn new(limit: usize, deadline: Duration) -> Self {
+        Self { limit, deadline }
     }
 }
 
@@ -58,6 +69,7 @@ impl<S> Layer<S> for LimitLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Limit {
             limit: self.limit,
+            deadline: self.deadline,
             inner,
         }
     }
@@ -79,7 +91,7 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let limit = self.limit;
+        let (limit, deadline) = (self.limit, self.deadline);
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
@@ -92,7 +104,12 @@ where
                 return Err(RequestError::TooLarge { limit }.into());
             }
             let (parts, body) = req.into_parts();
-            let body = match Limited::new(body, limit).collect().await {
+            let collected = tokio::time::timeout(deadline, Limited::new(body, limit).collect())
+                .await
+                .map_err(|_| RequestError::BodyTimeout {
+                    secs: deadline.as_secs(),
+                })?;
+            let body = match collected {
                 Ok(collected) => collected.to_bytes(),
                 Err(source) if source.is::<LengthLimitError>() => {
                     return Err(RequestError::TooLarge { limit }.into());

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
-use crate::server::accept_loop;
+use crate::server::{accept_loop, Connections, MAX_HOST_CONNECTIONS};
 use crate::{split_host_path, Error, ProxyBody, SandboxId, StreamError};
 
 /// Where each sandbox's shim serves its proxy on the host (crabd's registry).
@@ -74,7 +74,8 @@ pub async fn serve_relay(
         shutdown: shutdown.clone(),
     };
     let tracker = relay.tracker.clone();
-    accept_loop(listener, client_header, shutdown, move || relay.clone()).await;
+    let conns = Connections::new(MAX_HOST_CONNECTIONS);
+    accept_loop(listener, client_header, conns, shutdown, move || relay.clone()).await;
     tracker.close();
     tracker.wait().await;
 }

@@ -240,7 +240,7 @@ impl TurnState {
             let (branch, turn) = match entry {
                 Entry::Turn(t) => (t.branch, t.turn),
                 Entry::Branch(b) => (b.branch, b.after),
-                Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) => continue,
+                Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) | Entry::Overflow(_) => continue,
             };
             let tip = self.tips.entry(branch).or_default();
             *tip = (*tip).max(turn);

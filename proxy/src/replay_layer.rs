@@ -109,7 +109,7 @@ where
                         Entry::Branch(b) => {
                             tracing::info!(sandbox = %self.shared.id, branch = b.branch, parent = b.parent, after = b.after, "the conversation branches");
                         }
-                        Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) => {}
+                        Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) | Entry::Overflow(_) => {}
                     }
                     self.shared.transcript.submit(entry);
                 }

@@ -206,7 +206,10 @@ impl Sandbox {
         let stack = ServiceBuilder::new()
             .layer(layer_fn(with_shared(shared, Tools::new)))
             .layer(RouteLayer::new(config.turn_ends.clone()))
-            .layer(LimitLayer::new(config.limits.max_request_body))
+            .layer(LimitLayer::new(
+                config.limits.max_request_body,
+                config.timeouts.client_body,
+            ))
             .layer(layer_fn(with_shared(shared, SideCalls::new)))
             .layer(layer_fn(with_shared(shared, ReplayService::new)))
             .layer(layer_fn(with_shared(shared, TurnMark::new)))
@@ -234,6 +237,11 @@ impl Sandbox {
 impl Sandbox {
     pub(crate) fn shared_header_timeout(&self) -> std::time::Duration {
         self.shared.config.timeouts.client_header
+    }
+
+    /// The connections its listeners hold, shared by all of them.
+    pub(crate) fn connections(&self) -> crate::server::Connections {
+        self.shared.connections.clone()
     }
 }
 

@@ -6,6 +6,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
@@ -60,19 +62,46 @@ impl Listener for UnixListener {
     }
 }
 
+/// Connections a host listener (every sandbox behind one port) holds at
+/// once; each sandbox's own limit applies behind it too.
+pub const MAX_HOST_CONNECTIONS: usize = 1024;
+
+/// How long a connection over the limit has to send its request head
+/// before it is closed without its 503.
+const REFUSAL_TIME: Duration = Duration::from_secs(2);
+
+/// The connections a listener (or a sandbox's listeners together) may hold
+/// at once.
+#[derive(Debug, Clone)]
+pub(crate) struct Connections {
+    slots: Arc<Semaphore>,
+    limit: usize,
+}
+
+impl Connections {
+    /// At most `limit` at once.
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(limit)),
+            limit,
+        }
+    }
+}
+
 /// Serves `sandbox` on `listener` until `shutdown` is cancelled; then stops
 /// accepting, drops open connections and returns once their tasks ended.
 pub async fn serve_sandbox<L: Listener>(listener: L, sandbox: Sandbox, shutdown: CancellationToken) {
     let header_timeout = sandbox.shared_header_timeout();
+    let conns = sandbox.connections();
     let service = sandbox.service();
     if L::IN_SANDBOX {
         let service = service.map_request(|mut req: Request<Incoming>| {
             req.extensions_mut().insert(FromInside);
             req
         });
-        accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+        accept_loop(listener, header_timeout, conns, shutdown, move || service.clone()).await;
     } else {
-        accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+        accept_loop(listener, header_timeout, conns, shutdown, move || service.clone()).await;
     }
 }
 
@@ -84,8 +113,9 @@ pub(crate) struct FromInside;
 /// `/s/<sandbox>/…` until `shutdown` is cancelled.
 pub async fn serve_host(listener: TcpListener, proxy: Proxy, shutdown: CancellationToken) {
     let header_timeout = proxy.client_header_timeout();
+    let conns = Connections::new(MAX_HOST_CONNECTIONS);
     let service = HostService { proxy };
-    accept_loop(listener, header_timeout, shutdown, move || service.clone()).await;
+    accept_loop(listener, header_timeout, conns, shutdown, move || service.clone()).await;
 }
 
 /// Splits `/s/<sandbox>/rest?q` into the sandbox id and `/rest?q`.
@@ -109,9 +139,13 @@ pub fn split_host_path(path_and_query: &str) -> Result<(SandboxId, String), Erro
     Ok((id, tail))
 }
 
+/// Serves each connection `listener` accepts with a service from `make`,
+/// while `conns` has a slot for it (one more gets a 503 and is closed),
+/// until `shutdown` is cancelled.
 pub(crate) async fn accept_loop<L, S>(
     listener: L,
     header_timeout: Duration,
+    conns: Connections,
     shutdown: CancellationToken,
     make: impl Fn() -> S,
 ) where
@@ -137,9 +171,15 @@ pub(crate) async fn accept_loop<L, S>(
                 continue;
             }
         };
+        let Ok(slot) = conns.slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, limit = conns.limit, "too many connections: refused");
+            tracker.spawn(refuse(stream, conns.limit));
+            continue;
+        };
         let service = TowerToHyperService::new(make());
         let shutdown = shutdown.clone();
         tracker.spawn(async move {
+            let _slot = slot;
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
@@ -156,6 +196,19 @@ pub(crate) async fn accept_loop<L, S>(
     }
     tracker.close();
     tracker.wait().await;
+}
+
+/// Answers a connection over the limit with a 503 (the agent's SDK retries
+/// it) and closes it; one that does not send its request head soon is
+/// closed without it.
+async fn refuse<T: AsyncRead + AsyncWrite + Send + Unpin + 'static>(stream: T, limit: usize) {
+    let busy = tower::service_fn(move |_req: Request<Incoming>| async move {
+        Ok::<_, Infallible>(Error::TooManyConnections { limit }.into_response())
+    });
+    let conn = http1::Builder::new()
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(busy));
+    let _ = tokio::time::timeout(REFUSAL_TIME, conn).await;
 }
 
 /// The host listener's router.

@@ -46,6 +46,8 @@ pub(crate) struct Shared {
     pub(crate) tools: Option<Arc<dyn AgentTools>>,
     /// The tool's rate limits and its record of refusals.
     pub(crate) tool_limits: ToolLimits,
+    /// The connections the sandbox's listeners hold.
+    pub(crate) connections: crate::server::Connections,
 }
 
 // === impl Shared ===
@@ -63,7 +65,8 @@ impl Shared {
         let tracker = TaskTracker::new();
         let stats = Arc::new(StatsCell::default());
         let path = config.transcript_dir.join(format!("{id}.jsonl"));
-        let transcript = Transcript::open(path, &tracker, stats.clone()).await?;
+        let transcript =
+            Transcript::open(path, config.limits.transcript_max_bytes, &tracker, stats.clone()).await?;
         Ok(Self {
             id,
             config: config.clone(),
@@ -77,6 +80,7 @@ impl Shared {
             answer_time: Mutex::new(None),
             conversations: Mutex::new(Default::default()),
             tool_limits: ToolLimits::new(config.tools.calls_per_minute),
+            connections: crate::server::Connections::new(config.limits.max_connections),
             tools,
         })
     }

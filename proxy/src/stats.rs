@@ -33,6 +33,9 @@ pub struct SandboxStats {
     pub n_transcript_timeouts: u64,
     /// Transcript entries that could not be written.
     pub n_transcript_errors: u64,
+    /// Transcript entries dropped because the transcript reached its size
+    /// limit.
+    pub n_transcript_dropped: u64,
     /// Upstream response bodies currently streaming.
     pub n_open_streams: u64,
     /// Answers held (a hold longer than zero).

@@ -503,7 +503,17 @@ where
         )));
     }
     let path = parts.uri.path().trim_end_matches('/');
-    let body = match Limited::new(body, MAX_BODY).collect().await {
+    let deadline = shared.config.timeouts.client_body;
+    let collected = match tokio::time::timeout(deadline, Limited::new(body, MAX_BODY).collect()).await {
+        Ok(collected) => collected,
+        Err(_) => {
+            return answer(Err(ToolError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {} s", deadline.as_secs()),
+            )))
+        }
+    };
+    let body = match collected {
         Ok(b) => b.to_bytes(),
         Err(e) => {
             return answer(Err(ToolError::new(

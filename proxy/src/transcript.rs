@@ -19,6 +19,7 @@
 //!  "args":{"turn":2,"files_only":true},"after_turn":5,"result":{…},"error":null,"unix_ms":…,"took_us":…}
 //! {"v":1,"kind":"safety","sandbox":"s1","turn":6,"branch":0,"rule":"protected_paths \"/etc/**\"",
 //!  "what":"/etc/passwd","version":5,"unix_ms":…}
+//! {"v":1,"kind":"overflow","sandbox":"s1","max_bytes":1073741824,"unix_ms":…}
 //! ```
 //!
 //! The conversation is a tree, like the versions it belongs to. Every turn
@@ -85,6 +86,8 @@ pub enum Entry {
     Tool(ToolRecord),
     /// A turn the engine rolled back because it broke a safety rule.
     Safety(SafetyRecord),
+    /// The transcript reached its size limit: later records are dropped.
+    Overflow(OverflowRecord),
 }
 
 /// One turn: the request that ended it and the upstream's answer.
@@ -283,6 +286,22 @@ pub struct SafetyRecord {
     pub unix_ms: u64,
 }
 
+/// The transcript reached its size limit (`[shim.proxy]
+/// transcript_max_bytes`): the records after this line were dropped (each
+/// counted in the sandbox's `n_transcript_dropped`); a turn missing from
+/// the transcript is asked of the LLM again after a restore.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverflowRecord {
+    /// Format version, 1.
+    pub v: u32,
+    /// The sandbox.
+    pub sandbox: String,
+    /// The limit, bytes.
+    pub max_bytes: u64,
+    /// Wall clock, ms since the Unix epoch.
+    pub unix_ms: u64,
+}
+
 /// Transcript I/O failures.
 #[derive(Debug, thiserror::Error)]
 pub enum TranscriptError {
@@ -395,7 +414,7 @@ pub fn max_branch(entries: &[Entry]) -> u64 {
         .map(|e| match e {
             Entry::Branch(b) => b.branch,
             Entry::Turn(t) => t.branch,
-            Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) => 0,
+            Entry::Divergence(_) | Entry::Tool(_) | Entry::Safety(_) | Entry::Overflow(_) => 0,
         })
         .max()
         .unwrap_or(0)
@@ -494,6 +513,7 @@ impl Transcript {
     /// `tracker`; the task ends when this `Transcript` is dropped.
     pub(crate) async fn open(
         path: PathBuf,
+        max_bytes: u64,
         tracker: &TaskTracker,
         stats: Arc<StatsCell>,
     ) -> Result<Self, TranscriptError> {
@@ -522,7 +542,14 @@ impl Transcript {
             .map_err(failed)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let (durable_tx, durable) = watch::channel(0);
-        tracker.spawn(write_loop(file, path.clone(), rx, durable_tx, stats));
+        let writer = Writer {
+            file,
+            path: path.clone(),
+            max_bytes,
+            overflowed: false,
+            stats,
+        };
+        tracker.spawn(writer.run(rx, durable_tx));
         Ok(Self {
             path,
             tx,
@@ -606,27 +633,72 @@ async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
     .map_err(std::io::Error::other)?
 }
 
-/// The writer: appends what is queued, fsyncs once per batch (group commit),
-/// then publishes the new durable count. An I/O error is counted and logged;
-/// the count still advances so that no gate waits for a write that failed.
-async fn write_loop(
-    mut file: tokio::fs::File,
+/// The writer task's state.
+struct Writer {
+    file: tokio::fs::File,
     path: PathBuf,
-    mut rx: mpsc::Receiver<Entry>,
-    durable: watch::Sender<u64>,
+    /// The size the file may grow to.
+    max_bytes: u64,
+    /// Whether its overflow line is written.
+    overflowed: bool,
     stats: Arc<StatsCell>,
-) {
-    let mut batch = Vec::with_capacity(QUEUE);
-    while rx.recv_many(&mut batch, QUEUE).await > 0 {
-        let mut buf = Vec::new();
-        for entry in &batch {
-            // Entries hold only strings, numbers and enums: encoding cannot fail.
-            if let Ok(line) = serde_json::to_vec(entry) {
-                buf.extend_from_slice(&line);
-                buf.push(b'\n');
-            }
+}
+
+impl Writer {
+    /// Appends what is queued, fsyncs once per batch (group commit), then
+    /// publishes the new durable count. Past the size limit entries are
+    /// dropped (after one overflow line). An I/O error is counted and
+    /// logged; the count still advances so that no gate waits for a write
+    /// that failed.
+    async fn run(mut self, mut rx: mpsc::Receiver<Entry>, durable: watch::Sender<u64>) {
+        let mut batch = Vec::with_capacity(QUEUE);
+        while rx.recv_many(&mut batch, QUEUE).await > 0 {
+            self.append(&batch).await;
+            let n = batch.len() as u64;
+            batch.clear();
+            durable.send_modify(|d| *d += n);
         }
-        let start = file.metadata().await.map(|m| m.len());
+    }
+
+    async fn append(&mut self, batch: &[Entry]) {
+        let start = self.file.metadata().await.map(|m| m.len());
+        let mut buf = Vec::new();
+        let mut dropped = 0;
+        for entry in batch {
+            // Entries hold only strings, numbers and enums: encoding cannot fail.
+            let Ok(mut line) = serde_json::to_vec(entry) else {
+                continue;
+            };
+            line.push(b'\n');
+            let size = start.as_ref().map_or(0, |s| *s) + (buf.len() + line.len()) as u64;
+            if self.overflowed || size > self.max_bytes {
+                if !self.overflowed {
+                    self.overflowed = true;
+                    let overflow = Entry::Overflow(OverflowRecord {
+                        v: 1,
+                        sandbox: sandbox_of(entry).0.to_owned(),
+                        max_bytes: self.max_bytes,
+                        unix_ms: unix_ms(),
+                    });
+                    if let Ok(line) = serde_json::to_vec(&overflow) {
+                        buf.extend_from_slice(&line);
+                        buf.push(b'\n');
+                    }
+                    let (sandbox, turn) = sandbox_of(entry);
+                    tracing::error!(sandbox, turn, path = %self.path.display(), max_bytes = self.max_bytes, "transcript full: later records are dropped");
+                }
+                dropped += 1;
+                continue;
+            }
+            buf.extend_from_slice(&line);
+        }
+        if dropped > 0 {
+            self.stats.update(|s| s.n_transcript_dropped += dropped);
+        }
+        if buf.is_empty() {
+            return;
+        }
+        let file = &mut self.file;
         let written = async {
             file.write_all(&buf).await?;
             // tokio's File writes in the background: flush, so that this
@@ -640,22 +712,24 @@ async fn write_loop(
             // A part of the batch may be there: cut it, so no torn line
             // sits between whole ones.
             if let Ok(start) = start {
-                let _ = file.set_len(start).await;
+                let _ = self.file.set_len(start).await;
             }
-            stats.update(|s| s.n_transcript_errors += batch.len() as u64);
-            let (sandbox, turn) = match batch.first() {
-                Some(Entry::Turn(r)) => (r.sandbox.as_str(), r.turn),
-                Some(Entry::Divergence(r)) => (r.sandbox.as_str(), r.turn),
-                Some(Entry::Branch(r)) => (r.sandbox.as_str(), r.after),
-                Some(Entry::Tool(r)) => (r.sandbox.as_str(), r.after_turn),
-                Some(Entry::Safety(r)) => (r.sandbox.as_str(), r.turn),
-                None => ("", 0),
-            };
-            tracing::error!(sandbox, turn, path = %path.display(), %error, n_entries = batch.len(), "transcript append failed");
+            self.stats.update(|s| s.n_transcript_errors += batch.len() as u64);
+            let (sandbox, turn) = batch.first().map_or(("", 0), sandbox_of);
+            tracing::error!(sandbox, turn, path = %self.path.display(), %error, n_entries = batch.len(), "transcript append failed");
         }
-        let n = batch.len() as u64;
-        batch.clear();
-        durable.send_modify(|d| *d += n);
+    }
+}
+
+/// The sandbox and turn an entry names, for logs.
+fn sandbox_of(entry: &Entry) -> (&str, u64) {
+    match entry {
+        Entry::Turn(r) => (r.sandbox.as_str(), r.turn),
+        Entry::Divergence(r) => (r.sandbox.as_str(), r.turn),
+        Entry::Branch(r) => (r.sandbox.as_str(), r.after),
+        Entry::Tool(r) => (r.sandbox.as_str(), r.after_turn),
+        Entry::Safety(r) => (r.sandbox.as_str(), r.turn),
+        Entry::Overflow(r) => (r.sandbox.as_str(), 0),
     }
 }
 
@@ -799,7 +873,7 @@ mod tests {
         let path = dir.path().join("t.jsonl");
         std::fs::write(&path, format!("{LINE}\n{{\"kind\":\"tu")).expect("write");
         let tracker = TaskTracker::new();
-        let t = Transcript::open(path.clone(), &tracker, Arc::new(StatsCell::default()))
+        let t = Transcript::open(path.clone(), u64::MAX, &tracker, Arc::new(StatsCell::default()))
             .await
             .expect("open");
         let entry: Entry = serde_json::from_str(LINE).expect("an entry");

@@ -1,5 +1,7 @@
 //! Bad input and faults: 413, 502, 504 (header and total), an idle upstream
-//! mid-stream, a client that leaves mid-stream, a slowloris client.
+//! mid-stream, a client that leaves mid-stream, a slowloris client, a
+//! trickled body (408), connections over the limit (503), a full
+//! transcript.
 
 mod support;
 
@@ -223,4 +225,105 @@ async fn a_failing_transcript_disk_is_counted_and_never_wedges_the_agent() {
         stats.n_transcript_timeouts, 0,
         "a failed write does not hold the next answer"
     );
+}
+
+#[tokio::test]
+async fn a_trickled_body_is_cut_at_the_body_deadline() {
+    let h = Harness::start(Default::default(), |c| {
+        c.timeouts.client_body = Duration::from_millis(300)
+    })
+    .await;
+    let addr = h.base.trim_start_matches("http://");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    // The head at once, then ten bytes of the hundred it promises.
+    conn.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":",
+    )
+    .await
+    .expect("write");
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the proxy answers and closes");
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("crab_request_body_timeout"), "{text}");
+    assert!(h.upstream.seen().is_empty());
+    assert_eq!(h.sandbox.last_turn(), 0, "a cut request is no turn");
+}
+
+#[tokio::test]
+async fn connections_over_the_limit_get_503_until_one_closes() {
+    let h = Harness::start(Default::default(), |c| {
+        c.limits.max_connections = 2;
+        // The silent connections must outlive the test, however slow it runs.
+        c.timeouts.client_header = Duration::from_secs(600);
+    })
+    .await;
+    let addr = h.base.trim_start_matches("http://").to_owned();
+    // Two connections that say nothing hold both slots.
+    let held = [
+        tokio::net::TcpStream::connect(&addr).await.expect("connect"),
+        tokio::net::TcpStream::connect(&addr).await.expect("connect"),
+    ];
+    let fresh = || reqwest::Client::builder().no_proxy().build().expect("client");
+    let resp = fresh()
+        .post(format!("{}/v1/chat/completions", h.base))
+        .json(&chat_body("gpt-test", false))
+        .send()
+        .await
+        .expect("a 503, not a broken connection");
+    check_error(resp, 503, "crab_too_many_connections").await;
+    assert!(h.upstream.seen().is_empty());
+
+    // One closes: its slot serves the next connection.
+    drop(held);
+    let answered = async {
+        loop {
+            let resp = fresh()
+                .post(format!("{}/v1/chat/completions", h.base))
+                .json(&chat_body("gpt-test", false))
+                .send()
+                .await
+                .expect("send");
+            if resp.status() == 200 {
+                return;
+            }
+            assert_eq!(resp.status(), 503);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), answered)
+        .await
+        .expect("a freed slot serves again");
+}
+
+#[tokio::test]
+async fn a_full_transcript_drops_later_records_and_says_so_once() {
+    let max = 4096;
+    let h = Harness::start(Default::default(), |c| c.limits.transcript_max_bytes = max).await;
+    for _ in 0..12 {
+        let resp = h
+            .post("/v1/chat/completions", &chat_body("gpt-test", false))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200, "the agent is answered all the same");
+        resp.bytes().await.expect("body");
+    }
+    h.sandbox.flush_transcript().await;
+    let raw = std::fs::read(h.sandbox.transcript_path()).expect("read");
+    let lines: Vec<serde_json::Value> = raw
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("every line whole"))
+        .collect();
+    let overflows: Vec<_> = lines.iter().filter(|l| l["kind"] == "overflow").collect();
+    assert_eq!(overflows.len(), 1, "{lines:?}");
+    assert_eq!(overflows[0]["max_bytes"], max);
+    assert_eq!(lines.last().unwrap()["kind"], "overflow", "nothing after it");
+    let turns = lines.iter().filter(|l| l["kind"] == "turn").count() as u64;
+    assert!((1..12).contains(&turns), "{turns} turns kept");
+    let before_overflow = raw.len() - serde_json::to_vec(overflows[0]).unwrap().len() - 1;
+    assert!(before_overflow as u64 <= max, "{before_overflow} bytes");
+    assert_eq!(h.sandbox.stats().n_transcript_dropped, 12 - turns);
 }

@@ -353,7 +353,11 @@ async fn a_turns_record_is_on_disk_before_the_next_answer_is_released() {
             .map(|l| serde_json::from_str::<Entry>(l).expect("entry"))
             .filter_map(|e| match e {
                 Entry::Turn(t) => Some(t.turn),
-                Entry::Divergence(_) | Entry::Branch(_) | Entry::Tool(_) | Entry::Safety(_) => None,
+                Entry::Divergence(_)
+                | Entry::Branch(_)
+                | Entry::Tool(_)
+                | Entry::Safety(_)
+                | Entry::Overflow(_) => None,
             })
             .collect();
         // Turn `turn`'s own record may be there too (its body can end

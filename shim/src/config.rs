@@ -113,8 +113,14 @@ pub struct ProxyShimConfig {
     pub max_request_body: usize,
     /// Bytes of a response kept in its transcript record.
     pub transcript_body_cap: usize,
+    /// Bytes a sandbox's transcript may grow to (later records dropped).
+    pub transcript_max_bytes: u64,
+    /// Connections the sandbox's proxy listeners hold at once.
+    pub max_connections: usize,
     /// Seconds a client has to send its request head.
     pub client_header_timeout: u64,
+    /// Seconds a client has to send its whole request body.
+    pub client_body_timeout: u64,
     /// Seconds to connect to the upstream.
     pub upstream_connect_timeout: u64,
     /// Seconds until the upstream's response head.

@@ -170,9 +170,12 @@ impl SandboxProxy {
             limits: Limits {
                 max_request_body: cfg.max_request_body,
                 transcript_body_cap: cfg.transcript_body_cap,
+                transcript_max_bytes: cfg.transcript_max_bytes,
+                max_connections: cfg.max_connections,
             },
             timeouts: Timeouts {
                 client_header: secs(cfg.client_header_timeout),
+                client_body: secs(cfg.client_body_timeout),
                 upstream_connect: secs(cfg.upstream_connect_timeout),
                 upstream_header: secs(cfg.upstream_header_timeout),
                 upstream_idle: secs(cfg.upstream_idle_timeout),

@@ -98,7 +98,7 @@ fn run_from(
                                 diverged = true;
                             }
                             Entry::Branch(b) => branches.push((b.branch, b.parent, b.after)),
-                            Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) => {
+                            Entry::Turn(_) | Entry::Tool(_) | Entry::Safety(_) | Entry::Overflow(_) => {
                                 panic!("a step writes no turn or tool call")
                             }
                         }

@@ -106,9 +106,12 @@ pub fn config(upstream: &str, dir: &Path) -> ProxyConfig {
         limits: Limits {
             max_request_body: 1 << 20,
             transcript_body_cap: 1 << 20,
+            transcript_max_bytes: 1 << 30,
+            max_connections: 64,
         },
         timeouts: Timeouts {
             client_header: Duration::from_secs(5),
+            client_body: Duration::from_secs(10),
             upstream_connect: Duration::from_secs(5),
             upstream_header: Duration::from_secs(10),
             upstream_idle: Duration::from_secs(10),
@@ -193,7 +196,11 @@ pub fn turns_of(entries: &[Entry]) -> Vec<TurnRecord> {
         .iter()
         .filter_map(|e| match e {
             Entry::Turn(t) => Some(t.clone()),
-            Entry::Divergence(_) | Entry::Branch(_) | Entry::Tool(_) | Entry::Safety(_) => None,
+            Entry::Divergence(_)
+            | Entry::Branch(_)
+            | Entry::Tool(_)
+            | Entry::Safety(_)
+            | Entry::Overflow(_) => None,
         })
         .collect()
 }
