@@ -5,6 +5,9 @@
 //! read-only snapshots. Or a subvolume made by someone else (containerd's
 //! btrfs snapshotter) and a store directory on the same filesystem.
 //!
+//! The snapshots' directory is 0700 (root's alone): they keep the
+//! sandbox's files with their modes.
+//!
 //! Rollback makes a writable snapshot of the target beside the live
 //! subvolume and swaps the two atomically (`renameat2(RENAME_EXCHANGE)`),
 //! then deletes the old one: the live path keeps its name but names a new
@@ -135,7 +138,7 @@ impl Backend for BtrfsBackend {
                 name: name.to_string(),
             });
         }
-        std::fs::create_dir_all(self.snapshots_dir()).map_err(Error::io("create", self.snapshots_dir()))?;
+        private_dir(&self.snapshots_dir())?;
         // A btrfs snapshot is created atomically.
         run(
             BTRFS,
@@ -268,7 +271,7 @@ impl Backend for BtrfsBackend {
         if let Some(p) = parent {
             self.require(p)?;
         }
-        std::fs::create_dir_all(self.snapshots_dir()).map_err(Error::io("create", self.snapshots_dir()))?;
+        private_dir(&self.snapshots_dir())?;
         // The stream names its subvolume after the sender's snapshot, and a
         // received subvolume cannot be moved (it is read-only): receive
         // straight into `.snapshots/` and check the name afterwards.
@@ -314,6 +317,20 @@ impl Backend for BtrfsBackend {
         run(BTRFS, &["subvolume", "delete", &path_str(&snap)?])?;
         Ok(())
     }
+}
+
+/// Creates `dir` (and what is missing above it) 0700, and makes it 0700 if
+/// it was there: snapshots keep the sandbox's files with their modes (a
+/// setuid copy, a device node made inside), which no other host user may
+/// reach.
+fn private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(Error::io("create", dir))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(Error::io("chmod", dir))
 }
 
 fn path_str(p: &Path) -> Result<String> {

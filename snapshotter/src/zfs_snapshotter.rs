@@ -34,6 +34,21 @@ pub struct ZfsSnapshotter {
     inner: Arc<Inner>,
 }
 
+/// Makes the directory where `root` is mounted 0700: every dataset (and
+/// its `.zfs/snapshot`) is mounted beneath it, with the sandbox's files and
+/// their modes, which no other host user may reach. containerd, as root,
+/// bind-mounts them all the same.
+fn private_mountpoint(root: &str) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mp = run(ZFS, &["get", "-H", "-o", "value", "mountpoint", root])?;
+    let mp = std::path::Path::new(mp.trim());
+    if mp.is_absolute() && mp.is_dir() {
+        std::fs::set_permissions(mp, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| SnapshotterError::meta("make the root's mountpoint 0700", e))?;
+    }
+    Ok(())
+}
+
 struct Inner {
     root: String,
     meta: MetaStore,
@@ -138,6 +153,7 @@ impl ZfsSnapshotter {
         if let Some(dir) = meta_path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| SnapshotterError::meta("create directory", e))?;
         }
+        private_mountpoint(root)?;
         let inner = Inner {
             root: root.to_owned(),
             meta: MetaStore::open(meta_path)?,

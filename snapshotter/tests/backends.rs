@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
 use common::{digest, mutate, populate, sh, unique};
@@ -263,6 +264,11 @@ fn btrfs_on_a_loop_device() {
         .collect();
     beside.sort();
     assert_eq!(beside, ["7", "8", "9"]);
+    // No other host user reaches the snapshots (setuid copies, devices).
+    for store in [mnt.join(".crab/ns/7"), mnt.join("sb/.snapshots")] {
+        let mode = std::fs::metadata(&store).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", store.display());
+    }
     drop(guard);
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -1,6 +1,7 @@
 //! containerd-crab-snapshotter (`crabzfs`) under a real containerd on a
 //! zfs-fuse pool. Needs root: CI runs it as root.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 
@@ -184,6 +185,15 @@ fn ctr_run_on_crabzfs() {
         (hits.len() == 1).then(|| hits[0].clone())
     })
     .expect("exactly one dataset holds the write");
+    // Every dataset is mounted beneath the root's mountpoint, root's alone:
+    // no other host user reaches a sandbox's files (its setuid copies).
+    let out = Command::new("zfs")
+        .args(["get", "-H", "-o", "value", "mountpoint", &s.snap.dataset])
+        .output()
+        .unwrap();
+    let root_mp = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let mode = std::fs::metadata(&root_mp).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{root_mp}");
     s.assert_agree();
     s.ctd.remove("z");
     // Removing the container removes its dataset.
