@@ -21,6 +21,38 @@ pub const RESTORE_ANNOTATION: &str = "io.crab.restore.images";
 /// shim then keeps the sandbox's transcript and fast-forwards its agent.
 pub const CONVERSATION_ANNOTATION: &str = "io.crab.restore.conversation";
 
+/// Spec annotation beside [`RESTORE_ANNOTATION`]: the token of crabd's
+/// grant of this one restore ([`RestoreGrant`]). A shim restores only what
+/// crabd granted: anyone who can set a container's annotations could
+/// otherwise have a root shim restore any directory (another sandbox's
+/// process images) into their container.
+pub const RESTORE_TOKEN_ANNOTATION: &str = "io.crab.restore.token";
+
+/// crabd's grant of one restore, in `<crabd root>/restores/<token>.json`
+/// (0600 in a 0700 directory; only root reads it): the shim that creates
+/// container `sandbox` in `namespace` may restore its init from `images`.
+/// The shim removes it as it takes it; crabd removes it when its start is
+/// over, taken or not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreGrant {
+    /// The container.
+    pub sandbox: String,
+    /// Its containerd namespace.
+    pub namespace: String,
+    /// The process image it restores.
+    pub images: PathBuf,
+}
+
+impl RestoreGrant {
+    /// Where the grant with `token` lives under crabd's `root`; None when
+    /// `token` is not one crabd makes (32 lower-case hex digits).
+    pub fn path(root: &std::path::Path, token: &str) -> Option<PathBuf> {
+        let ok = token.len() == 32 && token.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        ok.then(|| root.join("restores").join(format!("{token}.json")))
+    }
+}
+
 /// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimCheckpoint {

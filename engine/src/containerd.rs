@@ -20,7 +20,7 @@ use containerd_client::{with_namespace, Client};
 
 use serde::{Deserialize, Serialize};
 
-use crab_api::shim::{ConversationAt, CONVERSATION_ANNOTATION, RESTORE_ANNOTATION};
+use crab_api::shim::{ConversationAt, CONVERSATION_ANNOTATION, RESTORE_ANNOTATION, RESTORE_TOKEN_ANNOTATION};
 
 /// What talking to containerd can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +81,17 @@ pub struct ContainerTemplate {
 
 /// The type URL containerd stores OCI specs under.
 const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
+
+/// What a container's shim restores its init from at Start.
+#[derive(Debug, Clone, Copy)]
+pub struct Restore<'a> {
+    /// The process image.
+    pub images: &'a Path,
+    /// Where the restored version stands in the sandbox's conversation.
+    pub conversation: Option<&'a ConversationAt>,
+    /// The token of crabd's grant of this restore.
+    pub token: &'a str,
+}
 
 /// A container made for a fork: its id and its writable layer.
 #[derive(Debug)]
@@ -193,17 +204,15 @@ impl Containerd {
     }
 
     /// Creates container `new_id` from `t` on a fresh writable layer of the
-    /// same parent, with the spec annotated to restore its init from `images`
-    /// (and where that stands in the conversation its transcript holds).
+    /// same parent, with the spec annotated for `restore`.
     pub async fn create_from(
         &self,
         t: &ContainerTemplate,
         new_id: &str,
-        images: &Path,
-        conversation: Option<&ConversationAt>,
+        restore: &Restore<'_>,
     ) -> Result<NewContainer, ContainerdError> {
         let ns = self.namespace.as_str();
-        let spec = fork_spec(t, new_id, images, conversation)?;
+        let spec = fork_spec(t, new_id, restore)?;
         let mounts = self
             .client
             .snapshots()
@@ -341,14 +350,14 @@ impl Containerd {
         })
     }
 
+    /// The namespace it works in.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
     /// Sets (or, with `None`, removes) the annotations with which the shim
-    /// restores container `id`'s init at Start from `images`, where
-    /// `conversation` says the sandbox's conversation stands.
-    pub async fn set_restore(
-        &self,
-        id: &str,
-        restore: Option<(&Path, Option<&ConversationAt>)>,
-    ) -> Result<(), ContainerdError> {
+    /// restores container `id`'s init at Start (see [`Restore`]).
+    pub async fn set_restore(&self, id: &str, restore: Option<&Restore<'_>>) -> Result<(), ContainerdError> {
         let ns = self.namespace.as_str();
         let mut container = self.container(id).await?;
         let any = container
@@ -365,22 +374,7 @@ impl Containerd {
         let Some(annotations) = annotations.as_object_mut() else {
             return Err(unforkable(id, "its spec's annotations are not an object"));
         };
-        match restore {
-            Some((images, at)) => {
-                annotations.insert(RESTORE_ANNOTATION.into(), images.to_string_lossy().into());
-                match at {
-                    Some(at) => {
-                        let at = serde_json::to_string(at).expect("a position always serializes");
-                        annotations.insert(CONVERSATION_ANNOTATION.into(), at.into())
-                    }
-                    None => annotations.remove(CONVERSATION_ANNOTATION),
-                };
-            }
-            None => {
-                annotations.remove(RESTORE_ANNOTATION);
-                annotations.remove(CONVERSATION_ANNOTATION);
-            }
-        }
+        annotate(annotations, restore);
         any.value = serde_json::to_vec(&spec).expect("a spec always serializes");
         self.client
             .containers()
@@ -511,11 +505,28 @@ fn overlay_upper(mounts: &[Mount]) -> Option<PathBuf> {
 
 /// The template's spec for a new container: its own cgroup, and the
 /// restore annotation.
+/// Sets `annotations` for `restore`, or removes its annotations.
+fn annotate(annotations: &mut serde_json::Map<String, serde_json::Value>, restore: Option<&Restore<'_>>) {
+    for key in [
+        RESTORE_ANNOTATION,
+        CONVERSATION_ANNOTATION,
+        RESTORE_TOKEN_ANNOTATION,
+    ] {
+        annotations.remove(key);
+    }
+    let Some(r) = restore else { return };
+    annotations.insert(RESTORE_ANNOTATION.into(), r.images.to_string_lossy().into());
+    annotations.insert(RESTORE_TOKEN_ANNOTATION.into(), r.token.into());
+    if let Some(at) = r.conversation {
+        let at = serde_json::to_string(at).expect("a position always serializes");
+        annotations.insert(CONVERSATION_ANNOTATION.into(), at.into());
+    }
+}
+
 fn fork_spec(
     t: &ContainerTemplate,
     new_id: &str,
-    images: &Path,
-    conversation: Option<&ConversationAt>,
+    restore: &Restore<'_>,
 ) -> Result<prost_types::Any, ContainerdError> {
     let source = t.id.as_str();
     let mut spec = t.spec.clone();
@@ -554,17 +565,7 @@ fn fork_spec(
         .or_insert_with(|| serde_json::json!({}))
         .as_object_mut()
         .ok_or_else(|| unforkable(source, "its annotations are not an object"))?;
-    annotations.insert(
-        RESTORE_ANNOTATION.to_owned(),
-        images.to_string_lossy().into_owned().into(),
-    );
-    match conversation {
-        Some(at) => {
-            let at = serde_json::to_string(at).expect("a position always serializes");
-            annotations.insert(CONVERSATION_ANNOTATION.to_owned(), at.into())
-        }
-        None => annotations.remove(CONVERSATION_ANNOTATION),
-    };
+    annotate(annotations, Some(restore));
     Ok(prost_types::Any {
         type_url: SPEC_TYPE_URL.to_owned(),
         value: serde_json::to_vec(&spec).expect("a JSON value serializes"),

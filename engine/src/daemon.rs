@@ -35,6 +35,7 @@ mod export;
 mod files;
 mod fork;
 mod gc;
+mod grant;
 mod host_listener;
 mod http;
 mod import;
@@ -128,6 +129,12 @@ impl Daemon {
             path: dir,
             source,
         })?;
+        // Grants of restores a previous crabd started: none is wanted now.
+        if let Err(e) = std::fs::remove_dir_all(config.root.join("restores")) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(error = %e, "old restore grants stay");
+            }
+        }
         // Transfers a previous crabd did not finish.
         let staging = config.root.join("staging");
         if let Err(e) = std::fs::remove_dir_all(&staging) {

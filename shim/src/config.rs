@@ -28,6 +28,8 @@ pub struct Config {
 pub struct CrabdShimConfig {
     /// crabd's management socket.
     pub socket: PathBuf,
+    /// crabd's root, where its grants of restores are.
+    pub root: PathBuf,
     /// Whether containers register with crabd.
     pub register: bool,
     /// Whether the shim starts crabd when it is not running.

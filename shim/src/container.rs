@@ -155,10 +155,14 @@ impl Container {
             netns_pin: None,
             recovery: None,
         };
-        if c.pending_restore.is_some() && c.init.stdio.terminal {
-            return Err(Error::Unsupported {
-                call: "restore of a container with a terminal",
-            });
+        if let Some(images) = &c.pending_restore {
+            if c.init.stdio.terminal {
+                return Err(Error::Unsupported {
+                    call: "restore of a container with a terminal",
+                });
+            }
+            let root = &crate::config::get().crabd.root;
+            crate::grant::take(root, spec.annotations().as_ref(), &c.id, proxy.namespace, images)?;
         }
         let mut plan = match proxy.config.enabled {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,

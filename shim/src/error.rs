@@ -236,6 +236,14 @@ pub enum Error {
         /// How it holds the ring (`fd N`, `a mapping`).
         held: String,
     },
+    /// The spec asks for a restore crabd did not grant.
+    #[error("{id}: restore refused: {reason}")]
+    RestoreNotGranted {
+        /// The container.
+        id: String,
+        /// Why.
+        reason: String,
+    },
     /// The call is part of the task API but this shim does not offer it.
     #[error("{call} is not supported by the crab shim")]
     Unsupported {
@@ -269,6 +277,7 @@ impl Error {
             | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
             Error::NoFsBackend { .. } | Error::IoUring { .. } => ttrpc::Code::FAILED_PRECONDITION,
+            Error::RestoreNotGranted { .. } => ttrpc::Code::PERMISSION_DENIED,
             Error::Runtime { kind, .. } => match kind {
                 FailureKind::NoSuchContainer => ttrpc::Code::NOT_FOUND,
                 FailureKind::BadRequest => ttrpc::Code::INTERNAL,

@@ -24,6 +24,7 @@ mod error;
 mod events;
 mod exits;
 mod fsop;
+mod grant;
 mod init;
 mod io;
 mod logging;

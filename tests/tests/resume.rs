@@ -195,3 +195,50 @@ fn a_corrupt_head_falls_back_to_its_parent_and_says_so() {
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
 }
+
+#[test]
+fn a_restore_crabd_did_not_grant_is_refused() {
+    let ctd = Containerd::start();
+    let id = "victim";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set secret 42"), "ok");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    let images = ctd.crabd_root().join("images").join(id).join("1");
+    assert!(images.is_dir(), "{}", images.display());
+
+    // Whoever can set a container's annotations (a docker user, a pod
+    // spec) asks crab's root shim to restore the victim's process image
+    // into a container of their own: without crabd's grant, or with a
+    // token crabd never gave, it is refused and nothing runs.
+    let restore = format!("io.crab.restore.images={}", images.display());
+    for (thief, token) in [
+        ("thief1", None),
+        ("thief2", Some("0123456789abcdef0123456789abcdef")),
+        ("thief3", Some("../../../../etc/passwd")),
+    ] {
+        let token = token.map(|t| format!("io.crab.restore.token={t}"));
+        let mut args = vec!["run", "-d", "--annotation", &restore];
+        if let Some(t) = &token {
+            args.extend(["--annotation", t]);
+        }
+        args.extend([
+            "--runtime",
+            crab_tests::CRAB,
+            crab_tests::image::BUSYBOX,
+            thief,
+            "sleep",
+            "300",
+        ]);
+        let out = ctd.ctr(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{thief} ran");
+        assert!(err.contains("restore refused"), "{thief}: {err}");
+        assert_ne!(ctd.task_status(thief).as_deref(), Some("RUNNING"));
+        let _ = ctd.ctr(&["container", "rm", thief]);
+    }
+    // The victim runs on, its own.
+    assert_eq!(ask(pid, STORE, "get secret"), "42");
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}

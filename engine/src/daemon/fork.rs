@@ -19,7 +19,7 @@ use tracing::Instrument;
 use super::versions::movable_files;
 use super::work::{blocking_io, detached, unix_ms};
 use super::{ApiError, Daemon};
-use crate::containerd::{ContainerTemplate, Containerd};
+use crate::containerd::{ContainerTemplate, Containerd, Restore};
 
 /// How many forks of one `forks` call are made at once: each copies files
 /// and waits on containerd and CRIU, so a few overlap well even on two
@@ -279,8 +279,14 @@ impl Daemon {
         conversation: Option<&ConversationAt>,
     ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
+        let grant = self.grant_restore(new_id, containerd.namespace(), images).await?;
+        let restore = Restore {
+            images,
+            conversation,
+            token: grant.token(),
+        };
         let made = containerd
-            .create_from(template, new_id.as_str(), images, conversation)
+            .create_from(template, new_id.as_str(), &restore)
             .await?;
         let upper = made.upper.clone();
         let d = self.clone();
@@ -302,6 +308,7 @@ impl Daemon {
                 .map_err(ApiError::from),
             Err(e) => Err(e),
         };
+        drop(grant);
         if started.is_err() {
             containerd.remove(&made).await;
             // An import's own store holds the version it restores; a fork's

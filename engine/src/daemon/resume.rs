@@ -19,7 +19,7 @@ use super::files::Files;
 use super::versions::{movable_files, Pick};
 use super::work::{blocking, blocking_io, detached};
 use super::{ApiError, Daemon};
-use crate::containerd::Containerd;
+use crate::containerd::{Containerd, Restore};
 
 // === impl Daemon ===
 
@@ -66,10 +66,15 @@ impl Daemon {
         let store = self.store.clone();
         let sid = reg.id.clone();
         blocking(move || store.set_head(&sid, Some(number))).await?;
-        containerd
-            .set_restore(reg.id.as_str(), Some((&images, conversation.as_ref())))
-            .await?;
+        let grant = self.grant_restore(&reg.id, &reg.namespace, &images).await?;
+        let restore = Restore {
+            images: &images,
+            conversation: conversation.as_ref(),
+            token: grant.token(),
+        };
+        containerd.set_restore(reg.id.as_str(), Some(&restore)).await?;
         let started_task = containerd.start(&container).await;
+        drop(grant);
         // The annotations served this start only: a later one is afresh.
         if let Err(e) = containerd.set_restore(reg.id.as_str(), None).await {
             tracing::warn!(error = %crab_api::error_chain(&e), "the restore annotations stay on the container");
