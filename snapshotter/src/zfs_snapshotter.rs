@@ -34,6 +34,33 @@ pub struct ZfsSnapshotter {
     inner: Arc<Inner>,
 }
 
+/// The datasets directly under `root` that are the snapshotter's
+/// (`<root>/<number>`), with their numbers.
+fn children(root: &str) -> Result<Vec<(u64, String)>> {
+    let out = run(
+        ZFS,
+        &[
+            "list",
+            "-H",
+            "-o",
+            "name",
+            "-t",
+            "filesystem",
+            "-r",
+            "-d",
+            "1",
+            root,
+        ],
+    )?;
+    Ok(out
+        .lines()
+        .filter_map(|l| {
+            let id: u64 = l.strip_prefix(&format!("{root}/"))?.parse().ok()?;
+            Some((id, l.to_owned()))
+        })
+        .collect())
+}
+
 /// Makes the directory where `root` is mounted 0700: every dataset (and
 /// its `.zfs/snapshot`) is mounted beneath it, with the sandbox's files and
 /// their modes, which no other host user may reach. containerd, as root,
@@ -104,6 +131,21 @@ pub enum SnapshotterError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The metadata database is gone while datasets it would name are
+    /// there: serving would take them all for leftovers and destroy them.
+    #[error(
+        "metadata {} is missing but {datasets} datasets are under {root}: refusing to start \
+         (put the metadata back, or destroy the datasets with `zfs destroy -r` if they are not wanted)",
+        path.display()
+    )]
+    MetadataLost {
+        /// The database file.
+        path: std::path::PathBuf,
+        /// The root dataset.
+        root: String,
+        /// How many datasets are under it.
+        datasets: usize,
+    },
     /// A blocking task could not finish.
     #[error("snapshotter task failed")]
     Task(#[source] tokio::task::JoinError),
@@ -134,6 +176,7 @@ impl From<SnapshotterError> for tonic::Status {
             | SnapshotterError::NotActive { .. }
             | SnapshotterError::HasChildren { .. } => tonic::Status::failed_precondition(msg),
             SnapshotterError::Zfs(_) => tonic::Status::unavailable(msg),
+            SnapshotterError::MetadataLost { .. } => tonic::Status::failed_precondition(msg),
             SnapshotterError::Meta { .. } | SnapshotterError::Task(_) => tonic::Status::internal(msg),
         }
     }
@@ -152,6 +195,18 @@ impl ZfsSnapshotter {
         run(ZFS, &["list", "-H", "-o", "name", root])?;
         if let Some(dir) = meta_path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| SnapshotterError::meta("create directory", e))?;
+        }
+        if !meta_path.exists() {
+            // A first start finds no datasets; one that finds some lost its
+            // metadata (reconcile would destroy them all).
+            let datasets = children(root)?.len();
+            if datasets > 0 {
+                return Err(SnapshotterError::MetadataLost {
+                    path: meta_path.to_owned(),
+                    root: root.to_owned(),
+                    datasets,
+                });
+            }
         }
         private_mountpoint(root)?;
         let inner = Inner {
@@ -327,27 +382,9 @@ impl Inner {
         let _g = self.lock.lock().expect("snapshotter lock");
         let records = self.meta.all()?;
         let known: HashMap<u64, &Record> = records.iter().map(|(_, r)| (r.id, r)).collect();
-        let out = run(
-            ZFS,
-            &[
-                "list",
-                "-H",
-                "-o",
-                "name",
-                "-t",
-                "filesystem",
-                "-r",
-                "-d",
-                "1",
-                &self.root,
-            ],
-        )?;
-        let mut orphans: Vec<(u64, String)> = out
-            .lines()
-            .filter_map(|l| {
-                let id: u64 = l.strip_prefix(&format!("{}/", self.root))?.parse().ok()?;
-                (!known.contains_key(&id)).then(|| (id, l.to_owned()))
-            })
+        let mut orphans: Vec<(u64, String)> = children(&self.root)?
+            .into_iter()
+            .filter(|(id, _)| !known.contains_key(id))
             .collect();
         // Clones have larger ids than their origins: destroy them first.
         orphans.sort_by_key(|o| std::cmp::Reverse(o.0));

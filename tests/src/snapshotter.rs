@@ -48,14 +48,8 @@ impl Snapshotter {
         )
     }
 
-    /// (Re)starts the process; `crash_at` arms a crash point.
-    pub fn spawn(&mut self, crash_at: Option<&str>) {
-        let _ = std::fs::remove_file(&self.socket);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.state.with_file_name("snapshotter.log"))
-            .expect("open snapshotter log");
+    /// The command that starts the process (its socket, dataset and state).
+    pub fn command(&self) -> Command {
         let mut cmd = Command::new(bin_dir().join("containerd-crab-snapshotter"));
         cmd.arg("--address")
             .arg(&self.socket)
@@ -64,9 +58,25 @@ impl Snapshotter {
             .arg("--state-dir")
             .arg(&self.state)
             .env("CRAB_CONFIG", "/nonexistent")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Its metadata database.
+    pub fn metadata(&self) -> PathBuf {
+        self.state.join("metadata.redb")
+    }
+
+    /// (Re)starts the process; `crash_at` arms a crash point.
+    pub fn spawn(&mut self, crash_at: Option<&str>) {
+        let _ = std::fs::remove_file(&self.socket);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.with_file_name("snapshotter.log"))
+            .expect("open snapshotter log");
+        let mut cmd = self.command();
+        cmd.stdout(Stdio::null()).stderr(log);
         if let Some(point) = crash_at {
             cmd.env("CRAB_SNAPSHOTTER_CRASH_AT", point);
         }

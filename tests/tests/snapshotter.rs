@@ -206,6 +206,31 @@ fn ctr_run_on_crabzfs() {
 }
 
 #[test]
+fn lost_metadata_never_destroys_the_datasets() {
+    let mut s = Setup::start();
+    s.import(crab_tests::image::busybox_archive());
+    let before = s.datasets();
+    assert!(!before.is_empty());
+    s.snap.stop();
+    let meta = s.snap.metadata();
+    let kept = meta.with_extension("kept");
+    std::fs::rename(&meta, &kept).unwrap();
+    // Started without it, the snapshotter refuses, says why, and neither
+    // destroys a dataset nor makes an empty database to find next time.
+    let out = s.snap.command().output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("metadata") && err.contains("missing"), "{err}");
+    assert_eq!(s.datasets(), before);
+    assert!(!meta.exists());
+    // With its metadata back it serves them again.
+    std::fs::rename(&kept, &meta).unwrap();
+    s.respawn(None);
+    s.assert_agree();
+    assert_eq!(s.datasets(), before);
+}
+
+#[test]
 fn crash_in_the_middle_recovers() {
     let mut s = Setup::start();
     s.import(crab_tests::image::busybox_archive());
