@@ -503,8 +503,6 @@ fn overlay_upper(mounts: &[Mount]) -> Option<PathBuf> {
     }
 }
 
-/// The template's spec for a new container: its own cgroup, and the
-/// restore annotation.
 /// Sets `annotations` for `restore`, or removes its annotations.
 fn annotate(annotations: &mut serde_json::Map<String, serde_json::Value>, restore: Option<&Restore<'_>>) {
     for key in [
@@ -523,6 +521,8 @@ fn annotate(annotations: &mut serde_json::Map<String, serde_json::Value>, restor
     }
 }
 
+/// The template's spec for a new container: its own cgroup, and the
+/// restore annotations.
 fn fork_spec(
     t: &ContainerTemplate,
     new_id: &str,

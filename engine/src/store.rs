@@ -76,6 +76,7 @@ use std::sync::Arc;
 use nix::fcntl::{Flock, FlockArg};
 use parking_lot::Mutex;
 
+pub(crate) use self::durable::replace_file;
 pub use self::error::StoreError;
 pub use self::publish::{Capture, NewVersion, PendingVersion};
 pub use self::query::{Version, VersionInfo};

@@ -88,6 +88,12 @@ pub enum ConfigError {
         /// The URL given.
         uri: String,
     },
+    /// A limit that would refuse everything.
+    #[error("{name} must be at least 1")]
+    ZeroLimit {
+        /// The setting.
+        name: &'static str,
+    },
     /// The TLS client cannot be set up with the ring provider.
     #[error("cannot set up the TLS client")]
     Tls {
@@ -95,6 +101,17 @@ pub enum ConfigError {
         #[source]
         source: rustls::Error,
     },
+}
+
+impl Limits {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_connections == 0 {
+            return Err(ConfigError::ZeroLimit {
+                name: "max_connections",
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Upstreams {

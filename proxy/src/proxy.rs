@@ -60,6 +60,7 @@ impl Proxy {
         tools: Option<Arc<dyn AgentTools>>,
     ) -> Result<Self, Error> {
         config.upstreams.validate()?;
+        config.limits.validate()?;
         let client = build_client(&config.timeouts)?;
         let inner = Inner {
             config: Arc::new(config),

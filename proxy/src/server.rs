@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -70,19 +71,30 @@ pub const MAX_HOST_CONNECTIONS: usize = 1024;
 /// before it is closed without its 503.
 const REFUSAL_TIME: Duration = Duration::from_secs(2);
 
+/// Connections over the limit being answered at once; more are closed
+/// without an answer (a connect loop cannot pile them up).
+const MAX_REFUSING: usize = 64;
+
+/// The request body a refusal reads (so that closing the connection does
+/// not reset it before the client reads the 503).
+const REFUSAL_BODY: usize = 64 << 10;
+
 /// The connections a listener (or a sandbox's listeners together) may hold
-/// at once.
+/// at once, and those over it being refused.
 #[derive(Debug, Clone)]
 pub(crate) struct Connections {
     slots: Arc<Semaphore>,
+    refusing: Arc<Semaphore>,
     limit: usize,
 }
 
 impl Connections {
-    /// At most `limit` at once.
+    /// At most `limit` at once (at least one).
     pub(crate) fn new(limit: usize) -> Self {
+        let limit = limit.clamp(1, Semaphore::MAX_PERMITS);
         Self {
             slots: Arc::new(Semaphore::new(limit)),
+            refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
             limit,
         }
     }
@@ -173,7 +185,13 @@ pub(crate) async fn accept_loop<L, S>(
         };
         let Ok(slot) = conns.slots.clone().try_acquire_owned() else {
             tracing::debug!(%peer, limit = conns.limit, "too many connections: refused");
-            tracker.spawn(refuse(stream, conns.limit));
+            if let Ok(refusing) = conns.refusing.clone().try_acquire_owned() {
+                let limit = conns.limit;
+                tracker.spawn(async move {
+                    refuse(stream, limit).await;
+                    drop(refusing);
+                });
+            }
             continue;
         };
         let service = TowerToHyperService::new(make());
@@ -202,7 +220,8 @@ pub(crate) async fn accept_loop<L, S>(
 /// it) and closes it; one that does not send its request head soon is
 /// closed without it.
 async fn refuse<T: AsyncRead + AsyncWrite + Send + Unpin + 'static>(stream: T, limit: usize) {
-    let busy = tower::service_fn(move |_req: Request<Incoming>| async move {
+    let busy = tower::service_fn(move |req: Request<Incoming>| async move {
+        let _ = Limited::new(req.into_body(), REFUSAL_BODY).collect().await;
         Ok::<_, Infallible>(Error::TooManyConnections { limit }.into_response())
     });
     let conn = http1::Builder::new()

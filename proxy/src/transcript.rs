@@ -542,11 +542,15 @@ impl Transcript {
             .map_err(failed)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let (durable_tx, durable) = watch::channel(0);
+        let len = file.metadata().await.map_err(failed)?.len();
         let writer = Writer {
             file,
             path: path.clone(),
+            len,
             max_bytes,
-            overflowed: false,
+            // Full already: its overflow line is there (or the limit was
+            // lowered); nothing more is written.
+            overflowed: len >= max_bytes,
             stats,
         };
         tracker.spawn(writer.run(rx, durable_tx));
@@ -637,6 +641,8 @@ async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
 struct Writer {
     file: tokio::fs::File,
     path: PathBuf,
+    /// The file's length: whole lines only.
+    len: u64,
     /// The size the file may grow to.
     max_bytes: u64,
     /// Whether its overflow line is written.
@@ -661,7 +667,8 @@ impl Writer {
     }
 
     async fn append(&mut self, batch: &[Entry]) {
-        let start = self.file.metadata().await.map(|m| m.len());
+        let start = self.len;
+        let overflowed_before = self.overflowed;
         let mut buf = Vec::new();
         let mut dropped = 0;
         for entry in batch {
@@ -670,7 +677,7 @@ impl Writer {
                 continue;
             };
             line.push(b'\n');
-            let size = start.as_ref().map_or(0, |s| *s) + (buf.len() + line.len()) as u64;
+            let size = start + (buf.len() + line.len()) as u64;
             if self.overflowed || size > self.max_bytes {
                 if !self.overflowed {
                     self.overflowed = true;
@@ -711,13 +718,15 @@ impl Writer {
         if let Err(error) = written {
             // A part of the batch may be there: cut it, so no torn line
             // sits between whole ones.
-            if let Ok(start) = start {
-                let _ = self.file.set_len(start).await;
-            }
+            let _ = self.file.set_len(start).await;
+            // An overflow line is lost with it: the next batch writes it.
+            self.overflowed = overflowed_before;
             self.stats.update(|s| s.n_transcript_errors += batch.len() as u64);
             let (sandbox, turn) = batch.first().map_or(("", 0), sandbox_of);
             tracing::error!(sandbox, turn, path = %self.path.display(), %error, n_entries = batch.len(), "transcript append failed");
+            return;
         }
+        self.len = start + buf.len() as u64;
     }
 }
 

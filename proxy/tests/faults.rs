@@ -327,3 +327,14 @@ async fn a_full_transcript_drops_later_records_and_says_so_once() {
     assert!(before_overflow as u64 <= max, "{before_overflow} bytes");
     assert_eq!(h.sandbox.stats().n_transcript_dropped, 12 - turns);
 }
+
+#[test]
+fn a_connection_limit_of_zero_is_refused_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = support::config("http://127.0.0.1:9", dir.path());
+    cfg.limits.max_connections = 0;
+    let err = crab_proxy::Proxy::new(cfg, std::sync::Arc::new(crab_proxy::NoopHook))
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("max_connections"), "{err}");
+}

@@ -435,17 +435,27 @@ impl Container {
     }
 
     /// [`Error::IoUring`] when a process of the container holds an
-    /// io_uring (CRIU cannot dump one): refused before CRIU starts.
-    fn refuse_io_uring(&self) -> Result<()> {
+    /// io_uring (CRIU cannot dump one): refused before the freeze and CRIU.
+    /// Off the shim's thread (it reads `/proc`, which a stalled process can
+    /// hold up), for at most [`URING_SCAN_LIMIT`]; a scan that cannot
+    /// finish leaves the verdict to CRIU. A ring made after the scan fails
+    /// CRIU's dump, with its own error.
+    async fn refuse_io_uring(&self) -> Result<()> {
         let pids = cgroup::pids(&self.cgroups_path, &self.id)?;
-        match crate::uring::find(std::path::Path::new("/proc"), &pids) {
-            None => Ok(()),
-            Some(ring) => Err(Error::IoUring {
+        let scan =
+            tokio::task::spawn_blocking(move || crate::uring::find(std::path::Path::new("/proc"), &pids));
+        match tokio::time::timeout(URING_SCAN_LIMIT, scan).await {
+            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(Some(ring))) => Err(Error::IoUring {
                 id: self.id.clone(),
                 pid: ring.pid,
                 comm: ring.comm,
                 held: ring.held,
             }),
+            Ok(Err(_)) | Err(_) => {
+                tracing::warn!("{}: the io_uring scan did not finish; CRIU decides", self.id);
+                Ok(())
+            }
         }
     }
 
@@ -576,7 +586,7 @@ impl Container {
                 reason: "no image path".to_owned(),
             });
         }
-        self.refuse_io_uring()?;
+        self.refuse_io_uring().await?;
         runtime
             .checkpoint(&self.id, &self.bundle, &image_path, &opts)
             .await
@@ -722,3 +732,6 @@ fn report_pipe() -> Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| Error::io("make crab-init's report pipe".to_owned())(e.into()))
 }
+
+/// The longest the io_uring scan before a checkpoint may take.
+const URING_SCAN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);

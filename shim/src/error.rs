@@ -223,7 +223,7 @@ pub enum Error {
     },
     /// A process of the container holds an io_uring, which CRIU cannot dump.
     #[error(
-        "{id}: process {pid} ({comm}) holds an io_uring ({held}), which CRIU cannot checkpoint; \
+        "{id}: process {pid} ({comm:?}) holds an io_uring ({held}), which CRIU cannot checkpoint; \
          Node.js (libuv) stops using io_uring with UV_USE_IO_URING=0, which crab's default [shim] env sets"
     )]
     IoUring {

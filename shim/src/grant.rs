@@ -32,14 +32,14 @@ pub fn take(
         .and_then(|a| a.get(RESTORE_TOKEN_ANNOTATION))
         .ok_or_else(|| refuse("no grant token (only crabd starts restores: crabctl resume, fork, import)"))?;
     let path = RestoreGrant::path(root, token).ok_or_else(|| refuse("the grant token is malformed"))?;
-    // Read with no symlink followed, then removed: one restore per grant.
+    // Read with no symlink followed, checked, then removed: one restore
+    // per grant, and a wrong claim leaves crabd's grant where it is.
     let bytes = read_nofollow(&path).map_err(|_| refuse("crabd holds no grant with this token"))?;
-    let _ = std::fs::remove_file(&path);
     let grant: RestoreGrant = serde_json::from_slice(&bytes).map_err(|_| refuse("the grant is corrupt"))?;
     if grant.sandbox != id || grant.namespace != namespace || grant.images != images {
         return Err(refuse("the grant is for another container or process image"));
     }
-    Ok(())
+    std::fs::remove_file(&path).map_err(|_| refuse("the grant was taken already"))
 }
 
 /// The contents of the regular file `path` (a few KiB at most), its last

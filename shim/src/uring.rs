@@ -47,9 +47,13 @@ fn ring_fd(dir: &Path) -> Option<String> {
     })
 }
 
-/// Whether the process at `dir` maps a ring.
+/// Whether the process at `dir` maps a ring: a mapping whose path field
+/// is exactly the ring's (a file named like it has a directory before it).
 fn ring_mapped(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("maps")).is_ok_and(|maps| maps.lines().any(|l| l.ends_with(RING)))
+    std::fs::read_to_string(dir.join("maps")).is_ok_and(|maps| {
+        maps.lines()
+            .any(|l| l.split_whitespace().nth(5).is_some_and(|path| path == RING))
+    })
 }
 
 #[cfg(test)]
@@ -80,6 +84,10 @@ mod tests {
         assert_eq!(find(p.path(), &[7]).unwrap().held, "a mapping");
         let p = fake("pipe:[12]", plain);
         assert_eq!(find(p.path(), &[7, 8]), None);
+        // A file the sandbox named like a ring is no ring.
+        let named = "7f5ba4cd8000-7f5ba4cd9000 rw-s 00000000 00:20 99 /tmp/anon_inode:[io_uring]\n";
+        let p = fake("/tmp/anon_inode:[io_uring]", named);
+        assert_eq!(find(p.path(), &[7]), None);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! read-only snapshots. Or a subvolume made by someone else (containerd's
 //! btrfs snapshotter) and a store directory on the same filesystem.
 //!
-//! The snapshots' directory is 0700 (root's alone): they keep the
+//! The snapshots' directory, and in crab's layout the sandbox's directory
+//! (the live subvolume's parent), are 0700 (root's alone): they keep the
 //! sandbox's files with their modes.
 //!
 //! Rollback makes a writable snapshot of the target beside the live
@@ -57,7 +58,7 @@ impl BtrfsBackend {
 
     /// Creates `dir` and its empty `live` subvolume.
     pub fn create(dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(dir).map_err(Error::io("create", dir))?;
+        private_dir(dir)?;
         let b = BtrfsBackend::new(dir);
         run(BTRFS, &["subvolume", "create", &path_str(&b.live())?])?;
         Ok(b)
@@ -102,7 +103,7 @@ impl BtrfsBackend {
     /// Creates the directory the live subvolume goes in.
     fn make_live_parent(&self) -> Result<()> {
         match self.live.parent() {
-            Some(dir) => std::fs::create_dir_all(dir).map_err(Error::io("create", dir)),
+            Some(dir) => private_dir(dir),
             None => Ok(()),
         }
     }

@@ -265,7 +265,7 @@ fn btrfs_on_a_loop_device() {
     beside.sort();
     assert_eq!(beside, ["7", "8", "9"]);
     // No other host user reaches the snapshots (setuid copies, devices).
-    for store in [mnt.join(".crab/ns/7"), mnt.join("sb/.snapshots")] {
+    for store in [mnt.join(".crab/ns/7"), mnt.join("sb/.snapshots"), mnt.join("sb")] {
         let mode = std::fs::metadata(&store).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700, "{}", store.display());
     }

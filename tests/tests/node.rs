@@ -96,7 +96,7 @@ fn a_node_process_with_timers_and_sockets_rolls_back() {
     let e = crabctl_err(&ctd, &["checkpoint", id]);
     let ring_pid = std::fs::read_to_string(format!("{root}/uring.pid")).unwrap();
     assert!(
-        e.contains("io_uring") && e.contains("UV_USE_IO_URING=0") && e.contains("(node)"),
+        e.contains("io_uring") && e.contains("UV_USE_IO_URING=0") && e.contains("(\"node\")"),
         "{e}"
     );
     assert_eq!(

@@ -84,7 +84,7 @@ impl Registry {
         for entry in std::fs::read_dir(dir)? {
             let path = entry?.path();
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            if name.starts_with('.') && name.ends_with(".json.tmp") {
+            if name.ends_with(".json.tmp") {
                 // A write cut short: its rename never happened.
                 let _ = std::fs::remove_file(&path);
                 continue;
@@ -140,19 +140,18 @@ impl Registry {
         Ok(true)
     }
 
-    /// Writes `entry`'s file (the caller holds the table's lock, so one
-    /// temporary name is enough).
+    /// Writes `entry`'s file durably (fsynced, renamed into place, the
+    /// directory fsynced: a host crash leaves the old entry or the new
+    /// one). The caller holds the table's lock, so one temporary name is
+    /// enough.
     fn write(&self, entry: &Entry) -> Result<(), ApiError> {
         let id = &entry.registration.id;
         let path = self.dir.join(format!("{id}.json"));
-        let tmp = self.dir.join(format!(".{id}.json.tmp"));
         let bytes = serde_json::to_vec_pretty(entry).expect("an entry always serializes");
-        std::fs::write(&tmp, bytes)
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|source| ApiError::Io {
-                op: "record the registration",
-                source,
-            })
+        crate::store::replace_file(&path, &bytes).map_err(|e| ApiError::Io {
+            op: "record the registration",
+            source: std::io::Error::other(e),
+        })
     }
 
     /// Forgets sandbox `id` if `still(entry)` holds for its entry (checked

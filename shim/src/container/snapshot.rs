@@ -90,6 +90,9 @@ impl Container {
             // Refused before the freeze, with the reason.
             self.rootfs.check_backend(&self.id)?;
         }
+        if req.images_dir.is_some() {
+            self.refuse_io_uring().await?;
+        }
         let t0 = Instant::now();
         self.freeze_for_capture(runtime).await?;
         let frozen_at = Instant::now();
@@ -133,7 +136,6 @@ impl Container {
                 ..Default::default()
             };
             let t = Instant::now();
-            self.refuse_io_uring()?;
             runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
             tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
         }
