@@ -237,3 +237,84 @@ fn an_agent_inside_is_restored_and_told() {
     drop(ctd);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// A turn whose checkpoint fails (here: a process holds an io_uring, which
+/// CRIU cannot dump) cannot be judged: with rules set its answer is
+/// withheld, so a sandbox cannot dodge the rules by making its capture
+/// fail; once the capture works again, turns go live.
+#[test]
+fn a_turn_that_cannot_be_captured_is_withheld() {
+    assert!(
+        Path::new("/usr/bin/node").exists(),
+        "/usr/bin/node missing: run packaging/install-deps.sh (it installs nodejs)"
+    );
+    let answers = (1..=4).map(|i| completion(&format!("answer{i}"))).collect();
+    let llm = ScriptedLlm::scripted(answers);
+    let (ctd, base) = containerd();
+    let id = "unjudged";
+    let upstream = format!("OPENAI_BASE_URL=http://127.0.0.1:{}/v1", llm.port);
+    ctd.ctr_ok(&[
+        "image",
+        "import",
+        &crab_tests::image::devbox_archive().to_string_lossy(),
+    ]);
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--env",
+        &upstream,
+        "--runtime",
+        CRAB,
+        "--mount",
+        "type=bind,src=/usr,dst=/usr,options=rbind:ro",
+        crab_tests::image::DEVBOX,
+        id,
+        "sleep",
+        "3600",
+    ]);
+    wait_registered(&ctd, id);
+    let url = proxy_url(&ctd, id);
+    let (port, prefix) = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|r| r.split_once('/'))
+        .expect("a loopback URL");
+    let port: u16 = port.parse().expect("a port");
+    let ask = |turn: u32| {
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"step {turn}"}}]}}"#);
+        let (status, answer) = request(
+            port,
+            "POST",
+            &format!("/{prefix}/v1/chat/completions"),
+            &format!("127.0.0.1:{port}"),
+            &[],
+            Some(&body),
+        );
+        assert_eq!(status, 200, "{answer}");
+        content(&answer)
+    };
+    assert_eq!(ask(1), "answer1");
+
+    let ring = "const fs = require('fs'); fs.writeFileSync('/tmp/uring.pid', String(process.pid)); \
+                fs.readFile('/tmp/uring.pid', () => fs.writeFileSync('/tmp/uring-ready', '1')); \
+                setInterval(() => {}, 1000);";
+    exec_sh(
+        &ctd,
+        id,
+        &format!(
+            "cd /tmp && (UV_USE_IO_URING=1 node -e \"{ring}\" > /tmp/uring.log 2>&1 &); \
+             i=0; while [ ! -e /tmp/uring-ready ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; \
+             [ -e /tmp/uring-ready ]"
+        ),
+    );
+    let told = ask(2);
+    assert!(told.contains("could not be checked"), "{told}");
+    let safety = entries(&ctd, &base, id, "safety");
+    assert_eq!(safety.len(), 1, "{safety:?}");
+
+    exec_sh(&ctd, id, "kill $(cat /tmp/uring.pid)");
+    assert_eq!(ask(3), "answer3", "a turn that can be captured goes live");
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    drop(ctd);
+    let _ = std::fs::remove_dir_all(&base);
+}

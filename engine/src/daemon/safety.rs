@@ -147,6 +147,53 @@ impl Daemon {
         }
     }
 
+    /// A turn whose capture failed while rules are set: what it changed
+    /// cannot be judged, so its answer is withheld (fails closed; the
+    /// sandbox cannot dodge the rules by making its checkpoint fail) and
+    /// the notice says so. None when no rule is set, or the sandbox has
+    /// no version to name (its first turn): the turn end fails as before.
+    /// The error stays in crabd's log (it names host paths).
+    pub(super) async fn unjudged(&self, reg: &Registration, error: &ApiError) -> Option<CheckpointReport> {
+        if !self.config.safety.any() {
+            return None;
+        }
+        let clean = self.clean.lock().get(&reg.id).copied();
+        let store = self.store.clone();
+        let sid = reg.id.clone();
+        let record = blocking(move || {
+            Ok(match clean {
+                Some(n) => store.record(&sid, n)?,
+                None => store.versions(&sid)?.into_iter().rev().find_map(|v| v.record),
+            })
+        })
+        .await
+        .ok()
+        .flatten()?;
+        tracing::error!(sandbox = %reg.id, error = %crab_api::error_chain(error), "the turn could not be captured: its answer is withheld (safety rules are set)");
+        let breach = Breach {
+            rule: "safety check".into(),
+            what: "the turn's checkpoint failed".into(),
+        };
+        let notice = self
+            .config
+            .safety
+            .notice
+            .replace("{rule}", &breach.rule)
+            .replace("{what}", &format!("{:?}", breach.what));
+        let made = CheckpointReport {
+            version: record,
+            frozen_ms: 0.0,
+            total_ms: 0.0,
+            rolled_back: None,
+        };
+        Some(withheld(
+            made,
+            breach,
+            &notice,
+            "what the turn changed could not be checked",
+        ))
+    }
+
     /// The first protected path whose entry differs between version
     /// `made`'s files and version `baseline`'s (both snapshots crabd or
     /// the backend keeps, which the sandbox cannot change; overlay and

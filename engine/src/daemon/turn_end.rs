@@ -361,7 +361,13 @@ impl Daemon {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
             ..e
         });
-        let version = self.turn_version(reg, class, end, slot).await?;
+        let version = match self.turn_version(reg, class, end, slot).await {
+            Ok(version) => version,
+            Err(e) => match self.unjudged(reg, &e).await {
+                Some(withheld) => return Ok((withheld, report)),
+                None => return Err(e),
+            },
+        };
         // Judged on what was captured (static, crabd's own), not on the
         // live tree the sandbox can still change.
         let inside = batch.iter().any(|w| w.end.inside);
