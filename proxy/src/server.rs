@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -74,10 +74,6 @@ const REFUSAL_TIME: Duration = Duration::from_secs(2);
 /// Connections over the limit being answered at once; more are closed
 /// without an answer (a connect loop cannot pile them up).
 const MAX_REFUSING: usize = 64;
-
-/// The request body a refusal reads (so that closing the connection does
-/// not reset it before the client reads the 503).
-const REFUSAL_BODY: usize = 64 << 10;
 
 /// The connections a listener (or a sandbox's listeners together) may hold
 /// at once, and those over it being refused.
@@ -217,11 +213,15 @@ pub(crate) async fn accept_loop<L, S>(
 }
 
 /// Answers a connection over the limit with a 503 (the agent's SDK retries
-/// it) and closes it; one that does not send its request head soon is
-/// closed without it.
+/// it) and closes it. Its request body is read first (and dropped), so the
+/// close does not reset the connection before the client reads the 503;
+/// one that does not send its request within [`REFUSAL_TIME`] is closed
+/// without it.
 async fn refuse<T: AsyncRead + AsyncWrite + Send + Unpin + 'static>(stream: T, limit: usize) {
     let busy = tower::service_fn(move |req: Request<Incoming>| async move {
-        let _ = Limited::new(req.into_body(), REFUSAL_BODY).collect().await;
+        // Read and dropped (within REFUSAL_TIME), never kept.
+        let mut body = req.into_body();
+        while let Some(Ok(_)) = body.frame().await {}
         Ok::<_, Infallible>(Error::TooManyConnections { limit }.into_response())
     });
     let conn = http1::Builder::new()

@@ -239,9 +239,10 @@ fn an_agent_inside_is_restored_and_told() {
 }
 
 /// A turn whose checkpoint fails (here: a process holds an io_uring, which
-/// CRIU cannot dump) cannot be judged: with rules set its answer is
-/// withheld, so a sandbox cannot dodge the rules by making its capture
-/// fail; once the capture works again, turns go live.
+/// CRIU cannot dump) cannot be judged on its files: with rules set its
+/// answer is withheld, and what the inspector saw still breaks rules (a
+/// forbidden command left running is rolled back), so a sandbox cannot
+/// dodge the rules by making its capture fail.
 #[test]
 fn a_turn_that_cannot_be_captured_is_withheld() {
     assert!(
@@ -308,11 +309,23 @@ fn a_turn_that_cannot_be_captured_is_withheld() {
     );
     let told = ask(2);
     assert!(told.contains("could not be checked"), "{told}");
-    let safety = entries(&ctd, &base, id, "safety");
-    assert_eq!(safety.len(), 1, "{safety:?}");
 
-    exec_sh(&ctd, id, "kill $(cat /tmp/uring.pid)");
-    assert_eq!(ask(3), "answer3", "a turn that can be captured goes live");
+    // Still uncapturable, and now also a forbidden command left running:
+    // what the inspector saw is judged, and the sandbox goes back to its
+    // last clean version (turn 1's: neither process).
+    exec_sh(
+        &ctd,
+        id,
+        "printf '#!/bin/sh\\nwhile :; do sleep 1; done\\n' > /tmp/nc; chmod +x /tmp/nc; \
+         (/tmp/nc > /dev/null 2>&1 &); sleep 0.2",
+    );
+    let told = ask(3);
+    assert!(told.contains("rolled back") && told.contains("nc"), "{told}");
+    let ps = exec_sh(&ctd, id, "ps");
+    assert!(!ps.contains("/tmp/nc") && !ps.contains("node"), "{ps}");
+    assert_eq!(ask(4), "answer4", "a turn that can be captured goes live");
+    let safety = entries(&ctd, &base, id, "safety");
+    assert_eq!(safety.len(), 2, "{safety:?}");
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
     drop(ctd);

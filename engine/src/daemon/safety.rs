@@ -84,6 +84,25 @@ impl Daemon {
             self.breaches.lock().remove(&reg.id);
             return made;
         };
+        self.undo(reg, made, breach, baseline, inside, true).await
+    }
+
+    /// Puts sandbox `reg` back to `baseline` (its last clean version)
+    /// because of `breach`, and answers the rollback; withholds the answer
+    /// when it cannot (no baseline, a breach in every rollback, a failed
+    /// restore). `made` stands for the turn. `keep_undo`: the restore
+    /// takes an undo checkpoint first (not when the turn's own capture
+    /// failed: that one would fail the same way). The caller holds the
+    /// lock.
+    async fn undo(
+        self: &Arc<Self>,
+        reg: &Registration,
+        made: CheckpointReport,
+        breach: Breach,
+        baseline: Option<u64>,
+        inside: bool,
+        keep_undo: bool,
+    ) -> CheckpointReport {
         let streak = {
             let mut b = self.breaches.lock();
             let n = b.entry(reg.id.clone()).or_default();
@@ -114,7 +133,7 @@ impl Daemon {
             .restore_version(
                 reg,
                 Pick::Sel(VersionSel::Number(target)),
-                true,
+                keep_undo,
                 Some(inside.then(|| notice.clone())),
             )
             .await;
@@ -147,29 +166,56 @@ impl Daemon {
         }
     }
 
-    /// A turn whose capture failed while rules are set: what it changed
-    /// cannot be judged, so its answer is withheld (fails closed; the
-    /// sandbox cannot dodge the rules by making its checkpoint fail) and
-    /// the notice says so. None when no rule is set, or the sandbox has
-    /// no version to name (its first turn): the turn end fails as before.
-    /// The error stays in crabd's log (it names host paths).
-    pub(super) async fn unjudged(&self, reg: &Registration, error: &ApiError) -> Option<CheckpointReport> {
-        if !self.config.safety.any() {
+    /// A turn whose capture failed while rules are set (fails closed: a
+    /// sandbox cannot dodge the rules by making its checkpoint fail). What
+    /// the inspector saw is judged: a breach is undone as in a captured
+    /// turn (back to the last clean version); else, as its files cannot be
+    /// judged, the answer is withheld and the notice says so. None when no
+    /// rule is set, the failure is crabd's own race or a rootfs no backend
+    /// can capture (the turn end fails as before), or the sandbox has no
+    /// version at all (its first turn). The error stays in crabd's log (it
+    /// names host paths). The caller holds the sandbox's lock.
+    pub(super) async fn unjudged(
+        self: &Arc<Self>,
+        reg: &Registration,
+        report: &TurnReport,
+        inside: bool,
+        error: &ApiError,
+    ) -> Option<CheckpointReport> {
+        if !self.config.safety.any()
+            || matches!(error, ApiError::NoFsBackend { .. } | ApiError::HeadMoved { .. })
+        {
             return None;
         }
         let clean = self.clean.lock().get(&reg.id).copied();
         let store = self.store.clone();
         let sid = reg.id.clone();
+        // The last clean version, else (pruned, or crabd restarted) the
+        // newest one: the version the verdict names.
         let record = blocking(move || {
-            Ok(match clean {
+            let clean = match clean {
                 Some(n) => store.record(&sid, n)?,
+                None => None,
+            };
+            Ok(match clean {
+                Some(r) => Some(r),
                 None => store.versions(&sid)?.into_iter().rev().find_map(|v| v.record),
             })
         })
         .await
         .ok()
         .flatten()?;
-        tracing::error!(sandbox = %reg.id, error = %crab_api::error_chain(error), "the turn could not be captured: its answer is withheld (safety rules are set)");
+        tracing::error!(sandbox = %reg.id, error = %crab_api::error_chain(error), "the turn could not be captured: judged on what the inspector saw (safety rules are set)");
+        let made = CheckpointReport {
+            version: record,
+            frozen_ms: 0.0,
+            total_ms: 0.0,
+            rolled_back: None,
+        };
+        if let Some(breach) = from_reasons(&self.config.safety, report) {
+            let baseline = Some(made.version.version);
+            return Some(self.undo(reg, made, breach, baseline, inside, false).await);
+        }
         let breach = Breach {
             rule: "safety check".into(),
             what: "the turn's checkpoint failed".into(),
@@ -180,12 +226,6 @@ impl Daemon {
             .notice
             .replace("{rule}", &breach.rule)
             .replace("{what}", &format!("{:?}", breach.what));
-        let made = CheckpointReport {
-            version: record,
-            frozen_ms: 0.0,
-            total_ms: 0.0,
-            rolled_back: None,
-        };
         Some(withheld(
             made,
             breach,

@@ -361,16 +361,16 @@ impl Daemon {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
             ..e
         });
+        let inside = batch.iter().any(|w| w.end.inside);
         let version = match self.turn_version(reg, class, end, slot).await {
             Ok(version) => version,
-            Err(e) => match self.unjudged(reg, &e).await {
-                Some(withheld) => return Ok((withheld, report)),
+            Err(e) => match self.unjudged(reg, &report, inside, &e).await {
+                Some(verdict) => return Ok((verdict, report)),
                 None => return Err(e),
             },
         };
         // Judged on what was captured (static, crabd's own), not on the
         // live tree the sandbox can still change.
-        let inside = batch.iter().any(|w| w.end.inside);
         let version = self.enforce(reg, &report, version, inside).await;
         Ok((version, report))
     }
