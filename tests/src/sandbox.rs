@@ -233,3 +233,14 @@ pub fn proxy_url(ctd: &Containerd, id: &str) -> String {
         .expect("a proxy url")
         .to_owned()
 }
+
+/// Sandbox `id`'s proxy URL split: the host listener's port and the path
+/// prefix (`s/<id>/<secret>`, no leading slash).
+pub fn proxy_endpoint(ctd: &Containerd, id: &str) -> (u16, String) {
+    let url = proxy_url(ctd, id);
+    let (port, prefix) = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|r| r.split_once('/'))
+        .expect("a loopback URL");
+    (port.parse().expect("a port"), prefix.to_owned())
+}

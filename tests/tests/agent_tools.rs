@@ -13,7 +13,7 @@ use crab_tests::http::{request, request_in};
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
-    ask, crabctl_ok, exec_sh, proxy_url, run_stateful, tree_digest, wait_registered, STORE,
+    ask, crabctl_ok, exec_sh, proxy_endpoint, run_stateful, tree_digest, wait_registered, STORE,
 };
 use crab_tests::{Containerd, CRAB};
 use serde_json::{json, Value};
@@ -191,12 +191,7 @@ fn an_agent_rolls_its_files_back_and_keeps_running() {
 
     // From outside, through crabd's host listener, the whole sandbox goes
     // back: the store forgets what it learnt after v1.
-    let url = proxy_url(&ctd, id);
-    let (port, prefix) = url
-        .strip_prefix("http://127.0.0.1:")
-        .and_then(|r| r.split_once('/'))
-        .expect("a loopback URL");
-    let port: u16 = port.parse().expect("a port");
+    let (port, prefix) = proxy_endpoint(&ctd, id);
     let (status, whole) = request(
         port,
         "POST",

@@ -11,7 +11,7 @@ use crab_tests::http::request;
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::llm::{completion, ScriptedLlm};
-use crab_tests::sandbox::{crabctl, exec_sh, proxy_url, wait_registered};
+use crab_tests::sandbox::{crabctl, exec_sh, proxy_endpoint, wait_registered};
 use crab_tests::{Containerd, CRAB};
 use serde_json::Value;
 
@@ -41,6 +41,22 @@ fn content(answer: &Value) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("not a chat completion: {answer}"))
         .to_owned()
+}
+
+/// Turn `turn` of an agent outside the sandbox, through its proxy URL
+/// (`port`, `prefix`): the answer's text.
+fn ask_outside(port: u16, prefix: &str, turn: u32) -> String {
+    let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"step {turn}"}}]}}"#);
+    let (status, answer) = request(
+        port,
+        "POST",
+        &format!("/{prefix}/v1/chat/completions"),
+        &format!("127.0.0.1:{port}"),
+        &[],
+        Some(&body),
+    );
+    assert_eq!(status, 200, "{answer}");
+    content(&answer)
 }
 
 fn metric(ctd: &Containerd, name: &str) -> f64 {
@@ -76,26 +92,11 @@ fn a_turn_that_breaks_a_rule_is_rolled_back_and_the_agent_told() {
         "3600",
     ]);
     wait_registered(&ctd, id);
-    let url = proxy_url(&ctd, id);
-    let (port, prefix) = url
-        .strip_prefix("http://127.0.0.1:")
-        .and_then(|r| r.split_once('/'))
-        .expect("a loopback URL");
-    let port: u16 = port.parse().expect("a port");
+    let (port, prefix) = proxy_endpoint(&ctd, id);
     let mut turn = 0;
     let mut ask = || {
         turn += 1;
-        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"step {turn}"}}]}}"#);
-        let (status, answer) = request(
-            port,
-            "POST",
-            &format!("/{prefix}/v1/chat/completions"),
-            &format!("127.0.0.1:{port}"),
-            &[],
-            Some(&body),
-        );
-        assert_eq!(status, 200, "{answer}");
-        content(&answer)
+        ask_outside(port, &prefix, turn)
     };
     let passwd = || exec_sh(&ctd, id, "cat /etc/passwd");
 
@@ -274,25 +275,8 @@ fn a_turn_that_cannot_be_captured_is_withheld() {
         "3600",
     ]);
     wait_registered(&ctd, id);
-    let url = proxy_url(&ctd, id);
-    let (port, prefix) = url
-        .strip_prefix("http://127.0.0.1:")
-        .and_then(|r| r.split_once('/'))
-        .expect("a loopback URL");
-    let port: u16 = port.parse().expect("a port");
-    let ask = |turn: u32| {
-        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"step {turn}"}}]}}"#);
-        let (status, answer) = request(
-            port,
-            "POST",
-            &format!("/{prefix}/v1/chat/completions"),
-            &format!("127.0.0.1:{port}"),
-            &[],
-            Some(&body),
-        );
-        assert_eq!(status, 200, "{answer}");
-        content(&answer)
-    };
+    let (port, prefix) = proxy_endpoint(&ctd, id);
+    let ask = |turn: u32| ask_outside(port, &prefix, turn);
     assert_eq!(ask(1), "answer1");
 
     let ring = "const fs = require('fs'); fs.writeFileSync('/tmp/uring.pid', String(process.pid)); \
