@@ -559,6 +559,7 @@ impl Container {
         }
         let mut opts = CheckpointOpts {
             crab_init: self.init_is_crab_init(),
+            init_pid: Some(self.init.pid),
             ..Default::default()
         };
         let mut image_path = PathBuf::from(&req.path);

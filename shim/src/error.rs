@@ -120,6 +120,15 @@ pub enum Error {
         /// The deadline.
         secs: u64,
     },
+    /// The container's init started dying while a helper worked on it (a
+    /// dump is abandoned: CRIU is stopped, nothing is published).
+    #[error("{op} {id}: the container's init was killed during the operation")]
+    InitDied {
+        /// The operation.
+        op: &'static str,
+        /// Container id.
+        id: String,
+    },
     /// An in-process libcontainer call failed (kill, pause, resume).
     #[error("{op} {id}")]
     Libcontainer {
@@ -290,6 +299,7 @@ impl Error {
             Error::BadState { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::Finished { .. } => ttrpc::Code::NOT_FOUND,
             Error::RuntimeTimeout { .. } => ttrpc::Code::DEADLINE_EXCEEDED,
+            Error::InitDied { .. } => ttrpc::Code::ABORTED,
             Error::Unsupported { .. } => ttrpc::Code::UNIMPLEMENTED,
             Error::Proxy { .. } => ttrpc::Code::UNAVAILABLE,
             Error::Libcontainer { .. }

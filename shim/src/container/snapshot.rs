@@ -133,6 +133,7 @@ impl Container {
                 work_path: Some(self.criu_work_dir()),
                 tcp_established: true,
                 crab_init: self.init_is_crab_init(),
+                init_pid: Some(self.init.pid),
                 ..Default::default()
             };
             let t = Instant::now();

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::signal::{kill, Signal};
+use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::protocol::{self, Dump, Op, Reply, Request};
@@ -50,6 +50,10 @@ pub struct CheckpointOpts {
     pub file_locks: bool,
     /// The init is crab-init (its report pipe is recorded).
     pub crab_init: bool,
+    /// The running init's pid, when the tree is left running: if it starts
+    /// dying during the dump, CRIU is stopped at once (a killed init can
+    /// leave CRIU waiting forever for it to trap).
+    pub init_pid: Option<i32>,
 }
 
 /// How to restore.
@@ -140,7 +144,11 @@ impl RuntimeClient {
             file_locks: opts.file_locks,
             crab_init: opts.crab_init,
         });
-        self.done(id, work_dir, op).await
+        let watch = opts.init_pid.filter(|_| !opts.exit);
+        match self.invoke(id, work_dir, op, Stdio::null(), None, watch).await? {
+            (_, Reply::Done) => Ok(()),
+            (name, other) => Err(unexpected(name, id, &other)),
+        }
     }
 
     /// Restores container `id`'s processes from `image_path` (its previous
@@ -168,7 +176,7 @@ impl RuntimeClient {
     /// runs commands); returns its answer, if it has one.
     pub async fn fs(&self, id: &str, work_dir: &Path, op: &crate::fsop::FsOp) -> Result<Option<String>> {
         let op = Op::Fs { fs: op.clone() };
-        match self.invoke(id, work_dir, op, Stdio::null(), None).await? {
+        match self.invoke(id, work_dir, op, Stdio::null(), None, None).await? {
             (_, Reply::Answer { text }) => Ok(text.filter(|a| !a.is_empty())),
             (name, other) => Err(unexpected(name, id, &other)),
         }
@@ -219,7 +227,7 @@ impl RuntimeClient {
 
     /// Runs `op`, which answers nothing.
     async fn done(&self, id: &str, work_dir: &Path, op: Op) -> Result<()> {
-        match self.invoke(id, work_dir, op, Stdio::null(), None).await? {
+        match self.invoke(id, work_dir, op, Stdio::null(), None, None).await? {
             (_, Reply::Done) => Ok(()),
             (name, other) => Err(unexpected(name, id, &other)),
         }
@@ -232,7 +240,7 @@ impl RuntimeClient {
         let _spawning = self.exits.spawning();
         let channel = launch.crab_init.map(|(_, fd)| fd);
         match self
-            .invoke(id, launch.work_dir, op, launch.stdio, channel)
+            .invoke(id, launch.work_dir, op, launch.stdio, channel, None)
             .await?
         {
             (_, Reply::Launched { pid }) => Ok((pid, self.exits.watch(pid))),
@@ -241,7 +249,11 @@ impl RuntimeClient {
     }
 
     /// Runs one helper for `op` and answers its reply; a failure it
-    /// reports is an [`Error::Runtime`] of its kind.
+    /// reports is an [`Error::Runtime`] of its kind. The helper leads its
+    /// own process group, so a helper that overruns the deadline (or whose
+    /// `watch`ed process starts dying) is killed with everything it started
+    /// that has not left the group (CRIU, `zfs`): nothing orphaned keeps
+    /// working on the container after the call has failed.
     #[tracing::instrument(level = "debug", skip_all, fields(helper = op_name(&op), sandbox = id))]
     async fn invoke(
         &self,
@@ -250,6 +262,7 @@ impl RuntimeClient {
         op: Op,
         stdio: Stdio,
         channel: Option<OwnedFd>,
+        watch: Option<i32>,
     ) -> Result<(&'static str, Reply)> {
         let name = op_name(&op);
         let n = self.n_calls.fetch_add(1, Ordering::Relaxed);
@@ -274,7 +287,8 @@ impl RuntimeClient {
             .arg(&reply_path)
             .arg("--request")
             .arg(serde_json::to_string(&request).expect("a request serializes"))
-            .current_dir(work_dir);
+            .current_dir(work_dir)
+            .process_group(0);
         if criu_op {
             self.configure_criu(&mut cmd, work_dir)?;
         }
@@ -326,17 +340,30 @@ impl RuntimeClient {
         drop(channel);
         let exit = self.exits.watch(pid);
         drop(guard);
-        let code = match tokio::time::timeout(self.timeout, exit).await {
-            Ok(Ok(exit)) => exit.code,
-            Ok(Err(_)) => unreachable!("the exit router lives as long as the shim"),
-            Err(_) => {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-                let _ = std::fs::remove_file(&reply_path);
-                return Err(Error::RuntimeTimeout {
+        let stopped = |error: Error| {
+            // The group is the helper's pid: it is alive (not yet reaped),
+            // so no other group can have taken that id.
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            let _ = std::fs::remove_file(&reply_path);
+            Err(error)
+        };
+        let code = tokio::select! {
+            waited = tokio::time::timeout(self.timeout, exit) => match waited {
+                Ok(Ok(exit)) => exit.code,
+                Ok(Err(_)) => unreachable!("the exit router lives as long as the shim"),
+                Err(_) => {
+                    return stopped(Error::RuntimeTimeout {
+                        op: name,
+                        id: id.to_owned(),
+                        secs: self.timeout.as_secs(),
+                    })
+                }
+            },
+            () = dying(watch) => {
+                return stopped(Error::InitDied {
                     op: name,
                     id: id.to_owned(),
-                    secs: self.timeout.as_secs(),
-                });
+                })
             }
         };
         let bytes = std::fs::read(&reply_path);
@@ -379,6 +406,41 @@ fn op_name(op: &Op) -> &'static str {
     }
 }
 
+/// How often a watched init is looked at during a helper's call.
+const WATCH_PERIOD: Duration = Duration::from_millis(20);
+
+/// Resolves once process `pid` has started to die (it is exiting, a zombie,
+/// gone, or has SIGKILL pending, which a frozen process keeps until it is
+/// thawed); never for `None`.
+async fn dying(pid: Option<i32>) {
+    let Some(pid) = pid else {
+        return std::future::pending().await;
+    };
+    while !is_dying(pid) {
+        tokio::time::sleep(WATCH_PERIOD).await;
+    }
+}
+
+/// Whether process `pid` has started to die (see [`dying`]).
+fn is_dying(pid: i32) -> bool {
+    /// The kernel's `PF_EXITING` task flag.
+    const PF_EXITING: u32 = 0x4;
+    /// SIGKILL's bit in a pending-signal mask.
+    const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
+    let Ok(process) = procfs::process::Process::new(pid) else {
+        return true;
+    };
+    let Ok(stat) = process.stat() else {
+        return true;
+    };
+    if stat.flags & PF_EXITING != 0 || matches!(stat.state, 'Z' | 'X' | 'x') {
+        return true;
+    }
+    process
+        .status()
+        .map_or(true, |s| (s.shdpnd | s.sigpnd) & SIGKILL_BIT != 0)
+}
+
 /// A reply that is not the one `op` gives (a helper of another version).
 fn unexpected(op: &'static str, id: &str, reply: &Reply) -> Error {
     Error::Runtime {
@@ -402,5 +464,140 @@ impl Launch<'_> {
             unified_cgroup: self.unified_cgroup.map(Path::to_owned),
             crab_init: self.crab_init.as_ref().map(|(p, _)| *p),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::Child;
+    use std::time::Instant;
+
+    use super::*;
+
+    /// A helper that never finishes: it starts a `sleep` in its group,
+    /// records the sleep's pid in `pidfile`, and waits.
+    fn stuck_helper(dir: &Path) -> (PathBuf, PathBuf) {
+        let pidfile = dir.join("grandchild.pid");
+        let exe = dir.join("helper.sh");
+        let script = format!(
+            "#!/bin/sh\nsleep 1000 >/dev/null 2>&1 &\necho $! > {}.tmp\nmv {0}.tmp {0}\nwait\n",
+            pidfile.display()
+        );
+        std::fs::write(&exe, script).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (exe, pidfile)
+    }
+
+    /// Waits (10 s at most) until process `pid` is gone or a zombie.
+    fn ends(pid: i32) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match procfs::process::Process::new(pid).and_then(|p| p.stat()) {
+                Ok(stat) if stat.state != 'Z' => std::thread::sleep(Duration::from_millis(20)),
+                _ => return true,
+            }
+        }
+        false
+    }
+
+    fn grandchild(pidfile: &Path) -> i32 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(pidfile) {
+                return text.trim().parse().unwrap();
+            }
+            assert!(Instant::now() < deadline, "the helper never started its sleep");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn client(exe: PathBuf, dir: &Path, timeout: Duration) -> RuntimeClient {
+        RuntimeClient::new(exe, dir.join("root"), timeout, Arc::new(ExitRouter::default()))
+    }
+
+    fn dump_opts(init: &Child) -> CheckpointOpts {
+        CheckpointOpts {
+            init_pid: Some(init.id() as i32),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_dump_stops_when_the_init_is_killed_and_takes_criu_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (exe, pidfile) = stuck_helper(dir.path());
+        let runtime = client(exe, dir.path(), Duration::from_secs(3600));
+        let mut init = Command::new("sleep").arg("1000").spawn().unwrap();
+        let images = dir.path().join("images");
+        let opts = dump_opts(&init);
+        let dump = runtime.checkpoint("c1", dir.path(), &images, &opts);
+        let kill_init = async {
+            let helper_child = tokio::task::spawn_blocking({
+                let pidfile = pidfile.clone();
+                move || grandchild(&pidfile)
+            })
+            .await
+            .unwrap();
+            assert!(!is_dying(init.id() as i32), "a running init is not dying");
+            init.kill().unwrap();
+            helper_child
+        };
+        let (result, helper_child) = tokio::join!(dump, kill_init);
+        let err = result.expect_err("the dump of a killed init fails");
+        assert!(matches!(err, Error::InitDied { op: "checkpoint", .. }), "{err}");
+        assert!(ends(helper_child), "what the helper started is killed with it");
+        init.wait().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_helper_past_its_deadline_is_killed_with_its_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let (exe, pidfile) = stuck_helper(dir.path());
+        let runtime = client(exe, dir.path(), Duration::from_millis(300));
+        let mut init = Command::new("sleep").arg("1000").spawn().unwrap();
+        let images = dir.path().join("images");
+        let err = runtime
+            .checkpoint("c1", dir.path(), &images, &dump_opts(&init))
+            .await
+            .expect_err("a stuck helper times out");
+        assert!(matches!(err, Error::RuntimeTimeout { .. }), "{err}");
+        assert!(
+            ends(grandchild(&pidfile)),
+            "what the helper started is killed with it"
+        );
+        assert!(!is_dying(init.id() as i32), "the watched init was left alone");
+        init.kill().unwrap();
+        init.wait().unwrap();
+    }
+
+    #[test]
+    fn a_frozen_process_with_sigkill_pending_is_dying() {
+        // cgroup v1's freezer keeps a killed task frozen until it is thawed:
+        // only its pending SIGKILL tells.
+        let freezer = Path::new("/sys/fs/cgroup/freezer");
+        assert!(freezer.is_dir(), "this host has the v1 freezer (ENVIRONMENT.md)");
+        let cgroup = freezer.join(format!("crab-dying-test-{}", std::process::id()));
+        std::fs::create_dir(&cgroup).unwrap();
+        let mut child = Command::new("sleep").arg("1000").spawn().unwrap();
+        let pid = child.id() as i32;
+        std::fs::write(cgroup.join("cgroup.procs"), pid.to_string()).unwrap();
+        std::fs::write(cgroup.join("freezer.state"), "FROZEN").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(cgroup.join("freezer.state"))
+            .unwrap()
+            .trim()
+            != "FROZEN"
+        {
+            assert!(Instant::now() < deadline, "the cgroup never froze");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!is_dying(pid), "a frozen process is not dying");
+        nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+        let dying = is_dying(pid);
+        std::fs::write(cgroup.join("freezer.state"), "THAWED").unwrap();
+        child.wait().unwrap();
+        std::fs::remove_dir(&cgroup).unwrap();
+        assert!(dying, "a frozen process with SIGKILL pending is dying");
     }
 }
