@@ -556,12 +556,25 @@ pub struct ImportQuery {
     /// `security.*`/`trusted.*` xattrs (refused by default).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_privileged_files: bool,
-    /// The archive comes from a host the importer trusts: its process
-    /// images are restored by CRIU as root, with the credentials and
-    /// mounts they record, which no check of the archive can vouch for.
-    /// Refused unless true.
+    /// Import an archive that no trusted key signed (unsigned, or signed
+    /// by a host this one does not trust): its process images are restored
+    /// by CRIU as root, with the credentials and mounts they record.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub trusted: bool,
+    pub insecure_unsigned: bool,
+}
+
+/// `GET /v1/keys`: the key this host signs its exports with, and those
+/// whose exports it imports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostKeys {
+    /// This host's Ed25519 public key, lower-case hex (put it in a file in
+    /// another host's trusted directory to have that host import this
+    /// one's exports).
+    pub export_key: String,
+    /// The directory of trusted keys (one file per key).
+    pub trusted_dir: PathBuf,
+    /// Every key whose exports this host imports, its own first.
+    pub trusted: Vec<String>,
 }
 
 fn yes() -> bool {

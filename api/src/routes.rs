@@ -23,6 +23,7 @@
 //! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
 //! | POST | [`RESUME`] | `ResumeRequest` → `ResumeReport` (a sandbox whose task died) |
 //! | POST | [`DRAIN`] | `DrainRequest` → `DrainReport` (one at a time) |
+//! | GET | [`KEYS`] | → `HostKeys` (the export signing key, the trusted keys) |
 //! | GET | [`METRICS`] | → Prometheus text |
 //!
 //! `{sel}` is what a person typed ([`crate::SandboxSelector`]: an id or a
@@ -76,6 +77,8 @@ pub const RESUME: &str = "/v1/sandboxes/{sel}/resume";
 pub const DRAIN: &str = "/v1/drain";
 /// The host listener's prefix for a sandbox's LLM proxy.
 pub const HOST_PROXY_PREFIX: &str = "/s/";
+/// The key this host signs exports with, and the keys it trusts.
+pub const KEYS: &str = "/v1/keys";
 /// crabd's metrics, in the Prometheus text format.
 pub const METRICS: &str = "/metrics";
 
@@ -100,6 +103,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (IMPORT, &["post"]),
     (RESUME, &["post"]),
     (DRAIN, &["post"]),
+    (KEYS, &["get"]),
     (METRICS, &["get"]),
 ];
 

@@ -153,12 +153,15 @@ enum Command {
         /// made them, and they would sit in this host's store).
         #[arg(long)]
         allow_privileged_files: bool,
-        /// The archive comes from a host you trust: its process images are
-        /// restored as root with the credentials and mounts they record
-        /// (refused without it; exports are not signed yet).
+        /// Import it although no key this host trusts signed it (see
+        /// `crabctl keys`): its process images are restored as root with
+        /// the credentials and mounts they record.
         #[arg(long)]
-        trusted: bool,
+        insecure_unsigned: bool,
     },
+    /// Print the key this host signs its exports with, and the keys whose
+    /// exports it imports (a file per key in the directory it names).
+    Keys,
     /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
     ProxyUrl {
@@ -455,6 +458,25 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 std::process::exit(1);
             }
         }
+        Command::Keys => {
+            let keys = crabd.keys().await?;
+            print(cli.json, &keys, || {
+                let mut text = format!(
+                    "this host signs its exports with:\n  {}\nit imports those signed by (one file per key in {}):\n",
+                    keys.export_key,
+                    keys.trusted_dir.display()
+                );
+                for key in &keys.trusted {
+                    let own = if *key == keys.export_key {
+                        "  (this host)"
+                    } else {
+                        ""
+                    };
+                    text.push_str(&format!("  {key}{own}\n"));
+                }
+                text
+            });
+        }
         Command::Export {
             sandbox,
             version,
@@ -478,14 +500,14 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             namespace,
             containerd,
             allow_privileged_files,
-            trusted,
+            insecure_unsigned,
         } => {
             let query = ImportQuery {
                 name: name.clone(),
                 namespace: namespace.clone(),
                 containerd: containerd.clone(),
                 allow_privileged_files: *allow_privileged_files,
-                trusted: *trusted,
+                insecure_unsigned: *insecure_unsigned,
             };
             let bar = progress::bar(cli.json, "import");
             let r = crabd

@@ -8,15 +8,20 @@
 //! fs.stream            its filesystem snapshot (the backend's export stream)
 //! transcript.jsonl     its conversation, when it has one: the turns of its
 //!                      branch up to its turn (a new sandbox's transcript)
-//! crab-export.json     the manifest, last: what the members are, with sizes
+//! crab-export.json     the manifest: what the members are, with sizes
 //!                      and sha256, the version's record, and the container
 //!                      template (image, runtime, spec, snapshotter, parent)
+//! crab-export.sig      the exporting host's Ed25519 signature of the
+//!                      manifest's bytes, with its public key
 //! ```
 //!
 //! Unpacking writes members into a staging directory while hashing them,
-//! and accepts the archive only if the manifest arrived and every member
-//! matches it (and no other member exists): a truncated or tampered archive
-//! is refused before anything is used.
+//! and accepts the archive only if the manifest arrived, its signature (if
+//! any) holds, and every member matches it (and no other member exists): a
+//! truncated or tampered archive is refused before anything is used. Since
+//! the manifest names every member's sha256, its signature covers the whole
+//! archive; whether the signing key is trusted is the importer's call
+//! ([`Unpacked::signed_by`]).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -37,7 +42,59 @@ pub const MANIFEST: &str = "crab-export.json";
 pub const FS_STREAM: &str = "fs.stream";
 /// The conversation's member name.
 pub const TRANSCRIPT: &str = "transcript.jsonl";
+/// The signature's member name.
+pub const SIGNATURE: &str = "crab-export.sig";
 const FORMAT: u32 = 1;
+/// The most the manifest or the signature may weigh (read into memory).
+const MAX_METADATA: u64 = 64 << 20;
+/// The one signature algorithm.
+const ED25519: &str = "ed25519";
+
+/// A host's signature of an archive's manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Signature {
+    /// The algorithm (`ed25519`).
+    pub algorithm: String,
+    /// The signing host's public key, lower-case hex.
+    pub key: String,
+    /// The signature of the manifest's bytes, lower-case hex.
+    pub signature: String,
+}
+
+impl Signature {
+    /// An Ed25519 signature `signature` by public key `key`.
+    pub fn ed25519(key: &[u8], signature: &[u8]) -> Signature {
+        Signature {
+            algorithm: ED25519.to_owned(),
+            key: hex(key),
+            signature: hex(signature),
+        }
+    }
+
+    /// Checks that this signs `message`; answers the signing key (hex).
+    fn verify(&self, message: &[u8]) -> Result<&str, ArchiveError> {
+        use ring::signature::{UnparsedPublicKey, ED25519 as RING_ED25519};
+        if self.algorithm != ED25519 {
+            return Err(ArchiveError::Invalid {
+                reason: format!(
+                    "signature algorithm {:?} (this crabd reads {ED25519})",
+                    self.algorithm
+                ),
+            });
+        }
+        let (Some(key), Some(sig)) = (unhex(&self.key), unhex(&self.signature)) else {
+            return Err(ArchiveError::Invalid {
+                reason: "the signature's key or value is not hex".to_owned(),
+            });
+        };
+        UnparsedPublicKey::new(&RING_ED25519, key)
+            .verify(message, &sig)
+            .map_err(|_| ArchiveError::Tampered {
+                reason: format!("the manifest does not match its signature (key {})", self.key),
+            })?;
+        Ok(&self.key)
+    }
+}
 
 /// What an archive holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,6 +202,9 @@ pub struct Unpacked {
     pub fs_stream: PathBuf,
     /// The conversation's transcript, if the archive has one.
     pub transcript: Option<PathBuf>,
+    /// The public key (hex) whose signature of the manifest holds; `None`
+    /// for an unsigned archive.
+    pub signed_by: Option<String>,
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ArchiveError + 'a {
@@ -156,8 +216,12 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Ar
 }
 
 /// Writes an archive of `c` to `out`: the image files, the filesystem
-/// stream, the transcript, then the manifest.
-pub fn pack(out: impl Write, c: &Contents<'_>) -> Result<(), ArchiveError> {
+/// stream, the transcript, the manifest, then `sign`'s signature of it.
+pub fn pack(
+    out: impl Write,
+    c: &Contents<'_>,
+    sign: impl FnOnce(&[u8]) -> Signature,
+) -> Result<(), ArchiveError> {
     let mut tar = tar::Builder::new(out);
     for f in c.images {
         let path = c.images_dir.join(&f.path);
@@ -189,12 +253,15 @@ pub fn pack(out: impl Write, c: &Contents<'_>) -> Result<(), ArchiveError> {
         transcript,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
-    let mut header = tar::Header::new_gnu();
-    header.set_size(json.len() as u64);
-    header.set_mode(0o600);
-    header.set_cksum();
-    tar.append_data(&mut header, MANIFEST, json.as_slice())
-        .map_err(io("add", Path::new(MANIFEST)))?;
+    let signature = serde_json::to_vec_pretty(&sign(&json)).expect("a signature serializes");
+    for (name, bytes) in [(MANIFEST, &json), (SIGNATURE, &signature)] {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(bytes.len() as u64);
+        header.set_mode(0o600);
+        header.set_cksum();
+        tar.append_data(&mut header, name, bytes.as_slice())
+            .map_err(io("add", Path::new(name)))?;
+    }
     tar.into_inner()
         .and_then(|mut w| w.flush())
         .map_err(io("finish", Path::new("archive")))
@@ -206,6 +273,7 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
     std::fs::create_dir_all(staging.join("images")).map_err(io("create", staging))?;
     let mut seen: BTreeMap<String, (u64, String)> = BTreeMap::new();
     let mut manifest_bytes = None;
+    let mut signature_bytes = None;
     let mut archive = tar::Archive::new(input);
     let truncated = |e: std::io::Error| ArchiveError::Truncated {
         reason: e.to_string(),
@@ -218,10 +286,24 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
                 reason: format!("{name} is not a regular file"),
             });
         }
-        if name == MANIFEST {
+        if name == MANIFEST || name == SIGNATURE {
+            let slot = match name == MANIFEST {
+                true => &mut manifest_bytes,
+                false => &mut signature_bytes,
+            };
+            if slot.is_some() {
+                return Err(ArchiveError::Tampered {
+                    reason: format!("{name} is there twice"),
+                });
+            }
+            if entry.header().size().map_err(truncated)? > MAX_METADATA {
+                return Err(ArchiveError::Invalid {
+                    reason: format!("{name} is over {MAX_METADATA} bytes"),
+                });
+            }
             let mut bytes = Vec::new();
             entry.read_to_end(&mut bytes).map_err(truncated)?;
-            manifest_bytes = Some(bytes);
+            *slot = Some(bytes);
             continue;
         }
         let dest = member_path(staging, &name)?;
@@ -237,6 +319,16 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
     let bytes = manifest_bytes.ok_or_else(|| ArchiveError::Truncated {
         reason: format!("no {MANIFEST} at its end"),
     })?;
+    // The signature first: nothing of an altered manifest is read.
+    let signed_by = match signature_bytes {
+        Some(sig) => {
+            let sig: Signature = serde_json::from_slice(&sig).map_err(|e| ArchiveError::Invalid {
+                reason: format!("{SIGNATURE}: {e}"),
+            })?;
+            Some(sig.verify(&bytes)?.to_owned())
+        }
+        None => None,
+    };
     let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| ArchiveError::Invalid {
         reason: e.to_string(),
     })?;
@@ -283,6 +375,7 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
         images_dir: staging.join("images"),
         fs_stream: staging.join(FS_STREAM),
         transcript,
+        signed_by,
     })
 }
 
@@ -357,9 +450,65 @@ fn hex(digest: impl AsRef<[u8]>) -> String {
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The bytes of hex string `s` (either case); `None` if it is not hex.
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signature_holds_for_its_message_and_key_only() {
+        use ring::signature::{Ed25519KeyPair, KeyPair};
+        let rng = ring::rand::SystemRandom::new();
+        let pair =
+            |_| Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).unwrap().as_ref()).unwrap();
+        let (ours, theirs) = (pair(0), pair(1));
+        let message = br#"{"format": 1}"#;
+        let sig = Signature::ed25519(ours.public_key().as_ref(), ours.sign(message).as_ref());
+        assert_eq!(sig.verify(message).unwrap(), hex(ours.public_key().as_ref()));
+        let altered = br#"{"format": 2}"#;
+        assert!(matches!(sig.verify(altered), Err(ArchiveError::Tampered { .. })));
+        // Another host's key named with our signature: it does not hold.
+        let swapped = Signature {
+            key: hex(theirs.public_key().as_ref()),
+            ..sig.clone()
+        };
+        assert!(matches!(
+            swapped.verify(message),
+            Err(ArchiveError::Tampered { .. })
+        ));
+        let other = Signature {
+            algorithm: "rsa".to_owned(),
+            ..sig.clone()
+        };
+        assert!(matches!(other.verify(message), Err(ArchiveError::Invalid { .. })));
+        let garbled = Signature {
+            signature: "zz".to_owned(),
+            ..sig
+        };
+        assert!(matches!(
+            garbled.verify(message),
+            Err(ArchiveError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        assert_eq!(unhex(&hex([0u8, 0xab, 0xff])).unwrap(), vec![0, 0xab, 0xff]);
+        assert_eq!(unhex("ABcd").unwrap(), vec![0xab, 0xcd]);
+        for bad in ["abc", "+a", "zz", "a "] {
+            assert_eq!(unhex(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn member_paths_stay_inside() {

@@ -40,6 +40,7 @@ mod host_listener;
 mod http;
 mod import;
 mod inspect;
+mod keys;
 mod metrics;
 mod registry;
 mod resume;
@@ -97,6 +98,8 @@ pub struct Daemon {
     proxy_port: Option<u16>,
     /// What the host listener's per-sandbox secrets are made with.
     host_key: host_listener::HostKey,
+    /// What this host signs its exports with.
+    signing_key: keys::SigningKey,
     /// Turn classes from the inspector.
     inspection: Inspection,
     /// The host's checkpoint queue.
@@ -148,6 +151,12 @@ impl Daemon {
                 path: config.root.clone(),
                 source,
             })?;
+        let signing_key =
+            keys::SigningKey::load_or_create(&config.root).map_err(|source| DaemonError::Io {
+                op: "load the export signing key",
+                path: config.root.clone(),
+                source,
+            })?;
         let metrics = Arc::new(metrics::Metrics::new());
         let shape = schedule_shape(&config);
         tracing::info!(
@@ -161,6 +170,7 @@ impl Daemon {
             metrics,
             files: files::Files::new(config.root.join("fs")),
             host_key,
+            signing_key,
             config,
             store,
             registry,

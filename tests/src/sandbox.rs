@@ -166,6 +166,19 @@ pub fn crabctl_ok(ctd: &Containerd, args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("crabctl prints JSON")
 }
 
+/// Has `importer`'s crabd import exports that `exporter`'s crabd signs:
+/// the exporter's key (`crabctl keys`) in a file of the importer's
+/// trusted directory.
+pub fn trust(importer: &Containerd, exporter: &Containerd) {
+    let theirs = crabctl_ok(exporter, &["keys"]);
+    let ours = crabctl_ok(importer, &["keys"]);
+    let dir = PathBuf::from(ours["trusted_dir"].as_str().expect("a trusted directory"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = theirs["export_key"].as_str().expect("an export key");
+    let file = dir.join(format!("{}.pub", exporter.namespace));
+    std::fs::write(&file, format!("# {}\n{key}\n", exporter.dir.display())).unwrap();
+}
+
 /// Runs `crabctl args…`, asserts failure, returns its message.
 #[track_caller]
 pub fn crabctl_err(ctd: &Containerd, args: &[&str]) -> String {

@@ -65,6 +65,7 @@ fn a_drained_host_moves_every_sandbox_to_another() {
     let mut b = Containerd::start();
     b.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
     b.start_crabd();
+    crab_tests::sandbox::trust(&b, &a);
     let (namespace, address) = (b.namespace.clone(), b.address().to_string_lossy().into_owned());
     for (id, (files, next)) in ids.iter().zip(&states) {
         let archive = out.join(format!("{id}.crab"));
@@ -73,7 +74,6 @@ fn a_drained_host_moves_every_sandbox_to_another() {
         let args = [
             "import",
             &archive,
-            "--trusted",
             "--namespace",
             &namespace,
             "--containerd",

@@ -450,7 +450,6 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
         &ctd,
         &[
             "import",
-            "--trusted",
             &archive.to_string_lossy(),
             "--name",
             imported,

@@ -10,9 +10,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
-    ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, ImportQuery, ImportReport,
-    Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest, RollbackReport, RollbackRequest,
-    SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView, WatchStarted,
+    ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, HostKeys, ImportQuery,
+    ImportReport, Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest, RollbackReport,
+    RollbackRequest, SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
+    WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -77,6 +78,7 @@ const SCHEMAS: &[&str] = &[
     "ResumeReport",
     "ImportQuery",
     "ImportReport",
+    "HostKeys",
     "VersionView",
     "VersionViewList",
     "RemovalReport",
@@ -469,6 +471,7 @@ fn the_helpers_find_each_routes_messages() {
         ("get", routes::WATCH, None, Some("WatchLine")),
         ("get", routes::EXPORT, None, None),
         ("post", routes::IMPORT, None, Some("ImportReport")),
+        ("get", routes::KEYS, None, Some("HostKeys")),
     ];
     assert_eq!(cases.len(), spec_operations().len());
     for (method, pattern, request, answer) in cases {
@@ -514,7 +517,7 @@ fn imports_query_parameters_are_import_query() {
         namespace: Some("k8s.io".into()),
         containerd: Some("/run/containerd/containerd.sock".into()),
         allow_privileged_files: true,
-        trusted: true,
+        insecure_unsigned: true,
     };
     let doc = to_json(&full);
     let fields: BTreeSet<&str> = doc.as_object().unwrap().keys().map(String::as_str).collect();
@@ -871,6 +874,14 @@ fn rollbacks_forks_and_imports() {
             version: 1,
             pid: 60_001,
             total_ms: 2_048.5,
+        },
+    );
+    assert_valid(
+        "HostKeys",
+        &HostKeys {
+            export_key: "ab".repeat(32),
+            trusted_dir: "/var/lib/crab/engine/trusted-keys".into(),
+            trusted: vec!["ab".repeat(32), "0f".repeat(32)],
         },
     );
 }

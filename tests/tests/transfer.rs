@@ -48,11 +48,7 @@ fn export_then_import_on_another_containerd() {
     let bytes = std::fs::read(&file).unwrap();
     let truncated = a.dir.join("truncated.tar");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    let mut args = vec![
-        "import".to_owned(),
-        truncated.to_string_lossy().into_owned(),
-        "--trusted".to_owned(),
-    ];
+    let mut args = vec!["import".to_owned(), truncated.to_string_lossy().into_owned()];
     args.extend(target.iter().cloned());
     let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(e.contains("truncated"), "{e}");
@@ -64,10 +60,62 @@ fn export_then_import_on_another_containerd() {
     args[1] = tampered.to_string_lossy().into_owned();
     let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(e.contains("tampered") || e.contains("truncated"), "{e}");
+
+    // Signatures: b trusts only its own key until it is told of a's.
+    args[1] = file.to_string_lossy().into_owned();
+    let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let a_key = crabctl_ok(&a, &["keys"])["export_key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        e.contains(&format!("signed by key {a_key}, which this host does not trust")),
+        "{e}"
+    );
+    // A manifest changed after signing (here: another runtime) fails its
+    // signature, even for a host that trusts the signer; with the
+    // signature taken away, it is unsigned.
+    let forged = a.dir.join("forged.tar");
+    rewrite(&file, &forged, |name, bytes| match name {
+        "crab-export.json" => {
+            let mut m: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            m["container"]["runtime"] = "io.containerd.runc.v2".into();
+            Some(serde_json::to_vec_pretty(&m).unwrap())
+        }
+        _ => Some(bytes),
+    });
+    let unsigned = a.dir.join("unsigned.tar");
+    rewrite(&file, &unsigned, |name, bytes| {
+        (name != "crab-export.sig").then_some(bytes)
+    });
+    crab_tests::sandbox::trust(&b, &a);
+    let with = |archive: &std::path::Path, extra: &[&str]| {
+        let mut args = args.clone();
+        args[1] = archive.to_string_lossy().into_owned();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        args
+    };
+    for extra in [&[][..], &["--insecure-unsigned"]] {
+        let e = crabctl_err(
+            &b,
+            &with(&forged, extra)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        assert!(e.contains("does not match its signature"), "{e}");
+    }
+    let e = crabctl_err(
+        &b,
+        &with(&unsigned, &[])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(e.contains("not signed"), "{e}");
     assert_eq!(crabctl_ok(&b, &["ps"]), serde_json::json!([]));
 
     // The whole archive: the sandbox runs on b with a's state at v1.
-    args[1] = file.to_string_lossy().into_owned();
     let out = crabctl(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -96,6 +144,27 @@ fn export_then_import_on_another_containerd() {
     b.remove(id);
     assert_clean(&a.scope(), &[id]);
     assert_clean(&b.scope(), &[id]);
+}
+
+/// Copies tar archive `src` to `dst`, each member through `edit` (which
+/// answers its new bytes, or `None` to leave it out), as an attacker would.
+fn rewrite(src: &std::path::Path, dst: &std::path::Path, edit: impl Fn(&str, Vec<u8>) -> Option<Vec<u8>>) {
+    use std::io::Read;
+    let mut input = tar::Archive::new(std::fs::File::open(src).unwrap());
+    let mut out = tar::Builder::new(std::fs::File::create(dst).unwrap());
+    for entry in input.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().to_string_lossy().into_owned();
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).unwrap();
+        if let Some(bytes) = edit(&name, bytes) {
+            let mut header = entry.header().clone();
+            header.set_size(bytes.len() as u64);
+            header.set_cksum();
+            out.append_data(&mut header, &name, bytes.as_slice()).unwrap();
+        }
+    }
+    out.finish().unwrap();
 }
 
 /// An archive is another host's word: what a sandbox's root made (a setuid
@@ -127,13 +196,7 @@ fn a_hostile_archive_is_refused_before_anything_is_written() {
     let mut b = Containerd::start();
     b.start_crabd();
     let import = |file: &std::path::Path, extra: &[&str]| {
-        let mut args = vec![
-            "import",
-            file.to_str().unwrap(),
-            "--trusted",
-            "--namespace",
-            &b.namespace,
-        ];
+        let mut args = vec!["import", file.to_str().unwrap(), "--namespace", &b.namespace];
         let address = b.address().to_string_lossy().into_owned();
         args.extend(["--containerd", &address]);
         args.extend(extra);
@@ -146,15 +209,9 @@ fn a_hostile_archive_is_refused_before_anything_is_written() {
         file
     };
 
-    let refused = import(&export("binds"), &[]);
-    let e = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && e.contains("bind-mounts") && e.contains("refused"),
-        "{e}"
-    );
     let suid = export("suid");
-    // Unless the importer trusts the exporting host, no process image of
-    // it is restored (CRIU would restore its credentials and mounts).
+    // Unless the importer trusts the exporting host's key, no process image
+    // of it is restored (CRIU would restore its credentials and mounts).
     let mut args = vec![
         "import".to_owned(),
         suid.to_string_lossy().into_owned(),
@@ -166,7 +223,14 @@ fn a_hostile_archive_is_refused_before_anything_is_written() {
         b.address().to_string_lossy().into_owned(),
     ]);
     let e = crabctl_err(&b, &args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(e.contains("trust"), "{e}");
+    assert!(e.contains("does not trust"), "{e}");
+    crab_tests::sandbox::trust(&b, &a);
+    let refused = import(&export("binds"), &[]);
+    let e = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && e.contains("bind-mounts") && e.contains("refused"),
+        "{e}"
+    );
     let refused = import(&suid, &[]);
     let e = String::from_utf8_lossy(&refused.stderr);
     assert!(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::{ClientError, UnixClient};
 use crate::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
-    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
+    ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
     ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
     TurnReport, VersionView,
 };
@@ -138,6 +138,11 @@ impl Crabd {
         self.http.post(routes::DRAIN, req).await
     }
 
+    /// The key this host signs its exports with, and those it trusts.
+    pub async fn keys(&self) -> Result<HostKeys, ClientError> {
+        self.http.get(routes::KEYS).await
+    }
+
     /// Ends sandbox `sel`'s current inspector turn by hand.
     pub async fn turn(&self, sel: &SandboxSelector) -> Result<TurnReport, ClientError> {
         self.http.post(&routes::turn(sel), &()).await
@@ -193,8 +198,8 @@ impl Crabd {
         if query.allow_privileged_files {
             params.push("allow_privileged_files=true".to_owned());
         }
-        if query.trusted {
-            params.push("trusted=true".to_owned());
+        if query.insecure_unsigned {
+            params.push("insecure_unsigned=true".to_owned());
         }
         let path = match params.is_empty() {
             true => routes::IMPORT.to_owned(),

@@ -106,7 +106,7 @@ impl Daemon {
                 fs_stream: &stream_path,
                 transcript,
             };
-            archive::pack(std::io::BufWriter::new(out), &contents)?;
+            archive::pack(std::io::BufWriter::new(out), &contents, |m| d2.signing_key.sign(m))?;
             let file = std::fs::File::open(&tar_path).map_err(io("open the archive"))?;
             // The open file outlives its directory (the guard removes it
             // here, or on any failure above): nothing stays behind.

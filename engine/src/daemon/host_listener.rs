@@ -12,9 +12,7 @@
 //! only root, who reads the key or asks crabd's socket (`crabctl
 //! proxy-url`), can hand it out.
 
-use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::registry::Entry;
-use super::Daemon;
+use super::{keys, Daemon};
 
 /// How long a client of the host listener may take to send a request head
 /// (the slowloris guard; the sandbox's proxy applies its own after that).
@@ -90,14 +88,7 @@ impl Daemon {
 
 /// A new history's nonce: 16 random bytes, hex.
 pub(super) fn nonce() -> std::io::Result<String> {
-    Ok(random::<16>()?.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// `N` bytes from the kernel's random source.
-fn random<const N: usize>() -> std::io::Result<[u8; N]> {
-    let mut bytes = [0u8; N];
-    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
-    Ok(bytes)
+    Ok(keys::random::<16>()?.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The key the host listener's secrets are made with.
@@ -111,34 +102,13 @@ const KEY_FILE: &str = "host-listener.key";
 impl HostKey {
     /// The key under `root`, made (0600) if there is none.
     pub(super) fn load_or_create(root: &Path) -> std::io::Result<HostKey> {
-        let path = root.join(KEY_FILE);
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                let key: [u8; 32] = bytes.try_into().map_err(|_| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("{} is not 32 bytes", path.display()),
-                    )
-                })?;
-                return Ok(HostKey(key));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        let key = random::<32>()?;
-        // Whole or not at all: written aside, then renamed into place.
-        let tmp = root.join(format!("{KEY_FILE}.tmp"));
-        // A stale one (a crash mid-write) goes; the new one is 0600 from birth.
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&key)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        std::fs::File::open(root)?.sync_all()?;
+        let bytes = keys::load_or_create(root, KEY_FILE, || keys::random::<32>().map(Vec::from))?;
+        let key: [u8; 32] = bytes.try_into().map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{} is not 32 bytes", root.join(KEY_FILE).display()),
+            )
+        })?;
         Ok(HostKey(key))
     }
 

@@ -14,7 +14,7 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
-    ForksReport, ForksRequest, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
+    ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
     ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
     TurnReport, VersionView,
 };
@@ -40,6 +40,7 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::FORK, post(fork))
         .route(routes::FORKS, post(forks))
         .route(routes::DRAIN, post(drain))
+        .route(routes::KEYS, get(keys))
         .route(routes::RESUME, post(resume))
         .route(routes::TURN, post(turn))
         .route(routes::WATCH, get(watch))
@@ -192,6 +193,14 @@ async fn resume(State(d): State<Arc<Daemon>>, Path(sel): Path<String>, body: Byt
 async fn drain(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<DrainReport> {
     let req: DrainRequest = parse(&body)?;
     d.drain(req).await.map(Json)
+}
+
+async fn keys(State(d): State<Arc<Daemon>>) -> Json<HostKeys> {
+    Json(HostKeys {
+        export_key: d.signing_key.public(),
+        trusted_dir: super::keys::trusted_dir(&d.config.root),
+        trusted: super::keys::trusted(&d.config.root, &d.signing_key),
+    })
 }
 
 async fn turn(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<TurnReport> {

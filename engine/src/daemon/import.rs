@@ -79,16 +79,12 @@ async fn import_staged(
         archive::unpack(std::io::BufReader::new(f), &unpack_dir).map_err(ApiError::from)
     })
     .await?;
-    // Before anything is written: what the archive asks of this host.
+    // Before anything is written: who made the archive (its process images
+    // are restored by CRIU as root, with the credentials and mounts they
+    // record, which no check of the archive can vouch for), and what it
+    // asks of this host.
+    vouch(&d, &unpacked, q.insecure_unsigned)?;
     super::admit::admit(&mut unpacked.manifest.container, &d.config.import_bind_sources)?;
-    if !q.trusted {
-        return Err(ApiError::Refused {
-            reason:
-                "an archive's process images are restored by CRIU as root, with the credentials and mounts \
-                     they record: import it only from a host you trust (crabctl import --trusted)"
-                    .into(),
-        });
-    }
     let m = &unpacked.manifest;
     let new_id: SandboxId = q.name.clone().unwrap_or_else(|| m.version.sandbox.clone());
     let busy = d.busy(&new_id);
@@ -116,6 +112,30 @@ async fn import_staged(
         .await;
     }
     made
+}
+
+/// Admits an archive signed by a key this host trusts (its own, or one in
+/// `<root>/trusted-keys/`); any other only with `insecure_unsigned`.
+fn vouch(d: &Daemon, unpacked: &archive::Unpacked, insecure_unsigned: bool) -> Result<(), ApiError> {
+    let trusted = super::keys::trusted(&d.config.root, &d.signing_key);
+    let why = match &unpacked.signed_by {
+        Some(key) if trusted.contains(key) => return Ok(()),
+        Some(key) => format!(
+            "the archive is signed by key {key}, which this host does not trust (to trust it, put it in a file in {})",
+            super::keys::trusted_dir(&d.config.root).display()
+        ),
+        None => "the archive is not signed".to_owned(),
+    };
+    if insecure_unsigned {
+        tracing::warn!(reason = %why, sandbox = %unpacked.manifest.version.sandbox, "imported without a trusted signature (--insecure-unsigned)");
+        return Ok(());
+    }
+    Err(ApiError::Refused {
+        reason: format!(
+            "{why}: its process images would be restored as root with the credentials and mounts they record \
+             (crabctl import --insecure-unsigned takes it anyway)"
+        ),
+    })
 }
 
 /// Publishes the archive's version as sandbox `new_id`'s first and starts
