@@ -26,6 +26,13 @@ pub struct CrabdConfig {
     pub shim_timeout_secs: u64,
     /// Versions kept per sandbox after each checkpoint (0: all).
     pub keep_versions: usize,
+    /// No checkpoint is taken while the filesystem of `root` has less than
+    /// this many bytes free (0: no floor).
+    pub store_min_free_bytes: u64,
+    /// No checkpoint of a sandbox is taken while its process images and
+    /// file copies under `root` take this many bytes or more (0: no
+    /// ceiling). ZFS and btrfs snapshots are their pool's to bound.
+    pub sandbox_store_max_bytes: u64,
     /// Whether crabd loads the eBPF inspector to classify turns.
     pub inspector: bool,
     /// Where the inspector's programs and maps are pinned (bpffs).

@@ -448,6 +448,9 @@ pub enum ErrorCode {
     SandboxExists,
     /// Its rootfs has no backend that can snapshot it.
     NoFsBackend,
+    /// The checkpoint store has no room: the host's floor of free space,
+    /// or the sandbox's ceiling, is reached (the sandbox runs on).
+    StoreFull,
     /// The version's files stay on their filesystem (ZFS, btrfs).
     NotMovable,
     /// The version has no process image.
@@ -495,7 +498,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::InvalidRequest,
         ErrorCode::NoRoute,
         ErrorCode::UnknownSandbox,
@@ -503,6 +506,7 @@ impl ErrorCode {
         ErrorCode::NotRunning,
         ErrorCode::SandboxExists,
         ErrorCode::NoFsBackend,
+        ErrorCode::StoreFull,
         ErrorCode::NotMovable,
         ErrorCode::NoProcessImage,
         ErrorCode::NoFsSnapshot,
@@ -530,8 +534,8 @@ impl ErrorCode {
         match self {
             InvalidRequest | InvalidCheckpoint => 400,
             NoRoute | UnknownSandbox | UnknownVersion => 404,
-            Ambiguous | NotRunning | SandboxExists | NoFsBackend | NotMovable | NoProcessImage
-            | NoFsSnapshot | NoInspector | Busy | Superseded | Unsupported => 409,
+            Ambiguous | NotRunning | SandboxExists | NoFsBackend | StoreFull | NotMovable
+            | NoProcessImage | NoFsSnapshot | NoInspector | Busy | Superseded | Unsupported => 409,
             Refused => 403,
             Corrupt | RestoreUndone => 422,
             Containerd | Shim => 502,

@@ -27,6 +27,7 @@ use crab_api::SandboxId;
 use crate::{StoreError, VersionStore};
 
 mod admit;
+mod budget;
 mod checkpoint;
 mod disk_probe;
 mod drain;

@@ -369,6 +369,11 @@ impl VersionStore {
     pub fn recovery(&self, sandbox: &SandboxId) -> Result<Recovery> {
         Ok(self.inner.sandbox(sandbox)?.lock().recovery.clone())
     }
+
+    /// The directory holding every process image of `sandbox`.
+    pub fn images_of(&self, sandbox: &SandboxId) -> PathBuf {
+        self.inner.images_root(sandbox)
+    }
 }
 
 // === impl Inner ===

@@ -74,6 +74,9 @@ impl Daemon {
         slot: Option<Slot>,
     ) -> Result<CheckpointReport, ApiError> {
         let started = Instant::now();
+        if class != Class::None {
+            self.room_for_capture(&reg.id).await?;
+        }
         let (urgent, queued_ms) = slot
             .as_ref()
             .map_or((false, 0.0), |s| (s.urgent, s.waited.as_secs_f64() * 1e3));

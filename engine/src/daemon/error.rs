@@ -57,6 +57,14 @@ pub enum ApiError {
         /// The sandbox.
         id: SandboxId,
     },
+    /// The checkpoint store has no room for another version.
+    #[error("sandbox {id} gets no checkpoint: {why} (it runs on; free room, e.g. crabctl rm-version, or raise the limit)")]
+    StoreFull {
+        /// The sandbox.
+        id: SandboxId,
+        /// Which limit, and how far.
+        why: String,
+    },
     /// Fork, export and import copy files crabd keeps; a snapshot on ZFS or
     /// btrfs stays on its filesystem.
     #[error(
@@ -203,6 +211,7 @@ impl ApiError {
             ApiError::Ambiguous { .. } => ErrorCode::Ambiguous,
             ApiError::NotRunning { .. } => ErrorCode::NotRunning,
             ApiError::NoFsBackend { .. } => ErrorCode::NoFsBackend,
+            ApiError::StoreFull { .. } => ErrorCode::StoreFull,
             ApiError::NotMovable { .. } => ErrorCode::NotMovable,
             ApiError::NoProcessImage { .. } => ErrorCode::NoProcessImage,
             ApiError::NoFsSnapshot { .. } => ErrorCode::NoFsSnapshot,

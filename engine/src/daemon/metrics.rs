@@ -65,6 +65,8 @@ pub(super) struct Metrics {
     pub recoveries: Counter,
     /// Turns rolled back because they broke a safety rule.
     pub safety_rollbacks: Counter,
+    /// Captures refused because the checkpoint store had no room.
+    pub store_full: Counter,
 }
 
 // === impl Metrics ===
@@ -144,6 +146,12 @@ impl Metrics {
                 r,
                 "safety_rollbacks",
                 "Turns rolled back because they broke a safety rule",
+                Counter::default(),
+            ),
+            store_full: add(
+                r,
+                "store_full",
+                "Captures refused because the checkpoint store had no room",
                 Counter::default(),
             ),
             registry,
