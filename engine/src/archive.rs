@@ -8,11 +8,12 @@
 //! fs.stream            its filesystem snapshot (the backend's export stream)
 //! transcript.jsonl     its conversation, when it has one: the turns of its
 //!                      branch up to its turn (a new sandbox's transcript)
-//! crab-export.json     the manifest: what the members are, with sizes
+//! crab-export.sig      the exporting host's Ed25519 signature of the
+//!                      manifest's bytes (after a context string), with its
+//!                      public key
+//! crab-export.json     the manifest, last: what the members are, with sizes
 //!                      and sha256, the version's record, and the container
 //!                      template (image, runtime, spec, snapshotter, parent)
-//! crab-export.sig      the exporting host's Ed25519 signature of the
-//!                      manifest's bytes, with its public key
 //! ```
 //!
 //! Unpacking writes members into a staging directory while hashing them,
@@ -44,7 +45,11 @@ pub const FS_STREAM: &str = "fs.stream";
 pub const TRANSCRIPT: &str = "transcript.jsonl";
 /// The signature's member name.
 pub const SIGNATURE: &str = "crab-export.sig";
-const FORMAT: u32 = 1;
+/// The format written: 2 adds the signature. Format 1 (unsigned) is read.
+const FORMAT: u32 = 2;
+/// What a signature signs before the manifest's bytes: it never passes
+/// for a signature of anything else the key might sign.
+const SIGNING_CONTEXT: &[u8] = b"crab-export-v2\0";
 /// The most the manifest or the signature may weigh (read into memory).
 const MAX_METADATA: u64 = 64 << 20;
 /// The one signature algorithm.
@@ -71,8 +76,9 @@ impl Signature {
         }
     }
 
-    /// Checks that this signs `message`; answers the signing key (hex).
-    fn verify(&self, message: &[u8]) -> Result<&str, ArchiveError> {
+    /// Checks that this signs `message`; answers the signing key
+    /// (lower-case hex).
+    fn verify(&self, message: &[u8]) -> Result<String, ArchiveError> {
         use ring::signature::{UnparsedPublicKey, ED25519 as RING_ED25519};
         if self.algorithm != ED25519 {
             return Err(ArchiveError::Invalid {
@@ -87,12 +93,12 @@ impl Signature {
                 reason: "the signature's key or value is not hex".to_owned(),
             });
         };
-        UnparsedPublicKey::new(&RING_ED25519, key)
+        UnparsedPublicKey::new(&RING_ED25519, &key)
             .verify(message, &sig)
             .map_err(|_| ArchiveError::Tampered {
-                reason: format!("the manifest does not match its signature (key {})", self.key),
+                reason: format!("the manifest does not match its signature (key {})", hex(&key)),
             })?;
-        Ok(&self.key)
+        Ok(hex(&key))
     }
 }
 
@@ -215,8 +221,14 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Ar
     }
 }
 
+/// What a manifest's signature signs: the context, then its bytes.
+pub fn signed_message(manifest: &[u8]) -> Vec<u8> {
+    [SIGNING_CONTEXT, manifest].concat()
+}
+
 /// Writes an archive of `c` to `out`: the image files, the filesystem
-/// stream, the transcript, the manifest, then `sign`'s signature of it.
+/// stream, the transcript, `sign`'s signature of the manifest (of
+/// [`signed_message`]), then the manifest.
 pub fn pack(
     out: impl Write,
     c: &Contents<'_>,
@@ -253,8 +265,9 @@ pub fn pack(
         transcript,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
-    let signature = serde_json::to_vec_pretty(&sign(&json)).expect("a signature serializes");
-    for (name, bytes) in [(MANIFEST, &json), (SIGNATURE, &signature)] {
+    let signature = serde_json::to_vec_pretty(&sign(&signed_message(&json))).expect("a signature serializes");
+    // The manifest last: an archive cut anywhere before its end has none.
+    for (name, bytes) in [(SIGNATURE, &signature), (MANIFEST, &json)] {
         let mut header = tar::Header::new_gnu();
         header.set_size(bytes.len() as u64);
         header.set_mode(0o600);
@@ -296,13 +309,17 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
                     reason: format!("{name} is there twice"),
                 });
             }
-            if entry.header().size().map_err(truncated)? > MAX_METADATA {
+            // Bounded by what is read (a PAX header can say any size).
+            let mut bytes = Vec::new();
+            (&mut entry)
+                .take(MAX_METADATA + 1)
+                .read_to_end(&mut bytes)
+                .map_err(truncated)?;
+            if bytes.len() as u64 > MAX_METADATA {
                 return Err(ArchiveError::Invalid {
                     reason: format!("{name} is over {MAX_METADATA} bytes"),
                 });
             }
-            let mut bytes = Vec::new();
-            entry.read_to_end(&mut bytes).map_err(truncated)?;
             *slot = Some(bytes);
             continue;
         }
@@ -325,16 +342,16 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
             let sig: Signature = serde_json::from_slice(&sig).map_err(|e| ArchiveError::Invalid {
                 reason: format!("{SIGNATURE}: {e}"),
             })?;
-            Some(sig.verify(&bytes)?.to_owned())
+            Some(sig.verify(&signed_message(&bytes))?)
         }
         None => None,
     };
     let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| ArchiveError::Invalid {
         reason: e.to_string(),
     })?;
-    if manifest.format != FORMAT {
+    if !(1..=FORMAT).contains(&manifest.format) {
         return Err(ArchiveError::Invalid {
-            reason: format!("format {} (this crabd reads {FORMAT})", manifest.format),
+            reason: format!("format {} (this crabd reads 1 to {FORMAT})", manifest.format),
         });
     }
     let mut expected: BTreeMap<String, (u64, String)> = manifest
@@ -452,7 +469,7 @@ fn hex(digest: impl AsRef<[u8]>) -> String {
 
 /// The bytes of hex string `s` (either case); `None` if it is not hex.
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if s.len() & 1 == 1 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..s.len())
@@ -475,6 +492,12 @@ mod tests {
         let message = br#"{"format": 1}"#;
         let sig = Signature::ed25519(ours.public_key().as_ref(), ours.sign(message).as_ref());
         assert_eq!(sig.verify(message).unwrap(), hex(ours.public_key().as_ref()));
+        // The key as the archive spells it does not matter: its bytes do.
+        let upper = Signature {
+            key: sig.key.to_ascii_uppercase(),
+            ..sig.clone()
+        };
+        assert_eq!(upper.verify(message).unwrap(), sig.key);
         let altered = br#"{"format": 2}"#;
         assert!(matches!(sig.verify(altered), Err(ArchiveError::Tampered { .. })));
         // Another host's key named with our signature: it does not hold.

@@ -588,9 +588,19 @@ impl Container {
             });
         }
         self.refuse_io_uring().await?;
-        runtime
+        let dumped = runtime
             .checkpoint(&self.id, &self.bundle, &image_path, &opts)
-            .await
+            .await;
+        if matches!(dumped, Err(Error::InitDied { .. } | Error::RuntimeTimeout { .. }))
+            && matches!(self.init.state, ProcessState::Running)
+        {
+            // CRIU froze the cgroup itself and was stopped before it thawed
+            // it: a killed init could never exit, nor the sandbox run.
+            if let Err(e) = self.set_frozen(false, runtime).await {
+                tracing::warn!("{}: thaw after an abandoned dump: {e}", self.id);
+            }
+        }
+        dumped
     }
 
     /// Removes an exited exec from the table and returns it.

@@ -195,12 +195,15 @@ async fn drain(State(d): State<Arc<Daemon>>, body: Bytes) -> Reply<DrainReport> 
     d.drain(req).await.map(Json)
 }
 
-async fn keys(State(d): State<Arc<Daemon>>) -> Json<HostKeys> {
-    Json(HostKeys {
+async fn keys(State(d): State<Arc<Daemon>>) -> Reply<HostKeys> {
+    let d2 = d.clone();
+    let trusted =
+        tokio::task::spawn_blocking(move || super::keys::trusted(&d2.config.root, &d2.signing_key)).await?;
+    Ok(Json(HostKeys {
         export_key: d.signing_key.public(),
         trusted_dir: super::keys::trusted_dir(&d.config.root),
-        trusted: super::keys::trusted(&d.config.root, &d.signing_key),
-    })
+        trusted,
+    }))
 }
 
 async fn turn(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<TurnReport> {

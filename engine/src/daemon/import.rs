@@ -83,7 +83,9 @@ async fn import_staged(
     // are restored by CRIU as root, with the credentials and mounts they
     // record, which no check of the archive can vouch for), and what it
     // asks of this host.
-    vouch(&d, &unpacked, q.insecure_unsigned)?;
+    let d2 = d.clone();
+    let trusted = blocking_io(move || Ok(super::keys::trusted(&d2.config.root, &d2.signing_key))).await?;
+    vouch(&d, &trusted, &unpacked, q.insecure_unsigned)?;
     super::admit::admit(&mut unpacked.manifest.container, &d.config.import_bind_sources)?;
     let m = &unpacked.manifest;
     let new_id: SandboxId = q.name.clone().unwrap_or_else(|| m.version.sandbox.clone());
@@ -116,8 +118,12 @@ async fn import_staged(
 
 /// Admits an archive signed by a key this host trusts (its own, or one in
 /// `<root>/trusted-keys/`); any other only with `insecure_unsigned`.
-fn vouch(d: &Daemon, unpacked: &archive::Unpacked, insecure_unsigned: bool) -> Result<(), ApiError> {
-    let trusted = super::keys::trusted(&d.config.root, &d.signing_key);
+fn vouch(
+    d: &Daemon,
+    trusted: &[String],
+    unpacked: &archive::Unpacked,
+    insecure_unsigned: bool,
+) -> Result<(), ApiError> {
     let why = match &unpacked.signed_by {
         Some(key) if trusted.contains(key) => return Ok(()),
         Some(key) => format!(

@@ -102,33 +102,75 @@ pub(super) fn trusted_dir(root: &Path) -> PathBuf {
     root.join(TRUSTED_DIR)
 }
 
+/// The most a trusted key's file may hold.
+const MAX_KEY_FILE: u64 = 4096;
+
 /// The public keys (lower-case hex) whose exports this host imports: its
-/// own, and each in `<root>/trusted-keys/`: one file per key, holding the
-/// key as `crabctl keys` prints it (blank lines and `#` comments aside).
-/// A file that holds no key is skipped with a warning; read at each import,
-/// so a key added or removed counts at once.
+/// own, and one per `*.pub` file in `<root>/trusted-keys/`, holding the key
+/// as `crabctl keys` prints it (blank lines and `#` comments aside). Only
+/// root's: the directory and each file must be owned by root and writable
+/// by no one else, and neither may be a symlink; anything else is skipped
+/// with a warning. Read at each import (blocking), so a key added or
+/// removed counts at once.
 pub(super) fn trusted(root: &Path, own: &SigningKey) -> Vec<String> {
     let mut keys = vec![own.public()];
     let dir = trusted_dir(root);
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries,
+    match std::fs::symlink_metadata(&dir) {
+        Ok(md) if md.is_dir() && roots_alone(&md) => {}
+        Ok(_) => {
+            tracing::warn!(dir = %dir.display(), "trusted keys ignored: not a directory of root's that only root may write");
+            return keys;
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return keys,
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "trusted keys unreadable: only this host's own is trusted");
             return keys;
         }
+    }
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return keys;
     };
     for entry in entries.flatten() {
         let path = entry.path();
-        match std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|text| parse_key(&text))
-        {
-            Some(key) => keys.push(key),
-            None => tracing::warn!(file = %path.display(), "not a trusted key (64 hex digits): skipped"),
+        if path.extension().is_none_or(|e| e != "pub") {
+            continue;
+        }
+        match read_key(&path) {
+            Ok(key) => keys.push(key),
+            Err(why) => tracing::warn!(file = %path.display(), %why, "not a trusted key: skipped"),
         }
     }
     keys
+}
+
+/// The key in file `path`: a regular file of root's that only root may
+/// write, opened without following a symlink (nor blocking on a fifo),
+/// bounded.
+fn read_key(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let md = file.metadata().map_err(|e| e.to_string())?;
+    if !md.is_file() || !roots_alone(&md) {
+        return Err("not a regular file of root's that only root may write".to_owned());
+    }
+    let mut text = String::new();
+    file.take(MAX_KEY_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_KEY_FILE {
+        return Err(format!("over {MAX_KEY_FILE} bytes"));
+    }
+    parse_key(&text).ok_or_else(|| "no key (64 hex digits) alone in it".to_owned())
+}
+
+/// Owned by root and writable by no one else.
+fn roots_alone(md: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    md.uid() == 0 && md.mode() & 0o022 == 0
 }
 
 /// The one Ed25519 public key in `text` (64 hex digits), lower-cased.
@@ -166,18 +208,31 @@ mod tests {
 
     #[test]
     fn trusted_keys_are_the_hosts_own_and_the_well_formed_files() {
+        use std::os::unix::fs::PermissionsExt;
         let root = tempfile::tempdir().unwrap();
         let own = SigningKey::load_or_create(root.path()).unwrap();
         assert_eq!(trusted(root.path(), &own), vec![own.public()]);
         let dir = trusted_dir(root.path());
         std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         let other = "AB".repeat(32);
         std::fs::write(dir.join("ci-host.pub"), format!("# the CI host\n\n{other}\n")).unwrap();
+        // Not keys: a bad one, two, another name, a link, a file others write.
         std::fs::write(dir.join("short.pub"), "abcd\n").unwrap();
         std::fs::write(dir.join("two.pub"), format!("{other}\n{other}\n")).unwrap();
+        let third = "cd".repeat(32);
+        std::fs::write(dir.join("old.pub.bak"), &third).unwrap();
+        std::fs::write(root.path().join("elsewhere"), &third).unwrap();
+        std::os::unix::fs::symlink(root.path().join("elsewhere"), dir.join("link.pub")).unwrap();
+        let open = dir.join("open.pub");
+        std::fs::write(&open, &third).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
         assert_eq!(
             trusted(root.path(), &own),
             vec![own.public(), other.to_ascii_lowercase()]
         );
+        // A directory others may write is not trusted at all.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert_eq!(trusted(root.path(), &own), vec![own.public()]);
     }
 }

@@ -348,6 +348,9 @@ impl RuntimeClient {
             Err(error)
         };
         let code = tokio::select! {
+            // The helper's own end first: a dump that finished is not
+            // abandoned because its init died right after.
+            biased;
             waited = tokio::time::timeout(self.timeout, exit) => match waited {
                 Ok(Ok(exit)) => exit.code,
                 Ok(Err(_)) => unreachable!("the exit router lives as long as the shim"),
@@ -421,24 +424,37 @@ async fn dying(pid: Option<i32>) {
     }
 }
 
-/// Whether process `pid` has started to die (see [`dying`]).
+/// Whether process `pid` has started to die (see [`dying`]). Only its
+/// absence counts as gone: a /proc that cannot be read says nothing.
 fn is_dying(pid: i32) -> bool {
     /// The kernel's `PF_EXITING` task flag.
     const PF_EXITING: u32 = 0x4;
     /// SIGKILL's bit in a pending-signal mask.
     const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
-    let Ok(process) = procfs::process::Process::new(pid) else {
-        return true;
+    let gone = |e: procfs::ProcError| {
+        let gone = matches!(e, procfs::ProcError::NotFound(_));
+        if !gone {
+            tracing::debug!("process {pid} unreadable: {e}");
+        }
+        gone
     };
-    let Ok(stat) = process.stat() else {
-        return true;
+    let process = match procfs::process::Process::new(pid) {
+        Ok(p) => p,
+        Err(e) => return gone(e),
     };
-    if stat.flags & PF_EXITING != 0 || matches!(stat.state, 'Z' | 'X' | 'x') {
+    let (stat, status) = match (process.stat(), process.status()) {
+        (Ok(stat), Ok(status)) => (stat, status),
+        (Err(e), _) | (_, Err(e)) => return gone(e),
+    };
+    // A SIGKILL is queued to every thread of the group (and kept while
+    // frozen): the leader's own mask shows it.
+    if (status.shdpnd | status.sigpnd) & SIGKILL_BIT != 0 {
         return true;
     }
-    process
-        .status()
-        .map_or(true, |s| (s.shdpnd | s.sigpnd) & SIGKILL_BIT != 0)
+    // A leader that called pthread_exit shows these while its other
+    // threads run on: only a last thread's exit is the process's.
+    let exiting = stat.flags & PF_EXITING != 0 || matches!(stat.state, 'Z' | 'X' | 'x');
+    exiting && status.threads <= 1
 }
 
 /// A reply that is not the one `op` gives (a helper of another version).
@@ -475,30 +491,39 @@ mod tests {
 
     use super::*;
 
-    /// A helper that never finishes: it starts a `sleep` in its group,
-    /// records the sleep's pid in `pidfile`, and waits.
-    fn stuck_helper(dir: &Path) -> (PathBuf, PathBuf) {
+    /// A helper that never finishes: it starts, in its group, a `sleep` of
+    /// a length no other process uses (answered), records the sleep's pid
+    /// in the pidfile (answered), and waits.
+    fn stuck_helper(dir: &Path) -> (PathBuf, PathBuf, String) {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let length = format!("1000.{}{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let pidfile = dir.join("grandchild.pid");
         let exe = dir.join("helper.sh");
         let script = format!(
-            "#!/bin/sh\nsleep 1000 >/dev/null 2>&1 &\necho $! > {}.tmp\nmv {0}.tmp {0}\nwait\n",
+            "#!/bin/sh\nsleep {length} >/dev/null 2>&1 &\necho $! > {0}.tmp\nmv {0}.tmp {0}\nwait\n",
             pidfile.display()
         );
         std::fs::write(&exe, script).unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-        (exe, pidfile)
+        (exe, pidfile, length)
     }
 
-    /// Waits (10 s at most) until process `pid` is gone or a zombie.
-    fn ends(pid: i32) -> bool {
+    /// Whether, within 10 s, no live process is a `sleep length` (a helper
+    /// killed before it started one passes at once).
+    fn no_sleep_left(length: &str) -> bool {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            match procfs::process::Process::new(pid).and_then(|p| p.stat()) {
-                Ok(stat) if stat.state != 'Z' => std::thread::sleep(Duration::from_millis(20)),
-                _ => return true,
+        let running = || {
+            procfs::process::all_processes().unwrap().flatten().any(|p| {
+                p.cmdline().is_ok_and(|c| c == ["sleep", length]) && p.stat().is_ok_and(|s| s.state != 'Z')
+            })
+        };
+        while running() {
+            if Instant::now() > deadline {
+                return false;
             }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        false
+        true
     }
 
     fn grandchild(pidfile: &Path) -> i32 {
@@ -526,34 +551,35 @@ mod tests {
     #[tokio::test]
     async fn a_dump_stops_when_the_init_is_killed_and_takes_criu_with_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (exe, pidfile) = stuck_helper(dir.path());
+        let (exe, pidfile, length) = stuck_helper(dir.path());
         let runtime = client(exe, dir.path(), Duration::from_secs(3600));
         let mut init = Command::new("sleep").arg("1000").spawn().unwrap();
         let images = dir.path().join("images");
         let opts = dump_opts(&init);
         let dump = runtime.checkpoint("c1", dir.path(), &images, &opts);
         let kill_init = async {
-            let helper_child = tokio::task::spawn_blocking({
-                let pidfile = pidfile.clone();
-                move || grandchild(&pidfile)
-            })
-            .await
-            .unwrap();
+            // Once the helper has started what it starts.
+            let pidfile = pidfile.clone();
+            tokio::task::spawn_blocking(move || grandchild(&pidfile))
+                .await
+                .unwrap();
             assert!(!is_dying(init.id() as i32), "a running init is not dying");
             init.kill().unwrap();
-            helper_child
         };
-        let (result, helper_child) = tokio::join!(dump, kill_init);
+        let (result, ()) = tokio::join!(dump, kill_init);
         let err = result.expect_err("the dump of a killed init fails");
         assert!(matches!(err, Error::InitDied { op: "checkpoint", .. }), "{err}");
-        assert!(ends(helper_child), "what the helper started is killed with it");
+        assert!(
+            no_sleep_left(&length),
+            "what the helper started is killed with it"
+        );
         init.wait().unwrap();
     }
 
     #[tokio::test]
     async fn a_helper_past_its_deadline_is_killed_with_its_group() {
         let dir = tempfile::tempdir().unwrap();
-        let (exe, pidfile) = stuck_helper(dir.path());
+        let (exe, _, length) = stuck_helper(dir.path());
         let runtime = client(exe, dir.path(), Duration::from_millis(300));
         let mut init = Command::new("sleep").arg("1000").spawn().unwrap();
         let images = dir.path().join("images");
@@ -563,7 +589,7 @@ mod tests {
             .expect_err("a stuck helper times out");
         assert!(matches!(err, Error::RuntimeTimeout { .. }), "{err}");
         assert!(
-            ends(grandchild(&pidfile)),
+            no_sleep_left(&length),
             "what the helper started is killed with it"
         );
         assert!(!is_dying(init.id() as i32), "the watched init was left alone");
