@@ -13,6 +13,7 @@ use crab_api::crabd::{
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
 
+mod doctor;
 mod progress;
 mod table;
 mod tree;
@@ -162,6 +163,9 @@ enum Command {
     /// Print the key this host signs its exports with, and the keys whose
     /// exports it imports (a file per key in the directory it names).
     Keys,
+    /// Say whether this host can run Crab and what it falls back to: one
+    /// line per check, ok, warn or fail, with the fix. Exits 1 on a fail.
+    Doctor,
     /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
     ProxyUrl {
@@ -455,6 +459,27 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 )
             });
             if r.sandboxes.iter().any(|s| !s.made) {
+                std::process::exit(1);
+            }
+        }
+        Command::Doctor => {
+            let checks = doctor::run(&crabd).await;
+            print(cli.json, &checks, || {
+                let rows = checks.iter().map(|c| {
+                    let status = match c.status {
+                        doctor::Status::Ok => "ok",
+                        doctor::Status::Warn => "warn",
+                        doctor::Status::Fail => "FAIL",
+                    };
+                    let detail = match &c.fix {
+                        Some(fix) => format!("{} -> {fix}", c.detail),
+                        None => c.detail.clone(),
+                    };
+                    vec![status.to_owned(), c.name.to_owned(), detail]
+                });
+                table::render(&["", "CHECK", "FOUND"], rows)
+            });
+            if checks.iter().any(|c| c.status == doctor::Status::Fail) {
                 std::process::exit(1);
             }
         }
