@@ -136,9 +136,7 @@ fn kernel_check(kernel: Option<(u32, u32)>) -> Check {
 
 /// A filesystem's magic number (`statfs`'s `f_type`).
 fn fs_magic(path: &Path) -> Option<i64> {
-    nix::sys::statfs::statfs(path)
-        .ok()
-        .map(|s| s.filesystem_type().0 as i64)
+    nix::sys::statfs::statfs(path).ok().map(|s| s.filesystem_type().0)
 }
 
 const CGROUP2_MAGIC: i64 = 0x6367_7270;
@@ -409,7 +407,7 @@ fn existing(path: &Path) -> &Path {
 fn store_check(crabd: &crab_api::config::CrabdConfig) -> Check {
     let at = existing(&crabd.root);
     let free = match nix::sys::statvfs::statvfs(at) {
-        Ok(s) => s.blocks_available() as u64 * s.fragment_size() as u64,
+        Ok(s) => s.blocks_available() * s.fragment_size(),
         Err(e) => {
             return Check::not(
                 "store",
