@@ -166,6 +166,12 @@ enum Command {
     /// Say whether this host can run Crab and what it falls back to: one
     /// line per check, ok, warn or fail, with the fix. Exits 1 on a fail.
     Doctor,
+    /// Print a completion script for a shell, e.g.
+    /// `crabctl completions bash > /etc/bash_completion.d/crabctl`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
     /// Print the base URL of a sandbox's LLM proxy on crabd's host listener,
     /// for agents that run outside the sandbox (OpenAI SDKs add `/v1`).
     ProxyUrl {
@@ -460,6 +466,22 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             });
             if r.sandboxes.iter().any(|s| !s.made) {
                 std::process::exit(1);
+            }
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            use std::io::Write;
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut Cli::command(), "crabctl", &mut script);
+            match std::io::stdout().write_all(&script) {
+                // `crabctl completions bash | head`: the reader had enough.
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    return Err(RunError::Local {
+                        what: "write the completion script",
+                        source: e,
+                    })
+                }
+                _ => {}
             }
         }
         Command::Doctor => {
