@@ -338,6 +338,33 @@ impl Rootfs {
     /// a rollback changed the files below).
     async fn mount_layers(&self, id: &str) -> Result<()> {
         for m in &self.mounts {
+            // An overlay's upper that a rollback left half rewritten (the
+            // shim was killed in it) is finished before anyone sees it.
+            let upper = (m.type_ == "overlay")
+                .then(|| m.options.iter().find_map(|o| o.strip_prefix("upperdir=")))
+                .flatten()
+                .map(PathBuf::from);
+            if let Some(upper) = upper {
+                let finished = tokio::task::spawn_blocking(move || {
+                    crab_snapshotter::finish_interrupted_rollback(&upper)
+                })
+                .await
+                .map_err(|e| {
+                    Error::io("finish an interrupted rollback".to_owned())(std::io::Error::other(e))
+                })?;
+                match finished {
+                    Ok(Some(name)) => {
+                        tracing::warn!(sandbox = id, snapshot = %name, "finished a rollback that was cut short")
+                    }
+                    Ok(None) => {}
+                    Err(source) => {
+                        return Err(Error::Snapshot {
+                            id: id.to_owned(),
+                            source,
+                        })
+                    }
+                }
+            }
             containerd_shim::asynchronous::util::mount_rootfs(m, &self.target)
                 .await
                 .map_err(|source| Error::Mount {

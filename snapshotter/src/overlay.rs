@@ -14,6 +14,14 @@
 //! Invariant: files in the store are never written after they are created;
 //! sharing them by hard link between snapshots is therefore safe, and live
 //! files are always copied, never linked.
+//!
+//! Invariant: a rollback rewrites the upper directory in place, so it is
+//! journaled: `.<upper's name>.crab-rollback` beside the upper names the
+//! store and the snapshot (written whole and synced before the first
+//! change; removed once the upper is synced). A journal that is there
+//! means a rollback was cut short: [`finish_interrupted_rollback`] (the
+//! shim, before it mounts the overlay) completes it, so the upper is the
+//! old tree or the snapshot's, never a mix that gets used.
 
 mod archive;
 
@@ -252,8 +260,20 @@ impl Backend for OverlayCopyBackend {
     fn rollback(&self, name: &SnapshotName) -> Result<()> {
         self.require(name)?;
         let index = Index::load(&self.file(name, "index"))?;
+        let journal = journal_path(&self.upper);
+        let entry = RollbackJournal {
+            store: self.store.clone(),
+            name: name.clone(),
+        };
+        write_synced(
+            &journal,
+            &serde_json::to_vec(&entry).expect("a journal serializes"),
+        )?;
         std::fs::create_dir_all(&self.upper).map_err(Error::io("create", &self.upper))?;
-        restore_tree(&self.dir(name), &self.upper, &index)
+        restore_tree(&self.dir(name), &self.upper, &index)?;
+        sync_fs(&self.upper)?;
+        std::fs::remove_file(&journal).map_err(Error::io("remove", &journal))?;
+        sync_parent(&journal)
     }
 
     fn files(&self, name: &SnapshotName) -> Result<SnapshotFiles> {
@@ -382,6 +402,62 @@ fn link_tree(src: &Path, dst: &Path) -> Result<()> {
         tree::apply_meta(dir, meta)?;
     }
     Ok(())
+}
+
+/// What a rollback under way records (see the module's invariants).
+#[derive(Serialize, Deserialize)]
+struct RollbackJournal {
+    store: PathBuf,
+    name: SnapshotName,
+}
+
+/// The journal of a rollback of `upper`: beside it, named after it.
+fn journal_path(upper: &Path) -> PathBuf {
+    let name = upper.file_name().unwrap_or_default().to_string_lossy();
+    upper.with_file_name(format!(".{name}.crab-rollback"))
+}
+
+/// Completes a rollback of the upper directory `upper` that was cut short
+/// (a crash, a killed shim), if its journal says one was under way;
+/// answers the snapshot it now holds. Nothing to do: `None`.
+///
+/// # Errors
+/// The journal cannot be read, or the rollback fails again (the journal
+/// stays: the upper is not to be used as it is).
+pub fn finish_interrupted_rollback(upper: &Path) -> Result<Option<SnapshotName>> {
+    let journal = journal_path(upper);
+    let bytes = match std::fs::read(&journal) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("read", &journal)(e)),
+    };
+    let entry: RollbackJournal = serde_json::from_slice(&bytes).map_err(|e| Error::Io {
+        op: "parse the rollback journal",
+        path: journal.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })?;
+    OverlayCopyBackend::new(upper, &entry.store).rollback(&entry.name)?;
+    Ok(Some(entry.name))
+}
+
+/// Writes `bytes` to `path` whole: beside it, synced, renamed over it, its
+/// directory synced.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!("{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+    f.write_all(bytes).map_err(Error::io("write", &tmp))?;
+    f.sync_all().map_err(Error::io("sync", &tmp))?;
+    std::fs::rename(&tmp, path).map_err(Error::io("rename", path))?;
+    sync_parent(path)
+}
+
+/// Syncs the directory holding `path`.
+fn sync_parent(path: &Path) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(Error::io("sync", dir))
 }
 
 /// `syncfs(2)` on the filesystem holding `path`.

@@ -218,6 +218,53 @@ fn overlay_copy_shares_untouched_files() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A rollback cut short (the shim killed halfway through rewriting the
+/// upper) leaves its journal; finishing it makes the upper the snapshot's
+/// whole, and a finished rollback leaves no journal.
+#[test]
+fn an_interrupted_overlay_rollback_is_finished_from_its_journal() {
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabrj")));
+    let upper = root.join("upper");
+    std::fs::create_dir_all(&upper).unwrap();
+    populate(&upper, true);
+    let b = OverlayCopyBackend::new(&upper, &root.join("store"));
+    b.snapshot(&name("s1")).unwrap();
+    let at_s1 = digest(&upper);
+    mutate(&upper, true);
+    let mutated = digest(&upper);
+    assert_ne!(at_s1, mutated);
+    let journal = root.join(".upper.crab-rollback");
+    // Nothing to finish.
+    assert_eq!(
+        crab_snapshotter::finish_interrupted_rollback(&upper).unwrap(),
+        None
+    );
+    // A finished rollback: the snapshot's tree, no journal.
+    b.rollback(&name("s1")).unwrap();
+    assert_eq!(digest(&upper), at_s1);
+    assert!(!journal.exists());
+    // Cut short: the journal was written, then only part of the change
+    // undone (one file back, the rest as mutated).
+    mutate(&upper, true);
+    let store = root.join("store").display().to_string();
+    std::fs::write(&journal, format!(r#"{{"store":"{store}","name":"s1"}}"#)).unwrap();
+    std::fs::write(upper.join("to-edit"), "half").unwrap();
+    assert_ne!(digest(&upper), at_s1);
+    let done = crab_snapshotter::finish_interrupted_rollback(&upper).unwrap();
+    assert_eq!(done, Some(name("s1")));
+    assert_eq!(digest(&upper), at_s1);
+    assert!(!journal.exists());
+    // A journal that names no snapshot there stays, and says so.
+    std::fs::write(&journal, r#"{"store":"/nonexistent","name":"s1"}"#).unwrap();
+    let e = crab_snapshotter::finish_interrupted_rollback(&upper).unwrap_err();
+    assert!(matches!(e, Error::NoSnapshot { .. }), "{e}");
+    assert!(journal.exists());
+    std::fs::write(&journal, "{torn").unwrap();
+    let e = crab_snapshotter::finish_interrupted_rollback(&upper).unwrap_err();
+    assert!(e.to_string().contains("crab-rollback"), "{e}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn btrfs_on_a_loop_device() {
     let root = PathBuf::from(format!("/tmp/{}", unique("crabbt")));
