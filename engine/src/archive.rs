@@ -93,6 +93,14 @@ impl Signature {
                 reason: "the signature's key or value is not hex".to_owned(),
             });
         };
+        if key.len() != 32 {
+            return Err(ArchiveError::Invalid {
+                reason: format!(
+                    "the signature's key is {} bytes, not an Ed25519 key's 32",
+                    key.len()
+                ),
+            });
+        }
         UnparsedPublicKey::new(&RING_ED25519, &key)
             .verify(message, &sig)
             .map_err(|_| ArchiveError::Tampered {

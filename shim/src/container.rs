@@ -591,8 +591,10 @@ impl Container {
         let dumped = runtime
             .checkpoint(&self.id, &self.bundle, &image_path, &opts)
             .await;
-        if matches!(dumped, Err(Error::InitDied { .. } | Error::RuntimeTimeout { .. }))
-            && matches!(self.init.state, ProcessState::Running)
+        if matches!(
+            dumped,
+            Err(Error::InitDied { .. } | Error::RuntimeTimeout { .. } | Error::RuntimeDied { .. })
+        ) && matches!(self.init.state, ProcessState::Running)
         {
             // CRIU froze the cgroup itself and was stopped before it thawed
             // it: a killed init could never exit, nor the sandbox run.

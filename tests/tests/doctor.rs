@@ -16,7 +16,6 @@ const CHECKS: &[&str] = &[
     "bpf",
     "criu",
     "criu check",
-    "soft-dirty",
     "time namespaces",
     "/run on tmpfs",
     "overlayfs",

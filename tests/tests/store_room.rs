@@ -5,7 +5,9 @@
 //! and CRIU; needs root: CI runs it as root.
 
 use crab_tests::leftovers::assert_clean;
-use crab_tests::sandbox::{ask, crabctl, crabctl_ok, run_stateful, version_numbers, wait_registered, STORE};
+use crab_tests::sandbox::{
+    ask, crabctl, crabctl_ok, exec_sh, run_stateful, version_numbers, wait_registered, STORE,
+};
 use crab_tests::Containerd;
 
 /// A containerd whose crabd reads `crabd_table` (a `[crabd]` table's lines).
@@ -43,13 +45,22 @@ fn a_sandbox_at_its_ceiling_gets_no_version_and_runs_on() {
         let e = refused(&ctd, &[class, &[id]].concat());
         assert!(e.contains("sandbox_store_max_bytes"), "{e}");
     }
+    // A files-only rollback (whose version would not fit) touches nothing.
+    exec_sh(&ctd, id, "echo after > /kept");
+    let out = crabctl(&ctd, &["rollback", id, "1", "--files-only"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("sandbox_store_max_bytes"),
+        "{e}"
+    );
+    assert_eq!(exec_sh(&ctd, id, "cat /kept").trim(), "after");
     // Nothing was made, and the sandbox went on as it was.
     assert_eq!(version_numbers(&ctd, id), [1]);
     assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
     assert_eq!(ctd.task_pid(id), Some(pid));
     assert_eq!(ask(pid, STORE, "get a"), "2");
     let metrics = String::from_utf8(crabctl(&ctd, &["metrics"]).stdout).unwrap();
-    assert!(metrics.contains("crab_store_full_total 2"), "{metrics}");
+    assert!(metrics.contains("crab_store_full_total 3"), "{metrics}");
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
     let _ = std::fs::remove_file(&config);

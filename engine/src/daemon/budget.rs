@@ -1,16 +1,18 @@
 //! Room for checkpoints: a floor of free space on the filesystem of
 //! crabd's root (`[crabd] store_min_free_bytes`), and a ceiling on what one
 //! sandbox's versions hold there (`[crabd] sandbox_store_max_bytes`). A
-//! capture is refused while either is passed: the sandbox runs on, its
-//! turn's class is still reported, and the error says which limit and how
-//! to make room. Checked before each capture, so one version may overrun
-//! the ceiling by its own size.
+//! capture is refused while either is passed: the sandbox runs on, and the
+//! error says which limit and how to make room. Checked before each
+//! capture a person, a turn or a files-only rollback asks for (before it
+//! takes a queue slot or touches a file), so one version may overrun the
+//! ceiling by its own size; a drain is not held to them (the host is going
+//! away: only a full disk stops it).
 
 use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use crab_api::SandboxId;
+use crab_api::{Class, SandboxId};
 
 use super::work::blocking_io;
 use super::{ApiError, Daemon};
@@ -18,11 +20,12 @@ use super::{ApiError, Daemon};
 // === impl Daemon ===
 
 impl Daemon {
-    /// Whether the store has room for another version of sandbox `id`.
-    pub(super) async fn room_for_capture(&self, id: &SandboxId) -> Result<(), ApiError> {
+    /// Whether the store has room for another version of sandbox `id` of
+    /// `class` (a `none` version is a manifest line: always).
+    pub(super) async fn room_for_capture(&self, id: &SandboxId, class: Class) -> Result<(), ApiError> {
         let floor = self.config.store_min_free_bytes;
         let ceiling = self.config.sandbox_store_max_bytes;
-        if floor == 0 && ceiling == 0 {
+        if class == Class::None || (floor == 0 && ceiling == 0) {
             return Ok(());
         }
         let root = self.config.root.clone();

@@ -39,6 +39,7 @@ impl Daemon {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
             let class = d.effective_class(&reg, class)?;
+            d.room_for_capture(&reg.id, class).await?;
             let slot = d
                 .scheduler
                 .admit(&reg.id, tokio::time::Instant::now(), true)
@@ -74,9 +75,6 @@ impl Daemon {
         slot: Option<Slot>,
     ) -> Result<CheckpointReport, ApiError> {
         let started = Instant::now();
-        if class != Class::None {
-            self.room_for_capture(&reg.id).await?;
-        }
         let (urgent, queued_ms) = slot
             .as_ref()
             .map_or((false, 0.0), |s| (s.urgent, s.waited.as_secs_f64() * 1e3));

@@ -127,7 +127,7 @@ fn vouch(
     let why = match &unpacked.signed_by {
         Some(key) if trusted.contains(key) => return Ok(()),
         Some(key) => format!(
-            "the archive is signed by key {key}, which this host does not trust (to trust it, put it in a file in {})",
+            "the archive is signed by key {key}, which this host does not trust (to trust it, put it in a root-owned *.pub file in {})",
             super::keys::trusted_dir(&d.config.root).display()
         ),
         None => "the archive is not signed".to_owned(),

@@ -212,6 +212,8 @@ impl Daemon {
                 store: self.files.store_dir(&reg.id),
             },
         };
+        // The version that follows must fit: else nothing is touched.
+        self.room_for_capture(&reg.id, Class::Full).await?;
         // Durably first: from the sync on, the files stop matching the
         // head's process image.
         let store = self.store.clone();

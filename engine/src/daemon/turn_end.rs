@@ -386,7 +386,10 @@ impl Daemon {
         end: Option<TurnEnd>,
         slot: Option<super::schedule::Slot>,
     ) -> Result<CheckpointReport, ApiError> {
-        let version = self.capture(reg, class, end, slot).await;
+        let version = match self.room_for_capture(&reg.id, class).await {
+            Ok(()) => self.capture(reg, class, end, slot).await,
+            Err(e) => Err(e),
+        };
         if version.is_err() {
             self.clear_head(&reg.id).await;
         }

@@ -372,6 +372,10 @@ impl RuntimeClient {
         let bytes = std::fs::read(&reply_path);
         let _ = std::fs::remove_file(&reply_path);
         let Ok(bytes) = bytes else {
+            // Killed before it answered (the OOM killer): what it started
+            // (CRIU) must not go on. Its group outlives it while a member
+            // does, so the id is still the group's.
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
             return Err(Error::RuntimeDied {
                 op: name,
                 id: id.to_owned(),
@@ -446,9 +450,20 @@ fn is_dying(pid: i32) -> bool {
         (Ok(stat), Ok(status)) => (stat, status),
         (Err(e), _) | (_, Err(e)) => return gone(e),
     };
-    // A SIGKILL is queued to every thread of the group (and kept while
-    // frozen): the leader's own mask shows it.
+    // A SIGKILL is queued to the group's threads (and kept while frozen);
+    // an exit_group queues it to every thread but the caller's (which may
+    // be the leader's): any thread's mask tells.
     if (status.shdpnd | status.sigpnd) & SIGKILL_BIT != 0 {
+        return true;
+    }
+    let killed_thread = process.tasks().is_ok_and(|mut tasks| {
+        tasks.any(|t| {
+            t.ok()
+                .and_then(|t| t.status().ok())
+                .is_some_and(|s| s.sigpnd & SIGKILL_BIT != 0)
+        })
+    });
+    if killed_thread {
         return true;
     }
     // A leader that called pthread_exit shows these while its other
