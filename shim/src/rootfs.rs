@@ -94,7 +94,7 @@ impl Rootfs {
             std::fs::create_dir_all(&self.target)
                 .map_err(Error::io(format!("create {}", self.target.display())))?;
             self.mounted = true;
-            self.mount_layers(ctx.id).await?;
+            self.mount_layers(ctx.id, true).await?;
         }
         // libcontainer reports a missing root as a bare ENOENT; name it.
         if let Some(root) = root.filter(|r| !r.is_dir()) {
@@ -269,7 +269,9 @@ impl Rootfs {
         })?;
         let name = target.name.clone();
         let rolled = run(FsOp::Rollback { location, name }, ctx).await.map(drop);
-        self.mount_layers(ctx.id).await?;
+        // A rollback that failed here is reported as such (its journal
+        // stays for the next mount to finish), not tried again at once.
+        self.mount_layers(ctx.id, false).await?;
         rolled
     }
 
@@ -336,11 +338,11 @@ impl Rootfs {
 
     /// Mounts the rootfs's mounts on its target (at create, and again after
     /// a rollback changed the files below).
-    async fn mount_layers(&self, id: &str) -> Result<()> {
+    async fn mount_layers(&self, id: &str, finish_rollbacks: bool) -> Result<()> {
         for m in &self.mounts {
             // An overlay's upper that a rollback left half rewritten (the
             // shim was killed in it) is finished before anyone sees it.
-            let upper = (m.type_ == "overlay")
+            let upper = (finish_rollbacks && m.type_ == "overlay")
                 .then(|| m.options.iter().find_map(|o| o.strip_prefix("upperdir=")))
                 .flatten()
                 .map(PathBuf::from);

@@ -27,7 +27,7 @@ mod zfs_snapshotter;
 pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, SnapshotName};
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
-pub use overlay::{finish_interrupted_rollback, OverlayCopyBackend, StreamPolicy};
+pub use overlay::{finish_interrupted_rollback, rollback_journal, OverlayCopyBackend, StreamPolicy};
 pub use sync::{differences, sync_tree, Scope, SnapshotFiles, SyncReport};
 pub use zfs::ZfsBackend;
 pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};

@@ -20,8 +20,10 @@
 //! store and the snapshot (written whole and synced before the first
 //! change; removed once the upper is synced). A journal that is there
 //! means a rollback was cut short: [`finish_interrupted_rollback`] (the
-//! shim, before it mounts the overlay) completes it, so the upper is the
-//! old tree or the snapshot's, never a mix that gets used.
+//! shim, before it mounts an overlay it mounts itself; one dockerd mounted
+//! is used as it is) completes it, so the upper is the old tree or the
+//! snapshot's, never a mix that the shim mounts. A layer replaced whole
+//! (crabd's resume) takes its journal aside with the old tree.
 
 mod archive;
 
@@ -260,16 +262,16 @@ impl Backend for OverlayCopyBackend {
     fn rollback(&self, name: &SnapshotName) -> Result<()> {
         self.require(name)?;
         let index = Index::load(&self.file(name, "index"))?;
-        let journal = journal_path(&self.upper);
+        let journal = rollback_journal(&self.upper);
         let entry = RollbackJournal {
             store: self.store.clone(),
             name: name.clone(),
         };
+        std::fs::create_dir_all(&self.upper).map_err(Error::io("create", &self.upper))?;
         write_synced(
             &journal,
             &serde_json::to_vec(&entry).expect("a journal serializes"),
         )?;
-        std::fs::create_dir_all(&self.upper).map_err(Error::io("create", &self.upper))?;
         restore_tree(&self.dir(name), &self.upper, &index)?;
         sync_fs(&self.upper)?;
         std::fs::remove_file(&journal).map_err(Error::io("remove", &journal))?;
@@ -412,7 +414,7 @@ struct RollbackJournal {
 }
 
 /// The journal of a rollback of `upper`: beside it, named after it.
-fn journal_path(upper: &Path) -> PathBuf {
+pub fn rollback_journal(upper: &Path) -> PathBuf {
     let name = upper.file_name().unwrap_or_default().to_string_lossy();
     upper.with_file_name(format!(".{name}.crab-rollback"))
 }
@@ -425,27 +427,66 @@ fn journal_path(upper: &Path) -> PathBuf {
 /// The journal cannot be read, or the rollback fails again (the journal
 /// stays: the upper is not to be used as it is).
 pub fn finish_interrupted_rollback(upper: &Path) -> Result<Option<SnapshotName>> {
-    let journal = journal_path(upper);
-    let bytes = match std::fs::read(&journal) {
-        Ok(b) => b,
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let journal = rollback_journal(upper);
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(&journal)
+    {
+        Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("read", &journal)(e)),
+        Err(e) => return Err(Error::io("open", &journal)(e)),
     };
-    let entry: RollbackJournal = serde_json::from_slice(&bytes).map_err(|e| Error::Io {
-        op: "parse the rollback journal",
-        path: journal.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-    })?;
-    OverlayCopyBackend::new(upper, &entry.store).rollback(&entry.name)?;
+    let unfinished = |why: String| {
+        Error::Refused {
+        reason: format!(
+            "{} names a rollback of these files that was cut short, and it cannot be finished: {why} \
+             (crabctl resume puts a version's files back whole; removing that file accepts the files as they are)",
+            journal.display()
+        ),
+    }
+    };
+    let md = file.metadata().map_err(Error::io("stat", &journal))?;
+    if !md.is_file() || md.uid() != 0 || md.mode() & 0o022 != 0 {
+        return Err(unfinished(
+            "it is not a regular file that only root writes".to_owned(),
+        ));
+    }
+    let mut bytes = Vec::new();
+    (&file)
+        .take(64 << 10)
+        .read_to_end(&mut bytes)
+        .map_err(Error::io("read", &journal))?;
+    let entry: RollbackJournal =
+        serde_json::from_slice(&bytes).map_err(|e| unfinished(format!("it does not parse ({e})")))?;
+    if !entry.store.is_absolute() {
+        return Err(unfinished("its store is not an absolute path".to_owned()));
+    }
+    OverlayCopyBackend::new(upper, &entry.store)
+        .rollback(&entry.name)
+        .map_err(|e| unfinished(e.to_string()))?;
     Ok(Some(entry.name))
 }
 
 /// Writes `bytes` to `path` whole: beside it, synced, renamed over it, its
 /// directory synced.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let tmp = path.with_file_name(format!("{name}.tmp"));
-    let mut f = std::fs::File::create(&tmp).map_err(Error::io("create", &tmp))?;
+    // A stale one (a crash before its rename) goes; never through a link.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io("remove", &tmp)(e)),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&tmp)
+        .map_err(Error::io("create", &tmp))?;
     f.write_all(bytes).map_err(Error::io("write", &tmp))?;
     f.sync_all().map_err(Error::io("sync", &tmp))?;
     std::fs::rename(&tmp, path).map_err(Error::io("rename", path))?;

@@ -28,6 +28,19 @@ fn crash(ctd: &Containerd, id: &str) {
     .expect("containerd sees the task gone");
 }
 
+/// Where a rollback journal of sandbox `id`'s writable layer goes: beside
+/// the upper directory of its containerd snapshot, named after it.
+fn crab_snapshotter_journal(ctd: &Containerd, id: &str) -> std::path::PathBuf {
+    let mounts = ctd.ctr_ok(&["snapshots", "mounts", "/mnt", id]);
+    let upper = mounts
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .unwrap_or_else(|| panic!("an overlay upper in {mounts}"));
+    let upper = std::path::Path::new(upper);
+    let name = upper.file_name().unwrap().to_string_lossy();
+    upper.with_file_name(format!(".{name}.crab-rollback"))
+}
+
 /// The state a version holds: the store's value, the counter's next
 /// answer, the files under /data.
 fn state(pid: i32) -> (String, u64, std::collections::BTreeMap<String, String>) {
@@ -56,8 +69,15 @@ fn a_sandbox_whose_host_died_resumes_from_its_head() {
     assert!(e.contains("its task runs"), "{e}");
 
     crash(&ctd, id);
+    // As if the shim had died halfway through a rollback to a snapshot
+    // since removed: the resume replaces the layer whole, so that journal
+    // goes aside with the layer as it was (else the next mount would try
+    // to finish it, and refuse).
+    let journal = crab_snapshotter_journal(&ctd, id);
+    std::fs::write(&journal, r#"{"store":"/nonexistent","name":"c1"}"#).unwrap();
     let r = crabctl_ok(&ctd, &["resume", id]);
     assert_eq!(r["version"], 1, "{r}");
+    assert!(!journal.exists(), "the journal went with the layer set aside");
     let pid = r["pid"].as_i64().unwrap() as i32;
     wait_registered(&ctd, id);
     assert_eq!(ctd.task_pid(id), Some(pid));

@@ -3,8 +3,9 @@
 //! sandbox's versions hold there (`[crabd] sandbox_store_max_bytes`). A
 //! capture is refused while either is passed: the sandbox runs on, and the
 //! error says which limit and how to make room. Checked before each
-//! capture a person, a turn or a files-only rollback asks for (before it
-//! takes a queue slot or touches a file), so one version may overrun the
+//! capture a person, a turn or a files-only rollback asks for (a person's
+//! before it queues, a rollback's before it touches a file), so one
+//! version may overrun the
 //! ceiling by its own size; a drain is not held to them (the host is going
 //! away: only a full disk stops it).
 

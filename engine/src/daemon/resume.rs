@@ -86,11 +86,19 @@ impl Daemon {
         let dropped = blocking_io(move || {
             if !ok {
                 exchange(&old, &upper)?;
+                move_journal(&old, &upper)?;
             }
             std::fs::remove_dir_all(&old).map_err(|source| ApiError::Io {
                 op: "remove the layer set aside",
                 source,
-            })
+            })?;
+            match std::fs::remove_file(crab_snapshotter::rollback_journal(&old)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(ApiError::Io {
+                    op: "remove the journal of the layer set aside",
+                    source: e,
+                }),
+                _ => Ok(()),
+            }
         })
         .await;
         if let Err(e) = dropped {
@@ -156,7 +164,26 @@ fn swap_in_copy(
         let _ = std::fs::remove_dir_all(&beside);
         return Err(e);
     }
+    // A rollback journal of the layer as it was goes aside with it: the
+    // version's whole copy must not be "finished" into another snapshot.
+    move_journal(upper, &beside)?;
     Ok(beside)
+}
+
+/// Moves the rollback journal of layer `from` (if it has one) to layer
+/// `to`'s name, synced.
+fn move_journal(from: &Path, to: &Path) -> Result<(), ApiError> {
+    let journal = crab_snapshotter::rollback_journal(from);
+    let io = |op| move |source| ApiError::Io { op, source };
+    match std::fs::rename(&journal, crab_snapshotter::rollback_journal(to)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io("move a rollback journal aside")(e)),
+    }
+    let dir = journal.parent().unwrap_or(Path::new("/"));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("sync the writable layer's directory"))
 }
 
 /// Exchanges directories `a` and `b` atomically.
