@@ -76,7 +76,7 @@ use std::sync::Arc;
 use nix::fcntl::{Flock, FlockArg};
 use parking_lot::Mutex;
 
-pub(crate) use self::durable::replace_file;
+pub(crate) use self::durable::{replace_file, sync_parent};
 pub use self::error::StoreError;
 pub use self::publish::{Capture, NewVersion, PendingVersion};
 pub use self::query::{Version, VersionInfo};

@@ -174,16 +174,14 @@ fn swap_in_copy(
 /// `to`'s name, synced.
 fn move_journal(from: &Path, to: &Path) -> Result<(), ApiError> {
     let journal = crab_snapshotter::rollback_journal(from);
-    let io = |op| move |source| ApiError::Io { op, source };
     match std::fs::rename(&journal, crab_snapshotter::rollback_journal(to)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io("move a rollback journal aside")(e)),
+        Ok(()) => Ok(crate::store::sync_parent(&journal)?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(ApiError::Io {
+            op: "move a rollback journal aside",
+            source,
+        }),
     }
-    let dir = journal.parent().unwrap_or(Path::new("/"));
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("sync the writable layer's directory"))
 }
 
 /// Exchanges directories `a` and `b` atomically.

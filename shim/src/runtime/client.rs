@@ -456,13 +456,16 @@ fn is_dying(pid: i32) -> bool {
     if (status.shdpnd | status.sigpnd) & SIGKILL_BIT != 0 {
         return true;
     }
-    let killed_thread = process.tasks().is_ok_and(|mut tasks| {
-        tasks.any(|t| {
-            t.ok()
-                .and_then(|t| t.status().ok())
-                .is_some_and(|s| s.sigpnd & SIGKILL_BIT != 0)
-        })
-    });
+    // Only a process of several threads needs its threads read (this runs
+    // every WATCH_PERIOD of a dump).
+    let killed_thread = status.threads > 1
+        && process.tasks().is_ok_and(|mut tasks| {
+            tasks.any(|t| {
+                t.ok()
+                    .and_then(|t| t.status().ok())
+                    .is_some_and(|s| s.sigpnd & SIGKILL_BIT != 0)
+            })
+        });
     if killed_thread {
         return true;
     }
