@@ -24,8 +24,26 @@ enum crab_kind {
 	CRAB_EV_EXEC = 7,     /* a long-lived task exec'd */
 	CRAB_EV_EXIT = 8,     /* a long-lived process exited */
 	CRAB_EV_UNSURE = 9,   /* something the inspector cannot follow (io_uring,
-			       * writes into another process's memory) */
+			       * aio, writes into another process's memory, a
+			       * 32-bit system call); op is the syscall number,
+			       * flags one of CRAB_UNSURE_* */
+	CRAB_EV_IPC = 10,     /* a System V or POSIX IPC call (shared memory,
+			       * semaphores, message queues: state CRIU keeps
+			       * with the processes); op is the syscall number */
 };
+
+/* What an UNSURE record is about (its flags). */
+#define CRAB_UNSURE_CALL 0	/* the call itself (op) */
+#define CRAB_UNSURE_COMPAT 1	/* op is a 32-bit (int 0x80) or x32 call number */
+#define CRAB_UNSURE_PROC_MEM 2	/* op wrote a /proc/<pid>/mem */
+
+/* A record's marks: a name it could not carry whole (longer than
+ * CRAB_NAME_LEN - 1 bytes, or unreadable at the call's exit), and for a
+ * CREATE whether name spells the path from its base directory to the
+ * created file, component by component, with no symlink followed. */
+#define CRAB_MARK_NAME_CUT 1
+#define CRAB_MARK_NAME2_CUT 2
+#define CRAB_MARK_SPELLED 4
 
 /* Path operations (CRAB_EV_PATH). */
 enum crab_op {
@@ -73,6 +91,7 @@ struct crab_task {
 	__u64 gen;		/* the generation, at the tracked call's entry */
 	__s64 nr;		/* the tracked call in flight, or -1 */
 	__u64 args[6];
+	__u64 compat_gen;	/* last generation it made a 32-bit call in */
 };
 
 /* Key of the per-inode dedupe map. */
@@ -110,7 +129,7 @@ struct crab_event {
 	__u32 mode;		/* object inode mode, when known */
 	__u32 flags;		/* open flags, renameat2 flags */
 	__u32 mntns;		/* the task's mount namespace (inode number) */
-	__u32 pad;
+	__u32 marks;		/* CRAB_MARK_* */
 	char comm[CRAB_COMM_LEN];
 	char name[CRAB_NAME_LEN];
 	char name2[CRAB_NAME_LEN];
@@ -119,7 +138,7 @@ struct crab_event {
 /* The loader's Rust mirrors assert the same sizes. */
 _Static_assert(sizeof(struct crab_ctl) == 16, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
-_Static_assert(sizeof(struct crab_task) == 88, "crab_task");
+_Static_assert(sizeof(struct crab_task) == 96, "crab_task");
 _Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

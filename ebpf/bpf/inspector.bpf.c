@@ -37,14 +37,29 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define S_IFREG 0100000
 #define S_IFDIR 0040000
 #define S_IFLNK 0120000
+#define TS_COMPAT 0x0002		/* thread_info.status: a 32-bit call is running */
+#define X32_SYSCALL_BIT 0x40000000
+#define FICLONE 0x40049409
+#define FICLONERANGE 0x4020940d
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
 #define NR_open 2
 #define NR_mmap 9
+#define NR_ioctl 16
 #define NR_pwrite64 18
 #define NR_writev 20
+#define NR_shmget 29
+#define NR_shmat 30
+#define NR_shmctl 31
 #define NR_sendfile 40
+#define NR_semget 64
+#define NR_semop 65
+#define NR_semctl 66
+#define NR_msgget 68
+#define NR_msgsnd 69
+#define NR_msgrcv 70
+#define NR_msgctl 71
 #define NR_truncate 76
 #define NR_ftruncate 77
 #define NR_chdir 80
@@ -64,6 +79,12 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define NR_ptrace 101
 #define NR_utime 132
 #define NR_mknod 133
+#define NR_io_submit 209
+#define NR_semtimedop 220
+#define NR_mq_open 240
+#define NR_mq_unlink 241
+#define NR_mq_timedsend 242
+#define NR_mq_timedreceive 243
 #define NR_setxattr 188
 #define NR_lsetxattr 189
 #define NR_fsetxattr 190
@@ -184,6 +205,19 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_noisy SEC(".maps");
 
+/* Room for comparing a spelled path with the dentries it names. */
+struct crab_scratch {
+	char name[CRAB_NAME_LEN];
+	char dname[CRAB_NAME_LEN];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct crab_scratch);
+} crab_scratch SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 8 << 20);
@@ -246,7 +280,7 @@ static __always_inline struct crab_event *reserve(__u64 cg, __u64 gen, __u32 kin
 	e->dir2_ino = 0;
 	e->mode = 0;
 	e->flags = 0;
-	e->pad = 0;
+	e->marks = 0;
 	struct task_struct *task = (void *)bpf_get_current_task();
 	e->mntns = BPF_CORE_READ(task, nsproxy, mnt_ns, ns.inum);
 	bpf_get_current_comm(e->comm, sizeof(e->comm));
@@ -308,6 +342,25 @@ static __always_inline int state_bearing(struct inode *inode, __u32 *mode_out)
 		return 0;
 	}
 	return 1;
+}
+
+/* Whether f is a /proc/<pid>/mem (or a task's): a write to it stores into
+ * another process's memory, which no record of the inspector describes. */
+static __always_inline int proc_mem(struct inode *inode, struct file *f)
+{
+	if (BPF_CORE_READ(inode, i_sb, s_magic) != PROC_SUPER_MAGIC)
+		return 0;
+	char n[4] = {};
+	bpf_probe_read_kernel_str(n, sizeof(n), BPF_CORE_READ(f, f_path.dentry, d_name.name));
+	return n[0] == 'm' && n[1] == 'e' && n[2] == 'm' && n[3] == 0;
+}
+
+/* Reads a name from the caller's memory into buf (CRAB_NAME_LEN bytes):
+ * whether it may not be whole (too long, or unreadable at the call's exit). */
+static __always_inline int read_user_name(char *buf, unsigned long name)
+{
+	long n = bpf_probe_read_user_str(buf, CRAB_NAME_LEN, (void *)name);
+	return n <= 0 || n >= CRAB_NAME_LEN;
 }
 
 static __always_inline void inode_id(struct inode *inode, __u64 *dev, __u64 *ino)
@@ -430,9 +483,33 @@ static __always_inline int tracked_nr(long nr)
 	case NR_io_uring_setup:
 	case NR_io_uring_enter:
 	case NR_io_uring_register:
+	case NR_io_submit:
+	case NR_ioctl:
+	case NR_shmget:
+	case NR_shmat:
+	case NR_shmctl:
+	case NR_semget:
+	case NR_semop:
+	case NR_semtimedop:
+	case NR_semctl:
+	case NR_msgget:
+	case NR_msgsnd:
+	case NR_msgrcv:
+	case NR_msgctl:
+	case NR_mq_open:
+	case NR_mq_unlink:
+	case NR_mq_timedsend:
+	case NR_mq_timedreceive:
 		return 1;
 	}
 	return 0;
+}
+
+/* The ioctls that change a file's content: a reflink into the descriptor.
+ * (FIDEDUPERANGE shares extents of equal content: nothing changes.) */
+static __always_inline int clone_ioctl(unsigned long cmd)
+{
+	return (unsigned int)cmd == FICLONE || (unsigned int)cmd == FICLONERANGE;
 }
 
 static __always_inline int tracked(long nr, unsigned long *args)
@@ -453,6 +530,10 @@ static __always_inline int tracked(long nr, unsigned long *args)
 	}
 	case NR_mmap:
 		return (args[3] & MAP_SHARED) && (args[2] & PROT_WRITE) && (long)args[4] >= 0;
+	case NR_ioctl:
+		return clone_ioctl(args[1]);
+	case NR_mq_open:
+		return (args[1] & O_CREAT) != 0;
 	}
 	return 1;
 }
@@ -474,6 +555,7 @@ static __always_inline int fd_change_idx(long nr)
 	case NR_fchown:
 	case NR_fsetxattr:
 	case NR_fremovexattr:
+	case NR_ioctl:
 		return 0;
 	case NR_splice:
 	case NR_copy_file_range:
@@ -496,8 +578,10 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
 		return 1; /* let the exit decide */
 	struct inode *inode = BPF_CORE_READ(f, f_inode);
 	__u32 mode;
-	if (!inode || !state_bearing(inode, &mode))
+	if (!inode)
 		return 0;
+	if (!state_bearing(inode, &mode))
+		return proc_mem(inode, f);
 	struct crab_inode_key key = { .cgroup = cg };
 	inode_id(inode, &key.dev, &key.ino);
 	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
@@ -541,9 +625,27 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	if (t->nr >= 0)
 		inflight_done(); /* an exit that never came: keep the count true */
 	t->nr = -1;
+	/* A 32-bit call (int 0x80, or the x32 ABI) numbers its calls another
+	 * way: the inspector follows none of them, once a turn per task. */
+	struct task_struct *task = (void *)bpf_get_current_task();
+	if ((nr & X32_SYSCALL_BIT) || (BPF_CORE_READ(task, thread_info.status) & TS_COMPAT)) {
+		if (t->compat_gen != gen) {
+			t->compat_gen = gen;
+			count(cg, 1);
+			struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
+			if (e) {
+				e->op = nr;
+				e->flags = CRAB_UNSURE_COMPAT;
+				submit(e);
+			}
+		}
+		return 0;
+	}
 	if (!tracked_nr(nr))
 		return 0;
 	struct pt_regs *regs = (struct pt_regs *)raw[0];
+	if (nr == NR_ioctl && !clone_ioctl(BPF_CORE_READ(regs, si)))
+		return 0; /* a terminal's or a device's: the common case */
 	unsigned long args[6];
 	/* A change through a descriptor: look at the descriptor first, and read
 	 * the other arguments only when the call may need a record. */
@@ -588,8 +690,20 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 		return 0;
 	struct inode *inode = BPF_CORE_READ(f, f_inode);
 	__u32 mode;
-	if (!inode || !state_bearing(inode, &mode))
+	if (!inode)
 		return 0;
+	if (!state_bearing(inode, &mode)) {
+		if (nr != NR_mmap && proc_mem(inode, f)) {
+			count(cg, 1);
+			struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
+			if (e) {
+				e->op = nr;
+				e->flags = CRAB_UNSURE_PROC_MEM;
+				submit(e);
+			}
+		}
+		return 0;
+	}
 	struct crab_inode_key key = { .cgroup = cg };
 	inode_id(inode, &key.dev, &key.ino);
 	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
@@ -624,6 +738,117 @@ struct path_req {
 	long dirfd2;
 	unsigned long name2;
 };
+
+/* A walk from a created file up the dentries its spelled name names
+ * (bpf_loop's context: scalars only). */
+struct spell_walk {
+	__u64 dentry;	/* the dentry the component being read must name */
+	__u64 mnt;	/* its struct mount */
+	__u64 root;	/* the task's root directory's dentry: never crossed */
+	__s32 len;	/* bytes of the spelled name */
+	__s32 j;	/* bytes of the dentry's name not matched yet */
+	__s32 at_sep;	/* the byte read last was a '/' */
+	__s32 failed;
+};
+
+/* Moves w to the directory above its dentry as the sandbox sees it: past
+ * a mount's root, to the mount point (also of mounts stacked there), but
+ * never above the task's root (a container's root mount is itself mounted
+ * somewhere). */
+static __always_inline int spell_up(struct spell_walk *w, struct crab_scratch *s)
+{
+	/* Out of BPF_CORE_READ: spell_walk is no kernel type to relocate. */
+	struct mount *m = (void *)w->mnt;
+	struct dentry *d = (void *)w->dentry;
+	struct dentry *p = BPF_CORE_READ(d, d_parent);
+	for (int k = 0; k < 4; k++) {
+		struct mount *parent = BPF_CORE_READ(m, mnt_parent);
+		if ((__u64)p == w->root || p != BPF_CORE_READ(m, mnt.mnt_root) || parent == m)
+			break;
+		p = BPF_CORE_READ(m, mnt_mountpoint);
+		m = parent;
+	}
+	w->dentry = (__u64)p;
+	w->mnt = (__u64)m;
+	long n = bpf_probe_read_kernel_str(s->dname, sizeof(s->dname), BPF_CORE_READ(p, d_name.name));
+	w->j = n > 0 ? n - 1 : 0;
+	return 0;
+}
+
+static long spell_step(__u64 idx, void *ctx)
+{
+	struct spell_walk *w = ctx;
+	__u32 zero = 0;
+	struct crab_scratch *s = bpf_map_lookup_elem(&crab_scratch, &zero);
+	long i = w->len - 1 - (long)idx;
+	if (!s || i < 0 || i >= CRAB_NAME_LEN) {
+		w->failed = !s;
+		return 1;
+	}
+	char c = s->name[i & (CRAB_NAME_LEN - 1)];
+	if (c == '/') {
+		if (w->at_sep)
+			return 0; /* "a//b" */
+		if (w->j != 0) {
+			w->failed = 1; /* the component is shorter than the name */
+			return 1;
+		}
+		w->at_sep = 1;
+		spell_up(w, s);
+		return 0;
+	}
+	w->at_sep = 0;
+	long j = w->j - 1;
+	if (j < 0 || j >= CRAB_NAME_LEN || s->dname[j & (CRAB_NAME_LEN - 1)] != c) {
+		w->failed = 1;
+		return 1;
+	}
+	w->j = j;
+	return 0;
+}
+
+/* Whether the spelled name (e->name, whole) names d from the record's base
+ * directory (e->dir_dev, e->dir_ino) component by component: each
+ * component, last first, equals the name of the dentry at its level
+ * (crossing mount roots to their mount points). Then no symlink was
+ * followed, and removing that name removes this file. "." and ".."
+ * components are not followed: such a name is never proven. */
+static __noinline int spelled_to(struct crab_event *e, struct file *f)
+{
+	__u32 zero = 0;
+	struct crab_scratch *s = bpf_map_lookup_elem(&crab_scratch, &zero);
+	if (!s || (e->marks & CRAB_MARK_NAME_CUT))
+		return 0;
+	long n = bpf_probe_read_kernel_str(s->name, sizeof(s->name), e->name);
+	if (n <= 1)
+		return 0;
+	struct dentry *d = BPF_CORE_READ(f, f_path.dentry);
+	struct vfsmount *vm = BPF_CORE_READ(f, f_path.mnt);
+	struct task_struct *task = (void *)bpf_get_current_task();
+	struct spell_walk w = {
+		.root = (__u64)BPF_CORE_READ(task, fs, root.dentry),
+		.dentry = (__u64)d,
+		.mnt = (__u64)((char *)vm - bpf_core_field_offset(struct mount, mnt)),
+		.len = n - 1,
+	};
+	long dn = bpf_probe_read_kernel_str(s->dname, sizeof(s->dname), BPF_CORE_READ(d, d_name.name));
+	w.j = dn > 0 ? dn - 1 : 0;
+	bpf_loop(CRAB_NAME_LEN, spell_step, &w, 0);
+	if (w.failed)
+		return 0;
+	if (!w.at_sep) {
+		if (w.j != 0)
+			return 0; /* the first component is shorter than the name */
+		spell_up(&w, s);
+	}
+	struct dentry *top = (void *)w.dentry;
+	struct inode *base = BPF_CORE_READ(top, d_inode);
+	if (!base)
+		return 0;
+	__u64 dev, ino;
+	inode_id(base, &dev, &ino);
+	return dev == e->dir_dev && ino == e->dir_ino;
+}
 
 /* open() with O_CREAT or O_TRUNC returned fd (in dirfd2; flags in name2). */
 static __noinline int on_open_req(struct path_req *r)
@@ -664,7 +889,8 @@ static __noinline int on_open_req(struct path_req *r)
 	e->ino = key.ino;
 	e->mode = mode;
 	e->flags = flags;
-	bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)name);
+	if (read_user_name(e->name, name))
+		e->marks |= CRAB_MARK_NAME_CUT;
 	base_dir(task, dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
 	/* The canonical spelling too: parent directory and last component, so
 	 * a removal by (dirfd, basename) matches a creation by "dir/name". */
@@ -673,6 +899,8 @@ static __noinline int on_open_req(struct path_req *r)
 	if (parent)
 		inode_id(parent, &e->dir2_dev, &e->dir2_ino);
 	bpf_probe_read_kernel_str(e->name2, sizeof(e->name2), BPF_CORE_READ(d, d_name.name));
+	if (created && spelled_to(e, f))
+		e->marks |= CRAB_MARK_SPELLED;
 	submit(e);
 	return 0;
 }
@@ -696,12 +924,14 @@ static __noinline int on_path_req(struct path_req *r)
 	e->op = r->op;
 	e->flags = r->flags;
 	if (r->name) {
-		bpf_probe_read_user_str(e->name, sizeof(e->name), (void *)r->name);
+		if (read_user_name(e->name, r->name))
+			e->marks |= CRAB_MARK_NAME_CUT;
 		if (r->op != CRAB_OP_SYMLINK)
 			base_dir(task, r->dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
 	}
 	if (r->name2) {
-		bpf_probe_read_user_str(e->name2, sizeof(e->name2), (void *)r->name2);
+		if (read_user_name(e->name2, r->name2))
+			e->marks |= CRAB_MARK_NAME2_CUT;
 		base_dir(task, r->dirfd2, e->name2[0], &e->dir2_dev, &e->dir2_ino);
 	}
 	submit(e);
@@ -843,6 +1073,28 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case NR_setxattrat:
 	case NR_removexattrat:
 		return on_attr(cg, gen, a[0], a[1]);
+	case NR_shmget:
+	case NR_shmat:
+	case NR_shmctl:
+	case NR_semget:
+	case NR_semop:
+	case NR_semtimedop:
+	case NR_semctl:
+	case NR_msgget:
+	case NR_msgsnd:
+	case NR_msgrcv:
+	case NR_msgctl:
+	case NR_mq_open:
+	case NR_mq_unlink:
+	case NR_mq_timedsend:
+	case NR_mq_timedreceive: {
+		struct crab_event *e = reserve(cg, gen, CRAB_EV_IPC);
+		if (e) {
+			e->op = s.nr;
+			submit(e);
+		}
+		return 0;
+	}
 	case NR_chdir:
 	case NR_fchdir: {
 		if (is_born(&s, gen))
@@ -853,7 +1105,8 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case NR_process_vm_writev:
 	case NR_io_uring_setup:
 	case NR_io_uring_enter:
-	case NR_io_uring_register: {
+	case NR_io_uring_register:
+	case NR_io_submit: {
 		count(cg, 1);
 		struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
 		if (e) {

@@ -118,6 +118,9 @@ struct Sandbox {
     /// stored into it (no system call shows that), so the files count as
     /// changed; the knowledge outlives the turn that made the mapping.
     shared_maps: HashMap<u32, Vec<String>>,
+    /// Fingerprints of the sandbox's tmpfs mounts at the last turn end
+    /// (mount point → fingerprint; `None`: not comparable).
+    prints: HashMap<Vec<u8>, Option<u64>>,
 }
 
 impl InspectorConfig {
@@ -169,8 +172,8 @@ impl Inspector {
             state: Mutex::new(State {
                 maps,
                 host: Ignore {
-                    devs: HashSet::new(),
                     host_mntns: host_mount_namespaces(),
+                    ..Ignore::default()
                 },
                 links: loaded.links,
                 sandboxes: HashMap::new(),
@@ -249,6 +252,7 @@ impl Inspector {
             }
         );
         state.names.insert(sandbox.to_owned(), cg);
+        let members = procs::members(cgroup_dir, "cgroup.procs");
         state.sandboxes.insert(
             cg,
             Sandbox {
@@ -268,10 +272,8 @@ impl Inspector {
                 quiet_init: false,
                 ignore: None,
                 deleted_maps: HashSet::new(),
-                shared_maps: shared_writable_maps(
-                    &procs::members(cgroup_dir, "cgroup.procs"),
-                    &Ignore::default(),
-                ),
+                shared_maps: shared_writable_maps(&members, &Ignore::default()),
+                prints: members.first().map(|&pid| tmpfs_prints(pid)).unwrap_or_default(),
             },
         );
         Ok(cg)
@@ -397,6 +399,15 @@ fn shared_writable_maps(pids: &[u32], ignore: &Ignore) -> HashMap<u32, Vec<Strin
                 .collect();
             (!paths.is_empty()).then_some((pid, paths))
         })
+        .collect()
+}
+
+/// Fingerprints of the tmpfs mounts `pid` sees, by mount point.
+fn tmpfs_prints(pid: u32) -> HashMap<Vec<u8>, Option<u64>> {
+    crate::mounts::of(pid)
+        .iter()
+        .filter(|m| m.tmpfs)
+        .map(|m| (m.point.clone(), crate::mounts::fingerprint(pid, m)))
         .collect()
 }
 

@@ -42,6 +42,7 @@ pub(crate) struct Task {
     pub gen: u64,
     pub nr: i64,
     pub args: [u64; 6],
+    pub compat_gen: u64,
 }
 
 /// `struct crab_event`: one ring-buffer record.
@@ -64,7 +65,7 @@ pub(crate) struct Event {
     pub mode: u32,
     pub flags: u32,
     pub mntns: u32,
-    pub pad: u32,
+    pub marks: u32,
     pub comm: [u8; COMM_LEN],
     pub name: [u8; NAME_LEN],
     pub name2: [u8; NAME_LEN],
@@ -72,7 +73,7 @@ pub(crate) struct Event {
 
 const _: () = assert!(size_of::<Ctl>() == 16);
 const _: () = assert!(size_of::<Stats>() == 32);
-const _: () = assert!(size_of::<Task>() == 88);
+const _: () = assert!(size_of::<Task>() == 96);
 const _: () = assert!(size_of::<Event>() == 632);
 const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
 const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);
@@ -96,6 +97,23 @@ pub(crate) mod kind {
     pub const EXEC: u32 = 7;
     pub const EXIT: u32 = 8;
     pub const UNSURE: u32 = 9;
+    pub const IPC: u32 = 10;
+}
+
+/// `CRAB_UNSURE_*`: what an UNSURE record is about (its `flags`).
+pub(crate) mod unsure {
+    pub const COMPAT: u32 = 1;
+    pub const PROC_MEM: u32 = 2;
+}
+
+/// `CRAB_MARK_*`: a record's `marks`.
+pub(crate) mod marks {
+    /// `name` is only a prefix (or was unreadable).
+    pub const NAME_CUT: u32 = 1;
+    /// `name2` is only a prefix (or was unreadable).
+    pub const NAME2_CUT: u32 = 2;
+    /// A CREATE's `name` spells the path to the file, no symlink followed.
+    pub const SPELLED: u32 = 4;
 }
 
 /// x86_64 `mmap`: a WRITE record with this `op` is a shared writable mapping.
@@ -134,10 +152,15 @@ impl Event {
     }
 }
 
+/// A NUL-terminated byte buffer's bytes.
+pub(crate) fn c_bytes(bytes: &[u8]) -> &[u8] {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    &bytes[..end]
+}
+
 /// A NUL-terminated byte buffer as text.
 pub(crate) fn c_str(bytes: &[u8]) -> String {
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    String::from_utf8_lossy(&bytes[..end]).into_owned()
+    String::from_utf8_lossy(c_bytes(bytes)).into_owned()
 }
 
 /// The user-space `st_dev` of a kernel `dev_t` (`MKDEV(major, minor)` is

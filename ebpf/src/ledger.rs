@@ -13,8 +13,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::kernel::{c_str, kind, op, user_dev, Event, NR_MMAP};
+use crate::kernel::{c_bytes, c_str, kind, marks, op, unsure, user_dev, Event, NR_MMAP};
+use crate::mounts::{Mount, MountKind};
 use crate::report::Reason;
+
+/// `O_EXCL`: an open that creates never goes through a symlink.
+const O_EXCL: u32 = 0o200;
 
 /// One turn's records, digested.
 #[derive(Debug, Default)]
@@ -36,6 +40,11 @@ pub(crate) struct Ledger {
     /// Long-lived noisy processes that ran (no process change by
     /// themselves, but they may store into a shared mapping).
     pub noisy_ran: HashSet<u32>,
+    /// A path operation named its object so that it may have landed on any
+    /// mount (through `..`, a directory that may be a symlink, a final
+    /// symlink it follows, a name cut short): the sandbox's tmpfs mounts
+    /// are then compared whole.
+    pub uncertain: bool,
     /// Records applied.
     pub n_events: u64,
 }
@@ -43,13 +52,17 @@ pub(crate) struct Ledger {
 /// What the filesystem side of a turn amounts to.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct FsVerdict {
-    /// Changed paths, as named (every one of them).
+    /// Changed paths whose files the filesystem snapshot keeps, as named.
     pub changed: Vec<String>,
     /// Inodes written that existed before the turn (user-space dev, ino).
     pub written: Vec<(u64, u64)>,
+    /// Changed paths on the sandbox's tmpfs mounts (`/dev`, `/dev/shm`):
+    /// CRIU keeps their contents with the processes.
+    pub held: Vec<String>,
 }
 
-/// Which records are not filesystem state.
+/// Which records are not filesystem state, and where the sandbox's own
+/// mounts are.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Ignore {
     /// Mount namespaces of the host (the inspector's own and init's):
@@ -59,23 +72,46 @@ pub(crate) struct Ignore {
     /// the host's mount namespace.
     pub host_mntns: HashSet<u32>,
     /// User-space device numbers of the sandbox's `/dev`, `/proc`, `/sys`
-    /// and similar mounts.
+    /// and similar mounts: their files are never in the file snapshot.
     pub devs: HashSet<u64>,
+    /// The sandbox's mounts other than its root, as it sees them.
+    pub mounts: Vec<Mount>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct PathKey {
     dev: u64,
     ino: u64,
-    name: String,
+    name: Vec<u8>,
+    /// The name was cut short (or unreadable): it is only a prefix, and
+    /// never the same key as a whole name.
+    cut: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct PathFate {
     /// The first operation of the turn proved the key absent before it.
     pre_absent: bool,
     /// The key holds an object after the last operation.
     present: bool,
+    /// The first operation made a directory there (a new, real one).
+    made_dir: bool,
+    /// An operation that follows a final symlink (chmod, truncate, …)
+    /// named it: the object changed may be anywhere.
+    follows: bool,
+}
+
+/// Where a key's object lies, as far as its spelling tells.
+#[derive(Debug, PartialEq, Eq)]
+enum Place {
+    /// The file snapshot's (or anywhere).
+    Files,
+    /// A tmpfs of the sandbox, and nothing else.
+    Held,
+    /// A tmpfs of the sandbox, or (through a symlink in it) anywhere.
+    HeldOrFiles,
+    /// A kernel interface of no state (`/dev/pts`).
+    Nowhere,
 }
 
 impl Ledger {
@@ -86,17 +122,26 @@ impl Ledger {
         if fs_record && ignore.host_mntns.contains(&ev.mntns) {
             return;
         }
-        let first = || key(ev.dir_dev, ev.dir_ino, &ev.name);
-        let second = || key(ev.dir2_dev, ev.dir2_ino, &ev.name2);
+        let first = || key(ev.dir_dev, ev.dir_ino, &ev.name, ev.marks & marks::NAME_CUT != 0);
+        let second = || {
+            key(
+                ev.dir2_dev,
+                ev.dir2_ino,
+                &ev.name2,
+                ev.marks & marks::NAME2_CUT != 0,
+            )
+        };
         match ev.kind {
             kind::CREATE => {
-                self.alias(first(), second());
-                self.touch(first(), true, true);
+                let proven = ev.flags & O_EXCL != 0 || ev.marks & marks::SPELLED != 0;
+                self.create(first(), second(), proven);
             }
             kind::TRUNC => {
-                self.alias(first(), second());
-                self.touch(first(), false, true);
-                let name = normalize(&c_str(&ev.name));
+                let spelled = first();
+                self.note_place(&spelled);
+                self.alias(spelled.clone(), second());
+                self.touch(spelled, false, true);
+                let name = display(&normalize(c_bytes(&ev.name)));
                 self.written.insert((user_dev(ev.dev), ev.ino), name);
             }
             kind::WRITE => {
@@ -106,21 +151,47 @@ impl Ledger {
                 }
                 self.written.insert((user_dev(ev.dev), ev.ino), name);
             }
-            kind::PATH => match ev.op {
-                op::UNLINK | op::RMDIR => self.touch(first(), false, false),
-                op::MKDIR | op::MKNOD => self.touch(first(), true, true),
-                op::SYMLINK | op::LINK => self.touch(second(), true, true),
-                op::RENAME | op::RENAME_NOREPLACE => {
-                    self.touch(first(), false, false);
-                    self.touch(second(), ev.op == op::RENAME_NOREPLACE, true);
+            kind::PATH => {
+                let one = first();
+                let two = second();
+                if ev.op != op::SYMLINK {
+                    self.note_place(&one);
                 }
-                op::EXCHANGE => {
-                    self.touch(first(), false, true);
-                    self.touch(second(), false, true);
+                if matches!(
+                    ev.op,
+                    op::RENAME | op::RENAME_NOREPLACE | op::EXCHANGE | op::LINK | op::SYMLINK
+                ) {
+                    self.note_place(&two);
                 }
-                op::ATTR | op::TRUNCATE => self.touch(first(), false, true),
-                other => self.unsure.push(format!("unknown path operation {other}")),
-            },
+                match ev.op {
+                    op::UNLINK | op::RMDIR => self.touch(one, false, false),
+                    op::MKDIR => {
+                        let first_op = !self.paths.contains_key(&one);
+                        self.touch(one.clone(), true, true);
+                        if first_op {
+                            self.paths.entry(one).and_modify(|f| f.made_dir = true);
+                        }
+                    }
+                    op::MKNOD => self.touch(one, true, true),
+                    op::SYMLINK | op::LINK => self.touch(two, true, true),
+                    op::RENAME | op::RENAME_NOREPLACE => {
+                        self.touch(one, false, false);
+                        self.touch(two, ev.op == op::RENAME_NOREPLACE, true);
+                    }
+                    op::EXCHANGE => {
+                        self.touch(one, false, true);
+                        self.touch(two, false, true);
+                    }
+                    op::ATTR | op::TRUNCATE => {
+                        // Both follow a final symlink (lchown and friends
+                        // do not, but are counted alike).
+                        self.uncertain = true;
+                        self.touch(one.clone(), false, true);
+                        self.paths.entry(one).and_modify(|f| f.follows = true);
+                    }
+                    other => self.unsure.push(format!("unknown path operation {other}")),
+                }
+            }
             kind::ACTIVE if ev.op == 1 => {
                 self.noisy_ran.insert(ev.pid);
             }
@@ -128,13 +199,62 @@ impl Ledger {
             kind::CWD => self.proc(ev, |pid, comm| Reason::Chdir { pid, comm }),
             kind::EXEC => self.proc(ev, |pid, comm| Reason::Execed { pid, comm }),
             kind::EXIT => self.proc(ev, |pid, comm| Reason::Exited { pid, comm }),
-            kind::UNSURE => self.unsure.push(format!(
-                "{} (pid {}) made system call {}, which the inspector does not follow",
-                ev.comm(),
-                ev.pid,
-                ev.op
-            )),
+            kind::IPC => {
+                let call = ev.op;
+                self.proc(ev, |pid, comm| Reason::Ipc { pid, comm, call });
+            }
+            kind::UNSURE => self.unsure.push(match ev.flags {
+                unsure::COMPAT => format!(
+                    "{} (pid {}) made a 32-bit system call ({}, through int 0x80 or x32), which the inspector does not follow",
+                    ev.comm(),
+                    ev.pid,
+                    ev.op & 0x3fff_ffff
+                ),
+                unsure::PROC_MEM => format!(
+                    "{} (pid {}) wrote into a process's memory through /proc/<pid>/mem",
+                    ev.comm(),
+                    ev.pid
+                ),
+                _ => format!(
+                    "{} (pid {}) made system call {}, which the inspector does not follow",
+                    ev.comm(),
+                    ev.pid,
+                    ev.op
+                ),
+            }),
             other => self.unsure.push(format!("unknown record kind {other}")),
+        }
+    }
+
+    /// A file created by an open spelled `spelled`, whose parent directory
+    /// and last component are `canonical`. The two are one object only if
+    /// the spelling's last component was not a symlink the open followed:
+    /// proven by equal keys, `O_EXCL`, or the kernel side's walk of the
+    /// spelling up the file's dentries (`proven`). Otherwise the spelling
+    /// is never proven absent before the turn (removing it may remove a
+    /// link, not the file), and a spelling that already holds something
+    /// this turn (a symlink made earlier in it) is not touched at all.
+    fn create(&mut self, spelled: PathKey, canonical: PathKey, proven: bool) {
+        self.note_place(&spelled);
+        let through_link = self.paths.get(&spelled).is_some_and(|f| f.present);
+        if through_link {
+            self.touch(canonical, true, true);
+        } else if spelled == canonical || (proven && !spelled.cut) {
+            self.alias(spelled.clone(), canonical);
+            self.touch(spelled, true, true);
+        } else {
+            self.touch(spelled, false, true);
+            self.touch(canonical, true, true);
+        }
+    }
+
+    /// Marks the turn uncertain when `k` may name an object on any mount:
+    /// more than one component (a directory may be a symlink), `..`, or a
+    /// name cut short.
+    fn note_place(&mut self, k: &PathKey) {
+        let inner = k.name.strip_prefix(b"/").unwrap_or(&k.name);
+        if k.cut || inner.contains(&b'/') || inner == b".." {
+            self.uncertain = true;
         }
     }
 
@@ -176,7 +296,7 @@ impl Ledger {
     }
 
     fn alias(&mut self, a: PathKey, b: PathKey) {
-        if a == b || b.name.is_empty() || b.name == "." {
+        if a == b || b.name.is_empty() || b.name == b"." {
             return;
         }
         let list = self.aliases.entry(a.clone()).or_default();
@@ -192,37 +312,85 @@ impl Ledger {
     fn touch(&mut self, key: PathKey, creates: bool, present: bool) {
         let others = self.aliases.get(&key).cloned().unwrap_or_default();
         for k in std::iter::once(key).chain(others) {
+            // A name cut short may be any of several objects: never proven
+            // absent.
+            let creates = creates && !k.cut;
             self.paths
                 .entry(k)
                 .and_modify(|f| f.present = present)
                 .or_insert(PathFate {
                     pre_absent: creates,
                     present,
+                    ..PathFate::default()
                 });
         }
+    }
+
+    /// Whether key `k` lies directly in a directory made this turn and
+    /// gone at its end (so nothing at `k` outlived the turn), and names
+    /// no object elsewhere (no symlink followed, no `..`, whole).
+    fn in_vanished_dir(&self, k: &PathKey, f: &PathFate) -> bool {
+        if f.follows || k.cut {
+            return false;
+        }
+        let Some(slash) = k.name.iter().rposition(|&b| b == b'/') else {
+            return false;
+        };
+        let (parent, last) = (&k.name[..slash], &k.name[slash + 1..]);
+        if parent.is_empty() || last == b".." || parent.split(|&b| b == b'/').any(|c| c == b"..") {
+            return false;
+        }
+        let dir = PathKey {
+            dev: k.dev,
+            ino: k.ino,
+            name: parent.to_vec(),
+            cut: false,
+        };
+        self.paths.get(&dir).is_some_and(|d| d.made_dir && !d.present)
     }
 
     /// The net filesystem change, leaving out what `ignore` says is not
     /// filesystem state.
     pub(crate) fn fs_verdict(&self, ignore: &Ignore) -> FsVerdict {
-        let mut changed: Vec<String> = self
-            .paths
-            .iter()
-            .filter(|(k, f)| (!f.pre_absent || f.present) && !ignore.covers(k))
-            .map(|(k, _)| k.name.clone())
-            .collect();
-        let mut written = Vec::new();
-        for (&(dev, ino), name) in &self.written {
-            if ignore.devs.contains(&dev) {
+        let mut changed = Vec::new();
+        let mut held = Vec::new();
+        for (k, f) in &self.paths {
+            if (f.pre_absent && !f.present) || self.in_vanished_dir(k, f) {
                 continue;
             }
-            written.push((dev, ino));
-            changed.push(name.clone());
+            let name = display(&k.name);
+            match ignore.place(k, f) {
+                Place::Files => changed.push(name),
+                Place::Held => held.push(name),
+                Place::HeldOrFiles => {
+                    held.push(name.clone());
+                    changed.push(name);
+                }
+                Place::Nowhere => {}
+            }
+        }
+        let mut written = Vec::new();
+        for (&(dev, ino), name) in &self.written {
+            match ignore.mounts.iter().find(|m| m.dev == dev) {
+                Some(m) if m.kind == MountKind::Held => held.push(name.clone()),
+                Some(_) => {}
+                None if ignore.devs.contains(&dev) => {}
+                None => {
+                    written.push((dev, ino));
+                    changed.push(name.clone());
+                }
+            }
         }
         changed.sort();
         changed.dedup();
+        held.sort();
+        held.dedup();
         written.sort();
-        FsVerdict { changed, written }
+        FsVerdict {
+            changed,
+            written,
+            held,
+        }
     }
 
     /// Process changes seen in records.
@@ -237,34 +405,73 @@ impl Ledger {
 }
 
 impl Ignore {
-    fn covers(&self, k: &PathKey) -> bool {
-        if k.name.starts_with('/') {
-            return ["/dev", "/proc", "/sys"]
-                .iter()
-                .any(|p| k.name == *p || k.name.starts_with(&format!("{p}/")));
+    /// Where the object a key names lies. A successful operation named
+    /// through `/proc` or `/sys` went through a magic link (`cwd`, `root`,
+    /// `fd/N`): it lies anywhere.
+    fn place(&self, k: &PathKey, f: &PathFate) -> Place {
+        let dotdot = k.name.split(|&b| b == b'/').any(|c| c == b"..");
+        if k.cut || dotdot {
+            return Place::Files;
         }
-        self.devs.contains(&k.dev)
+        let (mount, rest): (&Mount, &[u8]) = if k.name.starts_with(b"/") {
+            let Some((m, rest)) = self
+                .mounts
+                .iter()
+                .filter_map(|m| m.strip(&k.name).map(|rest| (m, rest)))
+                .max_by_key(|(m, _)| m.point.len())
+            else {
+                return Place::Files;
+            };
+            (m, rest)
+        } else {
+            let Some(m) = self.mounts.iter().find(|m| m.dev == k.dev) else {
+                return Place::Files;
+            };
+            (m, &k.name[..])
+        };
+        let direct = !f.follows && !rest.contains(&b'/');
+        match mount.kind {
+            MountKind::Held if direct => Place::Held,
+            MountKind::Held => Place::HeldOrFiles,
+            MountKind::Devices => Place::Nowhere,
+            MountKind::Other => Place::Files,
+        }
     }
 }
 
-fn key(dev: u64, ino: u64, name: &[u8]) -> PathKey {
+/// A name for people: as it is when it is text, escaped (`\xff`) when not.
+fn display(name: &[u8]) -> String {
+    match std::str::from_utf8(name) {
+        Ok(text) => text.to_owned(),
+        Err(_) => name.escape_ascii().to_string(),
+    }
+}
+
+fn key(dev: u64, ino: u64, name: &[u8], cut: bool) -> PathKey {
+    let bytes = c_bytes(name);
     PathKey {
         dev: user_dev(dev),
         ino,
-        name: normalize(&c_str(name)),
+        name: normalize(bytes),
+        // An empty name from a call that succeeded was not readable.
+        cut: cut || bytes.is_empty(),
     }
 }
 
 /// `./a//b/` → `a/b`; `/x/./y` → `/x/y`. `..` is kept: resolving it needs
-/// the filesystem.
-fn normalize(name: &str) -> String {
-    let absolute = name.starts_with('/');
-    let parts: Vec<&str> = name.split('/').filter(|p| !p.is_empty() && *p != ".").collect();
-    let joined = parts.join("/");
+/// the filesystem. Bytes, not text: two names that differ only in bytes
+/// that are not UTF-8 are two names.
+fn normalize(name: &[u8]) -> Vec<u8> {
+    let absolute = name.starts_with(b"/");
+    let parts: Vec<&[u8]> = name
+        .split(|&b| b == b'/')
+        .filter(|p| !p.is_empty() && *p != b".")
+        .collect();
+    let joined = parts.join(&b'/');
     if absolute {
-        format!("/{joined}")
+        [b"/".as_slice(), &joined].concat()
     } else if joined.is_empty() {
-        ".".to_owned()
+        b".".to_vec()
     } else {
         joined
     }

@@ -23,6 +23,7 @@ mod inspector;
 mod kernel;
 mod ledger;
 mod loader;
+mod mounts;
 mod procs;
 mod report;
 

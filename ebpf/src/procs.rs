@@ -16,6 +16,36 @@ pub(crate) fn members(cgroup_dir: &Path, file: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Child cgroups of `cgroup_dir` (at any depth, up to 8 levels and 256
+/// directories) that hold processes, relative to it.
+pub(crate) fn populated_children(cgroup_dir: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut stack = vec![(cgroup_dir.to_owned(), 0)];
+    let mut walked = 0;
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            walked += 1;
+            let path = entry.path();
+            let rel = path.strip_prefix(cgroup_dir).unwrap_or(&path);
+            if walked > 256 || depth >= 8 {
+                found.push(format!("{} (and more, not looked into)", rel.display()));
+                return found;
+            }
+            if !members(&path, "cgroup.procs").is_empty() {
+                found.push(rel.display().to_string());
+            }
+            stack.push((path, depth + 1));
+        }
+    }
+    found
+}
+
 /// A task's state letter and command name from `/proc/<tid>/stat`.
 pub(crate) fn task_state(tid: u32) -> Option<(char, String)> {
     let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?;

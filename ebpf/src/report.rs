@@ -52,6 +52,22 @@ pub enum Reason {
         /// Command name.
         comm: String,
     },
+    /// A path on a tmpfs of the sandbox (`/dev`, `/dev/shm`) changed, or a
+    /// tmpfs as a whole did: CRIU keeps those contents with the processes.
+    TmpfsChanged {
+        /// The path as named, or the tmpfs's mount point.
+        path: String,
+    },
+    /// A System V or POSIX IPC call (shared memory, semaphores, message
+    /// queues): state kept with the processes, not in files.
+    Ipc {
+        /// Host pid.
+        pid: u32,
+        /// Command name.
+        comm: String,
+        /// The x86_64 system call number.
+        call: u32,
+    },
     /// A file that a live process has mapped was written or replaced: the
     /// old process image would not restore against the new file.
     MappedFileChanged {

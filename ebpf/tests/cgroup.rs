@@ -204,3 +204,47 @@ fn restart_reuses_pinned_programs() {
     second.unregister("r").expect("unregister");
     second.unload().expect("unload");
 }
+
+/// A process that moves into a child cgroup of the sandbox's leaves what the
+/// programs follow (they match the sandbox's own cgroup id): every turn
+/// while such a cgroup holds processes is full, with the reason.
+#[test]
+fn processes_in_a_child_cgroup_make_turns_full() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    insp.register("child", &cg.dir).expect("register");
+    let child = cg.dir.join("escaped");
+    std::fs::create_dir(&child).expect("create the child cgroup");
+    let script = format!(
+        "echo $$ > {}/cgroup.procs; sleep 1000 > /dev/null 2>&1 &",
+        child.display()
+    );
+    let out = cg.run(&work.0, &script);
+    assert!(out.status.success(), "{out:?}");
+    crab_tests::wait_until(10, || {
+        let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
+        (!procs.trim().is_empty()).then_some(())
+    })
+    .expect("the sleep is in the child cgroup");
+    let r = insp.turn_end("child").expect("turn end");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert!(
+        r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Unsure { why } if why.contains("child cgroup escaped"))),
+        "{r:#?}"
+    );
+    // Still there at the next turn end: still full.
+    assert_eq!(insp.turn_end("child").expect("turn").class, Class::Full);
+
+    for pid in std::fs::read_to_string(child.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|p| p.trim().parse::<i32>().ok())
+    {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    crab_tests::wait_until(10, || std::fs::remove_dir(&child).ok());
+    insp.unregister("child").expect("unregister");
+}

@@ -135,6 +135,7 @@ impl Inspector {
                 sb.ignore = Some(Ignore {
                     devs: procs::interface_devs(pid),
                     host_mntns: HashSet::new(),
+                    mounts: crate::mounts::of(pid),
                 });
             }
         }
@@ -142,6 +143,39 @@ impl Inspector {
             .current
             .fs_verdict(sb.ignore.as_ref().unwrap_or(&Ignore::default()));
         let fs = !verdict.changed.is_empty();
+
+        // The tmpfs mounts (process state): paths the records name there,
+        // and each tmpfs compared whole, which catches a change spelled
+        // through a symlink or `..`. One that cannot be compared counts as
+        // changed when a path operation may have landed on it.
+        let mut held: Vec<Reason> = verdict
+            .held
+            .iter()
+            .map(|path| Reason::TmpfsChanged { path: path.clone() })
+            .collect();
+        if let Some(&pid) = pids.first() {
+            let now = super::tmpfs_prints(pid);
+            for (point, print) in &now {
+                let before = sb.prints.get(point).copied().flatten();
+                let differs = match (before, print) {
+                    (Some(a), Some(b)) => a != *b,
+                    _ => sb.current.uncertain,
+                };
+                if differs {
+                    held.push(Reason::TmpfsChanged {
+                        path: String::from_utf8_lossy(point).into_owned(),
+                    });
+                }
+            }
+            sb.prints = now;
+        }
+
+        // Processes in a child cgroup of the sandbox are not followed.
+        for child in procs::populated_children(&sb.cgroup_dir) {
+            unsure.push(format!(
+                "processes in the sandbox's child cgroup {child} are not followed"
+            ));
+        }
 
         // A changed file that a live process maps: the old image would not
         // restore against it.
@@ -195,7 +229,7 @@ impl Inspector {
         shared.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         shared.dedup();
         let fs = fs || !shared.is_empty();
-        let proc = !proc_reasons.is_empty() || !mapped.is_empty();
+        let proc = !proc_reasons.is_empty() || !mapped.is_empty() || !held.is_empty();
         let class = if !unsure.is_empty() || !mapped.is_empty() {
             Class::Full
         } else {
@@ -206,6 +240,7 @@ impl Inspector {
             .map(|why| Reason::Unsure { why })
             .chain(mapped)
             .chain(proc_reasons)
+            .chain(held)
             .chain(shared)
             .chain(verdict.changed.into_iter().map(|path| Reason::Changed { path }))
             .collect();
