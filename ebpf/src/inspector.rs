@@ -273,7 +273,10 @@ impl Inspector {
                 ignore: None,
                 deleted_maps: HashSet::new(),
                 shared_maps: shared_writable_maps(&members, &Ignore::default()),
-                prints: members.first().map(|&pid| tmpfs_prints(pid)).unwrap_or_default(),
+                prints: members
+                    .first()
+                    .map(|&pid| tmpfs_prints(pid, &crate::mounts::of(pid)))
+                    .unwrap_or_default(),
             },
         );
         Ok(cg)
@@ -402,9 +405,10 @@ fn shared_writable_maps(pids: &[u32], ignore: &Ignore) -> HashMap<u32, Vec<Strin
         .collect()
 }
 
-/// Fingerprints of the tmpfs mounts `pid` sees, by mount point.
-fn tmpfs_prints(pid: u32) -> HashMap<Vec<u8>, Option<u64>> {
-    crate::mounts::of(pid)
+/// Fingerprints of the writable tmpfs mounts among `mounts`, as `pid`
+/// sees them, by mount point.
+fn tmpfs_prints(pid: u32, mounts: &[crate::mounts::Mount]) -> HashMap<Vec<u8>, Option<u64>> {
+    mounts
         .iter()
         .filter(|m| m.tmpfs)
         .map(|m| (m.point.clone(), crate::mounts::fingerprint(pid, m)))

@@ -132,21 +132,20 @@ pub(crate) fn fingerprint(pid: u32, mount: &Mount) -> Option<u64> {
     let mut stack = vec![(root.clone(), Vec::<u8>::new())];
     let mut seen = 0usize;
     while let Some((dir, rel)) = stack.pop() {
-        let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(&dir)
-            .ok()?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<Result<_, _>>()
-            .ok()?;
-        names.sort();
-        for name in names {
+        let mut entries: Vec<std::fs::DirEntry> =
+            std::fs::read_dir(&dir).ok()?.collect::<Result<_, _>>().ok()?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
             seen += 1;
             if seen > MAX_ENTRIES {
                 return None;
             }
-            let path = dir.join(&name);
-            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            let name = entry.file_name();
+            // lstat relative to the directory read (no walk from the root).
+            let Ok(meta) = entry.metadata() else {
                 continue; // gone meanwhile: the next turn end sees it
             };
+            let path = entry.path();
             if meta.dev() != mount.dev {
                 continue; // another mount on top (`/dev/shm` in `/dev`)
             }

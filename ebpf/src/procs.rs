@@ -20,6 +20,11 @@ pub(crate) fn members(cgroup_dir: &Path, file: &str) -> Vec<u32> {
 /// directories) that hold processes, relative to it.
 pub(crate) fn populated_children(cgroup_dir: &Path) -> Vec<String> {
     let mut found = Vec::new();
+    // One small read answers the common case: no descendants at all.
+    let stat = std::fs::read_to_string(cgroup_dir.join("cgroup.stat")).unwrap_or_default();
+    if stat.lines().any(|l| l.trim() == "nr_descendants 0") {
+        return found;
+    }
     let mut stack = vec![(cgroup_dir.to_owned(), 0)];
     let mut walked = 0;
     while let Some((dir, depth)) = stack.pop() {

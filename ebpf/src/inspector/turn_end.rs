@@ -153,8 +153,17 @@ impl Inspector {
             .iter()
             .map(|path| Reason::TmpfsChanged { path: path.clone() })
             .collect();
-        if let Some(&pid) = pids.first() {
-            let now = super::tmpfs_prints(pid);
+        // Walked only when something may have changed there (a path
+        // operation that may have landed anywhere, a change named there) or
+        // there is no earlier print; otherwise the last one still holds.
+        let look = sb.current.uncertain || !held.is_empty() || sb.prints.is_empty();
+        if let (Some(&pid), true) = (pids.first(), look) {
+            let mounts = sb
+                .ignore
+                .as_ref()
+                .map(|i| i.mounts.as_slice())
+                .unwrap_or_default();
+            let now = super::tmpfs_prints(pid, mounts);
             for (point, print) in &now {
                 let before = sb.prints.get(point).copied().flatten();
                 let differs = match (before, print) {
