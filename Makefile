@@ -37,6 +37,7 @@ bench: deps release
 	target/release/crab-bench fastforward
 	target/release/crab-bench turn
 	target/release/crab-bench inspector
+	target/release/crab-bench faults
 	target/release/crab-bench density
 	target/release/crab-bench eval --quick --out target/eval-report
 

@@ -220,26 +220,34 @@ impl UnixClient {
                 .await
                 .map_err(local)?;
             let mut body = resp.into_body();
-            let mut n = 0u64;
-            while let Some(frame) = body.frame().await {
-                let frame = frame.map_err(|source| self.transport(source))?;
-                if let Some(data) = frame.data_ref() {
-                    file.write_all(data).await.map_err(local)?;
-                    n += data.len() as u64;
-                    progress(n, total);
+            // Whatever cuts the download short (crabd gone mid-answer, a
+            // full disk) leaves no partial file behind.
+            let written = async {
+                let mut n = 0u64;
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|source| self.transport(source))?;
+                    if let Some(data) = frame.data_ref() {
+                        file.write_all(data).await.map_err(local)?;
+                        n += data.len() as u64;
+                        progress(n, total);
+                    }
                 }
+                if let Some(expected) = total.filter(|t| *t != n) {
+                    return Err(ClientError::Truncated {
+                        what: self.what.clone(),
+                        received: n,
+                        expected,
+                    });
+                }
+                file.sync_all().await.map_err(local)?;
+                tokio::fs::rename(&partial, dst).await.map_err(local)?;
+                Ok(n)
             }
-            if let Some(expected) = total.filter(|t| *t != n) {
+            .await;
+            if written.is_err() {
                 let _ = tokio::fs::remove_file(&partial).await;
-                return Err(ClientError::Truncated {
-                    what: self.what.clone(),
-                    received: n,
-                    expected,
-                });
             }
-            file.sync_all().await.map_err(local)?;
-            tokio::fs::rename(&partial, dst).await.map_err(local)?;
-            Ok(n)
+            written
         };
         self.limited(work).await
     }

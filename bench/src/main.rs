@@ -12,6 +12,7 @@ mod checkpoint;
 mod density;
 mod eval;
 mod fastforward;
+mod faults;
 mod fs;
 mod inspector;
 mod observe;
@@ -103,6 +104,17 @@ enum Bench {
     /// crash per task, each recovery state-verified; writes report.md,
     /// report.json and pictures to --out.
     Eval(eval::Args),
+    /// Seeded faults (SIGKILL of a sandbox's init, its shim, containerd,
+    /// and crabd during a checkpoint, rollback, fork or export): recovered,
+    /// lost, leaked per kind.
+    Faults {
+        /// Faults in all.
+        #[arg(long, default_value_t = 200)]
+        faults: usize,
+        /// The campaign's seed.
+        #[arg(long, default_value_t = 0x5eed_fa17)]
+        seed: u64,
+    },
     /// The inspector: turn-end decision latency (p50/p99) for turns of
     /// ~10k syscalls, and the slowdown of a syscall-heavy workload in a
     /// sandbox with the programs attached vs detached.
@@ -158,6 +170,7 @@ fn main() -> anyhow::Result<()> {
         } => density::run(&sandboxes, turns, scale, &traces),
         Bench::Eval(args) => eval::run(&args.quick_if_asked()),
         Bench::Inspector { turns, reps } => inspector::run(turns, reps),
+        Bench::Faults { faults, seed } => faults::run(faults, seed),
         Bench::Fastforward {
             tasks,
             turns,

@@ -36,6 +36,7 @@ enum crab_kind {
 #define CRAB_UNSURE_CALL 0	/* the call itself (op) */
 #define CRAB_UNSURE_COMPAT 1	/* op is a 32-bit (int 0x80) or x32 call number */
 #define CRAB_UNSURE_PROC_MEM 2	/* op wrote a /proc/<pid>/mem */
+#define CRAB_UNSURE_CGROUP 3	/* task op was moved to a cgroup no sandbox is */
 
 /* A record's marks: a name it could not carry whole (longer than
  * CRAB_NAME_LEN - 1 bytes, or unreadable at the call's exit), and for a

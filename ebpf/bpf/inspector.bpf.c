@@ -41,6 +41,11 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define X32_SYSCALL_BIT 0x40000000
 #define FICLONE 0x40049409
 #define FICLONERANGE 0x4020940d
+#define FS_IOC_SETFLAGS 0x40086602
+#define FS_IOC_FSSETXATTR 0x401c5820
+#define FS_IOC_ENABLE_VERITY 0x40806685
+#define FMODE_WRITE 0x2
+#define AF_UNIX 1
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
@@ -53,6 +58,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define NR_shmat 30
 #define NR_shmctl 31
 #define NR_sendfile 40
+#define NR_bind 49
 #define NR_semget 64
 #define NR_semop 65
 #define NR_semctl 66
@@ -115,6 +121,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define NR_io_uring_register 427
 #define NR_openat2 437
 #define NR_fchmodat2 452
+#define NR_file_setattr 469
 #define NR_setxattrat 463
 #define NR_removexattrat 466
 
@@ -316,12 +323,14 @@ static __always_inline struct file *fd_file(struct task_struct *t, long fd)
 
 /* Whether an inode can hold sandbox filesystem state: a regular file,
  * directory or symlink on a filesystem that is not a kernel interface. */
-static __always_inline int state_bearing(struct inode *inode, __u32 *mode_out)
+static __always_inline int state_bearing_as(struct inode *inode, __u32 *mode_out, int meta)
 {
 	__u32 mode = BPF_CORE_READ(inode, i_mode);
 	__u32 fmt = mode & S_IFMT;
 	*mode_out = mode;
-	if (fmt != S_IFREG && fmt != S_IFDIR && fmt != S_IFLNK)
+	/* A fifo's, socket's or device node's data is no file state, but its
+	 * mode, owner, times and attributes are. */
+	if (!meta && fmt != S_IFREG && fmt != S_IFDIR && fmt != S_IFLNK)
 		return 0;
 	unsigned long magic = BPF_CORE_READ(inode, i_sb, s_magic);
 	switch (magic) {
@@ -342,6 +351,26 @@ static __always_inline int state_bearing(struct inode *inode, __u32 *mode_out)
 		return 0;
 	}
 	return 1;
+}
+
+static __always_inline int state_bearing(struct inode *inode, __u32 *mode_out)
+{
+	return state_bearing_as(inode, mode_out, 0);
+}
+
+/* Whether call nr changes an inode's metadata, not its data. */
+static __always_inline int meta_call(long nr)
+{
+	switch (nr) {
+	case NR_fchmod:
+	case NR_fchown:
+	case NR_fsetxattr:
+	case NR_fremovexattr:
+	case NR_ioctl:
+	case -1: /* an attribute call with an empty path, through its dirfd */
+		return 1;
+	}
+	return 0;
 }
 
 /* Whether f is a /proc/<pid>/mem (or a task's): a write to it stores into
@@ -500,16 +529,35 @@ static __always_inline int tracked_nr(long nr)
 	case NR_mq_unlink:
 	case NR_mq_timedsend:
 	case NR_mq_timedreceive:
+	case NR_bind:
+	case NR_file_setattr:
 		return 1;
 	}
 	return 0;
 }
 
-/* The ioctls that change a file's content: a reflink into the descriptor.
- * (FIDEDUPERANGE shares extents of equal content: nothing changes.) */
+/* The ioctls that change the file behind the descriptor: a reflink into
+ * it, its inode flags (chattr), its fs attributes, fs-verity. (Neither
+ * FIDEDUPERANGE, which shares extents of equal content, nor a terminal's.) */
 static __always_inline int clone_ioctl(unsigned long cmd)
 {
-	return (unsigned int)cmd == FICLONE || (unsigned int)cmd == FICLONERANGE;
+	switch ((unsigned int)cmd) {
+	case FICLONE:
+	case FICLONERANGE:
+	case FS_IOC_SETFLAGS:
+	case FS_IOC_FSSETXATTR:
+	case FS_IOC_ENABLE_VERITY:
+		return 1;
+	}
+	return 0;
+}
+
+/* Whether descriptor fd of the current task is open for writing (a shared
+ * mapping of it can be made writable later with mprotect). */
+static __always_inline int fd_writable(long fd)
+{
+	struct file *f = fd_file((void *)bpf_get_current_task(), fd);
+	return f && (BPF_CORE_READ(f, f_mode) & FMODE_WRITE);
 }
 
 static __always_inline int tracked(long nr, unsigned long *args)
@@ -529,7 +577,10 @@ static __always_inline int tracked(long nr, unsigned long *args)
 		return (flags & (O_CREAT | O_TRUNC)) != 0;
 	}
 	case NR_mmap:
-		return (args[3] & MAP_SHARED) && (args[2] & PROT_WRITE) && (long)args[4] >= 0;
+		/* Writable now, or later through mprotect (which needs a
+		 * descriptor open for writing). */
+		return (args[3] & MAP_SHARED) && (long)args[4] >= 0 &&
+		       ((args[2] & PROT_WRITE) || fd_writable(args[4]));
 	case NR_ioctl:
 		return clone_ioctl(args[1]);
 	case NR_mq_open:
@@ -570,7 +621,7 @@ static __always_inline int fd_change_idx(long nr)
  * filesystem state and was neither born nor reported this turn. Checked at
  * entry so that writes to pipes, terminals, /dev/null and files already
  * reported cost no stash and no exit work. */
-static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
+static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr)
 {
 	struct task_struct *task = (void *)bpf_get_current_task();
 	struct file *f = fd_file(task, fd);
@@ -580,7 +631,7 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd)
 	__u32 mode;
 	if (!inode)
 		return 0;
-	if (!state_bearing(inode, &mode))
+	if (!state_bearing_as(inode, &mode, meta_call(nr)))
 		return proc_mem(inode, f);
 	struct crab_inode_key key = { .cgroup = cg };
 	inode_id(inode, &key.dev, &key.ino);
@@ -653,7 +704,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	if (fd_idx >= 0) {
 		long fd = fd_idx == 0 ? BPF_CORE_READ(regs, di)
 			: fd_idx == 2 ? BPF_CORE_READ(regs, dx) : BPF_CORE_READ(regs, r8);
-		if (nr != NR_mmap && !fd_change_worth(cg, gen, fd))
+		if (nr != NR_mmap && !fd_change_worth(cg, gen, fd, nr))
 			return 0;
 	}
 	/* The x86_64 syscall convention: di, si, dx, r10, r8, r9. */
@@ -665,6 +716,13 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	args[5] = BPF_CORE_READ(regs, r9);
 	if (!tracked(nr, args))
 		return 0;
+	if (nr == NR_openat2) {
+		/* The flags as the call starts, not as a racing thread leaves
+		 * them in the caller's memory by its exit. */
+		__u64 flags = 0;
+		bpf_probe_read_user(&flags, sizeof(flags), (void *)args[2]);
+		args[2] = flags;
+	}
 	t->cgroup = cg;
 	t->gen = gen;
 	t->args[0] = args[0];
@@ -692,7 +750,7 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 	__u32 mode;
 	if (!inode)
 		return 0;
-	if (!state_bearing(inode, &mode)) {
+	if (!state_bearing_as(inode, &mode, meta_call(nr))) {
 		if (nr != NR_mmap && proc_mem(inode, f)) {
 			count(cg, 1);
 			struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
@@ -1013,11 +1071,8 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		return on_open(cg, gen, ret, AT_FDCWD, a[0], O_CREAT | O_TRUNC | 1);
 	case NR_openat:
 		return on_open(cg, gen, ret, a[0], a[1], a[2]);
-	case NR_openat2: {
-		__u64 flags = 0;
-		bpf_probe_read_user(&flags, sizeof(flags), (void *)a[2]);
-		return on_open(cg, gen, ret, a[0], a[1], flags);
-	}
+	case NR_openat2:
+		return on_open(cg, gen, ret, a[0], a[1], a[2]); /* flags, read at entry */
 	case NR_truncate:
 		return on_path(cg, gen, CRAB_OP_TRUNCATE, AT_FDCWD, a[0], 0, 0, 0);
 	case NR_rename:
@@ -1055,6 +1110,16 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		return on_path(cg, gen, CRAB_OP_SYMLINK, 0, a[0], AT_FDCWD, a[1], 0);
 	case NR_symlinkat:
 		return on_path(cg, gen, CRAB_OP_SYMLINK, 0, a[0], a[1], a[2], 0);
+	case NR_bind: {
+		/* A unix socket bound to a path makes a node there. */
+		__u16 family = 0;
+		char first = 0;
+		bpf_probe_read_user(&family, sizeof(family), (void *)a[1]);
+		bpf_probe_read_user(&first, 1, (void *)(a[1] + 2));
+		if (family != AF_UNIX || !first)
+			return 0;
+		return on_path(cg, gen, CRAB_OP_MKNOD, AT_FDCWD, a[1] + 2, 0, 0, 0);
+	}
 	case NR_chmod:
 	case NR_chown:
 	case NR_lchown:
@@ -1072,6 +1137,7 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case NR_utimensat:
 	case NR_setxattrat:
 	case NR_removexattrat:
+	case NR_file_setattr:
 		return on_attr(cg, gen, a[0], a[1]);
 	case NR_shmget:
 	case NR_shmat:
@@ -1145,9 +1211,23 @@ int crab_attach(struct cgroup_attach_args *ctx)
 		return 0; /* a v1 hierarchy: its ids are another namespace */
 	__u64 cg = ctx->dst_id;
 	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
-	if (!ctl)
+	if (ctl) {
+		follow_task(cg, ctl, ctx->pid);
 		return 0;
-	follow_task(cg, ctl, ctx->pid);
+	}
+	/* A task of a sandbox moved a task into a cgroup no sandbox is: what
+	 * happens there is not followed. */
+	__u64 from;
+	struct crab_ctl *src = current_sandbox(&from);
+	if (!src)
+		return 0;
+	count(from, 1);
+	struct crab_event *e = reserve(from, src->gen, CRAB_EV_UNSURE);
+	if (e) {
+		e->op = ctx->pid;
+		e->flags = CRAB_UNSURE_CGROUP;
+		submit(e);
+	}
 	return 0;
 }
 

@@ -104,6 +104,7 @@ pub(crate) mod kind {
 pub(crate) mod unsure {
     pub const COMPAT: u32 = 1;
     pub const PROC_MEM: u32 = 2;
+    pub const CGROUP: u32 = 3;
 }
 
 /// `CRAB_MARK_*`: a record's `marks`.

@@ -17,9 +17,6 @@ use crate::kernel::{c_bytes, c_str, kind, marks, op, unsure, user_dev, Event, NR
 use crate::mounts::{Mount, MountKind};
 use crate::report::Reason;
 
-/// `O_EXCL`: an open that creates never goes through a symlink.
-const O_EXCL: u32 = 0o200;
-
 /// One turn's records, digested.
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
@@ -76,6 +73,9 @@ pub(crate) struct Ignore {
     pub devs: HashSet<u64>,
     /// The sandbox's mounts other than its root, as it sees them.
     pub mounts: Vec<Mount>,
+    /// The sandbox's root directory (user-space dev, ino), where absolute
+    /// names resolve from unless a task chrooted.
+    pub root: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -133,8 +133,9 @@ impl Ledger {
         };
         match ev.kind {
             kind::CREATE => {
-                let proven = ev.flags & O_EXCL != 0 || ev.marks & marks::SPELLED != 0;
-                self.create(first(), second(), proven);
+                // Not O_EXCL: the flags a racing thread leaves in memory
+                // are not the ones the kernel used.
+                self.create(first(), second(), ev.marks & marks::SPELLED != 0);
             }
             kind::TRUNC => {
                 let spelled = first();
@@ -166,6 +167,8 @@ impl Ledger {
                 match ev.op {
                     op::UNLINK | op::RMDIR => self.touch(one, false, false),
                     op::MKDIR => {
+                        // Only a directory that is the key's first object
+                        // and never anything else vanishes whole.
                         let first_op = !self.paths.contains_key(&one);
                         self.touch(one.clone(), true, true);
                         if first_op {
@@ -210,6 +213,12 @@ impl Ledger {
                     ev.pid,
                     ev.op & 0x3fff_ffff
                 ),
+                unsure::CGROUP => format!(
+                    "{} (pid {}) moved task {} into a cgroup outside the sandbox, where it is not followed",
+                    ev.comm(),
+                    ev.pid,
+                    ev.op
+                ),
                 unsure::PROC_MEM => format!(
                     "{} (pid {}) wrote into a process's memory through /proc/<pid>/mem",
                     ev.comm(),
@@ -229,8 +238,8 @@ impl Ledger {
     /// A file created by an open spelled `spelled`, whose parent directory
     /// and last component are `canonical`. The two are one object only if
     /// the spelling's last component was not a symlink the open followed:
-    /// proven by equal keys, `O_EXCL`, or the kernel side's walk of the
-    /// spelling up the file's dentries (`proven`). Otherwise the spelling
+    /// proven by equal keys or by the kernel side's walk of the spelling
+    /// up the file's dentries (`proven`). Otherwise the spelling
     /// is never proven absent before the turn (removing it may remove a
     /// link, not the file), and a spelling that already holds something
     /// this turn (a symlink made earlier in it) is not touched at all.
@@ -317,7 +326,14 @@ impl Ledger {
             let creates = creates && !k.cut;
             self.paths
                 .entry(k)
-                .and_modify(|f| f.present = present)
+                .and_modify(|f| {
+                    // Something other than the directory made first is
+                    // there now (a link, a file, a directory moved in).
+                    if present {
+                        f.made_dir = false;
+                    }
+                    f.present = present;
+                })
                 .or_insert(PathFate {
                     pre_absent: creates,
                     present,
@@ -371,11 +387,14 @@ impl Ledger {
         }
         let mut written = Vec::new();
         for (&(dev, ino), name) in &self.written {
-            match ignore.mounts.iter().find(|m| m.dev == dev) {
-                Some(m) if m.kind == MountKind::Held => held.push(name.clone()),
-                Some(_) => {}
-                None if ignore.devs.contains(&dev) => {}
-                None => {
+            let kind = ignore.mounts.iter().find(|m| m.dev == dev).map(|m| m.kind);
+            match kind {
+                Some(MountKind::Held) => held.push(name.clone()),
+                Some(MountKind::Devices) => {}
+                _ if ignore.devs.contains(&dev) => {}
+                // The root's files, or a bind mount's (`/etc/hosts`, a
+                // workspace): files.
+                _ => {
                     written.push((dev, ino));
                     changed.push(name.clone());
                 }
@@ -411,6 +430,11 @@ impl Ignore {
     fn place(&self, k: &PathKey, f: &PathFate) -> Place {
         let dotdot = k.name.split(|&b| b == b'/').any(|c| c == b"..");
         if k.cut || dotdot {
+            return Place::Files;
+        }
+        // An absolute name is the sandbox's path only when it was resolved
+        // from the sandbox's root (not a chroot's).
+        if k.name.starts_with(b"/") && self.root.is_some_and(|r| r != (k.dev, k.ino)) {
             return Place::Files;
         }
         let (mount, rest): (&Mount, &[u8]) = if k.name.starts_with(b"/") {

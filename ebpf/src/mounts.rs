@@ -132,14 +132,18 @@ pub(crate) fn fingerprint(pid: u32, mount: &Mount) -> Option<u64> {
     let mut stack = vec![(root.clone(), Vec::<u8>::new())];
     let mut seen = 0usize;
     while let Some((dir, rel)) = stack.pop() {
-        let mut entries: Vec<std::fs::DirEntry> =
-            std::fs::read_dir(&dir).ok()?.collect::<Result<_, _>>().ok()?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
+        // Read lazily: a directory of a million names stops the walk at
+        // the bound, not after reading them all.
+        let mut entries = Vec::new();
+        for entry in std::fs::read_dir(&dir).ok()? {
             seen += 1;
             if seen > MAX_ENTRIES {
                 return None;
             }
+            entries.push(entry.ok()?);
+        }
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
             let name = entry.file_name();
             // lstat relative to the directory read (no walk from the root).
             let Ok(meta) = entry.metadata() else {

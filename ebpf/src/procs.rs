@@ -42,7 +42,8 @@ pub(crate) fn populated_children(cgroup_dir: &Path) -> Vec<String> {
                 found.push(format!("{} (and more, not looked into)", rel.display()));
                 return found;
             }
-            if !members(&path, "cgroup.procs").is_empty() {
+            // A threaded cgroup lists its threads only.
+            if !members(&path, "cgroup.procs").is_empty() || !members(&path, "cgroup.threads").is_empty() {
                 found.push(rel.display().to_string());
             }
             stack.push((path, depth + 1));

@@ -55,6 +55,7 @@ pub enum ContainerdError {
 /// A client of one containerd namespace.
 pub struct Containerd {
     client: Client,
+    address: PathBuf,
     namespace: String,
 }
 
@@ -119,6 +120,7 @@ impl Containerd {
             })?;
         Ok(Containerd {
             client,
+            address: address.to_owned(),
             namespace: namespace.to_owned(),
         })
     }
@@ -353,6 +355,69 @@ impl Containerd {
     /// The namespace it works in.
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// containerd's socket.
+    pub fn address(&self) -> &Path {
+        &self.address
+    }
+
+    /// Settles container `id`, whose making was cut short: if its task
+    /// runs (or is paused) it is kept, its restore annotations removed,
+    /// and the answer is true; otherwise its task, the container and its
+    /// snapshot are removed (whatever of them exists) and the answer is
+    /// false.
+    pub async fn settle_made(&self, id: &str) -> Result<bool, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let task = self
+            .client
+            .tasks()
+            .get(with_namespace!(
+                GetRequest {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                },
+                ns
+            ))
+            .await;
+        match task {
+            Ok(t) => {
+                let status = t.into_inner().process.map_or(0, |p| p.status);
+                if status == TaskStatus::Running as i32 || status == TaskStatus::Paused as i32 {
+                    self.set_restore(id, None).await?;
+                    return Ok(true);
+                }
+            }
+            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
+            Err(status) => {
+                return Err(ContainerdError::Call {
+                    call: "get task",
+                    status,
+                })
+            }
+        }
+        let snapshotter = match self.container(id).await {
+            Ok(c) => c.snapshotter,
+            Err(ContainerdError::Call { status, .. })
+                if status.code() == containerd_client::tonic::Code::NotFound =>
+            {
+                String::new()
+            }
+            Err(e) => return Err(e),
+        };
+        // The snapshot is keyed by the container's id (`create_from`).
+        let made = NewContainer {
+            id: id.to_owned(),
+            snapshotter: if snapshotter.is_empty() {
+                "overlayfs".to_owned()
+            } else {
+                snapshotter
+            },
+            mounts: Vec::new(),
+            upper: PathBuf::new(),
+        };
+        self.remove(&made).await;
+        Ok(false)
     }
 
     /// Sets (or, with `None`, removes) the annotations with which the shim

@@ -42,6 +42,7 @@ mod http;
 mod import;
 mod inspect;
 mod keys;
+mod making;
 mod metrics;
 mod registry;
 mod resume;
@@ -269,6 +270,11 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
             async move { daemon.resume_on_boot(known).await }
         });
     }
+    // Forks and imports a killed crabd was making: whole or gone.
+    tokio::spawn({
+        let daemon = daemon.clone();
+        async move { daemon.settle_interrupted_makings().await }
+    });
     let gc_task = tokio::spawn(gc::collect(daemon.clone()));
     let metrics_task = serve_metrics(&daemon).await;
     let pid_file = daemon.config.root.join("crabd.pid");

@@ -149,10 +149,16 @@ impl Containerd {
     /// # Panics
     /// If it does not come up.
     pub fn start_crabd(&mut self) {
+        // What it says before its log is open goes beside containerd's.
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("crabd.stderr"))
+            .expect("open crabd.stderr");
         let child = Command::new(crate::bin_dir().join("crabd"))
             .env("CRAB_CONFIG", self.crab_config())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("start crabd");
         self.crabd = Some(child);
@@ -161,7 +167,37 @@ impl Containerd {
             let up = std::os::unix::net::UnixStream::connect(&socket).is_ok() && self.crabd_pid().is_some();
             up.then_some(())
         })
-        .expect("crabd comes up");
+        .unwrap_or_else(|| {
+            panic!(
+                "crabd did not come up; see {}/crabd.stderr and {}/crabd.log",
+                self.dir.display(),
+                self.crabd_root().display()
+            )
+        });
+    }
+
+    /// Reaps a crabd this harness started that was killed (so a new one
+    /// can be started and the old one is no zombie).
+    pub fn reap_crabd(&mut self) {
+        if let Some(mut child) = self.crabd.take() {
+            let _ = child.wait();
+        }
+        if let Some(pid) = self.crabd_pid() {
+            wait_until(10, || {
+                (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+            });
+        }
+    }
+
+    /// Kills containerd (SIGKILL, as a crash would) and starts it again on
+    /// the same state; running tasks and their shims are untouched.
+    pub fn crash_restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = child.wait();
+        }
+        self.spawn();
     }
 
     /// Stops this containerd's crabd, if it runs, and waits for it to exit.

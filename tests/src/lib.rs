@@ -6,6 +6,7 @@
 
 pub mod containerd;
 pub mod docker;
+pub mod faults;
 pub mod http;
 pub mod image;
 pub mod leftovers;

@@ -154,6 +154,19 @@ pub fn crabctl(ctd: &Containerd, args: &[&str]) -> Output {
     out
 }
 
+/// Runs `crabctl --json args…` against `ctd`'s crabd directly, not
+/// through the checking relay: for calls whose crabd is killed mid-answer
+/// (a cut answer is then the point, not a break of the spec).
+pub fn crabctl_direct(ctd: &Containerd, args: &[&str]) -> Output {
+    std::process::Command::new(bin_dir().join("crabctl"))
+        .arg("--socket")
+        .arg(ctd.crabd_socket())
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("run crabctl")
+}
+
 /// Runs `crabctl --json args…`, asserts success, parses the JSON answer.
 #[track_caller]
 pub fn crabctl_ok(ctd: &Containerd, args: &[&str]) -> serde_json::Value {

@@ -136,6 +136,12 @@ impl Inspector {
                     devs: procs::interface_devs(pid),
                     host_mntns: HashSet::new(),
                     mounts: crate::mounts::of(pid),
+                    root: {
+                        use std::os::unix::fs::MetadataExt;
+                        std::fs::metadata(format!("/proc/{pid}/root"))
+                            .ok()
+                            .map(|m| (m.dev(), m.ino()))
+                    },
                 });
             }
         }
@@ -238,6 +244,22 @@ impl Inspector {
         shared.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         shared.dedup();
         let fs = fs || !shared.is_empty();
+        // A noisy process that ran may have stored into a shared mapping of
+        // a tmpfs file (`/dev/shm`): process state (no system call shows
+        // it, and its running is no reason by itself).
+        let held_devs: HashSet<u64> = ignore
+            .mounts
+            .iter()
+            .filter(|m| m.kind == crate::mounts::MountKind::Held)
+            .map(|m| m.dev)
+            .collect();
+        for &pid in &sb.current.noisy_ran {
+            for m in procs::mappings(pid) {
+                if m.shared_writable && held_devs.contains(&m.dev) {
+                    held.push(Reason::TmpfsChanged { path: m.path });
+                }
+            }
+        }
         let proc = !proc_reasons.is_empty() || !mapped.is_empty() || !held.is_empty();
         let class = if !unsure.is_empty() || !mapped.is_empty() {
             Class::Full

@@ -37,8 +37,8 @@ enum Step {
     Create(&'static str),
     /// A creation by "dir/name" whose canonical spelling is (inode 8, name).
     CreateIn(&'static str, &'static str),
-    /// The same with O_EXCL: the spelling is proven to be the file.
-    CreateExclIn(&'static str, &'static str),
+    /// The same, proven by the kernel side's walk to be the file.
+    CreateSpelledIn(&'static str, &'static str),
     /// A path operation relative to directory inode 8.
     PathIn(u32, &'static str),
     Trunc(&'static str),
@@ -57,10 +57,10 @@ fn check(steps: &[Step], expected: &[&str]) {
                 e.dir2_ino = 8;
                 e
             }
-            Step::CreateExclIn(n, base) => {
+            Step::CreateSpelledIn(n, base) => {
                 let mut e = ev(i, kind::CREATE, 0, n, base);
                 e.dir2_ino = 8;
-                e.flags = O_EXCL;
+                e.marks = marks::SPELLED;
                 e
             }
             Step::PathIn(o, n) => {
@@ -111,8 +111,8 @@ fn created_then_removed_is_no_change() {
         ],
         &[],
     );
-    // Created as "d/x" with O_EXCL (mkstemp), removed by that spelling.
-    check(&[CreateExclIn("d/x", "x"), Path(op::UNLINK, "d/x")], &[]);
+    // Created as "d/x", proven that file, removed by that spelling.
+    check(&[CreateSpelledIn("d/x", "x"), Path(op::UNLINK, "d/x")], &[]);
     // Whatever was named directly in a directory made and removed this
     // turn. (The canonical spelling, relative to the directory's inode,
     // is not known to be that directory: reported, a false positive.)
@@ -252,6 +252,7 @@ fn container_mounts() -> Ignore {
     Ignore {
         devs: [2, 3, 4, 5].into_iter().map(|d: u64| user_dev(d << 20)).collect(),
         host_mntns: [99].into_iter().collect(),
+        root: None,
         mounts: vec![
             mount(2, "/dev", MountKind::Held, true),
             mount(3, "/dev/shm", MountKind::Held, true),
@@ -322,5 +323,48 @@ fn tmpfs_changes_are_held_and_escapes_are_files() {
     assert_eq!(
         verdict(&[ev(0, kind::PATH, op::UNLINK, "x", "")]),
         (s(&["x"]), s(&[]), false)
+    );
+}
+
+#[test]
+fn a_directory_replaced_by_a_link_does_not_vanish_what_went_through_it() {
+    use Step::*;
+    // mkdir v; rmdir v; ln -s /work/realdir v; rm v/important.txt; rm v
+    check(
+        &[
+            Path(op::MKDIR, "v"),
+            Path(op::RMDIR, "v"),
+            Path2(op::SYMLINK, "/work/realdir", "v"),
+            Path(op::UNLINK, "v/important.txt"),
+            Path(op::UNLINK, "v"),
+        ],
+        &["v/important.txt"],
+    );
+}
+
+#[test]
+fn writes_on_bind_mounts_are_files_and_chroot_names_are_not_the_sandbox_s() {
+    let mut ignore = container_mounts();
+    ignore.mounts.push(Mount {
+        dev: user_dev(6 << 20),
+        point: b"/etc/hosts".to_vec(),
+        kind: MountKind::Other,
+        tmpfs: false,
+    });
+    ignore.root = Some((user_dev(1 << 20), 7));
+    let mut l = Ledger::default();
+    let mut hosts = ev(0, kind::WRITE, 0, "hosts", "");
+    hosts.dev = 6 << 20;
+    l.apply(&hosts, &ignore);
+    // From a chroot (base: another directory than the sandbox's root),
+    // "/dev/pts/precious" is no terminal.
+    let mut chrooted = ev(1, kind::PATH, op::UNLINK, "/dev/pts/precious", "");
+    chrooted.dir_ino = 70;
+    l.apply(&chrooted, &ignore);
+    l.apply(&ev(2, kind::PATH, op::UNLINK, "/dev/pts/9", ""), &ignore);
+    let v = l.fs_verdict(&ignore);
+    assert_eq!(
+        v.changed,
+        vec!["/dev/pts/precious".to_owned(), "hosts".to_owned()]
     );
 }

@@ -16,6 +16,7 @@ use crab_proxy::transcript::{conversation, read_entries, write_new, TurnRecord};
 use futures_util::StreamExt;
 use tracing::Instrument;
 
+use super::making::MakingGuard;
 use super::versions::movable_files;
 use super::work::{blocking_io, detached, unix_ms};
 use super::{ApiError, Daemon};
@@ -35,6 +36,8 @@ pub(super) struct Copied {
     pub pid: u32,
     /// The disk its files took.
     pub bytes: u64,
+    /// Its making's record: done once its restore annotations are gone.
+    pub making: MakingGuard,
 }
 
 /// The version a fork is made from.
@@ -195,23 +198,33 @@ impl Daemon {
             name: source.files.clone(),
         };
         let at = conversation.as_ref().map(|(at, _)| at);
+        let transcript = conversation.as_ref().map(|(_, path)| path.as_path());
         let made = self
-            .start_copy(containerd, template, new_id, source.images, from, at)
+            .start_copy(
+                containerd,
+                template,
+                new_id,
+                source.images,
+                from,
+                at,
+                (None, transcript),
+            )
             .await;
-        match (&made, &conversation) {
-            (Err(_), Some((_, path))) => {
+        match (made, &conversation) {
+            (Err(e), Some((_, path))) => {
                 let _ = std::fs::remove_file(path);
+                Err(e)
             }
             // The restore annotations served this start only: a later
             // start of the fork runs its own state, not the version's.
-            (Ok(_), _) => {
+            (Ok(copied), _) => {
                 if let Err(e) = containerd.set_restore(new_id.as_str(), None).await {
                     tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the restore annotations stay on the fork");
                 }
+                Ok(copied)
             }
-            (Err(_), None) => {}
+            (Err(e), None) => Err(e),
         }
-        made
     }
 
     /// Writes the conversation of `source`'s version as the transcript of
@@ -268,7 +281,11 @@ impl Daemon {
 
     /// Creates sandbox `new_id` in `containerd` from `template`: its files
     /// a copy of `files`, its init restored from `images` when the shim
-    /// starts it. Nothing is left if it fails.
+    /// starts it. Nothing is left if it fails, nor if crabd is killed
+    /// before its task runs (`undo`: the imported version its files are,
+    /// the transcript written for it, which the making's record names;
+    /// see `making`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn start_copy(
         self: &Arc<Self>,
         containerd: &Containerd,
@@ -277,8 +294,10 @@ impl Daemon {
         images: &Path,
         files: FilesFrom,
         conversation: Option<&ConversationAt>,
+        undo: (Option<u64>, Option<&Path>),
     ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
+        let making = self.begin_making(containerd.address(), containerd, new_id, undo.0, undo.1)?;
         let grant = self.grant_restore(new_id, containerd.namespace(), images).await?;
         let restore = Restore {
             images,
@@ -304,7 +323,7 @@ impl Daemon {
             Ok(bytes) => containerd
                 .start(&made)
                 .await
-                .map(|pid| Copied { pid, bytes })
+                .map(|pid| Copied { pid, bytes, making })
                 .map_err(ApiError::from),
             Err(e) => Err(e),
         };

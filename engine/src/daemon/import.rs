@@ -216,9 +216,21 @@ async fn make_and_start(
             name: m.fs.name.clone(),
         };
         let at = conversation.as_ref().map(|(at, _)| at);
-        d.start_copy(&containerd, &template, new_id, &images_dir, from, at)
-            .await
-            .map(|copied| copied.pid)
+        let transcript = conversation.as_ref().map(|(_, path)| path.as_path());
+        d.start_copy(
+            &containerd,
+            &template,
+            new_id,
+            &images_dir,
+            from,
+            at,
+            (Some(n), transcript),
+        )
+        .await
+        .map(|copied| {
+            copied.making.done();
+            copied.pid
+        })
     }
     .await;
     if let (Err(_), Some((_, path))) = (&started_copy, &conversation) {
