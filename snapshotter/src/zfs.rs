@@ -7,6 +7,13 @@
 //! `D.gen-<k>` (unmounted, its snapshots kept) and `D` is re-made as a clone
 //! of the wanted snapshot at the same mount point. The sandbox's snapshots
 //! are those of `D` and of its retired generations.
+//!
+//! That swap is journaled in two user properties set on `D` before its
+//! first step (they move with it when it is retired): the clone's origin
+//! and mount point. A crash in the middle leaves either `D` unmounted with
+//! the journal (the swap had not begun: undone, `D` mounted again) or no `D`
+//! and a generation with the journal (finished: the clone made). See
+//! [`ZfsBackend::finish_interrupted_rollback`].
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -16,6 +23,10 @@ use crate::{Backend, BackendKind, Change, Error, Location, Result, Snapshot, Sna
 
 const ZFS: &str = "zfs";
 const PREFIX: &str = "crab-";
+/// The journal of a rollback by clone: the clone's origin.
+const JOURNAL_ORIGIN: &str = "crab:rollback-origin";
+/// The journal of a rollback by clone: the live dataset's mount point.
+const JOURNAL_MOUNT: &str = "crab:rollback-mountpoint";
 
 /// A sandbox's dataset and its snapshots.
 #[derive(Debug, Clone)]
@@ -155,6 +166,74 @@ impl ZfsBackend {
             })
     }
 
+    /// A user property set on `dataset` itself (not inherited), if any.
+    fn local_property(dataset: &str, property: &str) -> Result<Option<String>> {
+        let out = run(ZFS, &["get", "-H", "-o", "value,source", property, dataset])?;
+        let line = out.lines().next().unwrap_or_default();
+        match line.rsplit_once('\t') {
+            Some((value, "local")) => Ok(Some(value.to_owned())),
+            _ => Ok(None),
+        }
+    }
+
+    fn clear_journal(dataset: &str) {
+        for property in [JOURNAL_ORIGIN, JOURNAL_MOUNT] {
+            let _ = run(ZFS, &["inherit", property, dataset]);
+        }
+    }
+
+    /// Settles a rollback by clone that a crash cut short (see the
+    /// module's doc): answers whether there was one. Safe to call at any
+    /// time: without a journal it changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::Command`] when a `zfs` step fails (the journal stays, and
+    /// the next call tries again).
+    pub fn finish_interrupted_rollback(&self) -> Result<bool> {
+        if self.exists(&self.dataset) {
+            let mut settled = false;
+            // Journaled but never retired: the swap had not begun.
+            if Self::local_property(&self.dataset, JOURNAL_ORIGIN)?.is_some() {
+                let mounted = run(ZFS, &["get", "-H", "-o", "value", "mounted", &self.dataset])?;
+                if mounted.trim() != "yes" {
+                    run_settled(&["mount", &self.dataset])?;
+                }
+                Self::clear_journal(&self.dataset);
+                settled = true;
+            }
+            // A generation whose clone was made: only its journal is left.
+            for (_, generation) in self.generations()? {
+                if Self::local_property(&generation, JOURNAL_ORIGIN)?.is_some() {
+                    Self::clear_journal(&generation);
+                }
+            }
+            return Ok(settled);
+        }
+        // Retired, not yet replaced: make the clone the journal names.
+        let Some((_, retired)) = self.generations()?.pop() else {
+            return Ok(false);
+        };
+        let (Some(origin), Some(mountpoint)) = (
+            Self::local_property(&retired, JOURNAL_ORIGIN)?,
+            Self::local_property(&retired, JOURNAL_MOUNT)?,
+        ) else {
+            return Ok(false);
+        };
+        run(ZFS, &["set", "mountpoint=none", &retired])?;
+        run(
+            ZFS,
+            &[
+                "clone",
+                "-o",
+                &format!("mountpoint={mountpoint}"),
+                &origin,
+                &self.dataset,
+            ],
+        )?;
+        Self::clear_journal(&retired);
+        Ok(true)
+    }
+
     /// Datasets cloned from snapshot `full`.
     fn clones_of(&self, full: &str) -> Result<Vec<String>> {
         let pool = self.dataset.split('/').next().unwrap_or(&self.dataset);
@@ -228,19 +307,32 @@ impl Backend for ZfsBackend {
         let mountpoint = mountpoint.trim().to_owned();
         let gen = self.generations()?.last().map_or(1, |(g, _)| g + 1);
         let retired = format!("{}.gen-{gen}", self.dataset);
-        // zfs-fuse cannot rename a mounted dataset; a busy one (a process
-        // still inside) fails here, before anything changed.
-        run(ZFS, &["unmount", &self.dataset])?;
-        if let Err(e) = rename_when_settled(&self.dataset, &retired) {
-            let _ = run(ZFS, &["mount", &self.dataset]);
-            return Err(e);
-        }
-        run(ZFS, &["set", "mountpoint=none", &retired])?;
         // The target moved with the live dataset if it was one of its own.
         let origin = match target.full.strip_prefix(&format!("{}@", self.dataset)) {
             Some(snap) => format!("{retired}@{snap}"),
             None => target.full.clone(),
         };
+        // The journal, before the first change (it moves with the rename).
+        run(
+            ZFS,
+            &["set", &format!("{JOURNAL_ORIGIN}={origin}"), &self.dataset],
+        )?;
+        run(
+            ZFS,
+            &["set", &format!("{JOURNAL_MOUNT}={mountpoint}"), &self.dataset],
+        )?;
+        // zfs-fuse cannot rename a mounted dataset; a busy one (a process
+        // still inside) fails here, before anything changed.
+        if let Err(e) = run(ZFS, &["unmount", &self.dataset]) {
+            Self::clear_journal(&self.dataset);
+            return Err(e);
+        }
+        if let Err(e) = rename_when_settled(&self.dataset, &retired) {
+            let _ = run(ZFS, &["mount", &self.dataset]);
+            Self::clear_journal(&self.dataset);
+            return Err(e);
+        }
+        run(ZFS, &["set", "mountpoint=none", &retired])?;
         let res = run(
             ZFS,
             &[
@@ -255,8 +347,10 @@ impl Backend for ZfsBackend {
             // Put the live dataset back as it was.
             let _ = run(ZFS, &["rename", &retired, &self.dataset]);
             let _ = run(ZFS, &["set", &format!("mountpoint={mountpoint}"), &self.dataset]);
+            Self::clear_journal(&self.dataset);
             return Err(e);
         }
+        Self::clear_journal(&retired);
         // A retired generation with no snapshot holds nothing worth keeping.
         if own.is_empty() && self.clones_of(&retired)?.is_empty() {
             run(ZFS, &["destroy", &retired])?;

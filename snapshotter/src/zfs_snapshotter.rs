@@ -381,6 +381,18 @@ impl Inner {
     fn reconcile(&self) -> Result<()> {
         let _g = self.lock.lock().expect("snapshotter lock");
         let records = self.meta.all()?;
+        // A sandbox's rollback by clone that a crash cut short: settled
+        // first, so no dataset of a record is missing below.
+        for (key, rec) in &records {
+            let backend = crate::ZfsBackend::new(&self.dataset(rec.id))?;
+            if backend.finish_interrupted_rollback()? {
+                tracing::warn!(
+                    key,
+                    dataset = backend.dataset(),
+                    "settled a rollback a crash cut short"
+                );
+            }
+        }
         let known: HashMap<u64, &Record> = records.iter().map(|(_, r)| (r.id, r)).collect();
         let mut orphans: Vec<(u64, String)> = children(&self.root)?
             .into_iter()

@@ -350,3 +350,92 @@ impl Drop for Unmount {
         let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
     }
 }
+
+/// A rollback by clone that a crash cut short is settled from its journal
+/// (the two `crab:rollback-*` properties the rollback sets before its first
+/// change): cut before the live dataset was retired, it is undone (mounted
+/// again, as it was); cut after, it is finished (the clone made at the
+/// mount point). The crash is made by running the rollback's first steps
+/// with `zfs` and stopping there.
+#[test]
+fn an_interrupted_zfs_rollback_is_settled_from_its_journal() {
+    let _zfs = ZfsFuse::start();
+    let pool = Pool::create("256M");
+    let ds = format!("{}/sandboxes/sb", pool.name);
+    let b = ZfsBackend::create(&ds).unwrap();
+    let zfs = |args: &[&str]| {
+        let out = std::process::Command::new("zfs").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "zfs {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let mnt = PathBuf::from(zfs(&["get", "-H", "-o", "value", "mountpoint", &ds]));
+    let file = mnt.join("f");
+    std::fs::write(&file, "v1").unwrap();
+    b.snapshot(&name("v1")).unwrap();
+    std::fs::write(&file, "live").unwrap();
+    let journal = |on: &str| {
+        zfs(&["set", &format!("crab:rollback-origin={ds}.gen-1@crab-v1"), on]);
+        zfs(&["set", &format!("crab:rollback-mountpoint={}", mnt.display()), on]);
+    };
+    let unmount = || {
+        crab_tests::wait_until(10, || {
+            std::process::Command::new("zfs")
+                .args(["unmount", &ds])
+                .status()
+                .is_ok_and(|s| s.success())
+                .then_some(())
+        })
+        .expect("unmount");
+    };
+
+    // Cut after the journal and the unmount: undone.
+    journal(&ds);
+    unmount();
+    assert!(b.finish_interrupted_rollback().unwrap());
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "live");
+    assert_eq!(
+        zfs(&["get", "-H", "-o", "source", "crab:rollback-origin", &ds]),
+        "-"
+    );
+
+    // Cut after the retire, before the clone: finished.
+    journal(&ds);
+    unmount();
+    crab_tests::wait_until(10, || {
+        std::process::Command::new("zfs")
+            .args(["rename", &ds, &format!("{ds}.gen-1")])
+            .status()
+            .is_ok_and(|s| s.success())
+            .then_some(())
+    })
+    .expect("rename");
+    assert!(b.finish_interrupted_rollback().unwrap());
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "v1");
+    assert_eq!(
+        zfs(&[
+            "get",
+            "-H",
+            "-o",
+            "source",
+            "crab:rollback-origin",
+            &format!("{ds}.gen-1")
+        ]),
+        "-"
+    );
+    // Nothing is left to settle; a rollback by clone leaves no journal.
+    assert!(!b.finish_interrupted_rollback().unwrap());
+    std::fs::write(&file, "again").unwrap();
+    b.snapshot(&name("v2")).unwrap();
+    b.snapshot(&name("v3")).unwrap();
+    b.rollback(&name("v2")).unwrap();
+    assert_eq!(
+        zfs(&["get", "-H", "-o", "source", "crab:rollback-origin", &ds]),
+        "-"
+    );
+    drop(b);
+    drop(pool);
+}
