@@ -588,6 +588,7 @@ fn versions_table(list: &[VersionView]) -> String {
     let records: Vec<&VersionRecord> = list.iter().filter_map(|v| v.record.as_ref()).collect();
     let pairs: Vec<(u64, Option<u64>)> = records.iter().map(|r| (r.version, r.parent)).collect();
     let dash = |n: Option<u64>| n.map_or("-".to_owned(), |n| n.to_string());
+    let now = table::now_ms();
     let mut rows: Vec<Vec<String>> = tree::layout(&pairs)
         .into_iter()
         .filter_map(|(n, prefix)| {
@@ -604,14 +605,20 @@ fn versions_table(list: &[VersionView]) -> String {
                 r.fs_snapshot
                     .as_ref()
                     .map_or("-".to_owned(), |f| f.name.to_string()),
-                r.created_unix_ms.to_string(),
+                // The process image's own files (the file snapshot shares
+                // blocks with others: its size is not the version's).
+                match r.images.iter().map(|i| i.bytes).sum::<u64>() {
+                    0 => "-".to_owned(),
+                    n => table::size(n),
+                },
+                table::ago(r.created_unix_ms, now),
                 view.defect.clone().unwrap_or_else(|| "ok".to_owned()),
             ])
         })
         .collect();
     rows.extend(list.iter().filter(|v| v.record.is_none()).map(|v| {
         let mut row = vec!["?".to_owned(), "-".to_owned(), "?".to_owned(), "?".to_owned()];
-        row.extend(["-", "-", "-"].map(str::to_owned));
+        row.extend(["-", "-", "-", "-"].map(str::to_owned));
         row.push(v.defect.clone().unwrap_or_default());
         row
     }));
@@ -623,7 +630,8 @@ fn versions_table(list: &[VersionView]) -> String {
             "CLASS",
             "IMAGE",
             "FS",
-            "CREATED_MS",
+            "IMAGE_SIZE",
+            "CREATED",
             "STATUS",
         ],
         rows.into_iter(),

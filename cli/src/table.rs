@@ -24,6 +24,30 @@ pub fn render(header: &[&str], rows: impl Iterator<Item = Vec<String>>) -> Strin
     out
 }
 
+/// How long ago `unix_ms` was, seen at `now_ms`, for people: `12 s ago`,
+/// `3 min ago`, `5 h ago`, `2 d ago` (`just now` under a second, `in the
+/// future` for a clock that went back).
+pub fn ago(unix_ms: u64, now_ms: u64) -> String {
+    let Some(ms) = now_ms.checked_sub(unix_ms) else {
+        return "in the future".to_owned();
+    };
+    let s = ms / 1000;
+    match s {
+        0 => "just now".to_owned(),
+        1..=59 => format!("{s} s ago"),
+        60..=3599 => format!("{} min ago", s / 60),
+        3600..=86_399 => format!("{} h ago", s / 3600),
+        _ => format!("{} d ago", s / 86_400),
+    }
+}
+
+/// The time now, in ms since the epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// `bytes` for people: `512 B`, `3.4 MiB`.
 pub fn size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -41,6 +65,17 @@ pub fn size(bytes: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ages_for_people() {
+        let now = 1_000_000_000;
+        assert_eq!(super::ago(now - 300, now), "just now");
+        assert_eq!(super::ago(now - 12_000, now), "12 s ago");
+        assert_eq!(super::ago(now - 180_000, now), "3 min ago");
+        assert_eq!(super::ago(now - 5 * 3_600_000, now), "5 h ago");
+        assert_eq!(super::ago(now - 2 * 86_400_000, now), "2 d ago");
+        assert_eq!(super::ago(now + 1, now), "in the future");
+    }
+
     #[test]
     fn sizes_for_people() {
         assert_eq!(super::size(512), "512 B");
