@@ -204,7 +204,10 @@ impl UnixClient {
                 .get(hyper::header::CONTENT_LENGTH)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
-            let partial = dst.with_extension("partial");
+            // `x.crab.partial`: beside the archive, never another file's name.
+            let mut name = dst.file_name().unwrap_or_default().to_owned();
+            name.push(".partial");
+            let partial = dst.with_file_name(name);
             let local = |source| ClientError::Local {
                 path: partial.clone(),
                 source,
@@ -221,7 +224,9 @@ impl UnixClient {
                 .map_err(local)?;
             let mut body = resp.into_body();
             // Whatever cuts the download short (crabd gone mid-answer, a
-            // full disk) leaves no partial file behind.
+            // full disk, the timeout dropping this future) leaves no
+            // partial file behind.
+            let mut cleanup = RemoveOnDrop(Some(partial.clone()));
             let written = async {
                 let mut n = 0u64;
                 while let Some(frame) = body.frame().await {
@@ -244,8 +249,8 @@ impl UnixClient {
                 Ok(n)
             }
             .await;
-            if written.is_err() {
-                let _ = tokio::fs::remove_file(&partial).await;
+            if written.is_ok() {
+                cleanup.0 = None;
             }
             written
         };
@@ -412,4 +417,15 @@ fn bare_get(path: &str) -> Request<Full<Bytes>> {
         .uri(format!("http://crab{path}"))
         .body(Full::new(Bytes::new()))
         .expect("a well-formed request")
+}
+
+/// Removes a file when dropped, unless disarmed (`.0 = None`).
+struct RemoveOnDrop(Option<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }

@@ -40,7 +40,22 @@ pub fn run(faults: usize, seed: u64) -> anyhow::Result<()> {
         let id = format!("faulty{n}");
         let mut campaign = Campaign::start(&mut ctd, &id, seed.wrapping_add(n as u64));
         for _ in 0..PER_SANDBOX.min(faults - done) {
-            let o = campaign.round(None);
+            // A round that panics (crabd never came back, say) is a loss,
+            // not the end of the campaign.
+            let o = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| campaign.round(None))) {
+                Ok(o) => o,
+                Err(e) => {
+                    let why = e
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                        .unwrap_or_else(|| "a panic".to_owned());
+                    failures.push(format!("{id}: a round panicked: {why}"));
+                    done += 1;
+                    bar.inc(1);
+                    continue;
+                }
+            };
             let row = rows.entry(o.kind).or_default();
             row.faults += 1;
             row.lost += usize::from(o.lost.is_some());

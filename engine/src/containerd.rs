@@ -94,6 +94,21 @@ pub struct Restore<'a> {
     pub token: &'a str,
 }
 
+/// The label a fork's or import's container and snapshot carry: the
+/// making that made them (see crabd's `making`).
+pub const MAKING_LABEL: &str = "io.crab.making";
+
+/// What settling a making cut short did with its container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Its task runs (or ran): kept.
+    Kept,
+    /// Whatever of it was made is gone.
+    Removed,
+    /// A container or snapshot of that id is someone else's: untouched.
+    NotOurs,
+}
+
 /// A container made for a fork: its id and its writable layer.
 #[derive(Debug)]
 pub struct NewContainer {
@@ -207,14 +222,19 @@ impl Containerd {
 
     /// Creates container `new_id` from `t` on a fresh writable layer of the
     /// same parent, with the spec annotated for `restore`.
+    /// Both carry label [`MAKING_LABEL`] = `making`, so a crabd settling a
+    /// making cut short removes only what this making made.
     pub async fn create_from(
         &self,
         t: &ContainerTemplate,
         new_id: &str,
         restore: &Restore<'_>,
+        making: &str,
     ) -> Result<NewContainer, ContainerdError> {
         let ns = self.namespace.as_str();
         let spec = fork_spec(t, new_id, restore)?;
+        let ours: std::collections::HashMap<String, String> =
+            [(MAKING_LABEL.to_owned(), making.to_owned())].into();
         let mounts = self
             .client
             .snapshots()
@@ -223,7 +243,7 @@ impl Containerd {
                     snapshotter: t.snapshotter.clone(),
                     key: new_id.to_owned(),
                     parent: t.parent.clone(),
-                    ..Default::default()
+                    labels: ours.clone(),
                 },
                 ns
             ))
@@ -249,6 +269,7 @@ impl Containerd {
         };
         let mut labels: std::collections::HashMap<String, String> = t.labels.clone().into_iter().collect();
         labels.insert("io.crab.forked-from".to_owned(), t.id.clone());
+        labels.extend(ours);
         let container = Container {
             id: new_id.to_owned(),
             labels,
@@ -362,14 +383,9 @@ impl Containerd {
         &self.address
     }
 
-    /// Settles container `id`, whose making was cut short: if its task
-    /// runs (or is paused) it is kept, its restore annotations removed,
-    /// and the answer is true; otherwise its task, the container and its
-    /// snapshot are removed (whatever of them exists) and the answer is
-    /// false.
-    pub async fn settle_made(&self, id: &str) -> Result<bool, ContainerdError> {
-        let ns = self.namespace.as_str();
-        let task = self
+    /// The status of container `id`'s task (`None`: it has none).
+    async fn task_status(&self, id: &str) -> Result<Option<i32>, ContainerdError> {
+        let got = self
             .client
             .tasks()
             .get(with_namespace!(
@@ -377,47 +393,141 @@ impl Containerd {
                     container_id: id.to_owned(),
                     ..Default::default()
                 },
-                ns
+                self.namespace.as_str()
             ))
             .await;
-        match task {
-            Ok(t) => {
-                let status = t.into_inner().process.map_or(0, |p| p.status);
-                if status == TaskStatus::Running as i32 || status == TaskStatus::Paused as i32 {
-                    self.set_restore(id, None).await?;
-                    return Ok(true);
-                }
-            }
-            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
-            Err(status) => {
-                return Err(ContainerdError::Call {
-                    call: "get task",
-                    status,
-                })
-            }
+        match got {
+            Ok(t) => Ok(Some(t.into_inner().process.map_or(0, |p| p.status))),
+            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(ContainerdError::Call {
+                call: "get task",
+                status,
+            }),
         }
-        let snapshotter = match self.container(id).await {
-            Ok(c) => c.snapshotter,
+    }
+
+    /// Settles container `id`, whose making `making` was cut short, and
+    /// answers what became of it. Only what carries that making's label
+    /// is touched: a container or snapshot of that id made by anyone else
+    /// is [`Settled::NotOurs`]. A task still being started (created, its
+    /// restore under way in the shim) is waited for, up to `patience`. A
+    /// task that runs or is paused, or any task at all when `ran` (crabd
+    /// knows the sandbox: its shim registered it), is kept with its
+    /// restore annotations removed; otherwise task, container and
+    /// snapshot are removed, each removal checked.
+    pub async fn settle_made(
+        &self,
+        id: &str,
+        making: &str,
+        snapshotter: &str,
+        ran: bool,
+        patience: std::time::Duration,
+    ) -> Result<Settled, ContainerdError> {
+        let ns = self.namespace.as_str();
+        let call = |call| move |status| ContainerdError::Call { call, status };
+        let ours = |labels: &std::collections::HashMap<String, String>| {
+            labels.get(MAKING_LABEL).map(String::as_str) == Some(making)
+        };
+        let container = match self.container(id).await {
+            Ok(c) => Some(c),
             Err(ContainerdError::Call { status, .. })
                 if status.code() == containerd_client::tonic::Code::NotFound =>
             {
-                String::new()
+                None
             }
+            Err(ContainerdError::Unforkable { .. }) => None,
             Err(e) => return Err(e),
         };
-        // The snapshot is keyed by the container's id (`create_from`).
-        let made = NewContainer {
-            id: id.to_owned(),
-            snapshotter: if snapshotter.is_empty() {
-                "overlayfs".to_owned()
-            } else {
-                snapshotter
-            },
-            mounts: Vec::new(),
-            upper: PathBuf::new(),
+        let Some(container) = container else {
+            // Cut before the container: a prepared snapshot may be left.
+            let stat = self
+                .client
+                .snapshots()
+                .stat(with_namespace!(
+                    StatSnapshotRequest {
+                        snapshotter: snapshotter.to_owned(),
+                        key: id.to_owned(),
+                    },
+                    ns
+                ))
+                .await;
+            return match stat {
+                Ok(info) if info.get_ref().info.as_ref().is_some_and(|i| ours(&i.labels)) => {
+                    self.remove_snapshot_checked(snapshotter, id).await?;
+                    Ok(Settled::Removed)
+                }
+                Ok(_) => Ok(Settled::NotOurs),
+                Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {
+                    Ok(Settled::Removed)
+                }
+                Err(status) => Err(call("stat snapshot")(status)),
+            };
         };
-        self.remove(&made).await;
-        Ok(false)
+        if !ours(&container.labels) {
+            return Ok(Settled::NotOurs);
+        }
+        let running = |s: i32| s == TaskStatus::Running as i32 || s == TaskStatus::Paused as i32;
+        let deadline = std::time::Instant::now() + patience;
+        let mut status = self.task_status(id).await?;
+        // Created (or unknown): the shim may still be restoring it.
+        let starting = |s: &i32| {
+            *s == TaskStatus::Created as i32
+                || *s == TaskStatus::Unknown as i32
+                || *s == TaskStatus::Pausing as i32
+        };
+        while status.as_ref().is_some_and(starting) {
+            if std::time::Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            status = self.task_status(id).await?;
+        }
+        if status.is_some_and(running) || (ran && status.is_some()) {
+            self.set_restore(id, None).await?;
+            return Ok(Settled::Kept);
+        }
+        if status.is_some() {
+            self.client
+                .tasks()
+                .delete(with_namespace!(
+                    DeleteTaskRequest {
+                        container_id: id.to_owned()
+                    },
+                    ns
+                ))
+                .await
+                .map_err(call("delete the task"))?;
+        }
+        self.client
+            .containers()
+            .delete(with_namespace!(DeleteContainerRequest { id: id.to_owned() }, ns))
+            .await
+            .map_err(call("delete the container"))?;
+        self.remove_snapshot_checked(&container.snapshotter, &container.snapshot_key)
+            .await?;
+        Ok(Settled::Removed)
+    }
+
+    async fn remove_snapshot_checked(&self, snapshotter: &str, key: &str) -> Result<(), ContainerdError> {
+        let removed = self
+            .client
+            .snapshots()
+            .remove(with_namespace!(
+                RemoveSnapshotRequest {
+                    snapshotter: snapshotter.to_owned(),
+                    key: key.to_owned(),
+                },
+                self.namespace.as_str()
+            ))
+            .await;
+        match removed {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => Ok(()),
+            Err(status) => Err(ContainerdError::Call {
+                call: "remove snapshot",
+                status,
+            }),
+        }
     }
 
     /// Sets (or, with `None`, removes) the annotations with which the shim

@@ -270,17 +270,15 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
             async move { daemon.resume_on_boot(known).await }
         });
     }
-    // Forks and imports a killed crabd was making: whole or gone.
-    tokio::spawn({
-        let daemon = daemon.clone();
-        async move { daemon.settle_interrupted_makings().await }
-    });
     let gc_task = tokio::spawn(gc::collect(daemon.clone()));
     let metrics_task = serve_metrics(&daemon).await;
     let pid_file = daemon.config.root.join("crabd.pid");
     if let Err(e) = std::fs::write(&pid_file, format!("{}\n", std::process::id())) {
         tracing::warn!(path = %pid_file.display(), error = %e, "write pid file");
     }
+    // Forks and imports a killed crabd was making: whole or gone before
+    // any request is served (one may name the same id).
+    daemon.settle_interrupted_makings().await;
     tracing::info!(socket = %socket.display(), root = %daemon.config.root.display(), "crabd serving");
     let app = daemon.clone().router();
     let served = axum::serve(listener, app)

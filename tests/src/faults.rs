@@ -233,6 +233,11 @@ impl<'a> Campaign<'a> {
             self.ctd.remove(id);
         }
         let mut leaked = Vec::new();
+        let making = self.ctd.crabd_root().join("making");
+        let records = std::fs::read_dir(&making).map_or(0, |d| d.count());
+        if records > 0 {
+            leaked.push(format!("{records} making records stay in {}", making.display()));
+        }
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
         if let Err(e) = std::panic::catch_unwind(|| leftovers::assert_clean(&self.ctd.scope(), &refs)) {
             leaked.push(
@@ -361,7 +366,7 @@ impl<'a> Campaign<'a> {
         let file = self.dir.join(format!("{}.crab", unique("export")));
         let path = file.to_string_lossy().into_owned();
         self.crabd_killed_during(&["export", &self.id.clone(), "latest", &path], delay)?;
-        let partial = file.with_extension("partial");
+        let partial = PathBuf::from(format!("{}.partial", file.display()));
         if partial.exists() {
             return Err(format!("{} was left behind", partial.display()));
         }
@@ -428,8 +433,9 @@ impl<'a> Campaign<'a> {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
         if !criu.is_empty() {
-            // A dump of another operation may still be finishing: give it time.
-            let gone = wait_until(30, || {
+            // A dump of another operation (or test) may still be finishing:
+            // give it time.
+            let gone = wait_until(60, || {
                 criu.iter()
                     .all(|p| !Path::new(&format!("/proc/{p}")).exists())
                     .then_some(())
@@ -442,10 +448,15 @@ impl<'a> Campaign<'a> {
         let rel = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
         let unified = unified_mount()?;
         let freeze = unified.join(rel.trim_start_matches('/')).join("cgroup.freeze");
-        match std::fs::read_to_string(&freeze) {
-            Ok(v) if v.trim() == "1" => Some(format!("{} stays frozen", freeze.display())),
-            _ => None,
-        }
+        // A checkpoint the killed crabd asked for runs to its end in the
+        // shim: frozen for a moment is its work, frozen for long a leak.
+        let thawed = wait_until(30, || {
+            let v = std::fs::read_to_string(&freeze).unwrap_or_default();
+            (v.trim() != "1").then_some(())
+        });
+        thawed
+            .is_none()
+            .then(|| format!("{} stays frozen", freeze.display()))
     }
 
     fn json(&self, args: &[&str]) -> Result<serde_json::Value, String> {

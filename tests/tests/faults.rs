@@ -36,17 +36,22 @@ fn every_fault_loses_nothing_acknowledged_and_leaks_nothing() {
     assert!(leaked.is_empty(), "left behind: {leaked:#?}");
 }
 
-/// What a killed crabd was making (a fork's container, its task never
-/// started) is settled by the next crabd: removed, with its snapshot; one
-/// whose task runs is kept. Deterministic: the records are written as a
-/// crabd killed between `begin_making` and the task's start leaves them.
+/// What a killed crabd was making is settled by the next crabd before it
+/// serves: a container of that making whose task never started is removed
+/// with its snapshot; one whose task runs is kept; a container of the same
+/// id that the making did not make (no label of its) is left alone.
+/// Deterministic: the records and labels are written as a crabd killed
+/// between `begin_making` and the task's start leaves them.
 #[test]
 fn a_restarted_crabd_settles_what_the_killed_one_was_making() {
     let mut ctd = Containerd::start();
     ctd.start_crabd();
+    let label = |id: &str| format!("io.crab.making={id}.1");
     ctd.ctr_ok(&[
         "container",
         "create",
+        "--label",
+        &label("half"),
         "--runtime",
         CRAB,
         BUSYBOX,
@@ -54,13 +59,36 @@ fn a_restarted_crabd_settles_what_the_killed_one_was_making() {
         "sleep",
         "300",
     ]);
-    ctd.run_detached(CRAB, "whole", &["sleep", "300"]);
+    ctd.ctr_ok(&[
+        "container",
+        "create",
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "stranger",
+        "sleep",
+        "300",
+    ]);
+    ctd.ctr_ok(&[
+        "run",
+        "-d",
+        "--label",
+        &label("whole"),
+        "--runtime",
+        CRAB,
+        BUSYBOX,
+        "whole",
+        "sleep",
+        "300",
+    ]);
     let making = ctd.crabd_root().join("making");
     std::fs::create_dir_all(&making).unwrap();
-    for id in ["half", "whole"] {
+    for id in ["half", "stranger", "whole"] {
         let record = serde_json::json!({
+            "token": format!("{id}.1"),
             "address": ctd.address(),
             "namespace": ctd.namespace,
+            "snapshotter": "overlayfs",
             "id": id,
             "import_version": null,
             "transcript": null,
@@ -75,7 +103,11 @@ fn a_restarted_crabd_settles_what_the_killed_one_was_making() {
         (left == 0 && !half).then_some(())
     });
     assert!(settled.is_some(), "the half-made container or a record stays");
+    let snapshots = ctd.ctr_ok(&["snapshot", "ls"]);
+    assert!(!snapshots.lines().any(|l| l.starts_with("half ")), "{snapshots}");
+    assert!(ctd.ctr(&["container", "info", "stranger"]).status.success());
     assert_eq!(ctd.task_status("whole").as_deref(), Some("RUNNING"));
     ctd.remove("whole");
-    assert_clean(&ctd.scope(), &["half", "whole"]);
+    ctd.ctr_ok(&["container", "rm", "stranger"]);
+    assert_clean(&ctd.scope(), &["half", "stranger", "whole"]);
 }

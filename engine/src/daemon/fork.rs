@@ -36,8 +36,9 @@ pub(super) struct Copied {
     pub pid: u32,
     /// The disk its files took.
     pub bytes: u64,
-    /// Its making's record: done once its restore annotations are gone.
-    pub making: MakingGuard,
+    /// Its making's record: done once its restore annotations are gone
+    /// (dropped instead, the next crabd settles it).
+    pub making: Option<MakingGuard>,
 }
 
 /// The version a fork is made from.
@@ -217,9 +218,17 @@ impl Daemon {
             }
             // The restore annotations served this start only: a later
             // start of the fork runs its own state, not the version's.
-            (Ok(copied), _) => {
-                if let Err(e) = containerd.set_restore(new_id.as_str(), None).await {
-                    tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the restore annotations stay on the fork");
+            (Ok(mut copied), _) => {
+                match containerd.set_restore(new_id.as_str(), None).await {
+                    Ok(()) => {
+                        if let Some(m) = copied.making.take() {
+                            m.done();
+                        }
+                    }
+                    // The record stays: the next crabd removes them.
+                    Err(e) => {
+                        tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the restore annotations stay on the fork")
+                    }
                 }
                 Ok(copied)
             }
@@ -297,16 +306,24 @@ impl Daemon {
         undo: (Option<u64>, Option<&Path>),
     ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
-        let making = self.begin_making(containerd.address(), containerd, new_id, undo.0, undo.1)?;
+        let making = self.begin_making(containerd, &template.snapshotter, new_id, undo.0, undo.1)?;
         let grant = self.grant_restore(new_id, containerd.namespace(), images).await?;
         let restore = Restore {
             images,
             conversation,
             token: grant.token(),
         };
-        let made = containerd
-            .create_from(template, new_id.as_str(), &restore)
-            .await?;
+        let made = match containerd
+            .create_from(template, new_id.as_str(), &restore, making.token())
+            .await
+        {
+            Ok(made) => made,
+            Err(e) => {
+                self.undo_making(containerd, making, new_id, &template.snapshotter)
+                    .await;
+                return Err(e.into());
+            }
+        };
         let upper = made.upper.clone();
         let d = self.clone();
         let to = new_id.clone();
@@ -323,21 +340,34 @@ impl Daemon {
             Ok(bytes) => containerd
                 .start(&made)
                 .await
-                .map(|pid| Copied { pid, bytes, making })
+                .map(|pid| Copied {
+                    pid,
+                    bytes,
+                    making: None,
+                })
                 .map_err(ApiError::from),
             Err(e) => Err(e),
         };
         drop(grant);
-        if started.is_err() {
-            containerd.remove(&made).await;
-            // An import's own store holds the version it restores; a fork's
-            // is new and goes.
-            if files_from_elsewhere {
-                let (files, id) = (self.files.clone(), new_id.clone());
-                let _ = tokio::task::spawn_blocking(move || files.remove_store(&id)).await;
+        match started {
+            Ok(mut copied) => {
+                copied.making = Some(making);
+                Ok(copied)
+            }
+            Err(e) => {
+                // Removed (checked) before the record goes; an import's own
+                // store holds the version it restores, a fork's is new and
+                // goes.
+                let settled = self
+                    .undo_making(containerd, making, new_id, &template.snapshotter)
+                    .await;
+                if files_from_elsewhere && settled == Some(crate::containerd::Settled::Removed) {
+                    let (files, id) = (self.files.clone(), new_id.clone());
+                    let _ = tokio::task::spawn_blocking(move || files.remove_store(&id)).await;
+                }
+                Err(e)
             }
         }
-        started
     }
 }
 

@@ -227,8 +227,10 @@ async fn make_and_start(
             (Some(n), transcript),
         )
         .await
-        .map(|copied| {
-            copied.making.done();
+        .map(|mut copied| {
+            if let Some(m) = copied.making.take() {
+                m.done();
+            }
             copied.pid
         })
     }

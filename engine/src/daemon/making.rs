@@ -1,28 +1,40 @@
 //! Sandboxes being made (a fork, an import): each is named in a file under
-//! `<root>/making/` from before containerd makes its container until its
+//! `<root>/making/` from before containerd makes anything of it until its
 //! task runs with its restore annotations removed, or what was made is
-//! removed again. A crabd killed in between finds the file at its next
-//! start and settles it: a container whose task runs is kept (its restore
-//! annotations removed, so a later start runs its own state); anything
-//! else it made (a created task, the container, its snapshot, its files,
-//! an imported version, its transcript) is removed. A fork is whole or
-//! absent, never a container that does not run.
+//! confirmed removed. The container and snapshot carry the record's token
+//! as a label (`containerd::MAKING_LABEL`), so settling touches only what this
+//! making made. A crabd settles every record before it serves: a task
+//! still starting is waited for; one that runs, or whose sandbox crabd
+//! knows (its shim registered it), is kept with its restore annotations
+//! removed; anything else it made (a created task, the container, its
+//! snapshot, then, when crabd knows no sandbox of that id, its files, an
+//! imported version, its transcript) is removed. A record whose settling
+//! fails stays for the next start. A fork is whole or absent, never a
+//! container that does not run.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crab_api::SandboxId;
 use serde::{Deserialize, Serialize};
 
 use super::{ApiError, Daemon};
-use crate::containerd::Containerd;
+use crate::containerd::{Containerd, Settled};
+
+/// How long settling waits for a task whose start a killed crabd left
+/// under way (the shim restoring it).
+const PATIENCE: Duration = Duration::from_secs(60);
 
 /// What a making names, to undo it after a crash.
 #[derive(Debug, Serialize, Deserialize)]
 struct Making {
-    /// containerd's socket and namespace.
+    /// The label value its container and snapshot carry.
+    token: String,
+    /// containerd's socket and namespace, and the snapshotter.
     address: PathBuf,
     namespace: String,
+    snapshotter: String,
     /// The new sandbox's container id.
     id: SandboxId,
     /// The imported version its files are, for an import; a fork's files
@@ -32,30 +44,32 @@ struct Making {
     transcript: Option<PathBuf>,
 }
 
-/// A making in progress: its file goes when this is [`MakingGuard::done`]
-/// (the sandbox runs, or nothing of it is left). Dropped otherwise (an
-/// error path that cleaned up), the file goes too.
+/// A making in progress. Its record goes only when [`MakingGuard::done`]
+/// says the making is settled (it runs, or nothing of it is left);
+/// dropped otherwise (a cancelled request, a cleanup that failed), the
+/// record stays for the next crabd to settle.
 #[derive(Debug)]
-pub(super) struct MakingGuard(Option<PathBuf>);
-
-impl MakingGuard {
-    /// The making is settled.
-    pub(super) fn done(mut self) {
-        self.remove();
-    }
-
-    fn remove(&mut self) {
-        if let Some(path) = self.0.take() {
-            if let Err(e) = std::fs::remove_file(&path) {
-                tracing::warn!(path = %path.display(), error = %e, "a making's record stays");
-            }
-        }
-    }
+pub(super) struct MakingGuard {
+    path: PathBuf,
+    token: String,
 }
 
-impl Drop for MakingGuard {
-    fn drop(&mut self) {
-        self.remove();
+impl MakingGuard {
+    /// The label value of what this making makes.
+    pub(super) fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The making is settled: its record goes, durably.
+    pub(super) fn done(self) {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {
+                if let Err(e) = crate::store::sync_parent(&self.path) {
+                    tracing::warn!(path = %self.path.display(), error = %e, "a making's removal is not synced");
+                }
+            }
+            Err(e) => tracing::warn!(path = %self.path.display(), error = %e, "a making's record stays"),
+        }
     }
 }
 
@@ -64,19 +78,19 @@ impl Daemon {
         self.config.root.join("making")
     }
 
-    /// Names sandbox `id`, about to be made in `containerd` at `address`,
-    /// durably (the file and its directory synced) before anything of it
-    /// exists.
+    /// Names sandbox `id`, about to be made in `containerd` (at `address`,
+    /// on `snapshotter`), durably (the file and its directory synced)
+    /// before anything of it exists.
     pub(super) fn begin_making(
         &self,
-        address: &Path,
         containerd: &Containerd,
+        snapshotter: &str,
         id: &SandboxId,
         import_version: Option<u64>,
         transcript: Option<&Path>,
     ) -> Result<MakingGuard, ApiError> {
         use std::io::Write;
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
         let dir = self.making_dir();
         let io = |source| ApiError::Io {
             op: "record a making",
@@ -87,22 +101,25 @@ impl Daemon {
             .mode(0o700)
             .create(&dir)
             .map_err(io)?;
-        let record = Making {
-            address: address.to_owned(),
-            namespace: containerd.namespace().to_owned(),
-            id: id.clone(),
-            import_version,
-            transcript: transcript.map(Path::to_owned),
-        };
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
         // One file per making: the same id may be made in two namespaces.
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let path = dir.join(format!("{id}.{nanos}.json"));
+        let token = format!("{id}.{nanos}");
+        let record = Making {
+            token: token.clone(),
+            address: containerd.address().to_owned(),
+            namespace: containerd.namespace().to_owned(),
+            snapshotter: snapshotter.to_owned(),
+            id: id.clone(),
+            import_version,
+            transcript: transcript.map(Path::to_owned),
+        };
+        let path = dir.join(format!("{token}.json"));
         let mut file = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .open(&path)
             .map_err(io)?;
@@ -110,11 +127,10 @@ impl Daemon {
             .and_then(|()| file.sync_all())
             .map_err(io)?;
         crate::store::sync_parent(&path)?;
-        Ok(MakingGuard(Some(path)))
+        Ok(MakingGuard { path, token })
     }
 
-    /// Settles what a killed crabd was making (see the module's doc). A
-    /// record whose containerd cannot be reached stays for the next start.
+    /// Settles what a killed crabd was making (see the module's doc).
     pub(super) async fn settle_interrupted_makings(self: &Arc<Self>) {
         let Ok(entries) = std::fs::read_dir(self.making_dir()) else {
             return;
@@ -133,9 +149,13 @@ impl Daemon {
                 }
             };
             match self.settle(&record).await {
-                Ok(kept) => {
-                    tracing::warn!(sandbox = %record.id, kept, "settled what a killed crabd was making");
-                    let _ = std::fs::remove_file(&path);
+                Ok(settled) => {
+                    tracing::warn!(sandbox = %record.id, ?settled, "settled what a killed crabd was making");
+                    MakingGuard {
+                        path,
+                        token: record.token,
+                    }
+                    .done();
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %record.id, error = %crab_api::error_chain(&e), "what a killed crabd was making stays for the next start");
@@ -144,27 +164,69 @@ impl Daemon {
         }
     }
 
-    /// Keeps `record`'s sandbox if its task runs (answers true), or removes
-    /// what of it was made.
-    async fn settle(self: &Arc<Self>, record: &Making) -> Result<bool, ApiError> {
+    /// Settles one making: keeps its sandbox if it runs (or ran), or
+    /// removes what of it was made.
+    async fn settle(self: &Arc<Self>, record: &Making) -> Result<Settled, ApiError> {
         let containerd = Containerd::connect(&record.address, &record.namespace).await?;
-        if containerd.settle_made(record.id.as_str()).await? {
-            return Ok(true);
+        let known = self.registry.get(&record.id).is_some();
+        let settled = containerd
+            .settle_made(
+                record.id.as_str(),
+                &record.token,
+                &record.snapshotter,
+                known,
+                PATIENCE,
+            )
+            .await?;
+        // Files, versions and transcripts are keyed by id alone: they are
+        // this making's only when nothing else of that id exists.
+        if settled != Settled::Removed || known {
+            return Ok(settled);
         }
         let (d, id, version) = (self.clone(), record.id.clone(), record.import_version);
         super::work::blocking_io(move || {
-            match version {
-                Some(n) => {
-                    let _ = d.store.remove_version(&id, n);
+            if let Some(n) = version {
+                let _ = d.store.remove_version(&id, n);
+                if d.store.versions(&id).is_ok_and(|v| v.is_empty()) {
+                    let _ = d.store.forget(&id);
                 }
-                None => d.files.remove_store(&id),
             }
+            d.files.remove_store(&id);
             Ok(())
         })
         .await?;
         if let Some(t) = &record.transcript {
             let _ = std::fs::remove_file(t);
         }
-        Ok(false)
+        Ok(settled)
+    }
+
+    /// Removes what the making `guard` made of `id` after a failed step,
+    /// checked; the record goes only once that worked (answered), and
+    /// stays for the next crabd otherwise (`None`).
+    pub(super) async fn undo_making(
+        self: &Arc<Self>,
+        containerd: &Containerd,
+        guard: MakingGuard,
+        id: &SandboxId,
+        snapshotter: &str,
+    ) -> Option<Settled> {
+        let known = self.registry.get(id).is_some();
+        match containerd
+            .settle_made(id.as_str(), guard.token(), snapshotter, known, Duration::ZERO)
+            .await
+        {
+            Ok(settled) => {
+                if settled == Settled::Kept {
+                    tracing::warn!(sandbox = %id, "a start reported failed, but its task runs: kept");
+                }
+                guard.done();
+                Some(settled)
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "a failed making stays for the next start to settle");
+                None
+            }
+        }
     }
 }
