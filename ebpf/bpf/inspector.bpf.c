@@ -306,6 +306,19 @@ static __always_inline void submit(struct crab_event *e)
 	bpf_ringbuf_submit(e, avail > size / 4 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
 }
 
+/* Counts and reports something the inspector cannot follow: op (a call
+ * number, a pid), what it is about (CRAB_UNSURE_*). */
+static __always_inline void unsure(__u64 cg, __u64 gen, __u32 op, __u32 about)
+{
+	count(cg, 1);
+	struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
+	if (e) {
+		e->op = op;
+		e->flags = about;
+		submit(e);
+	}
+}
+
 static __always_inline struct file *fd_file(struct task_struct *t, long fd)
 {
 	if (fd < 0)
@@ -450,6 +463,30 @@ static __always_inline int current_is_noisy(void)
 	return bpf_map_lookup_elem(&crab_noisy, comm) != NULL;
 }
 
+/* Whether nr is a System V or POSIX IPC call (process state). */
+static __always_inline int ipc_call(long nr)
+{
+	switch (nr) {
+	case NR_shmget:
+	case NR_shmat:
+	case NR_shmctl:
+	case NR_semget:
+	case NR_semop:
+	case NR_semtimedop:
+	case NR_semctl:
+	case NR_msgget:
+	case NR_msgsnd:
+	case NR_msgrcv:
+	case NR_msgctl:
+	case NR_mq_open:
+	case NR_mq_unlink:
+	case NR_mq_timedsend:
+	case NR_mq_timedreceive:
+		return 1;
+	}
+	return 0;
+}
+
 /* Whether sys_enter looks at this call at all (before reading its
  * arguments, which costs a probe read each). */
 static __always_inline int tracked_nr(long nr)
@@ -514,26 +551,11 @@ static __always_inline int tracked_nr(long nr)
 	case NR_io_uring_register:
 	case NR_io_submit:
 	case NR_ioctl:
-	case NR_shmget:
-	case NR_shmat:
-	case NR_shmctl:
-	case NR_semget:
-	case NR_semop:
-	case NR_semtimedop:
-	case NR_semctl:
-	case NR_msgget:
-	case NR_msgsnd:
-	case NR_msgrcv:
-	case NR_msgctl:
-	case NR_mq_open:
-	case NR_mq_unlink:
-	case NR_mq_timedsend:
-	case NR_mq_timedreceive:
 	case NR_bind:
 	case NR_file_setattr:
 		return 1;
 	}
-	return 0;
+	return ipc_call(nr);
 }
 
 /* The ioctls that change the file behind the descriptor: a reflink into
@@ -682,13 +704,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	if ((nr & X32_SYSCALL_BIT) || (BPF_CORE_READ(task, thread_info.status) & TS_COMPAT)) {
 		if (t->compat_gen != gen) {
 			t->compat_gen = gen;
-			count(cg, 1);
-			struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
-			if (e) {
-				e->op = nr;
-				e->flags = CRAB_UNSURE_COMPAT;
-				submit(e);
-			}
+			unsure(cg, gen, nr, CRAB_UNSURE_COMPAT);
 		}
 		return 0;
 	}
@@ -751,15 +767,8 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 	if (!inode)
 		return 0;
 	if (!state_bearing_as(inode, &mode, meta_call(nr))) {
-		if (nr != NR_mmap && proc_mem(inode, f)) {
-			count(cg, 1);
-			struct crab_event *e = reserve(cg, gen, CRAB_EV_UNSURE);
-			if (e) {
-				e->op = nr;
-				e->flags = CRAB_UNSURE_PROC_MEM;
-				submit(e);
-			}
-		}
+		if (nr != NR_mmap && proc_mem(inode, f))
+			unsure(cg, gen, nr, CRAB_UNSURE_PROC_MEM);
 		return 0;
 	}
 	struct crab_inode_key key = { .cgroup = cg };
@@ -1064,6 +1073,14 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case 4:
 		return on_fd_change(cg, gen, a[4], s.nr);
 	}
+	if (ipc_call(s.nr)) {
+		struct crab_event *e = reserve(cg, gen, CRAB_EV_IPC);
+		if (e) {
+			e->op = s.nr;
+			submit(e);
+		}
+		return 0;
+	}
 	switch (s.nr) {
 	case NR_open:
 		return on_open(cg, gen, ret, AT_FDCWD, a[0], a[1]);
@@ -1139,28 +1156,6 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	case NR_removexattrat:
 	case NR_file_setattr:
 		return on_attr(cg, gen, a[0], a[1]);
-	case NR_shmget:
-	case NR_shmat:
-	case NR_shmctl:
-	case NR_semget:
-	case NR_semop:
-	case NR_semtimedop:
-	case NR_semctl:
-	case NR_msgget:
-	case NR_msgsnd:
-	case NR_msgrcv:
-	case NR_msgctl:
-	case NR_mq_open:
-	case NR_mq_unlink:
-	case NR_mq_timedsend:
-	case NR_mq_timedreceive: {
-		struct crab_event *e = reserve(cg, gen, CRAB_EV_IPC);
-		if (e) {
-			e->op = s.nr;
-			submit(e);
-		}
-		return 0;
-	}
 	case NR_chdir:
 	case NR_fchdir: {
 		if (is_born(&s, gen))
@@ -1221,13 +1216,7 @@ int crab_attach(struct cgroup_attach_args *ctx)
 	struct crab_ctl *src = current_sandbox(&from);
 	if (!src)
 		return 0;
-	count(from, 1);
-	struct crab_event *e = reserve(from, src->gen, CRAB_EV_UNSURE);
-	if (e) {
-		e->op = ctx->pid;
-		e->flags = CRAB_UNSURE_CGROUP;
-		submit(e);
-	}
+	unsure(from, src->gen, ctx->pid, CRAB_UNSURE_CGROUP);
 	return 0;
 }
 

@@ -334,36 +334,11 @@ impl Containerd {
             )
         })?;
         // Only a container this can resume loses its dead task.
-        let task = self
-            .client
-            .tasks()
-            .get(with_namespace!(
-                GetRequest {
-                    container_id: id.to_owned(),
-                    ..Default::default()
-                },
-                ns
-            ))
-            .await;
-        match task {
-            Ok(t) => {
-                let status = t.into_inner().process.map_or(0, |p| p.status);
-                if status == TaskStatus::Running as i32 || status == TaskStatus::Paused as i32 {
-                    return Err(unforkable(id, "its task runs: roll it back instead"));
-                }
-                self.client
-                    .tasks()
-                    .delete(with_namespace!(
-                        DeleteTaskRequest {
-                            container_id: id.to_owned()
-                        },
-                        ns
-                    ))
-                    .await
-                    .map_err(call("delete the dead task"))?;
+        if let Some(status) = self.task_status(id).await? {
+            if status == TaskStatus::Running as i32 || status == TaskStatus::Paused as i32 {
+                return Err(unforkable(id, "its task runs: roll it back instead"));
             }
-            Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
-            Err(status) => return Err(call("get task")(status)),
+            self.delete_task(id).await?;
         }
         Ok(NewContainer {
             id: id.to_owned(),
@@ -381,6 +356,24 @@ impl Containerd {
     /// containerd's socket.
     pub fn address(&self) -> &Path {
         &self.address
+    }
+
+    /// Deletes container `id`'s task (which must not run).
+    async fn delete_task(&self, id: &str) -> Result<(), ContainerdError> {
+        self.client
+            .tasks()
+            .delete(with_namespace!(
+                DeleteTaskRequest {
+                    container_id: id.to_owned()
+                },
+                self.namespace.as_str()
+            ))
+            .await
+            .map(drop)
+            .map_err(|status| ContainerdError::Call {
+                call: "delete the task",
+                status,
+            })
     }
 
     /// The status of container `id`'s task (`None`: it has none).
@@ -487,16 +480,7 @@ impl Containerd {
             return Ok(Settled::Kept);
         }
         if status.is_some() {
-            self.client
-                .tasks()
-                .delete(with_namespace!(
-                    DeleteTaskRequest {
-                        container_id: id.to_owned()
-                    },
-                    ns
-                ))
-                .await
-                .map_err(call("delete the task"))?;
+            self.delete_task(id).await?;
         }
         self.client
             .containers()
@@ -508,6 +492,7 @@ impl Containerd {
         Ok(Settled::Removed)
     }
 
+    /// Removes snapshot `key` (gone already is removed).
     async fn remove_snapshot_checked(&self, snapshotter: &str, key: &str) -> Result<(), ContainerdError> {
         let removed = self
             .client
@@ -644,18 +629,7 @@ impl Containerd {
     }
 
     async fn remove_snapshot(&self, snapshotter: &str, key: &str) {
-        let ns = self.namespace.as_str();
-        let _ = self
-            .client
-            .snapshots()
-            .remove(with_namespace!(
-                RemoveSnapshotRequest {
-                    snapshotter: snapshotter.to_owned(),
-                    key: key.to_owned(),
-                },
-                ns
-            ))
-            .await;
+        let _ = self.remove_snapshot_checked(snapshotter, key).await;
     }
 }
 

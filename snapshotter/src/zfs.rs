@@ -220,18 +220,16 @@ impl ZfsBackend {
             return Ok(false);
         };
         run(ZFS, &["set", "mountpoint=none", &retired])?;
-        run(
-            ZFS,
-            &[
-                "clone",
-                "-o",
-                &format!("mountpoint={mountpoint}"),
-                &origin,
-                &self.dataset,
-            ],
-        )?;
+        self.clone_in_place(&origin, &mountpoint)?;
         Self::clear_journal(&retired);
         Ok(true)
+    }
+
+    /// Makes the live dataset a clone of snapshot `origin`, mounted at
+    /// `mountpoint`.
+    fn clone_in_place(&self, origin: &str, mountpoint: &str) -> Result<()> {
+        let mountpoint = format!("mountpoint={mountpoint}");
+        run(ZFS, &["clone", "-o", &mountpoint, origin, &self.dataset]).map(drop)
     }
 
     /// Datasets cloned from snapshot `full`.
@@ -333,16 +331,7 @@ impl Backend for ZfsBackend {
             return Err(e);
         }
         run(ZFS, &["set", "mountpoint=none", &retired])?;
-        let res = run(
-            ZFS,
-            &[
-                "clone",
-                "-o",
-                &format!("mountpoint={mountpoint}"),
-                &origin,
-                &self.dataset,
-            ],
-        );
+        let res = self.clone_in_place(&origin, &mountpoint);
         if let Err(e) = res {
             // Put the live dataset back as it was.
             let _ = run(ZFS, &["rename", &retired, &self.dataset]);
