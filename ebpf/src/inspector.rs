@@ -397,7 +397,7 @@ fn shared_writable_maps(pids: &[u32], ignore: &Ignore) -> HashMap<u32, Vec<Strin
         .filter_map(|&pid| {
             let paths: Vec<String> = procs::mappings(pid)
                 .into_iter()
-                .filter(|m| m.shared_writable && !ignore.devs.contains(&m.dev))
+                .filter(|m| m.shared_writable && !ignore.devs.contains(&m.dev) && ignore.reachable(m.dev))
                 .map(|m| m.path)
                 .collect();
             (!paths.is_empty()).then_some((pid, paths))

@@ -391,7 +391,7 @@ impl Ledger {
             match kind {
                 Some(MountKind::Held) => held.push(name.clone()),
                 Some(MountKind::Devices) => {}
-                _ if ignore.devs.contains(&dev) => {}
+                _ if ignore.devs.contains(&dev) || !ignore.reachable(dev) => {}
                 // The root's files, or a bind mount's (`/etc/hosts`, a
                 // workspace): files.
                 _ => {
@@ -424,6 +424,17 @@ impl Ledger {
 }
 
 impl Ignore {
+    /// Whether a file on device `dev` has a path in the sandbox: its root's
+    /// or one of its mounts'. A memfd, an anonymous inode or a file of
+    /// another mount namespace has none: no file state (a memfd's content
+    /// is a process's, counted when that process runs). Unknown root: all.
+    pub(crate) fn reachable(&self, dev: u64) -> bool {
+        match self.root {
+            Some((root, _)) => root == dev || self.mounts.iter().any(|m| m.dev == dev),
+            None => true,
+        }
+    }
+
     /// Where the object a key names lies. A successful operation named
     /// through `/proc` or `/sys` went through a magic link (`cwd`, `root`,
     /// `fd/N`): it lies anywhere.

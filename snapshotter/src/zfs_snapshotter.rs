@@ -215,6 +215,7 @@ impl ZfsSnapshotter {
             lock: Mutex::new(()),
             crash_at: std::env::var(CRASH_ENV).ok(),
         };
+        inner.settle_rollbacks()?;
         inner.reconcile()?;
         Ok(ZfsSnapshotter {
             inner: Arc::new(inner),
@@ -378,21 +379,29 @@ impl Inner {
         Ok(())
     }
 
+    /// Settles every record's rollback by clone that a crash cut short
+    /// (at start, before `reconcile`, so no dataset of a record is
+    /// missing there). One that cannot be settled is said, and stops
+    /// nothing else.
+    fn settle_rollbacks(&self) -> Result<()> {
+        let _g = self.lock.lock().expect("snapshotter lock");
+        for (key, rec) in &self.meta.all()? {
+            let settled =
+                crate::ZfsBackend::new(&self.dataset(rec.id)).and_then(|b| b.finish_interrupted_rollback());
+            match settled {
+                Ok(true) => tracing::warn!(key, id = rec.id, "settled a rollback a crash cut short"),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(key, id = rec.id, error = %e, "a rollback a crash cut short is not settled")
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn reconcile(&self) -> Result<()> {
         let _g = self.lock.lock().expect("snapshotter lock");
         let records = self.meta.all()?;
-        // A sandbox's rollback by clone that a crash cut short: settled
-        // first, so no dataset of a record is missing below.
-        for (key, rec) in &records {
-            let backend = crate::ZfsBackend::new(&self.dataset(rec.id))?;
-            if backend.finish_interrupted_rollback()? {
-                tracing::warn!(
-                    key,
-                    dataset = backend.dataset(),
-                    "settled a rollback a crash cut short"
-                );
-            }
-        }
         let known: HashMap<u64, &Record> = records.iter().map(|(_, r)| (r.id, r)).collect();
         let mut orphans: Vec<(u64, String)> = children(&self.root)?
             .into_iter()

@@ -130,6 +130,8 @@ pub struct Campaign<'a> {
     dir: PathBuf,
     seeded: Seeded,
     note: &'static str,
+    /// Crashes crabd counts against the sandbox (init killed, shim killed).
+    crashes: usize,
 }
 
 impl<'a> Campaign<'a> {
@@ -153,13 +155,24 @@ impl<'a> Campaign<'a> {
             dir,
             seeded: Seeded(seed),
             note: "",
+            crashes: 0,
         }
     }
 
     /// One round: a step, its acknowledged version, then a fault of `kind`
     /// (or a seeded kind) and the checks after it.
     pub fn round(&mut self, kind: Option<Kind>) -> Outcome {
-        let kind = kind.unwrap_or_else(|| Kind::ALL[self.seeded.next(Kind::ALL.len() as u64) as usize]);
+        let mut kind = kind.unwrap_or_else(|| Kind::ALL[self.seeded.next(Kind::ALL.len() as u64) as usize]);
+        // crabd gives up on a sandbox that crashes a fourth time within a
+        // minute (by design: a crash loop is the task's end): two per
+        // sandbox keep every crash a recoverable one.
+        if matches!(kind, Kind::Init | Kind::Shim) {
+            if self.crashes >= 2 {
+                kind = Kind::CrabdCheckpoint;
+            } else {
+                self.crashes += 1;
+            }
+        }
         let delay = Duration::from_millis(self.seeded.next(1500));
         let mut outcome = Outcome {
             kind,

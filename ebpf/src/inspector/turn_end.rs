@@ -218,7 +218,7 @@ impl Inspector {
         let no_ignore = Ignore::default();
         let ignore = sb.ignore.as_ref().unwrap_or(&no_ignore);
         for (pid, dev, name) in &sb.current.shared_mapped {
-            if !ignore.devs.contains(dev) {
+            if !ignore.devs.contains(dev) && ignore.reachable(*dev) {
                 sb.shared_maps.entry(*pid).or_default().push(name.clone());
             }
         }

@@ -362,6 +362,10 @@ fn writes_on_bind_mounts_are_files_and_chroot_names_are_not_the_sandbox_s() {
     chrooted.dir_ino = 70;
     l.apply(&chrooted, &ignore);
     l.apply(&ev(2, kind::PATH, op::UNLINK, "/dev/pts/9", ""), &ignore);
+    // A memfd (a device no path of the sandbox reaches) is no file.
+    let mut memfd = ev(3, kind::WRITE, NR_MMAP, "memfd:CRIUMFD", "");
+    memfd.dev = 9 << 20;
+    l.apply(&memfd, &ignore);
     let v = l.fs_verdict(&ignore);
     assert_eq!(
         v.changed,
