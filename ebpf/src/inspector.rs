@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::kernel::{comm_key, Ctl, Event, Stats, SLOTS, SLOT_SHARED};
 use crate::ledger::{Ignore, Ledger};
-use crate::loader::{self, Maps};
+use crate::loader::{self, Maps, Syscalls};
 use crate::procs;
 
 mod turn_end;
@@ -79,6 +79,8 @@ struct State {
     /// The host's mount namespaces (records from them are not sandbox files).
     host: Ignore,
     links: Vec<PathBuf>,
+    /// Attached while any sandbox is registered, kernel-side (`crab_ctl`).
+    syscalls: Syscalls,
     sandboxes: HashMap<u64, Sandbox>,
     names: HashMap<String, u64>,
 }
@@ -159,6 +161,12 @@ impl Inspector {
         let loaded = loader::load_or_reuse(&config.pin_dir, config.ring_bytes)?;
         let mut maps = loaded.maps;
         set_noisy(&mut maps, &config.noisy_comms)?;
+        // Sandboxes an earlier owner registered are still followed.
+        if maps.ctl.keys().next().is_some() {
+            loaded.syscalls.attach()?;
+        } else {
+            detach_syscalls(&mut maps, &loaded.syscalls)?;
+        }
         let ring_fd: OwnedFd = loader::ring_fd(&maps)
             .try_clone_to_owned()
             .map_err(|source| Error::Io {
@@ -176,6 +184,7 @@ impl Inspector {
                     ..Ignore::default()
                 },
                 links: loaded.links,
+                syscalls: loaded.syscalls,
                 sandboxes: HashMap::new(),
                 names: HashMap::new(),
             }),
@@ -237,7 +246,12 @@ impl Inspector {
                 Stats::default()
             }
         };
-        let ctl = existing.unwrap_or(Ctl { gen: 1, turn: 0 });
+        let ctl = existing.unwrap_or(Ctl {
+            gen: first_gen(),
+            turn: 0,
+        });
+        // The programs first: the turn starts once ctl names the cgroup.
+        state.syscalls.attach()?;
         if existing.is_none() {
             state.maps.ctl.insert(cg, ctl, 0).map_err(map_err("crab_ctl"))?;
         }
@@ -314,6 +328,9 @@ impl Inspector {
         let _ = state.maps.ctl.remove(&cg);
         let _ = state.maps.stats.remove(&cg);
         sync_slot(&mut state.maps, cg)?;
+        if state.maps.ctl.keys().next().is_none() {
+            detach_syscalls(&mut state.maps, &state.syscalls)?;
+        }
         log::info!("inspector: sandbox {sandbox} unregistered");
         Ok(())
     }
@@ -446,6 +463,35 @@ fn lock_owner(pin_dir: &Path) -> Result<Flock<File>> {
 
 /// Sets the prefilter slot of `cg` from the sandboxes the kernel follows:
 /// their id, 0 for none, `SLOT_SHARED` for several.
+/// The first generation of a sandbox registered now: nanoseconds since
+/// boot. Generations of one cgroup never repeat, also across an unregister
+/// and a register again: the kernel's per-inode and per-task entries (an
+/// LRU that outlives a registration) name generations, and an old one
+/// equal to a new turn's would pass for "reported this turn". A sandbox
+/// moves on by one per turn or capture, far slower than the clock.
+fn first_gen() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Detaches the system-call programs (no sandbox is registered), then
+/// forgets the tasks they followed and the calls they saw start: a call
+/// whose exit they will not see must not keep `sys_exit` busy once they
+/// are attached again.
+fn detach_syscalls(maps: &mut Maps, syscalls: &Syscalls) -> Result<()> {
+    syscalls.detach()?;
+    let tids: Vec<u32> = maps.tasks.keys().filter_map(|k| k.ok()).collect();
+    for tid in tids {
+        let _ = maps.tasks.remove(&tid);
+    }
+    maps.inflight.set(0, 0, 0).map_err(|source| Error::Map {
+        name: "crab_inflight",
+        source,
+    })
+}
+
 fn sync_slot(maps: &mut Maps, cg: u64) -> Result<()> {
     let slot = cg & (SLOTS - 1);
     let owners: Vec<u64> = maps

@@ -1,12 +1,18 @@
 //! Loading the programs once per host and finding them again.
 //!
 //! Everything lives under `<pin_dir>/<build>/`, where `<build>` is a hash of
-//! the compiled object: the maps (pinned by name, `LIBBPF_PIN_BY_NAME`) and
-//! one `link_<program>` per attached tracepoint. A later owner with the same
-//! build finds the links and reuses maps and programs as they are, so a
+//! the compiled object: the maps (pinned by name, `LIBBPF_PIN_BY_NAME`),
+//! one `link_<program>` per attached tracepoint, and the two system-call
+//! programs themselves (`prog_<program>`). A later owner with the same
+//! build finds the pins and reuses maps and programs as they are, so a
 //! restart of the owner loses no kernel state. A different build replaces
 //! them: its own directory is made, and older builds' directories are
 //! removed, which detaches their programs.
+//!
+//! The system-call programs are attached only while a sandbox is
+//! registered ([`Syscalls`]): an enabled `sys_enter`/`sys_exit` tracepoint
+//! sends every system call of every task on the host through the kernel's
+//! slow path, so a host without sandboxes must not have them.
 //!
 //! Invariant: pinned objects live as long as the host (or until a newer
 //! build replaces them); nothing removes them when the owner exits.
@@ -15,6 +21,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
+use aya::pin::PinError;
 use aya::programs::{links::FdLink, RawTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 
@@ -24,11 +31,13 @@ use crate::kernel::{Ctl, Stats, Task, COMM_LEN};
 /// The compiled programs (empty when clang was missing at build time).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
 
-/// (program, tracepoint category, tracepoint name); an empty category is
-/// a raw tracepoint.
-const PROGRAMS: [(&str, &str, &str); 6] = [
-    ("crab_sys_enter", "", "sys_enter"),
-    ("crab_sys_exit", "", "sys_exit"),
+/// (program, raw tracepoint) of the programs attached only while a sandbox
+/// is registered.
+const SYSCALL_PROGRAMS: [(&str, &str); 2] = [("crab_sys_enter", "sys_enter"), ("crab_sys_exit", "sys_exit")];
+
+/// (program, tracepoint category, tracepoint name) of the programs
+/// attached for as long as they are pinned.
+const PROGRAMS: [(&str, &str, &str); 4] = [
     ("crab_fork", "sched", "sched_process_fork"),
     ("crab_exec", "sched", "sched_process_exec"),
     ("crab_exit", "sched", "sched_process_exit"),
@@ -44,13 +53,21 @@ pub(crate) struct Maps {
     pub tasks: HashMap<MapData, u32, Task>,
     pub noisy: HashMap<MapData, [u8; COMM_LEN], u8>,
     pub slots: Array<MapData, u64>,
+    pub inflight: Array<MapData, u64>,
     pub events: RingBuf<MapData>,
 }
 
-/// Loaded (or found) programs: their maps and where their links are pinned.
+/// Loaded (or found) programs: their maps, where the links of the programs
+/// always attached are pinned, and the system-call programs.
 pub(crate) struct Loaded {
     pub maps: Maps,
     pub links: Vec<PathBuf>,
+    pub syscalls: Syscalls,
+}
+
+/// The system-call programs of one build, pinned, and attached on demand.
+pub(crate) struct Syscalls {
+    build: PathBuf,
 }
 
 /// Mounts bpffs if needed and makes `pin_dir`, so that it can be locked
@@ -81,7 +98,9 @@ pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
         .iter()
         .map(|(name, _, _)| build.join(format!("link_{name}")))
         .collect();
-    let maps = if links.iter().all(|l| l.exists()) {
+    let syscalls = Syscalls { build: build.clone() };
+    let pinned = links.iter().chain(&syscalls.programs()).all(|p| p.exists());
+    let maps = if pinned {
         log::info!("inspector: reusing pinned programs in {}", build.display());
         reuse_maps(&build)?
     } else {
@@ -89,7 +108,67 @@ pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
         load_fresh(&build, ring_bytes, &links)?
     };
     remove_other_builds(pin_dir, &build)?;
-    Ok(Loaded { maps, links })
+    Ok(Loaded {
+        maps,
+        links,
+        syscalls,
+    })
+}
+
+impl Syscalls {
+    fn programs(&self) -> Vec<PathBuf> {
+        SYSCALL_PROGRAMS
+            .iter()
+            .map(|(name, _)| self.build.join(format!("prog_{name}")))
+            .collect()
+    }
+
+    fn links(&self) -> Vec<PathBuf> {
+        SYSCALL_PROGRAMS
+            .iter()
+            .map(|(name, _)| self.build.join(format!("link_{name}")))
+            .collect()
+    }
+
+    /// Whether both programs are attached (their links pinned).
+    pub(crate) fn attached(&self) -> bool {
+        links_present(&self.links())
+    }
+
+    /// Attaches what is not attached, from the pinned programs; the links
+    /// are pinned, so they stay attached if the owner exits.
+    pub(crate) fn attach(&self) -> Result<()> {
+        for (((name, tp), prog), link) in SYSCALL_PROGRAMS.iter().zip(self.programs()).zip(self.links()) {
+            if link.exists() {
+                continue;
+            }
+            let program_err = |source| Error::Program { name, source };
+            let mut program = RawTracePoint::from_pin(&prog).map_err(program_err)?;
+            let id = program.attach(tp).map_err(program_err)?;
+            let fd_link: FdLink = program.take_link(id).map_err(program_err)?.into();
+            pin_link(fd_link, &link)?;
+            log::info!("inspector: {name} attached");
+        }
+        Ok(())
+    }
+
+    /// Detaches both programs (removes their links' pins; the kernel
+    /// detaches a link when its last reference goes).
+    pub(crate) fn detach(&self) -> Result<()> {
+        for link in self.links() {
+            match std::fs::remove_file(&link) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io {
+                        op: "remove",
+                        path: link,
+                        source: e,
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Removes everything pinned under `pin_dir`, which detaches the programs.
@@ -151,12 +230,25 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
     for ((name, category, tracepoint), pin) in PROGRAMS.iter().zip(links) {
         attach(&mut ebpf, name, category, tracepoint, pin)?;
     }
+    for (name, _) in SYSCALL_PROGRAMS {
+        let program_err = |source| Error::Program { name, source };
+        let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
+        let program: &mut RawTracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let pin = build.join(format!("prog_{name}"));
+        // A stale pin of a half-finished earlier load: this one replaces it.
+        let _ = std::fs::remove_file(&pin);
+        program
+            .pin(&pin)
+            .map_err(|source| Error::Pin { path: pin, source })?;
+    }
     Ok(Maps {
         ctl: take(&mut ebpf, "crab_ctl")?,
         stats: take(&mut ebpf, "crab_stats")?,
         tasks: take(&mut ebpf, "crab_tasks")?,
         noisy: take(&mut ebpf, "crab_noisy")?,
         slots: take(&mut ebpf, "crab_slots")?,
+        inflight: take(&mut ebpf, "crab_inflight")?,
         events: take(&mut ebpf, "crab_events")?,
     })
 }
@@ -164,24 +256,21 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
 fn attach(ebpf: &mut Ebpf, name: &'static str, category: &str, tp: &str, pin: &Path) -> Result<()> {
     let program_err = |source| Error::Program { name, source };
     let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
-    let fd_link: FdLink = if category.is_empty() {
-        let program: &mut RawTracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
-        program.load().map_err(program_err)?;
-        let id = program.attach(tp).map_err(program_err)?;
-        program.take_link(id).map_err(program_err)?.into()
-    } else {
-        let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
-        program.load().map_err(program_err)?;
-        let id = program.attach(category, tp).map_err(program_err)?;
-        let link = program.take_link(id).map_err(program_err)?;
-        FdLink::try_from(link).map_err(|source| Error::PinnedLink {
-            path: pin.to_owned(),
-            source,
-        })?
-    };
+    let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+    program.load().map_err(program_err)?;
+    let id = program.attach(category, tp).map_err(program_err)?;
+    let link = program.take_link(id).map_err(program_err)?;
+    let fd_link = FdLink::try_from(link).map_err(|source| Error::PinnedLink {
+        path: pin.to_owned(),
+        source,
+    })?;
+    pin_link(fd_link, pin)
+}
+
+fn pin_link(fd_link: FdLink, pin: &Path) -> Result<()> {
     // A stale pin of a half-finished earlier load: the new link replaces it.
     let _ = std::fs::remove_file(pin);
-    let pinned = fd_link.pin(pin).map_err(|source| Error::Pin {
+    let pinned = fd_link.pin(pin).map_err(|source: PinError| Error::Pin {
         path: pin.to_owned(),
         source,
     })?;
@@ -213,6 +302,7 @@ fn reuse_maps(build: &Path) -> Result<Maps> {
         tasks: open(build, "crab_tasks")?,
         noisy: open(build, "crab_noisy")?,
         slots: open(build, "crab_slots")?,
+        inflight: open(build, "crab_inflight")?,
         events: open(build, "crab_events")?,
     })
 }

@@ -182,6 +182,9 @@ fn restart_reuses_pinned_programs() {
     drop(first); // the owner "crashes": no unregister, no unload
 
     let second = Inspector::load(config.clone()).expect("reload");
+    // The crashed owner's sandbox is still followed.
+    assert_eq!(syscall_links(&pin_dir, "crab_sys_enter"), 1);
+    assert_eq!(syscall_links(&pin_dir, "crab_sys_exit"), 1);
     let cg_id = second.register("r", &cg.dir).expect("register again");
     assert_eq!(cg_id, crab_inspector::cgroup_id(&cg.dir).expect("id"));
     let r = second.turn_end("r").expect("turn");
@@ -203,6 +206,58 @@ fn restart_reuses_pinned_programs() {
     assert_eq!(r.class, Class::Full, "{r:#?}");
     second.unregister("r").expect("unregister");
     second.unload().expect("unload");
+}
+
+/// How many links attach the pinned system-call program `name` (0 or 1).
+fn syscall_links(pin_dir: &std::path::Path, name: &str) -> usize {
+    let build = std::fs::read_dir(pin_dir)
+        .expect("pin dir")
+        .flatten()
+        .next()
+        .expect("a build dir")
+        .path();
+    let program = aya::programs::ProgramInfo::from_pin(build.join(format!("prog_{name}")))
+        .expect("the pinned program")
+        .id();
+    aya::programs::loaded_links()
+        .flatten()
+        .filter(|l| l.program_id() == program)
+        .count()
+}
+
+/// An attached `sys_enter`/`sys_exit` sends every system call of every task
+/// on the host through the kernel's slow path: the programs are attached
+/// only while a sandbox is registered, also across a restart of the owner.
+#[test]
+fn system_call_programs_are_attached_only_while_sandboxes_are_registered() {
+    let cg1 = TestCgroup::new();
+    let cg2 = TestCgroup::new();
+    let work = work_dir();
+    let attached = |insp: &inspector::TestInspector| {
+        let n = ["crab_sys_enter", "crab_sys_exit"].map(|p| syscall_links(insp.pin_dir(), p));
+        assert!(n[0] == n[1] && n[0] <= 1, "links per program: {n:?}");
+        n[0] == 1
+    };
+    let insp = inspector(&[], 1 << 20, true);
+    assert!(!attached(&insp), "loaded, nothing registered");
+    insp.register("a", &cg1.dir).expect("register a");
+    assert!(attached(&insp));
+    cg1.run(&work.0, "echo x > a");
+    assert_eq!(insp.turn_end("a").expect("turn").class, Class::Fs);
+    insp.register("b", &cg2.dir).expect("register b");
+    insp.unregister("a").expect("unregister a");
+    assert!(attached(&insp), "b is still registered");
+    cg2.run(&work.0, "echo x > b");
+    assert_eq!(insp.turn_end("b").expect("turn").class, Class::Fs);
+    insp.unregister("b").expect("unregister b");
+    assert!(!attached(&insp), "nothing registered");
+
+    // Registered again: the turn sees what it does, from its start.
+    insp.register("a", &cg1.dir).expect("register a again");
+    cg1.run(&work.0, "echo y > a");
+    assert_eq!(insp.turn_end("a").expect("turn").class, Class::Fs);
+    insp.unregister("a").expect("unregister a again");
+    assert!(!attached(&insp));
 }
 
 /// A process that moves into a child cgroup of the sandbox's leaves what the

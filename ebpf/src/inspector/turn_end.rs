@@ -79,7 +79,7 @@ impl Inspector {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
-        if !loader::links_present(&state.links) {
+        if !loader::links_present(&state.links) || !state.syscalls.attached() {
             unsure.push("the inspector's programs are detached (pins removed)".into());
         }
 
@@ -132,16 +132,18 @@ impl Inspector {
         // Files: the net change, outside the kernel's interfaces.
         if sb.ignore.is_none() {
             if let Some(&pid) = pids.first() {
+                use std::os::unix::fs::MetadataExt;
+                let root = std::fs::metadata(format!("/proc/{pid}/root"))
+                    .ok()
+                    .map(|m| (m.dev(), m.ino()));
+                let mounts = crate::mounts::of(pid);
                 sb.ignore = Some(Ignore {
-                    devs: procs::interface_devs(pid),
+                    devs: root.map_or_else(HashSet::new, |(dev, _)| {
+                        crate::mounts::interface_devs(&mounts, dev)
+                    }),
                     host_mntns: HashSet::new(),
-                    mounts: crate::mounts::of(pid),
-                    root: {
-                        use std::os::unix::fs::MetadataExt;
-                        std::fs::metadata(format!("/proc/{pid}/root"))
-                            .ok()
-                            .map(|m| (m.dev(), m.ino()))
-                    },
+                    mounts,
+                    root,
                 });
             }
         }

@@ -20,6 +20,14 @@ impl std::ops::Deref for TestInspector {
     }
 }
 
+impl TestInspector {
+    /// Where its programs and maps are pinned.
+    #[allow(dead_code)] // not every test binary asks
+    pub fn pin_dir(&self) -> &std::path::Path {
+        &self.pin_dir
+    }
+}
+
 impl Drop for TestInspector {
     fn drop(&mut self) {
         if let Some(i) = self.inspector.take() {
