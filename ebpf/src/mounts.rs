@@ -59,6 +59,26 @@ pub(crate) fn of(pid: u32) -> Vec<Mount> {
         .unwrap_or_default()
 }
 
+/// Devices of the mounts that hold no filesystem state (`/dev`,
+/// `/dev/shm`, `/dev/pts`, `/dev/mqueue`, `/proc`, `/sys`). One on the
+/// root's device (`root_dev`: a directory of the root bound there) is no
+/// separate filesystem and is left out.
+pub(crate) fn interface_devs(mounts: &[Mount], root_dev: u64) -> std::collections::HashSet<u64> {
+    const POINTS: [&[u8]; 6] = [
+        b"/dev",
+        b"/dev/shm",
+        b"/dev/pts",
+        b"/dev/mqueue",
+        b"/proc",
+        b"/sys",
+    ];
+    mounts
+        .iter()
+        .filter(|m| POINTS.contains(&m.point.as_slice()) && m.dev != root_dev)
+        .map(|m| m.dev)
+        .collect()
+}
+
 fn parse(text: &[u8]) -> Vec<Mount> {
     text.split(|&b| b == b'\n')
         .filter_map(|line| {

@@ -1,9 +1,6 @@
 //! What user space reads about a sandbox's processes at a turn end: the
-//! cgroup's members, a task's run state, the files a process maps, and the
-//! devices of the sandbox's kernel-interface mounts.
+//! cgroup's members, a task's run state and the files a process maps.
 
-use std::collections::HashSet;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 /// Host pids (or tids, for `cgroup.threads`) listed in a cgroup file.
@@ -127,23 +124,6 @@ fn parse_map_line(line: &str) -> Option<Mapping> {
         shared_writable: perms.get(1..2) == Some("w") && perms.ends_with('s'),
         path: path.to_owned(),
     })
-}
-
-/// Devices of the sandbox's mounts that hold no filesystem state (`/dev`,
-/// `/dev/shm`, `/dev/pts`, `/dev/mqueue`, `/proc`, `/sys`), seen through
-/// the root of `pid`. A mount point that shares the root's device is not
-/// a separate mount and is left out.
-pub(crate) fn interface_devs(pid: u32) -> HashSet<u64> {
-    let root = format!("/proc/{pid}/root");
-    let Ok(root_dev) = std::fs::metadata(&root).map(|m| m.dev()) else {
-        return HashSet::new();
-    };
-    ["dev", "dev/shm", "dev/pts", "dev/mqueue", "proc", "sys"]
-        .iter()
-        .filter_map(|p| std::fs::metadata(format!("{root}/{p}")).ok())
-        .map(|m| m.dev())
-        .filter(|&d| d != root_dev)
-        .collect()
 }
 
 #[cfg(test)]

@@ -500,10 +500,5 @@ fn archive_whole(file: &Path) -> bool {
 
 /// The unified cgroup hierarchy's mount point.
 fn unified_mount() -> Option<PathBuf> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    mountinfo.lines().find_map(|line| {
-        let (left, right) = line.split_once(" - ")?;
-        let point = left.split(' ').nth(4)?;
-        (right.split(' ').next()? == "cgroup2").then(|| PathBuf::from(point))
-    })
+    crate::leftovers::mount_points(&["cgroup2"]).into_iter().next()
 }

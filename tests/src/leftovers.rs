@@ -86,13 +86,19 @@ fn leftovers(scope: &Scope, ids: &[&str]) -> Vec<String> {
 
 /// Every cgroup hierarchy's mount point (v1 controllers and the unified one).
 fn cgroup_roots() -> Vec<PathBuf> {
+    mount_points(&["cgroup", "cgroup2"])
+}
+
+/// The mount points of this process's mounts of the filesystem `types`.
+pub(crate) fn mount_points(types: &[&str]) -> Vec<PathBuf> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     mountinfo
         .lines()
         .filter_map(|line| {
             let (left, right) = line.split_once(" - ")?;
             let fstype = right.split(' ').next()?;
-            matches!(fstype, "cgroup" | "cgroup2")
+            types
+                .contains(&fstype)
                 .then(|| PathBuf::from(left.split(' ').nth(4).unwrap_or("/")))
         })
         .collect()
