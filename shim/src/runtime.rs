@@ -24,6 +24,7 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
+mod kdat;
 pub(crate) mod protocol;
 
 pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
