@@ -51,7 +51,6 @@ use base64::Engine as _;
 use bytes::Bytes;
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 use tokio_util::task::TaskTracker;
 
@@ -544,7 +543,7 @@ impl Transcript {
         let (durable_tx, durable) = watch::channel(0);
         let len = file.metadata().await.map_err(failed)?.len();
         let writer = Writer {
-            file,
+            file: Arc::new(file.into_std().await),
             path: path.clone(),
             len,
             max_bytes,
@@ -639,7 +638,8 @@ async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
 
 /// The writer task's state.
 struct Writer {
-    file: tokio::fs::File,
+    /// Written and synced on the blocking pool, one trip per batch.
+    file: Arc<std::fs::File>,
     path: PathBuf,
     /// The file's length: whole lines only.
     len: u64,
@@ -705,20 +705,25 @@ impl Writer {
         if buf.is_empty() {
             return;
         }
-        let file = &mut self.file;
-        let written = async {
-            file.write_all(&buf).await?;
-            // tokio's File writes in the background: flush, so that this
-            // batch's own write error is this batch's (sync_data would
-            // keep it for the next write).
-            file.flush().await?;
-            file.sync_data().await
-        }
-        .await;
+        let n = buf.len() as u64;
+        let file = self.file.clone();
+        // One trip to the blocking pool for the write and its sync (each
+        // trip is a thread wakeup; a batch of one turn's record is the
+        // common case).
+        let written = tokio::task::spawn_blocking(move || {
+            use std::io::Write;
+            let mut f = &*file;
+            let written = f.write_all(&buf).and_then(|()| f.sync_data());
+            if written.is_err() {
+                // A part of the batch may be there: cut it, so no torn
+                // line sits between whole ones.
+                let _ = f.set_len(start);
+            }
+            written
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         if let Err(error) = written {
-            // A part of the batch may be there: cut it, so no torn line
-            // sits between whole ones.
-            let _ = self.file.set_len(start).await;
             // An overflow line is lost with it: the next batch writes it.
             self.overflowed = overflowed_before;
             self.stats.update(|s| s.n_transcript_errors += batch.len() as u64);
@@ -726,7 +731,7 @@ impl Writer {
             tracing::error!(sandbox, turn, path = %self.path.display(), %error, n_entries = batch.len(), "transcript append failed");
             return;
         }
-        self.len = start + buf.len() as u64;
+        self.len = start + n;
     }
 }
 
