@@ -319,16 +319,23 @@ static __always_inline void unsure(__u64 cg, __u64 gen, __u32 op, __u32 about)
 	}
 }
 
-static __always_inline struct file *fd_file(struct task_struct *t, long fd)
+/* The file behind descriptor fd of the current task. The task and its
+ * descriptor table are read with direct (BTF) loads, not helper calls:
+ * this runs for every write in a sandbox. */
+static __always_inline struct file *fd_file(long fd)
 {
 	if (fd < 0)
 		return NULL;
-	struct files_struct *files = BPF_CORE_READ(t, files);
-	struct fdtable *fdt = BPF_CORE_READ(files, fdt);
-	unsigned int max = BPF_CORE_READ(fdt, max_fds);
-	if ((unsigned long)fd >= max)
+	struct task_struct *t = bpf_get_current_task_btf();
+	struct files_struct *files = t->files;
+	if (!files)
 		return NULL;
-	struct file **fds = BPF_CORE_READ(fdt, fd);
+	struct fdtable *fdt = files->fdt;
+	if (!fdt)
+		return NULL;
+	if ((unsigned long)fd >= fdt->max_fds)
+		return NULL;
+	struct file **fds = fdt->fd;
 	struct file *f = NULL;
 	bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]);
 	return f;
@@ -388,9 +395,11 @@ static __always_inline int meta_call(long nr)
 
 /* Whether f is a /proc/<pid>/mem (or a task's): a write to it stores into
  * another process's memory, which no record of the inspector describes. */
-static __always_inline int proc_mem(struct inode *inode, struct file *f)
+static __always_inline int proc_mem(struct inode *inode, __u32 mode, struct file *f)
 {
-	if (BPF_CORE_READ(inode, i_sb, s_magic) != PROC_SUPER_MAGIC)
+	/* Only a regular file can be: a pipe's, a terminal's or /dev/null's
+	 * write costs no further read. */
+	if ((mode & S_IFMT) != S_IFREG || BPF_CORE_READ(inode, i_sb, s_magic) != PROC_SUPER_MAGIC)
 		return 0;
 	char n[4] = {};
 	bpf_probe_read_kernel_str(n, sizeof(n), BPF_CORE_READ(f, f_path.dentry, d_name.name));
@@ -422,7 +431,7 @@ static __always_inline void base_dir(struct task_struct *t, long dirfd, char fir
 	} else if ((int)dirfd == AT_FDCWD) {
 		inode = BPF_CORE_READ(t, fs, pwd.dentry, d_inode);
 	} else {
-		struct file *f = fd_file(t, dirfd);
+		struct file *f = fd_file(dirfd);
 		if (f)
 			inode = BPF_CORE_READ(f, f_inode);
 	}
@@ -578,7 +587,7 @@ static __always_inline int clone_ioctl(unsigned long cmd)
  * mapping of it can be made writable later with mprotect). */
 static __always_inline int fd_writable(long fd)
 {
-	struct file *f = fd_file((void *)bpf_get_current_task(), fd);
+	struct file *f = fd_file(fd);
 	return f && (BPF_CORE_READ(f, f_mode) & FMODE_WRITE);
 }
 
@@ -645,8 +654,7 @@ static __always_inline int fd_change_idx(long nr)
  * reported cost no stash and no exit work. */
 static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr)
 {
-	struct task_struct *task = (void *)bpf_get_current_task();
-	struct file *f = fd_file(task, fd);
+	struct file *f = fd_file(fd);
 	if (!f)
 		return 1; /* let the exit decide */
 	struct inode *inode = BPF_CORE_READ(f, f_inode);
@@ -654,7 +662,7 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 	if (!inode)
 		return 0;
 	if (!state_bearing_as(inode, &mode, meta_call(nr)))
-		return proc_mem(inode, f);
+		return proc_mem(inode, mode, f);
 	struct crab_inode_key key = { .cgroup = cg };
 	inode_id(inode, &key.dev, &key.ino);
 	struct crab_inode_state *st = bpf_map_lookup_elem(&crab_inodes, &key);
@@ -699,9 +707,11 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 		inflight_done(); /* an exit that never came: keep the count true */
 	t->nr = -1;
 	/* A 32-bit call (int 0x80, or the x32 ABI) numbers its calls another
-	 * way: the inspector follows none of them, once a turn per task. */
-	struct task_struct *task = (void *)bpf_get_current_task();
-	if ((nr & X32_SYSCALL_BIT) || (BPF_CORE_READ(task, thread_info.status) & TS_COMPAT)) {
+	 * way: the inspector follows none of them, once a turn per task. The
+	 * task is read with a direct (BTF) load: this runs for every call in a
+	 * sandbox. */
+	struct task_struct *task = bpf_get_current_task_btf();
+	if ((nr & X32_SYSCALL_BIT) || (task->thread_info.status & TS_COMPAT)) {
 		if (t->compat_gen != gen) {
 			t->compat_gen = gen;
 			unsure(cg, gen, nr, CRAB_UNSURE_COMPAT);
@@ -758,8 +768,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 /* A content or metadata change through a file descriptor. */
 static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 {
-	struct task_struct *task = (void *)bpf_get_current_task();
-	struct file *f = fd_file(task, fd);
+	struct file *f = fd_file(fd);
 	if (!f)
 		return 0;
 	struct inode *inode = BPF_CORE_READ(f, f_inode);
@@ -767,7 +776,7 @@ static __noinline int on_fd_change(__u64 cg, __u64 gen, long fd, long nr)
 	if (!inode)
 		return 0;
 	if (!state_bearing_as(inode, &mode, meta_call(nr))) {
-		if (nr != NR_mmap && proc_mem(inode, f))
+		if (nr != NR_mmap && proc_mem(inode, mode, f))
 			unsure(cg, gen, nr, CRAB_UNSURE_PROC_MEM);
 		return 0;
 	}
@@ -924,8 +933,7 @@ static __noinline int on_open_req(struct path_req *r)
 	long fd = r->dirfd2, dirfd = r->dirfd;
 	unsigned long name = r->name;
 	__u64 flags = r->name2;
-	struct task_struct *task = (void *)bpf_get_current_task();
-	struct file *f = fd_file(task, fd);
+	struct file *f = fd_file(fd);
 	if (!f)
 		return 0;
 	struct inode *inode = BPF_CORE_READ(f, f_inode);
@@ -958,7 +966,7 @@ static __noinline int on_open_req(struct path_req *r)
 	e->flags = flags;
 	if (read_user_name(e->name, name))
 		e->marks |= CRAB_MARK_NAME_CUT;
-	base_dir(task, dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
+	base_dir((void *)bpf_get_current_task(), dirfd, e->name[0], &e->dir_dev, &e->dir_ino);
 	/* The canonical spelling too: parent directory and last component, so
 	 * a removal by (dirfd, basename) matches a creation by "dir/name". */
 	struct dentry *d = BPF_CORE_READ(f, f_path.dentry);
