@@ -162,10 +162,11 @@ impl Inspector {
         let mut maps = loaded.maps;
         set_noisy(&mut maps, &config.noisy_comms)?;
         // Sandboxes an earlier owner registered are still followed.
+        forget_gone_cgroups(&mut maps)?;
         if maps.ctl.keys().next().is_some() {
             loaded.syscalls.attach()?;
         } else {
-            detach_syscalls(&mut maps, &loaded.syscalls)?;
+            loaded.syscalls.detach()?;
         }
         let ring_fd: OwnedFd = loader::ring_fd(&maps)
             .try_clone_to_owned()
@@ -255,7 +256,12 @@ impl Inspector {
         if existing.is_none() {
             state.maps.ctl.insert(cg, ctl, 0).map_err(map_err("crab_ctl"))?;
         }
-        sync_slot(&mut state.maps, cg)?;
+        if let Err(e) = sync_slot(&mut state.maps, cg) {
+            if existing.is_none() {
+                let _ = state.maps.ctl.remove(&cg);
+            }
+            return Err(e);
+        }
         log::info!(
             "inspector: sandbox {sandbox} registered (cgroup {cg}, turn {}{})",
             ctl.turn + 1,
@@ -329,7 +335,10 @@ impl Inspector {
         let _ = state.maps.stats.remove(&cg);
         sync_slot(&mut state.maps, cg)?;
         if state.maps.ctl.keys().next().is_none() {
-            detach_syscalls(&mut state.maps, &state.syscalls)?;
+            // Tasks and calls in flight stay as they are: a call whose
+            // exit goes unseen is counted off when its task next enters a
+            // call or exits (the programs on the sched tracepoints stay).
+            state.syscalls.detach()?;
         }
         log::info!("inspector: sandbox {sandbox} unregistered");
         Ok(())
@@ -461,8 +470,6 @@ fn lock_owner(pin_dir: &Path) -> Result<Flock<File>> {
     })
 }
 
-/// Sets the prefilter slot of `cg` from the sandboxes the kernel follows:
-/// their id, 0 for none, `SLOT_SHARED` for several.
 /// The first generation of a sandbox registered now: nanoseconds since
 /// boot. Generations of one cgroup never repeat, also across an unregister
 /// and a register again: the kernel's per-inode and per-task entries (an
@@ -476,22 +483,49 @@ fn first_gen() -> u64 {
         .max(1)
 }
 
-/// Detaches the system-call programs (no sandbox is registered), then
-/// forgets the tasks they followed and the calls they saw start: a call
-/// whose exit they will not see must not keep `sys_exit` busy once they
-/// are attached again.
-fn detach_syscalls(maps: &mut Maps, syscalls: &Syscalls) -> Result<()> {
-    syscalls.detach()?;
-    let tids: Vec<u32> = maps.tasks.keys().filter_map(|k| k.ok()).collect();
-    for tid in tids {
-        let _ = maps.tasks.remove(&tid);
+/// Forgets the sandboxes the kernel follows whose cgroup is gone (removed
+/// while no owner ran): they would keep the system-call programs attached
+/// for nothing. Cgroup ids are inode numbers of the unified hierarchy.
+fn forget_gone_cgroups(maps: &mut Maps) -> Result<()> {
+    let followed: Vec<u64> = maps.ctl.keys().filter_map(|k| k.ok()).collect();
+    if followed.is_empty() {
+        return Ok(());
     }
-    maps.inflight.set(0, 0, 0).map_err(|source| Error::Map {
-        name: "crab_inflight",
-        source,
-    })
+    // An unknown or unreadable hierarchy: keep everything (the safe side).
+    let Ok(root) = crate::cgroup::unified_mount() else {
+        return Ok(());
+    };
+    if std::fs::read_dir(&root).is_err() {
+        return Ok(());
+    }
+    let mut alive = HashSet::new();
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        if let Ok(meta) = std::fs::symlink_metadata(&dir) {
+            use std::os::unix::fs::MetadataExt;
+            alive.insert(meta.ino());
+        }
+        dirs.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    for cg in followed.into_iter().filter(|cg| !alive.contains(cg)) {
+        log::info!("inspector: cgroup {cg} is gone; no longer followed");
+        let _ = maps.ctl.remove(&cg);
+        let _ = maps.stats.remove(&cg);
+        sync_slot(maps, cg)?;
+    }
+    Ok(())
 }
 
+/// Sets the prefilter slot of `cg` from the sandboxes the kernel follows:
+/// their id, 0 for none, `SLOT_SHARED` for several.
 fn sync_slot(maps: &mut Maps, cg: u64) -> Result<()> {
     let slot = cg & (SLOTS - 1);
     let owners: Vec<u64> = maps

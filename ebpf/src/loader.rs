@@ -53,7 +53,6 @@ pub(crate) struct Maps {
     pub tasks: HashMap<MapData, u32, Task>,
     pub noisy: HashMap<MapData, [u8; COMM_LEN], u8>,
     pub slots: Array<MapData, u64>,
-    pub inflight: Array<MapData, u64>,
     pub events: RingBuf<MapData>,
 }
 
@@ -248,7 +247,6 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
         tasks: take(&mut ebpf, "crab_tasks")?,
         noisy: take(&mut ebpf, "crab_noisy")?,
         slots: take(&mut ebpf, "crab_slots")?,
-        inflight: take(&mut ebpf, "crab_inflight")?,
         events: take(&mut ebpf, "crab_events")?,
     })
 }
@@ -302,7 +300,6 @@ fn reuse_maps(build: &Path) -> Result<Maps> {
         tasks: open(build, "crab_tasks")?,
         noisy: open(build, "crab_noisy")?,
         slots: open(build, "crab_slots")?,
-        inflight: open(build, "crab_inflight")?,
         events: open(build, "crab_events")?,
     })
 }
