@@ -37,6 +37,9 @@ pub(crate) struct Mount {
     pub kind: MountKind,
     /// A writable tmpfs mounted whole (fingerprinted), not an mqueue.
     pub tmpfs: bool,
+    /// A kernel interface or memory filesystem (proc, sysfs, devpts,
+    /// mqueue, tmpfs, devtmpfs), never a disk's.
+    pub interface: bool,
 }
 
 impl Mount {
@@ -60,10 +63,10 @@ pub(crate) fn of(pid: u32) -> Vec<Mount> {
 }
 
 /// Devices of the mounts that hold no filesystem state (`/dev`,
-/// `/dev/shm`, `/dev/pts`, `/dev/mqueue`, `/proc`, `/sys`). One on the
-/// root's device (`root_dev`: a directory of the root bound there) is no
-/// separate filesystem and is left out.
-pub(crate) fn interface_devs(mounts: &[Mount], root_dev: u64) -> std::collections::HashSet<u64> {
+/// `/dev/shm`, `/dev/pts`, `/dev/mqueue`, `/proc`, `/sys`). Only kernel
+/// interface and memory filesystems count: a directory of a disk bound at
+/// one of those points (the root's, a volume's) holds files.
+pub(crate) fn interface_devs(mounts: &[Mount]) -> std::collections::HashSet<u64> {
     const POINTS: [&[u8]; 6] = [
         b"/dev",
         b"/dev/shm",
@@ -74,7 +77,7 @@ pub(crate) fn interface_devs(mounts: &[Mount], root_dev: u64) -> std::collection
     ];
     mounts
         .iter()
-        .filter(|m| POINTS.contains(&m.point.as_slice()) && m.dev != root_dev)
+        .filter(|m| m.interface && POINTS.contains(&m.point.as_slice()))
         .map(|m| m.dev)
         .collect()
 }
@@ -106,6 +109,10 @@ fn parse(text: &[u8]) -> Vec<Mount> {
                 // from inside; a part of one bound elsewhere (`/dev/null`
                 // masking `/proc/keys`) is compared where it is whole.
                 tmpfs: fstype == b"tmpfs" && !read_only && whole,
+                interface: matches!(
+                    fstype,
+                    b"proc" | b"sysfs" | b"devpts" | b"mqueue" | b"tmpfs" | b"devtmpfs"
+                ),
             })
         })
         .collect()
@@ -227,6 +234,27 @@ mod tests {
         assert_eq!(m[1].dev, libc::makedev(0, 62));
     }
 
+    /// A disk's directory bound at an interface's mount point (a volume at
+    /// `/dev/shm`, the root's own `/sys`) holds files: its device is not
+    /// ignored.
+    #[test]
+    fn only_interface_filesystems_are_interface_devices() {
+        let text = b"\
+600 500 0:60 / / rw,relatime - overlay overlay rw
+601 600 0:61 / /proc rw - proc proc rw
+602 600 0:62 / /dev rw,nosuid - tmpfs tmpfs rw,size=65536k
+603 602 0:63 / /dev/pts rw - devpts devpts rw
+604 602 8:1 /vol /dev/shm rw - ext4 /dev/sda1 rw
+605 600 0:60 /sys /sys rw - overlay overlay rw
+";
+        let devs = interface_devs(&parse(text));
+        let expected: std::collections::HashSet<u64> = [61, 62, 63]
+            .into_iter()
+            .map(|minor| libc::makedev(0, minor))
+            .collect();
+        assert_eq!(devs, expected);
+    }
+
     #[test]
     fn strip_is_component_wise() {
         let m = Mount {
@@ -234,6 +262,7 @@ mod tests {
             point: b"/dev".to_vec(),
             kind: MountKind::Held,
             tmpfs: true,
+            interface: true,
         };
         assert_eq!(m.strip(b"/dev/shm/x"), Some(b"shm/x".as_slice()));
         assert_eq!(m.strip(b"/dev"), Some(b"".as_slice()));

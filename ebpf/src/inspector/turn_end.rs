@@ -138,9 +138,7 @@ impl Inspector {
                     .map(|m| (m.dev(), m.ino()));
                 let mounts = crate::mounts::of(pid);
                 sb.ignore = Some(Ignore {
-                    devs: root.map_or_else(HashSet::new, |(dev, _)| {
-                        crate::mounts::interface_devs(&mounts, dev)
-                    }),
+                    devs: crate::mounts::interface_devs(&mounts),
                     host_mntns: HashSet::new(),
                     mounts,
                     root,

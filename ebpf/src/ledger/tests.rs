@@ -248,6 +248,7 @@ fn container_mounts() -> Ignore {
         point: point.as_bytes().to_vec(),
         kind,
         tmpfs,
+        interface: kind != MountKind::Other || point == "/proc",
     };
     Ignore {
         devs: [2, 3, 4, 5].into_iter().map(|d: u64| user_dev(d << 20)).collect(),
@@ -350,6 +351,7 @@ fn writes_on_bind_mounts_are_files_and_chroot_names_are_not_the_sandbox_s() {
         point: b"/etc/hosts".to_vec(),
         kind: MountKind::Other,
         tmpfs: false,
+        interface: false,
     });
     ignore.root = Some((user_dev(1 << 20), 7));
     let mut l = Ledger::default();
