@@ -3,42 +3,68 @@
 //! Every CRIU run first probes the kernel (`kerndat`: tens of system calls,
 //! test mappings, netlink sockets), unless `/run/criu.kdat` holds the
 //! answers of an earlier run. CRIU writes that file only when `/run` is
-//! tmpfs, so that a reboot (maybe into another kernel) clears it; on a host
-//! where `/run` is a plain directory every dump and restore probes again.
-//! Measured here: `criu check` takes 150–160 ms without the cache and
-//! about 80 ms with it.
+//! tmpfs, so that a reboot clears it: some answers hold for one boot only
+//! (the zero page's frame number moves with KASLR, and CRIU leaves out of
+//! a dump every page that maps it). On a host where `/run` is a plain
+//! directory every dump and restore probes again. Measured here: `criu
+//! check` takes 150–160 ms without the cache and about 80 ms with it.
 //!
 //! [`ensure`] gives CRIU its cache the safe way: CRIU itself writes it, in
 //! a private mount namespace whose `/run` is a fresh tmpfs, and the file is
-//! put in the host's `/run` (written aside, renamed). It is remade when it
-//! is older than the boot or than the CRIU binary, which is what the tmpfs
-//! would have ensured. CRIU reads the cache without looking at where it
-//! lies, and checks its size and magic itself.
+//! put in the host's `/run` (written aside, renamed). Beside it,
+//! `/run/criu.kdat.crab` names the boot (`boot_id`) and the CRIU binary
+//! (device, inode, size, times) it was made for; the cache is remade when
+//! either differs, which is what the tmpfs would have ensured (CRIU checks
+//! the file's size and magic itself). Other CRIUs of the host read it as
+//! they would on a host whose `/run` is tmpfs.
 //!
-//! Nothing here is needed for correctness: every failure is logged and the
-//! next CRIU run simply probes.
+//! Nothing here is needed for correctness: every failure is logged, not
+//! tried again by this process in this boot, and CRIU simply probes.
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, SystemTime};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Where CRIU keeps its cache (`KDAT_RUNDIR` of Debian's build).
 const CACHE: &str = "/run/criu.kdat";
 
+/// What the cache was made for.
+const STAMP: &str = "/run/criu.kdat.crab";
+
 /// The largest cache accepted (CRIU's is about 1 KiB).
 const MAX_BYTES: usize = 64 << 10;
+
+/// The longest the making may take (a `criu check` is well under a second).
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// The stamp whose making failed in this process: not tried again.
+static FAILED: Mutex<Option<String>> = Mutex::new(None);
 
 /// Makes sure `/run/criu.kdat` holds a cache of this boot made by the
 /// CRIU at `criu`, when `/run` is not tmpfs (where CRIU keeps it itself).
 pub fn ensure(criu: &Path) {
-    if run_is_tmpfs() || fresh(criu) {
+    if run_is_tmpfs() {
         return;
     }
-    match make(criu) {
+    let Some(stamp) = stamp(criu) else {
+        return;
+    };
+    let current = std::fs::symlink_metadata(CACHE).is_ok_and(|m| m.is_file())
+        && std::fs::read_to_string(STAMP).is_ok_and(|s| s == stamp);
+    let mut failed = FAILED.lock().unwrap_or_else(|e| e.into_inner());
+    if current || failed.as_deref() == Some(stamp.as_str()) {
+        return;
+    }
+    match make(criu, &stamp) {
         Ok(()) => tracing::info!(cache = CACHE, "CRIU's kernel-data cache made"),
-        Err(error) => tracing::warn!(%error, "no kernel-data cache for CRIU: every run probes the kernel"),
+        Err(error) => {
+            tracing::warn!(%error, "no kernel-data cache for CRIU: every run probes the kernel");
+            *failed = Some(stamp);
+        }
     }
 }
 
@@ -46,65 +72,96 @@ fn run_is_tmpfs() -> bool {
     nix::sys::statfs::statfs("/run").is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
 }
 
-/// Whether the cache exists and is newer than the boot and the binary.
-fn fresh(criu: &Path) -> bool {
-    let Ok(made) = std::fs::symlink_metadata(CACHE).and_then(|m| m.modified()) else {
-        return false;
-    };
-    let binary = which(criu).and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
-    matches!((boot_time(), binary), (Some(boot), Some(bin)) if made > boot && made > bin)
+/// The boot and the binary a cache is made for, as one line each.
+fn stamp(criu: &Path) -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let m = std::fs::metadata(which(criu)?).ok()?;
+    Some(format!(
+        "boot {}\ncriu {} {} {} {}.{} {}.{}\n",
+        boot.trim(),
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec()
+    ))
 }
 
-/// The binary `criu` names (a bare name is looked up on `PATH`).
-fn which(criu: &Path) -> Option<std::path::PathBuf> {
+/// The binary `criu` names (a bare name is looked up on `PATH`, as the
+/// shell that runs it does).
+fn which(criu: &Path) -> Option<PathBuf> {
     if criu.components().count() > 1 {
         return Some(criu.to_owned());
     }
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join(criu))
-        .find(|p| p.is_file())
-}
-
-/// When the host booted (`btime` of `/proc/stat`, whole seconds).
-fn boot_time() -> Option<SystemTime> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let secs = stat
-        .lines()
-        .find_map(|l| l.strip_prefix("btime "))?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.mode() & 0o111 != 0))
 }
 
 /// Has CRIU write its cache into a private tmpfs on `/run`, and puts what
-/// it wrote in the host's `/run`.
-fn make(criu: &Path) -> std::io::Result<()> {
+/// it wrote in the host's `/run`, then the stamp.
+fn make(criu: &Path, stamp: &str) -> std::io::Result<()> {
     // `$0` is the CRIU binary; the tmpfs goes with the namespace.
     let script = r#"mount -t tmpfs -o size=1m,mode=0700,nosuid,nodev,noexec crab-kdat /run \
         && { "$0" check >/dev/null 2>&1; exec cat /run/criu.kdat; }"#;
-    let out = Command::new("unshare")
+    let mut child = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "--", "sh", "-c", script])
         .arg(criu)
         .stdin(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .output()?;
-    if !out.status.success() || out.stdout.is_empty() || out.stdout.len() > MAX_BYTES {
+        .process_group(0)
+        .spawn()?;
+    // The cache is small: the pipe holds it until the child is done.
+    let deadline = Instant::now() + DEADLINE;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            // The whole group: unshare, the shell, CRIU.
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = child.wait();
+            return Err(std::io::Error::other(format!(
+                "CRIU took over {DEADLINE:?} to make it"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut cache = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        use std::io::Read;
+        out.take(MAX_BYTES as u64 + 1).read_to_end(&mut cache)?;
+    }
+    if !status.success() || cache.is_empty() || cache.len() > MAX_BYTES {
         return Err(std::io::Error::other(format!(
-            "CRIU wrote no cache in a private /run ({}, {} bytes)",
-            out.status,
-            out.stdout.len()
+            "CRIU wrote no cache in a private /run ({status}, {} bytes)",
+            cache.len()
         )));
     }
-    let aside = format!("/run/.criu.kdat.crab-{}", std::process::id());
-    let written = std::fs::OpenOptions::new()
+    place(CACHE, &cache)?;
+    place(STAMP, stamp.as_bytes())
+}
+
+/// Writes `bytes` beside `path` under a name of its own, then renames it
+/// over `path`.
+fn place(path: &str, bytes: &[u8]) -> std::io::Result<()> {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let aside = format!("{path}.tmp-{}-{n}", std::process::id());
+    let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
-        .open(&aside)
-        .and_then(|mut f| f.write_all(&out.stdout));
-    let placed = written.and_then(|()| std::fs::rename(&aside, CACHE));
+        .open(&aside)?;
+    // Ours from here: removed if it does not become `path`.
+    let placed = file.write_all(bytes).and_then(|()| std::fs::rename(&aside, path));
     if placed.is_err() {
         let _ = std::fs::remove_file(&aside);
     }
@@ -125,20 +182,17 @@ mod tests {
             // CRIU makes its own on its first run.
             let _ = Command::new("criu").arg("check").output();
         } else {
-            // A cache from before the boot is stale, whoever made it.
-            let _ = std::fs::write(CACHE, b"stale");
-            let before_boot = nix::sys::time::TimeSpec::new(1, 0);
-            nix::sys::stat::utimensat(
-                None,
-                CACHE,
-                &before_boot,
-                &before_boot,
-                nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-            )
-            .expect("age the cache");
-            assert!(!fresh(criu));
+            // A cache made for another boot is stale, whoever made it.
+            // (Only the stamp says so: the cache itself stays readable for
+            // the CRIU runs of tests running beside this one.)
             ensure(criu);
-            assert!(fresh(criu), "a cache newer than the boot and the binary");
+            std::fs::write(STAMP, "boot another\n").expect("write a stale stamp");
+            let stale = std::fs::metadata(CACHE).expect("a cache").ino();
+            ensure(criu);
+            let stamp = stamp(criu).expect("a stamp");
+            assert_eq!(std::fs::read_to_string(STAMP).expect("the stamp"), stamp);
+            assert!(stamp.starts_with("boot ") && !stamp.starts_with("boot another"));
+            assert_ne!(std::fs::metadata(CACHE).expect("a cache").ino(), stale, "remade");
         }
         let log = std::env::temp_dir().join(format!("crab-kdat-test-{}.log", std::process::id()));
         let status = Command::new("criu")
