@@ -275,11 +275,6 @@ impl RuntimeClient {
             Err(e) => return Err(Error::io(format!("remove {}", reply_path.display()))(e)),
         }
         let criu_op = matches!(op, Op::Checkpoint(_) | Op::Restore(_));
-        if criu_op {
-            let criu = self.criu.clone();
-            // Blocking file checks (and, once a boot, a CRIU run).
-            let _ = tokio::task::spawn_blocking(move || super::kdat::ensure(&criu)).await;
-        }
         let request = Request {
             root: self.root.clone(),
             criu: self.criu.clone(),

@@ -35,8 +35,9 @@ const DUMP_LOG: &str = "dump.log";
 const RESTORE_LOG: &str = "restore.log";
 
 /// A CRIU client of binary `path` (`[shim] criu`; a bare name is looked
-/// up on `PATH`).
+/// up on `PATH`), its kernel-data cache made first if the host keeps none.
 fn criu(path: &Path) -> Result<Criu> {
+    super::kdat::ensure(path);
     let path = path.to_string_lossy().into_owned();
     Criu::new_with_criu_path(path.clone()).with_context(|| format!("start CRIU ({path})"))
 }

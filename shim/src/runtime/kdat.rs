@@ -18,58 +18,107 @@
 //! the file's size and magic itself). Other CRIUs of the host read it as
 //! they would on a host whose `/run` is tmpfs.
 //!
-//! Nothing here is needed for correctness: every failure is logged, not
-//! tried again by this process in this boot, and CRIU simply probes.
+//! The stamp is read, and the cache made and placed, under a lock
+//! (`/run/criu.kdat.crab.lock`); a stale cache is removed before anything
+//! else. A failed making is stamped `failed` for this boot and binary and
+//! not tried again: CRIU simply probes, as it does without a cache.
 
+use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::fcntl::{Flock, FlockArg};
 
 /// Where CRIU keeps its cache (`KDAT_RUNDIR` of Debian's build).
 const CACHE: &str = "/run/criu.kdat";
 
-/// What the cache was made for.
+/// What the cache was made for (and `failed` when making it failed).
 const STAMP: &str = "/run/criu.kdat.crab";
+
+/// Held while the stamp is read and the cache made and placed.
+const LOCK: &str = "/run/criu.kdat.crab.lock";
 
 /// The largest cache accepted (CRIU's is about 1 KiB).
 const MAX_BYTES: usize = 64 << 10;
 
-/// The longest the making may take (a `criu check` is well under a second).
+/// The longest the making may take (a `criu check` is well under a
+/// second), and the longest a helper waits for another one making it.
 const DEADLINE: Duration = Duration::from_secs(10);
 
-/// The stamp whose making failed in this process: not tried again.
-static FAILED: Mutex<Option<String>> = Mutex::new(None);
-
-/// Makes sure `/run/criu.kdat` holds a cache of this boot made by the
-/// CRIU at `criu`, when `/run` is not tmpfs (where CRIU keeps it itself).
+/// Makes sure `/run/criu.kdat`, when there is one, is a cache of this boot
+/// made by the CRIU at `criu`, making it if it is not; when `/run` is
+/// tmpfs CRIU keeps its own. Runs in the runtime helper: the shim reaps
+/// every child on `SIGCHLD` and would steal this one's status.
 pub fn ensure(criu: &Path) {
     if run_is_tmpfs() {
         return;
     }
-    let Some(stamp) = stamp(criu) else {
+    let stamp = stamp(criu);
+    let Some(_lock) = lock() else {
+        // Another helper is making it, for too long: never use one that
+        // may be stale.
+        if read_stamp().is_none_or(|s| Some(&s) != stamp.as_ref()) {
+            remove(CACHE);
+        }
         return;
     };
-    let current = std::fs::symlink_metadata(CACHE).is_ok_and(|m| m.is_file())
-        && std::fs::read_to_string(STAMP).is_ok_and(|s| s == stamp);
-    let mut failed = FAILED.lock().unwrap_or_else(|e| e.into_inner());
-    if current || failed.as_deref() == Some(stamp.as_str()) {
+    let Some(stamp) = stamp else {
+        // Nothing to vouch for it with.
+        remove(CACHE);
         return;
+    };
+    match read_stamp() {
+        Some(s) if s == stamp && Path::new(CACHE).is_file() => return,
+        Some(s) if s == format!("{stamp}failed\n") => return,
+        _ => {}
     }
-    match make(criu, &stamp) {
-        Ok(()) => tracing::info!(cache = CACHE, "CRIU's kernel-data cache made"),
-        Err(error) => {
-            tracing::warn!(%error, "no kernel-data cache for CRIU: every run probes the kernel");
-            *failed = Some(stamp);
-        }
-    }
+    // A stale cache is gone before anything else can fail.
+    remove(CACHE);
+    let made = make(criu).and_then(|cache| place(CACHE, &cache));
+    // The stamp last: a crash before it leaves a cache that is remade.
+    let stamp = match made {
+        Ok(()) => stamp,
+        Err(_) => format!("{stamp}failed\n"),
+    };
+    let _ = place(STAMP, stamp.as_bytes());
 }
 
 fn run_is_tmpfs() -> bool {
     nix::sys::statfs::statfs("/run").is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
+fn remove(path: &str) {
+    let _ = std::fs::remove_file(path);
+}
+
+fn read_stamp() -> Option<String> {
+    std::fs::read_to_string(STAMP).ok()
+}
+
+/// The lock of the cache, waited for up to [`DEADLINE`].
+fn lock() -> Option<Flock<File>> {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(LOCK)
+            .ok()?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => return Some(lock),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(_) => return None,
+        }
+    }
 }
 
 /// The boot and the binary a cache is made for, as one line each.
@@ -100,9 +149,9 @@ fn which(criu: &Path) -> Option<PathBuf> {
         .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.mode() & 0o111 != 0))
 }
 
-/// Has CRIU write its cache into a private tmpfs on `/run`, and puts what
-/// it wrote in the host's `/run`, then the stamp.
-fn make(criu: &Path, stamp: &str) -> std::io::Result<()> {
+/// Has CRIU write its cache into a private tmpfs on `/run`, and returns
+/// what it wrote.
+fn make(criu: &Path) -> std::io::Result<Vec<u8>> {
     // `$0` is the CRIU binary; the tmpfs goes with the namespace.
     let script = r#"mount -t tmpfs -o size=1m,mode=0700,nosuid,nodev,noexec crab-kdat /run \
         && { "$0" check >/dev/null 2>&1; exec cat /run/criu.kdat; }"#;
@@ -114,14 +163,23 @@ fn make(criu: &Path, stamp: &str) -> std::io::Result<()> {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn()?;
-    // The cache is small: the pipe holds it until the child is done.
+    // Read while it runs: an output larger than the pipe must not stall it.
+    let reader = child.stdout.take().map(|out| {
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut cache = Vec::new();
+            out.take(MAX_BYTES as u64 + 1)
+                .read_to_end(&mut cache)
+                .map(|_| cache)
+        })
+    });
     let deadline = Instant::now() + DEADLINE;
     let status = loop {
         if let Some(status) = child.try_wait()? {
             break status;
         }
         if Instant::now() > deadline {
-            // The whole group: unshare, the shell, CRIU.
+            // The whole group: unshare's shell, CRIU, cat.
             let _ = nix::sys::signal::killpg(
                 nix::unistd::Pid::from_raw(child.id() as i32),
                 nix::sys::signal::Signal::SIGKILL,
@@ -133,27 +191,26 @@ fn make(criu: &Path, stamp: &str) -> std::io::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    let mut cache = Vec::new();
-    if let Some(out) = child.stdout.take() {
-        use std::io::Read;
-        out.take(MAX_BYTES as u64 + 1).read_to_end(&mut cache)?;
-    }
+    let cache = match reader.map(|r| r.join()) {
+        Some(Ok(read)) => read?,
+        _ => Vec::new(),
+    };
     if !status.success() || cache.is_empty() || cache.len() > MAX_BYTES {
         return Err(std::io::Error::other(format!(
             "CRIU wrote no cache in a private /run ({status}, {} bytes)",
             cache.len()
         )));
     }
-    place(CACHE, &cache)?;
-    place(STAMP, stamp.as_bytes())
+    Ok(cache)
 }
 
 /// Writes `bytes` beside `path` under a name of its own, then renames it
 /// over `path`.
 fn place(path: &str, bytes: &[u8]) -> std::io::Result<()> {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let aside = format!("{path}.tmp-{}-{n}", std::process::id());
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let aside = format!("{path}.tmp-{}-{nanos}", std::process::id());
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -187,12 +244,13 @@ mod tests {
             // the CRIU runs of tests running beside this one.)
             ensure(criu);
             std::fs::write(STAMP, "boot another\n").expect("write a stale stamp");
-            let stale = std::fs::metadata(CACHE).expect("a cache").ino();
+            let made = |what| std::fs::metadata(CACHE).and_then(|m| m.modified()).expect(what);
+            let stale = made("a cache");
             ensure(criu);
             let stamp = stamp(criu).expect("a stamp");
             assert_eq!(std::fs::read_to_string(STAMP).expect("the stamp"), stamp);
             assert!(stamp.starts_with("boot ") && !stamp.starts_with("boot another"));
-            assert_ne!(std::fs::metadata(CACHE).expect("a cache").ino(), stale, "remade");
+            assert!(made("a cache remade") > stale, "remade");
         }
         let log = std::env::temp_dir().join(format!("crab-kdat-test-{}.log", std::process::id()));
         let status = Command::new("criu")
