@@ -495,26 +495,34 @@ fn forget_gone_cgroups(maps: &mut Maps) -> Result<()> {
     let Ok(root) = crate::cgroup::unified_mount() else {
         return Ok(());
     };
-    if std::fs::read_dir(&root).is_err() {
-        return Ok(());
-    }
-    let mut alive = HashSet::new();
-    let mut dirs = vec![root];
-    while let Some(dir) = dirs.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        if let Ok(meta) = std::fs::symlink_metadata(&dir) {
-            use std::os::unix::fs::MetadataExt;
-            alive.insert(meta.ino());
+    // Any error on the way (a directory removed or renamed meanwhile, one
+    // it may not read) leaves every entry: not seen is not gone.
+    let walk = || -> std::io::Result<HashSet<u64>> {
+        use std::os::unix::fs::MetadataExt;
+        let mut alive = HashSet::new();
+        let mut dirs = vec![root.clone()];
+        while let Some(dir) = dirs.pop() {
+            alive.insert(std::fs::symlink_metadata(&dir)?.ino());
+            for entry in std::fs::read_dir(&dir)? {
+                let entry = entry?;
+                if entry.file_type()?.is_dir() {
+                    dirs.push(entry.path());
+                }
+            }
         }
-        dirs.extend(
-            entries
-                .flatten()
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path()),
-        );
-    }
+        Ok(alive)
+    };
+    // A cgroup removed while it is read (containers come and go) makes
+    // the walk start again, a few times.
+    let mut tries = 0;
+    let alive = loop {
+        tries += 1;
+        match walk() {
+            Ok(alive) => break alive,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 5 => continue,
+            Err(_) => return Ok(()),
+        }
+    };
     for cg in followed.into_iter().filter(|cg| !alive.contains(cg)) {
         log::info!("inspector: cgroup {cg} is gone; no longer followed");
         let _ = maps.ctl.remove(&cg);
