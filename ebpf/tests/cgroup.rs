@@ -139,34 +139,40 @@ fn ring_overflow_is_full() {
     insp.unregister("overflow").expect("unregister");
 }
 
+/// Removes a pin directory whatever happens in the test.
+struct Pins(std::path::PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The configuration of an inspector of its own pin directory, for tests
+/// that play owners which stop without unloading.
+fn private_config() -> (crab_inspector::InspectorConfig, Pins) {
+    let pin_dir = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
+    let config = crab_inspector::InspectorConfig {
+        pin_dir: pin_dir.clone(),
+        ring_bytes: 1 << 20,
+        noisy_comms: Vec::new(),
+        drain_timeout: std::time::Duration::from_millis(200),
+        max_reasons: 8,
+        background_drain: true,
+    };
+    (config, Pins(pin_dir))
+}
+
 /// A new owner of the same pin directory reuses the pinned programs and
 /// maps: the sandbox's kernel state survives, the interrupted turn is full
 /// (its start is unknown), the next one is exact. Removed pins (detached
 /// programs) make turns full too.
 #[test]
 fn restart_reuses_pinned_programs() {
-    use std::path::PathBuf;
-    use std::time::Duration;
+    use crab_inspector::Inspector;
 
-    use crab_inspector::{Inspector, InspectorConfig};
-
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
-    let config = InspectorConfig {
-        pin_dir: pin_dir.clone(),
-        ring_bytes: 1 << 20,
-        noisy_comms: Vec::new(),
-        drain_timeout: Duration::from_millis(200),
-        max_reasons: 8,
-        background_drain: true,
-    };
-    // Removes the pins whatever happens below.
-    struct Pins(PathBuf);
-    impl Drop for Pins {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _pins = Pins(pin_dir.clone());
+    let (config, _pins) = private_config();
+    let pin_dir = config.pin_dir.clone();
     let cg = TestCgroup::new();
     let work = work_dir();
 
@@ -277,27 +283,12 @@ fn system_call_programs_are_attached_only_while_sandboxes_are_registered() {
 /// programs attached for nothing.
 #[test]
 fn a_removed_cgroup_does_not_keep_the_programs_attached() {
-    use std::path::PathBuf;
     use std::time::Duration;
 
-    use crab_inspector::{Inspector, InspectorConfig};
+    use crab_inspector::Inspector;
 
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}", crab_tests::unique("crab-test-")));
-    let config = InspectorConfig {
-        pin_dir: pin_dir.clone(),
-        ring_bytes: 1 << 20,
-        noisy_comms: Vec::new(),
-        drain_timeout: Duration::from_millis(200),
-        max_reasons: 8,
-        background_drain: true,
-    };
-    struct Pins(PathBuf);
-    impl Drop for Pins {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _pins = Pins(pin_dir.clone());
+    let (config, _pins) = private_config();
+    let pin_dir = config.pin_dir.clone();
     let kept = TestCgroup::new();
     let first = Inspector::load(config.clone()).expect("load");
     first.register("kept", &kept.dir).expect("register kept");
