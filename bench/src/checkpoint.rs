@@ -34,20 +34,12 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
     let mut s: [Vec<Duration>; 9] = Default::default();
     for i in 0..runs {
         let (total, frozen, _) = timed_frozen(&freezer_state(&ctd, "ck-runc"), || {
-            let out = ctd.ctr(&["task", "checkpoint", "ck-runc"]);
-            if !out.status.success() {
-                bail!("ctr task checkpoint: {}", String::from_utf8_lossy(&out.stderr));
-            }
+            ctr_task_checkpoint(&ctd, "ck-runc")?;
             Ok(serde_json::Value::Null)
         })?;
         s[0].push(total);
         s[1].push(frozen);
-        // Each runc checkpoint leaves an image in containerd's store.
-        for image in ctd.ctr_ok(&["image", "ls", "-q"]).lines() {
-            if image.contains("checkpoint/ck-runc") {
-                ctd.ctr_ok(&["image", "rm", image.trim()]);
-            }
-        }
+        forget_ctr_checkpoints(&ctd, "ck-runc");
         let (total, frozen, report) = timed_frozen(&freezer_state(&ctd, "ck-crab"), || {
             crabctl_json(&ctd, &["checkpoint", "ck-crab"])
         })?;
@@ -227,4 +219,26 @@ fn rss_mib(pid: i32) -> f64 {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0)
         / 1024.0
+}
+
+/// `ctr task checkpoint id`: the baseline's whole-container checkpoint.
+pub(crate) fn ctr_task_checkpoint(ctd: &Containerd, id: &str) -> anyhow::Result<()> {
+    let out = ctd.ctr(&["task", "checkpoint", id]);
+    if !out.status.success() {
+        bail!("ctr task checkpoint: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// Removes the images `ctr task checkpoint id` left, and their content at
+/// once (`--sync`): containerd 1.6's task service fails the next checkpoint
+/// of the same container with "content …: already exists" while the
+/// previous checkpoint's spec blob (the same bytes) is still in the store.
+pub(crate) fn forget_ctr_checkpoints(ctd: &Containerd, id: &str) {
+    let ours = format!("checkpoint/{id}:");
+    for image in ctd.ctr_ok(&["image", "ls", "-q"]).lines() {
+        if image.contains(&ours) {
+            ctd.ctr_ok(&["image", "rm", "--sync", image.trim()]);
+        }
+    }
 }

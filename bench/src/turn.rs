@@ -19,6 +19,7 @@ use crab_tests::image::BUSYBOX;
 use crab_tests::sandbox::{crabctl, wait_registered};
 use crab_tests::{Containerd, CRAB, RUNC};
 
+use crate::checkpoint::{ctr_task_checkpoint, forget_ctr_checkpoints};
 use crate::stats::{ms, percentile};
 
 /// The sandbox's init: counts into /n forever.
@@ -87,16 +88,9 @@ fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
             exec(&ctd, id, &format!("echo turn {turn} >> /w/f{}", turn % 200 + 1))?;
         }
         let t = Instant::now();
-        let out = ctd.ctr(&["task", "checkpoint", "tb-runc"]);
-        if !out.status.success() {
-            bail!("ctr task checkpoint: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        ctr_task_checkpoint(&ctd, "tb-runc")?;
         s.runc_full.push(t.elapsed());
-        for image in ctd.ctr_ok(&["image", "ls", "-q"]).lines() {
-            if image.contains("checkpoint/tb-runc") {
-                ctd.ctr_ok(&["image", "rm", image.trim()]);
-            }
-        }
+        forget_ctr_checkpoints(&ctd, "tb-runc");
         let (took, _) = timed(&ctd, &["checkpoint", "--fs", "tb-crab"])?;
         s.fs_only.push(took);
         let (took, report) = timed(&ctd, &["checkpoint", "tb-crab"])?;
