@@ -144,6 +144,7 @@ fn run(req: &Request) -> Result<Reply, Failed> {
                     ext_unix_sk: dump.ext_unix_sk,
                     file_locks: dump.file_locks,
                     crab_init: dump.crab_init,
+                    own_netns: &crate::netns::pin_path(root, id),
                 },
             )
             .map_err(failed(FailureKind::Criu))?;
@@ -166,6 +167,9 @@ fn run(req: &Request) -> Result<Reply, Failed> {
             Ok(Reply::Answer { text })
         }
         Op::Delete { force } => {
+            crate::netns::unpin(&crate::netns::pin_path(root, id))
+                .context("unpin the network namespace")
+                .map_err(failed(FailureKind::Container))?;
             match load(root, id) {
                 Ok(mut c) => c.delete(*force).map_err(|e| container(e.into()))?,
                 // Nothing was created, or a create failed before libcontainer
@@ -202,9 +206,14 @@ fn create(root: &Path, id: &str, bundle: &Path, launch: &LaunchSpec) -> anyhow::
         .with_detach(true)
         .build()?;
     let pid = c.pid().context("the created container has no init pid")?;
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json")).context("read config.json")?;
+    if crate::netns::may_pin(&spec) {
+        let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        crate::netns::pin(&ns, &crate::netns::pin_path(root, id)).context("pin the network namespace")?;
+    }
     // runc brings up the loopback interface of a network namespace
     // it creates; libcontainer does not, and programs expect it.
-    if creates_netns(bundle)? {
+    if creates_netns(&spec) {
         crate::netns::loopback_up(pid.as_raw()).context("bring up lo in the container")?;
     }
     Ok(pid.as_raw())
@@ -212,10 +221,21 @@ fn create(root: &Path, id: &str, bundle: &Path, launch: &LaunchSpec) -> anyhow::
 
 /// Runs `process` in container `id`; answers its pid.
 fn exec(root: &Path, id: &str, process: &Path, launch: &LaunchSpec) -> anyhow::Result<i32> {
+    use anyhow::Context;
     if let Some(cg) = &launch.unified_cgroup {
         join_cgroup(cg)?;
     }
     join_time_namespace(&load(root, id)?)?;
+    // From now on the sandbox may configure its network namespace, which
+    // then belongs in its checkpoints (see `netns`). Unpinned before the
+    // process runs.
+    let spec: oci_spec::runtime::Process = serde_json::from_slice(
+        &std::fs::read(process).with_context(|| format!("read {}", process.display()))?,
+    )
+    .context("parse the exec's process")?;
+    if crate::netns::exec_may_configure(&spec) {
+        crate::netns::unpin(&crate::netns::pin_path(root, id)).context("unpin the network namespace")?;
+    }
     let pid = ContainerBuilder::new(id.to_owned(), SyscallType::default())
         .with_executor(CrabExecutor::of(launch))
         .with_root_path(root)?
@@ -270,6 +290,7 @@ fn restore_tree(root: &Path, criu_bin: &Path, id: &str, restore: &protocol::Rest
                 .then_some(crate::init::CHANNEL_FD),
             fresh: restore.bundle.is_some(),
             netns: restore.netns.as_deref(),
+            own_netns: &crate::netns::pin_path(root, id),
         },
     )
     .map_err(failed(FailureKind::Criu))
@@ -334,17 +355,15 @@ fn preserved(launch: &LaunchSpec) -> i32 {
 }
 
 /// Whether the bundle's spec makes a new network namespace (one with no path).
-fn creates_netns(bundle: &Path) -> anyhow::Result<bool> {
-    use anyhow::Context;
-    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json")).context("read config.json")?;
+fn creates_netns(spec: &oci_spec::runtime::Spec) -> bool {
     let namespaces = spec
         .linux()
         .as_ref()
         .and_then(|l| l.namespaces().clone())
         .unwrap_or_default();
-    Ok(namespaces
+    namespaces
         .iter()
-        .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network && n.path().is_none()))
+        .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network && n.path().is_none())
 }
 
 /// Makes libcontainer's state for container `id` of `bundle`, which has no

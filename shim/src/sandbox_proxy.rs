@@ -40,6 +40,8 @@ pub struct SandboxProxy {
     host: Option<(PathBuf, JoinHandle<()>)>,
     /// The sandbox's transcript file.
     transcript: PathBuf,
+    /// The inode of the network namespace the listener is in.
+    netns: Option<u64>,
 }
 
 /// What Create decided before the container existed.
@@ -146,6 +148,7 @@ impl SandboxProxy {
         resume: Option<ConversationAt>,
     ) -> Result<Self> {
         let port = cfg.port;
+        let netns = netns_inode(pid);
         let listener = listen_in_sandbox(pid, port).await?;
 
         let dir = cfg.transcript_dir.join(namespace);
@@ -242,6 +245,7 @@ impl SandboxProxy {
             task,
             host,
             transcript,
+            netns,
         })
     }
 
@@ -254,7 +258,14 @@ impl SandboxProxy {
     /// a new listener in the network namespace of `pid`: after a restore,
     /// which makes a new namespace when the container had its own.
     pub async fn rebind(&mut self, pid: i32, port: u16) -> Result<()> {
+        let netns = netns_inode(pid);
+        if netns.is_some() && netns == self.netns {
+            // The restore went back into the namespace (a pinned one):
+            // the listener there serves the restored agent already.
+            return Ok(());
+        }
         let listener = listen_in_sandbox(pid, port).await?;
+        self.netns = netns;
         self.netns_shutdown.cancel();
         let _ = (&mut self.task).await;
         self.netns_shutdown = self.shutdown.child_token();
@@ -301,6 +312,14 @@ impl SandboxProxy {
 }
 
 /// A listener on 127.0.0.1:`port` in the network namespace of `pid`.
+/// The inode of the network namespace of `pid`, if it can be read.
+fn netns_inode(pid: i32) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/net"))
+        .ok()
+        .map(|m| m.ino())
+}
+
 async fn listen_in_sandbox(pid: i32, port: u16) -> Result<tokio::net::TcpListener> {
     // setns changes only the calling thread: a thread of its own, which
     // ends right after, so no pooled thread is left in the sandbox.

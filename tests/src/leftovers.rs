@@ -70,6 +70,14 @@ fn leftovers(scope: &Scope, ids: &[&str]) -> Vec<String> {
                 left.push(format!("socket {}", sock.display()));
             }
         }
+        // crab's pin of the sandbox's network namespace.
+        let pin = Path::new(STATE_DIR)
+            .join(&scope.namespace)
+            .join(".netns")
+            .join(id);
+        if pin.exists() {
+            left.push(format!("network namespace pin {}", pin.display()));
+        }
     }
     for root in cgroup_roots() {
         let ns_dir = root.join(&scope.cgroup_parent);

@@ -460,3 +460,118 @@ fn terminal_sandbox_rolls_back() {
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
 }
+
+/// A connection between two processes inside (a listener on 5000 and a
+/// client that writes to it ten times a second), and a listener on 5001
+/// for a peer outside the sandbox.
+const CONNECTED: &str = "idle() { while true; do sleep 1; done; }; \
+     idle | nc -l -p 5001 >/dev/null & \
+     idle | nc -l -p 5000 >/dev/null & sleep 0.5; \
+     while true; do echo x; sleep 0.1; done | nc 127.0.0.1 5000";
+
+/// The established TCP connections on `port` in `pid`'s namespace
+/// (both ends count; busybox's listener is dual-stack).
+fn established(pid: i32, port: u16) -> usize {
+    let port = format!(":{port:04X}");
+    let table = ["tcp", "tcp6"]
+        .map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")).unwrap_or_default())
+        .concat();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[3] == "01" && (f[1].ends_with(&port) || f[2].ends_with(&port))
+        })
+        .count()
+}
+
+/// The inode of `pid`'s network namespace.
+fn netns(pid: i32) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/net")).unwrap().ino()
+}
+
+/// Whether version `v`'s process images kept the network namespace out
+/// (crab's pin) or carry CRIU's image of it.
+fn netns_in_images(ctd: &Containerd, id: &str, v: u64) -> (bool, bool) {
+    let dir = ctd.crabd_root().join("images").join(id).join(v.to_string());
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let own = names.iter().any(|n| n == "netns.own");
+    // CRIU's `ip addr save` of a namespace it dumps.
+    let dumped = names
+        .iter()
+        .any(|n| n.starts_with("ifaddr-") && n.ends_with(".img"));
+    (own, dumped)
+}
+
+/// A sandbox that cannot configure its network namespace keeps it out of
+/// its checkpoints (crab pins it): a rollback goes back into it, twice in
+/// a row, with a connection inside restored each time and one to a peer
+/// outside that never closes (so the killed end lingers in fin-wait with
+/// the address the restore needs, until it is reaped), and a fork gets a
+/// namespace of its own. A sandbox with `CAP_NET_ADMIN` has its namespace
+/// in its images.
+#[test]
+fn pinned_network_namespace_rolls_back_and_forks() {
+    let ctd = Containerd::start();
+    let id = "pn";
+    let run = |id: &str, extra: &[&str]| {
+        let mut args = vec!["run", "-d", "--runtime", crab_tests::CRAB];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[crab_tests::image::BUSYBOX, id, "sh", "-c", CONNECTED]);
+        ctd.ctr_ok(&args);
+        let pid = ctd.task_pid(id).expect("the task runs");
+        wait_until(20, || (established(pid, 5000) == 2).then_some(()))
+            .unwrap_or_else(|| panic!("{id}: no connection inside"));
+        wait_registered(&ctd, id);
+        pid
+    };
+    let pid = run(id, &[]);
+    let ns = netns(pid);
+    let _peer = crab_tests::sandbox::connect_in(pid, 5001).expect("connect to 5001 inside");
+    wait_until(10, || (established(pid, 5001) == 2).then_some(())).expect("the peer's connection");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    assert_eq!(netns_in_images(&ctd, id, 1), (true, false), "the pin stays out");
+
+    for args in [&["rollback", id, "1"][..], &["rollback", "--no-undo", id, "1"]] {
+        let r = crabctl_ok(&ctd, args);
+        let pid = r["pid"].as_i64().unwrap() as i32;
+        assert_eq!(netns(pid), ns, "{args:?}: back into the pinned namespace");
+        assert_eq!(
+            established(pid, 5000),
+            2,
+            "{args:?}: the connection inside is restored"
+        );
+        assert_eq!(established(pid, 5001), 1, "{args:?}: the end inside is restored");
+    }
+
+    let f = crabctl_ok(&ctd, &["fork", id, "1", "--name", "pn-fork"]);
+    let fpid = f["pid"].as_i64().unwrap() as i32;
+    assert_ne!(netns(fpid), ns, "a fork has a namespace of its own");
+    assert_eq!(established(fpid, 5000), 2);
+    wait_registered(&ctd, "pn-fork");
+    crabctl_ok(&ctd, &["checkpoint", "pn-fork"]);
+    assert_eq!(
+        netns_in_images(&ctd, "pn-fork", 1),
+        (true, false),
+        "the fork's is pinned too"
+    );
+
+    let admin = "pn-admin";
+    run(admin, &["--cap-add", "CAP_NET_ADMIN"]);
+    crabctl_ok(&ctd, &["checkpoint", admin]);
+    assert_eq!(
+        netns_in_images(&ctd, admin, 1),
+        (false, true),
+        "CRIU saves what it may change"
+    );
+
+    for id in [id, "pn-fork", admin] {
+        ctd.remove(id);
+    }
+    assert_clean(&ctd.scope(), &[id, "pn-fork", admin]);
+}

@@ -61,6 +61,9 @@ pub struct DumpOpts<'a> {
     /// The init is crab-init: its report pipe (descriptor 3) is recorded
     /// with its stdio and re-wired at restore.
     pub crab_init: bool,
+    /// Where crab pins this container's network namespace (see
+    /// `crate::netns`): a namespace pinned there is recorded as crab's own.
+    pub own_netns: &'a Path,
 }
 
 /// Dumps container `c`'s process tree.
@@ -115,6 +118,10 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
             path.as_os_str().as_encoded_bytes(),
         )
         .context("write the network namespace's path")?;
+        if path == opts.own_netns {
+            std::fs::write(opts.image_path.join(NETNS_OWN), b"")
+                .context("mark the network namespace as crab's")?;
+        }
     }
     criu.set_freeze_cgroup(freezer_cgroup(pid)?.to_string_lossy().into_owned());
     criu.set_log_file(DUMP_LOG.to_owned());
@@ -155,6 +162,8 @@ pub struct RestoreOpts<'a> {
     /// The sandbox's network namespace as it is pinned now, for an image
     /// that keeps its namespace outside.
     pub netns: Option<&'a Path>,
+    /// Where crab pins this container's network namespace.
+    pub own_netns: &'a Path,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -215,8 +224,7 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         keep.push(fd);
     }
-    if let Some(path) = external_netns(&spec, opts)? {
-        let ns = File::open(&path).with_context(|| format!("open {}", path.display()))?;
+    if let Some(ns) = external_netns(&spec, opts)? {
         let fd = inheritable(ns.as_raw_fd())?;
         criu.add_inherit_fd(fd.as_raw_fd(), NETNS_KEY.to_owned())
             .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -295,6 +303,9 @@ const NETNS_KEY: &str = "extRootNetNS";
 /// outside the image.
 const NETNS_FILE: &str = "netns";
 
+/// An empty file in the images: the namespace outside was crab's pin.
+const NETNS_OWN: &str = "netns.own";
+
 /// A bind mount that keeps `pid`'s network namespace alive outside the
 /// container (docker's `…/netns/<key>`, made by its prestart hook).
 pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
@@ -311,15 +322,30 @@ pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
 
 /// The network namespace a restore joins: the spec's, or the one the dump
 /// named. A container made from another's checkpoint must not share it.
-fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<PathBuf>> {
+///
+/// A namespace crab pinned held nothing but sockets (`crate::netns`): the
+/// restore goes back into the sandbox's pin after the killed processes'
+/// closed connections are reaped, or into a fresh one (a new container, or
+/// a sandbox that unpinned its namespace since).
+fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
+    let open = |path: &Path| File::open(path).with_context(|| format!("open {}", path.display()));
     if let Some(path) = joined_netns(spec) {
-        return Ok(Some(path));
+        return open(&path).map(Some);
     }
     let named = match std::fs::read(opts.image_path.join(NETNS_FILE)) {
         Ok(bytes) => PathBuf::from(String::from_utf8_lossy(&bytes).into_owned()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).context("read the network namespace's path"),
     };
+    if opts.image_path.join(NETNS_OWN).exists() {
+        if !opts.fresh && opts.netns == Some(opts.own_netns) {
+            reap(opts.own_netns)?;
+            return open(opts.own_netns).map(Some);
+        }
+        return crate::netns::fresh_pinned(opts.own_netns)
+            .context("make a network namespace")
+            .map(Some);
+    }
     if opts.fresh {
         bail!(
             "the checkpoint's network belongs to its own sandbox ({}, set up by docker): \
@@ -328,7 +354,16 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<PathBuf>
         );
     }
     // The sandbox's namespace now: docker pins a new one at each start.
-    Ok(Some(opts.netns.map_or(named, Path::to_owned)))
+    let path = opts.netns.map_or(named, Path::to_owned);
+    reap(&path)?;
+    open(&path).map(Some)
+}
+
+/// Reaps the closed connections of a namespace that a restore goes back
+/// into (`ss`, of iproute2, which CRIU needs as well).
+fn reap(ns: &Path) -> Result<()> {
+    crate::netns::reap_closed_tcp(ns)
+        .with_context(|| format!("reap the closed connections in {}", ns.display()))
 }
 
 /// A duplicate of `fd` numbered above stdio, without `CLOEXEC`.
