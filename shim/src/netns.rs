@@ -2,13 +2,14 @@
 //! and crab's pin of a namespace that holds nothing but the sandbox's
 //! sockets.
 //!
-//! A pinned namespace stays out of CRIU's images (`runtime::criu`): a
-//! rollback goes back into it instead of CRIU saving and rebuilding links,
-//! addresses, routes, rules and four firewall tables with a dozen `ip` and
-//! `iptables` runs at every checkpoint and restore. That is only right for
-//! a namespace the sandbox cannot configure (see [`may_pin`]): then its
-//! state is its sockets, which CRIU keeps with the processes, and a fresh
-//! namespace with `lo` up is the same namespace.
+//! A pinned namespace stays out of CRIU's images (`runtime::criu`), which
+//! spares CRIU saving and rebuilding links, addresses, routes, rules and
+//! four firewall tables with a dozen `ip` and `iptables` runs at every
+//! checkpoint and restore. That is only right for a namespace the sandbox
+//! cannot configure (see [`may_pin`]): then its state is its sockets,
+//! which CRIU keeps with the processes, and a fresh namespace with `lo` up
+//! ([`fresh_pinned`], what every restore of such an image gets) is the
+//! same namespace.
 
 use std::fs::File;
 use std::io;
@@ -173,9 +174,10 @@ pub fn fresh_pinned(at: &Path) -> io::Result<File> {
 
 /// Destroys the TCP sockets of network namespace `ns` that their owners
 /// already closed (time-wait, fin-wait, closing, last-ack): the killed
-/// processes' ends of connections that a restore brings back with the same
-/// addresses and ports, which the kernel would refuse while they linger.
-/// Open sockets (the proxy's listener and its connections) are left alone.
+/// processes' ends of connections that a restore into the same namespace
+/// (docker's) brings back with the same addresses and ports, which the
+/// kernel refuses while one lingers as a full socket. Open sockets (the
+/// proxy's listener and its connections) are left alone.
 pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
     let ns = File::open(ns)?;
     std::thread::scope(|s| {

@@ -92,18 +92,6 @@ pub fn try_ask(pid: i32, port: u16, req: &str) -> std::io::Result<String> {
     .expect("the client thread does not panic")
 }
 
-/// A connection to `port` on the loopback of `pid`'s network namespace,
-/// made from the host (the socket lives in that namespace).
-pub fn connect_in(pid: i32, port: u16) -> std::io::Result<std::net::TcpStream> {
-    std::thread::spawn(move || {
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
-        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-        std::net::TcpStream::connect(("127.0.0.1", port))
-    })
-    .join()
-    .expect("the client thread does not panic")
-}
-
 /// The tree under `dir` of `pid`'s root, by relative path: type, mode,
 /// owner, and content or link target.
 pub fn tree_digest(pid: i32, dir: &str) -> BTreeMap<String, String> {

@@ -324,9 +324,10 @@ pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
 /// named. A container made from another's checkpoint must not share it.
 ///
 /// A namespace crab pinned held nothing but sockets (`crate::netns`): the
-/// restore goes back into the sandbox's pin after the killed processes'
-/// closed connections are reaped, or into a fresh one (a new container, or
-/// a sandbox that unpinned its namespace since).
+/// restore gets a fresh one, pinned in place of the sandbox's. Going back
+/// into the old one would meet whatever the killed processes and a killed
+/// CRIU left there (connections closing with the addresses the restore
+/// needs, CRIU's network lock table after a crash mid-dump).
 fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     let open = |path: &Path| File::open(path).with_context(|| format!("open {}", path.display()));
     if let Some(path) = joined_netns(spec) {
@@ -338,10 +339,6 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
         Err(e) => return Err(e).context("read the network namespace's path"),
     };
     if opts.image_path.join(NETNS_OWN).exists() {
-        if !opts.fresh && opts.netns == Some(opts.own_netns) {
-            reap(opts.own_netns)?;
-            return open(opts.own_netns).map(Some);
-        }
         return crate::netns::fresh_pinned(opts.own_netns)
             .context("make a network namespace")
             .map(Some);
