@@ -77,33 +77,53 @@ pub fn pins_dir(root: &Path) -> PathBuf {
     root.join(".netns")
 }
 
-/// Whether the namespace that `spec` creates may be pinned: a new one
-/// (not joined), no user namespace (whose root would own it), and no
-/// process given `CAP_NET_ADMIN`, without which nothing in the sandbox can
-/// change a link, address, route, rule, firewall table or `net.*` sysctl.
-/// An exec that brings the capability unpins it ([`exec_may_configure`]).
+/// Whether the namespace that `spec` creates may be pinned, which needs
+/// all of: a new one (not joined); no user namespace (whose root would own
+/// it); no hook (a runtime hook may set up interfaces in it, as CNI does);
+/// no `net.*` sysctl of the spec's (set once at create: a fresh namespace
+/// would not have it); `/proc/sys` read-only (root writes `net.*` there
+/// without any capability); and a process without `CAP_NET_ADMIN` or
+/// `CAP_SYS_ADMIN` (which remounts `/proc/sys`) in any set, a missing
+/// capability list meaning every capability. An exec that could configure
+/// it unpins it first ([`exec_may_configure`]).
 pub fn may_pin(spec: &Spec) -> bool {
-    let namespaces = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().clone())
-        .unwrap_or_default();
+    let Some(linux) = spec.linux().as_ref() else {
+        return false;
+    };
+    let namespaces = linux.namespaces().clone().unwrap_or_default();
     let new_net = namespaces
         .iter()
         .any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none());
     let user = namespaces.iter().any(|n| n.typ() == LinuxNamespaceType::User);
-    new_net && !user && !spec.process().as_ref().is_some_and(net_admin)
+    let net_sysctl = linux
+        .sysctl()
+        .as_ref()
+        .is_some_and(|s| s.keys().any(|k| k.starts_with("net.") || k.starts_with("net/")));
+    let hooks = spec.hooks().as_ref().is_some_and(|h| {
+        #[allow(deprecated)]
+        let prestart = h.prestart();
+        [
+            prestart,
+            h.create_runtime(),
+            h.create_container(),
+            h.start_container(),
+            h.poststart(),
+        ]
+        .into_iter()
+        .any(|hooks| hooks.as_ref().is_some_and(|v| !v.is_empty()))
+    });
+    let listed = |paths: &Option<Vec<String>>| paths.iter().flatten().any(|p| p == "/proc/sys");
+    let proc_sys_ro = listed(linux.readonly_paths()) || listed(linux.masked_paths());
+    let configures = spec.process().as_ref().is_none_or(exec_may_configure);
+    new_net && !user && !net_sysctl && !hooks && proc_sys_ro && !configures
 }
 
-/// Whether an exec's process may configure the sandbox's network.
+/// Whether a process may configure the sandbox's network namespace:
+/// `CAP_NET_ADMIN` or `CAP_SYS_ADMIN` in any of its capability sets, or
+/// no capability list (libcontainer then drops none).
 pub fn exec_may_configure(process: &oci_spec::runtime::Process) -> bool {
-    net_admin(process)
-}
-
-/// Whether `CAP_NET_ADMIN` is in any of `process`'s capability sets.
-fn net_admin(process: &oci_spec::runtime::Process) -> bool {
     let Some(caps) = process.capabilities() else {
-        return false;
+        return true;
     };
     [
         caps.bounding(),
@@ -114,7 +134,31 @@ fn net_admin(process: &oci_spec::runtime::Process) -> bool {
     ]
     .into_iter()
     .flatten()
-    .any(|set| set.contains(&Capability::NetAdmin))
+    .any(|set| set.contains(&Capability::NetAdmin) || set.contains(&Capability::SysAdmin))
+}
+
+/// Whether `pin` is a pin of `pid`'s network namespace (compared by
+/// device and inode, whatever path names it).
+pub fn pins(pin: &Path, pid: i32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |m: std::fs::Metadata| (m.dev(), m.ino());
+    match (
+        std::fs::metadata(pin),
+        std::fs::metadata(format!("/proc/{pid}/ns/net")),
+    ) {
+        (Ok(a), Ok(b)) => id(a) == id(b),
+        _ => false,
+    }
+}
+
+/// Whether `pid`'s network namespace has no interface but `lo`.
+pub fn only_loopback(pid: i32) -> bool {
+    // Two header lines, then one line per interface: "  name: counters".
+    std::fs::read_to_string(format!("/proc/{pid}/net/dev")).is_ok_and(|t| {
+        t.lines()
+            .skip(2)
+            .all(|l| l.split(':').next().is_some_and(|name| name.trim() == "lo"))
+    })
 }
 
 /// Pins network namespace `ns` (an nsfs path such as `/proc/<pid>/ns/net`)
@@ -132,6 +176,7 @@ pub fn pin(ns: &Path, at: &Path) -> io::Result<()> {
         .create(true)
         .truncate(false)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(at)?;
     mount(Some(ns), at, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
     Ok(())
@@ -142,7 +187,7 @@ pub fn pin(ns: &Path, at: &Path) -> io::Result<()> {
 pub fn unpin(at: &Path) -> io::Result<()> {
     // A bounded loop: a pin is one mount, a crash between two pins two.
     for _ in 0..8 {
-        match umount2(at, MntFlags::MNT_DETACH) {
+        match umount2(at, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
             Ok(()) => continue,
             Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => break,
             Err(e) => return Err(e.into()),
@@ -213,6 +258,10 @@ mod tests {
     };
 
     fn spec(namespaces: &[LinuxNamespaceType], caps: &[Capability]) -> Spec {
+        spec_with(namespaces, caps, &[])
+    }
+
+    fn spec_with(namespaces: &[LinuxNamespaceType], caps: &[Capability], sysctl: &[(&str, &str)]) -> Spec {
         let namespaces = namespaces
             .iter()
             .map(|t| LinuxNamespaceBuilder::default().typ(*t).build().unwrap())
@@ -222,7 +271,19 @@ mod tests {
             .build()
             .unwrap();
         SpecBuilder::default()
-            .linux(LinuxBuilder::default().namespaces(namespaces).build().unwrap())
+            .linux(
+                LinuxBuilder::default()
+                    .namespaces(namespaces)
+                    .readonly_paths(vec!["/proc/sys".to_owned()])
+                    .sysctl(
+                        sysctl
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                            .collect::<std::collections::HashMap<_, _>>(),
+                    )
+                    .build()
+                    .unwrap(),
+            )
             .process(ProcessBuilder::default().capabilities(caps).build().unwrap())
             .build()
             .unwrap()
@@ -238,5 +299,35 @@ mod tests {
             "its own root owns it"
         );
         assert!(!may_pin(&spec(&[Pid, Network], &[Capability::NetAdmin])));
+        assert!(!may_pin(&spec(&[Pid, Network], &[Capability::SysAdmin])));
+        let sysctl = |k| spec_with(&[Pid, Network], &[], &[(k, "0")]);
+        assert!(
+            !may_pin(&sysctl("net.ipv4.ip_unprivileged_port_start")),
+            "set once at create"
+        );
+        assert!(may_pin(&sysctl("kernel.shm_rmid_forced")));
+
+        let mut no_caps = spec(&[Pid, Network], &[]);
+        let mut process = ProcessBuilder::default().build().unwrap();
+        process.set_capabilities(None);
+        no_caps.set_process(Some(process));
+        assert!(!may_pin(&no_caps), "no capability list: every capability");
+        let mut writable = spec(&[Pid, Network], &[]);
+        let mut linux = writable.linux().clone().unwrap();
+        linux.set_readonly_paths(None);
+        writable.set_linux(Some(linux));
+        assert!(!may_pin(&writable), "root writes net.* in a writable /proc/sys");
+        let mut hooked = spec(&[Pid, Network], &[]);
+        let hook = oci_spec::runtime::HookBuilder::default()
+            .path("/cni")
+            .build()
+            .unwrap();
+        hooked.set_hooks(Some(
+            oci_spec::runtime::HooksBuilder::default()
+                .create_runtime(vec![hook])
+                .build()
+                .unwrap(),
+        ));
+        assert!(!may_pin(&hooked), "a hook may set up interfaces");
     }
 }

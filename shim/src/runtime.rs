@@ -109,6 +109,14 @@ pub fn helper_main(args: &[String]) -> i32 {
 fn run(req: &Request) -> Result<Reply, Failed> {
     use anyhow::Context;
     let (root, id) = (&req.root, &req.id);
+    // Every path the helper makes from the id (state, pins) is one name
+    // beneath the root.
+    if id.is_empty() || id.starts_with('.') || id.contains('/') || id.contains('\0') {
+        return Err(Failed {
+            kind: FailureKind::BadRequest,
+            error: anyhow::anyhow!("invalid container id {id:?}"),
+        });
+    }
     let container = failed(FailureKind::Container);
     match &req.op {
         Op::Create { bundle, launch } => {

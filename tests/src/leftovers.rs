@@ -8,7 +8,8 @@ use std::process::Command;
 use crate::wait_until;
 
 /// The shim's default state directory (`[shim] state_dir`).
-const STATE_DIR: &str = "/run/crab/runtime";
+/// The shims' default state directory (libcontainer state, sockets, pins).
+pub const STATE_DIR: &str = "/run/crab/runtime";
 
 /// Where one client's containers leave traces.
 pub struct Scope {

@@ -464,7 +464,8 @@ fn terminal_sandbox_rolls_back() {
 /// A connection between two processes inside: a listener on 5000 and a
 /// client that writes to it ten times a second.
 const CONNECTED: &str = "idle() { while true; do sleep 1; done; }; \
-     idle | nc -l -p 5000 >/dev/null & sleep 0.5; \
+     idle | nc -l -p 5000 >/dev/null & \
+     until netstat -ltn | grep -q ':5000 '; do sleep 0.05; done; \
      while true; do echo x; sleep 0.1; done | nc 127.0.0.1 5000";
 
 /// The established TCP connections on `port` in `pid`'s namespace
@@ -528,7 +529,7 @@ fn pinned_network_namespace_rolls_back_and_forks() {
     };
     let pid = run(id, &[]);
     let mut ns = netns(pid);
-    let pin = Path::new("/run/crab/runtime")
+    let pin = Path::new(crab_tests::leftovers::STATE_DIR)
         .join(&ctd.namespace)
         .join(".netns")
         .join(id);
@@ -546,7 +547,14 @@ fn pinned_network_namespace_rolls_back_and_forks() {
         assert_ne!(netns(pid), ns, "{args:?}: a fresh namespace");
         ns = netns(pid);
         assert_eq!(pinned(), ns, "{args:?}: pinned in place of the old one");
-        assert_eq!(netns_in_images(&ctd, id, 1), (true, false));
+        // The new pin is crab's too: the next version keeps it out.
+        let v = crabctl_ok(&ctd, &["checkpoint", id]);
+        let v = v["version"]["version"].as_u64().unwrap();
+        assert_eq!(
+            netns_in_images(&ctd, id, v),
+            (true, false),
+            "{args:?}: version {v}"
+        );
         assert_eq!(
             established(pid, 5000),
             2,

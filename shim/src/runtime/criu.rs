@@ -108,7 +108,26 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
-    if let Some(path) = joined_netns(&spec).or_else(|| pinned_netns(pid)) {
+    // Whatever an earlier dump into this directory said no longer holds.
+    for stale in [NETNS_FILE, NETNS_OWN] {
+        match std::fs::remove_file(opts.image_path.join(stale)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("remove a stale {stale}"))
+            }
+            _ => {}
+        }
+    }
+    // crab's pin counts only while the namespace holds nothing but `lo`
+    // (a hook or a process could have given it more): else CRIU saves it.
+    let ours = crate::netns::pins(opts.own_netns, pid);
+    let own = ours && crate::netns::only_loopback(pid);
+    let outside = match joined_netns(&spec) {
+        Some(joined) => Some((joined, false)),
+        None if own => Some((opts.own_netns.to_owned(), true)),
+        None if ours => None,
+        None => pinned_netns(pid).map(|docker| (docker, false)),
+    };
+    if let Some((path, own)) = outside {
         let ino = std::fs::metadata(&path)
             .with_context(|| format!("stat {}", path.display()))?
             .ino();
@@ -118,7 +137,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
             path.as_os_str().as_encoded_bytes(),
         )
         .context("write the network namespace's path")?;
-        if path == opts.own_netns {
+        if own {
             std::fs::write(opts.image_path.join(NETNS_OWN), b"")
                 .context("mark the network namespace as crab's")?;
         }
@@ -339,6 +358,14 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
         Err(e) => return Err(e).context("read the network namespace's path"),
     };
     if opts.image_path.join(NETNS_OWN).exists() {
+        if !crate::netns::may_pin(spec) {
+            bail!(
+                "the checkpoint kept its network namespace out of its images (it held only lo), \
+                 and this container's spec may configure its own (user namespace, hooks, net.* \
+                 sysctls, a writable /proc/sys or CAP_NET_ADMIN/CAP_SYS_ADMIN): restore it into a \
+                 container like the one checkpointed"
+            );
+        }
         return crate::netns::fresh_pinned(opts.own_netns)
             .context("make a network namespace")
             .map(Some);
@@ -352,15 +379,11 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     }
     // The sandbox's namespace now: docker pins a new one at each start.
     let path = opts.netns.map_or(named, Path::to_owned);
-    reap(&path)?;
+    // Best effort: a restored connection meets a lingering one only when
+    // the kernel cannot reuse it (its peer kept it open), and a missing
+    // `ss` must not cost docker sandboxes their rollback.
+    let _ = crate::netns::reap_closed_tcp(&path);
     open(&path).map(Some)
-}
-
-/// Reaps the closed connections of a namespace that a restore goes back
-/// into (`ss`, of iproute2, which CRIU needs as well).
-fn reap(ns: &Path) -> Result<()> {
-    crate::netns::reap_closed_tcp(ns)
-        .with_context(|| format!("reap the closed connections in {}", ns.display()))
 }
 
 /// A duplicate of `fd` numbered above stdio, without `CLOEXEC`.
