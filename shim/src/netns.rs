@@ -151,13 +151,24 @@ pub fn pins(pin: &Path, pid: i32) -> bool {
     }
 }
 
-/// Whether `pid`'s network namespace has no interface but `lo`.
+/// The interfaces every new namespace has: `lo`, and the fallback tunnel
+/// devices of the tunnel modules the host has loaded (unless
+/// `net.core.fb_tunnels_only_for_init_net`); nothing in the sandbox can
+/// configure them without `CAP_NET_ADMIN`.
+const EVERY_NAMESPACE_HAS: &[&str] = &[
+    "lo", "tunl0", "gre0", "gretap0", "erspan0", "sit0", "ip6tnl0", "ip6gre0", "ip_vti0", "ip6_vti0",
+];
+
+/// Whether `pid`'s network namespace has no interface but those a fresh
+/// one has.
 pub fn only_loopback(pid: i32) -> bool {
     // Two header lines, then one line per interface: "  name: counters".
     std::fs::read_to_string(format!("/proc/{pid}/net/dev")).is_ok_and(|t| {
-        t.lines()
-            .skip(2)
-            .all(|l| l.split(':').next().is_some_and(|name| name.trim() == "lo"))
+        t.lines().skip(2).all(|l| {
+            l.split(':')
+                .next()
+                .is_some_and(|name| EVERY_NAMESPACE_HAS.contains(&name.trim()))
+        })
     })
 }
 

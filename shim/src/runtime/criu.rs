@@ -117,14 +117,16 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
             _ => {}
         }
     }
-    // crab's pin counts only while the namespace holds nothing but `lo`
-    // (a hook or a process could have given it more): else CRIU saves it.
+    // crab's pin counts as crab's only while the namespace holds nothing
+    // but what a fresh one has (something outside may have added more).
     let ours = crate::netns::pins(opts.own_netns, pid);
     let own = ours && crate::netns::only_loopback(pid);
     let outside = match joined_netns(&spec) {
         Some(joined) => Some((joined, false)),
         None if own => Some((opts.own_netns.to_owned(), true)),
-        None if ours => None,
+        // Ours, but something outside gave it interfaces (`ctr run --cni`):
+        // kept and gone back into, as docker's.
+        None if ours => Some((opts.own_netns.to_owned(), false)),
         None => pinned_netns(pid).map(|docker| (docker, false)),
     };
     if let Some((path, own)) = outside {
@@ -372,7 +374,7 @@ fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     }
     if opts.fresh {
         bail!(
-            "the checkpoint's network belongs to its own sandbox ({}, set up by docker): \
+            "the checkpoint's network belongs to its own sandbox ({}, set up outside it, by docker or a network plugin): \
              it cannot be restored into another",
             named.display()
         );
