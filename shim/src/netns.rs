@@ -77,6 +77,17 @@ pub fn pins_dir(root: &Path) -> PathBuf {
     root.join(".netns")
 }
 
+/// Whether `spec` makes a new network namespace (one with no path).
+pub fn creates(spec: &Spec) -> bool {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .iter()
+        .copied()
+        .flatten()
+        .any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none())
+}
+
 /// Whether the namespace that `spec` creates may be pinned, which needs
 /// all of: a new one (not joined); no user namespace (whose root would own
 /// it); no hook (a runtime hook may set up interfaces in it, as CNI does);
@@ -90,11 +101,12 @@ pub fn may_pin(spec: &Spec) -> bool {
     let Some(linux) = spec.linux().as_ref() else {
         return false;
     };
-    let namespaces = linux.namespaces().clone().unwrap_or_default();
-    let new_net = namespaces
+    let new_net = creates(spec);
+    let user = linux
+        .namespaces()
         .iter()
-        .any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none());
-    let user = namespaces.iter().any(|n| n.typ() == LinuxNamespaceType::User);
+        .flatten()
+        .any(|n| n.typ() == LinuxNamespaceType::User);
     let net_sysctl = linux
         .sysctl()
         .as_ref()

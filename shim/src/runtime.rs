@@ -221,7 +221,7 @@ fn create(root: &Path, id: &str, bundle: &Path, launch: &LaunchSpec) -> anyhow::
     }
     // runc brings up the loopback interface of a network namespace
     // it creates; libcontainer does not, and programs expect it.
-    if creates_netns(&spec) {
+    if crate::netns::creates(&spec) {
         crate::netns::loopback_up(pid.as_raw()).context("bring up lo in the container")?;
     }
     Ok(pid.as_raw())
@@ -360,18 +360,6 @@ fn preserved(launch: &LaunchSpec) -> i32 {
         Some(_) => 1,
         None => 0,
     }
-}
-
-/// Whether the bundle's spec makes a new network namespace (one with no path).
-fn creates_netns(spec: &oci_spec::runtime::Spec) -> bool {
-    let namespaces = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().clone())
-        .unwrap_or_default();
-    namespaces
-        .iter()
-        .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Network && n.path().is_none())
 }
 
 /// Makes libcontainer's state for container `id` of `bundle`, which has no
