@@ -15,6 +15,7 @@ use serde::Serialize;
 
 mod doctor;
 mod progress;
+mod register;
 mod table;
 mod tree;
 
@@ -178,6 +179,20 @@ enum Command {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
     },
+    /// Add Crab's runtime to docker's daemon.json ("crab") or to
+    /// containerd's CRI runtimes (handler "crab"); `--remove` takes out only
+    /// what this command added. The engine must be reloaded after it.
+    Register {
+        /// The engine whose configuration to change.
+        engine: register::Engine,
+        /// Its configuration file (default: /etc/docker/daemon.json or
+        /// /etc/containerd/config.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Take Crab's runtime out instead.
+        #[arg(long)]
+        remove: bool,
+    },
     /// Remove a version (and what only it used).
     RmVersion {
         /// Container id, or a unique prefix of one.
@@ -223,6 +238,9 @@ enum RunError {
         /// Whether its shim serves a proxy at all.
         has_proxy: bool,
     },
+    /// A runtime registration left the configuration as it was.
+    #[error(transparent)]
+    Register(#[from] register::RegisterError),
     /// A local step failed.
     #[error("cannot {what}")]
     Local {
@@ -483,6 +501,36 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 }
                 _ => {}
             }
+        }
+        Command::Register {
+            engine,
+            config,
+            remove,
+        } => {
+            let path = config.as_deref().unwrap_or(engine.default_config());
+            let outcome = register::register(*engine, path, *remove)?;
+            let report = serde_json::json!({ "engine": engine, "config": path, "outcome": outcome });
+            print(cli.json, &report, || {
+                let what = match outcome {
+                    register::Outcome::Added => format!(
+                        "added Crab's runtime \"crab\" to {}; {}",
+                        path.display(),
+                        engine.next_step()
+                    ),
+                    register::Outcome::AlreadyThere => {
+                        format!("{} already has Crab's runtime \"crab\"", path.display())
+                    }
+                    register::Outcome::Removed => format!(
+                        "took Crab's runtime \"crab\" out of {}; {}",
+                        path.display(),
+                        engine.next_step()
+                    ),
+                    register::Outcome::NotThere => {
+                        format!("{} has no runtime \"crab\" of Crab's", path.display())
+                    }
+                };
+                what + "\n"
+            });
         }
         Command::Doctor => {
             let checks = doctor::run(&crabd).await;
