@@ -5,7 +5,7 @@
 # Rust as packaging/install-deps.sh installs it when the machine has none.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: deps build release demo test lint bench install
+.PHONY: deps build release demo test lint bench install deb
 
 deps:
 	packaging/install-deps.sh
@@ -43,3 +43,8 @@ bench: deps release
 
 install: release
 	packaging/install.sh
+
+# target/debian/crab_<version>_<arch>.deb: all five binaries, the default
+# /etc/crab/crab.toml, systemd units, completions (packaging/deb).
+deb: deps release
+	packaging/deb/build.sh --binaries target/release

@@ -29,7 +29,7 @@ base_pkgs=(
   containerd runc iptables zfs-fuse btrfs-progs
   clang llvm libbpf-dev bpftool protobuf-compiler libseccomp-dev pkg-config
   busybox-static debootstrap iproute2 procps psmisc curl ca-certificates
-  git gcc libc6-dev sqlite3
+  git gcc libc6-dev sqlite3 dpkg-dev debconf
   python3 python3-pip python3-venv jq util-linux e2fsprogs
   nodejs
   fonts-dejavu-core
@@ -152,6 +152,14 @@ elif command -v rustup >/dev/null; then
   for c in rustfmt clippy; do
     rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
   done
+fi
+
+# cargo-deb builds the .deb (packaging/deb/build.sh, `make deb`, and the
+# test that installs it), at a version known to take our metadata.
+CARGO_DEB_VERSION=3.8.0
+if [ "$(cargo-deb --version 2>/dev/null | awk '{print $2}')" != "$CARGO_DEB_VERSION" ]; then
+  log "installing cargo-deb $CARGO_DEB_VERSION"
+  cargo install --locked --quiet cargo-deb --version "=$CARGO_DEB_VERSION"
 fi
 
 log "done: $(cargo --version); $(containerd --version | head -1); runc $(runc --version | head -1 | awk '{print $3}'); $(dockerd --version); criu $(criu --version | head -1)"

@@ -19,9 +19,13 @@ install -D -m 0755 "$top/target/release/containerd-crab-snapshotter" "$PREFIX/bi
 # by its systemd unit; crabctl is the user's command.
 install -D -m 0755 "$top/target/release/crabd" "$PREFIX/bin/crabd"
 install -D -m 0755 "$top/target/release/crabctl" "$PREFIX/bin/crabctl"
+install -D -m 0644 "$top/README.md" "$PREFIX/share/doc/crab/README.md"
 if [ -d /etc/systemd/system ]; then
-  install -D -m 0644 "$here/systemd/containerd-crab-snapshotter.service" /etc/systemd/system/containerd-crab-snapshotter.service
-  install -D -m 0644 "$here/systemd/crabd.service" /etc/systemd/system/crabd.service
+  # The units name the .deb's paths (/usr/bin, /usr/share/doc).
+  for unit in containerd-crab-snapshotter.service crabd.service; do
+    sed -e "s#/usr/bin/#$PREFIX/bin/#" -e "s#/usr/share/doc/#$PREFIX/share/doc/#" "$here/systemd/$unit" > "/etc/systemd/system/$unit"
+    chmod 0644 "/etc/systemd/system/$unit"
+  done
 fi
 if [ ! -e /etc/crab/crab.toml ]; then
   install -D -m 0644 "$here/crab.toml" /etc/crab/crab.toml

@@ -5,7 +5,7 @@
 //! docker tests take a host-wide lock and run one at a time.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -35,6 +35,13 @@ impl Dockerd {
     /// Like [`Dockerd::start`], with `env` in its containerd's environment
     /// (which the shims inherit), e.g. a `CRAB_CONFIG`.
     pub fn start_with(env: &[(&str, &str)]) -> Self {
+        let daemon_json = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../packaging/docker/daemon.json");
+        Self::start_configured(env, &daemon_json)
+    }
+
+    /// Like [`Dockerd::start_with`], with dockerd reading `daemon_json`
+    /// (e.g. the host's, as a package registered the runtime in it).
+    pub fn start_configured(env: &[(&str, &str)], daemon_json: &Path) -> Self {
         let lock = File::create("/tmp/crab-tests-dockerd.lock").expect("create lock file");
         let lock = Flock::lock(lock, FlockArg::LockExclusive)
             .map_err(|(_, e)| e)
@@ -42,7 +49,6 @@ impl Dockerd {
         let containerd = Containerd::start_full("", env);
         let dir = PathBuf::from(format!("/tmp/{}", unique("crabdk")));
         std::fs::create_dir_all(&dir).expect("create dockerd dir");
-        let daemon_json = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../packaging/docker/daemon.json");
         let log = File::create(dir.join("dockerd.log")).expect("create dockerd log");
         let child = Command::new("dockerd")
             .arg("--containerd")
