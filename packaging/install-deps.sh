@@ -33,6 +33,7 @@ base_pkgs=(
   python3 python3-pip python3-venv jq util-linux e2fsprogs
   nodejs
   fonts-dejavu-core
+  chromium chromium-driver
 )
 
 missing=()

@@ -59,6 +59,9 @@ pub struct CrabdConfig {
     /// Port of the host listener on 127.0.0.1 for agents outside their
     /// sandbox (`/s/<sandbox>/…`); 0 disables it.
     pub proxy_port: u16,
+    /// Port of crabd's page on 127.0.0.1 (`crabctl ui` prints its URL,
+    /// whose secret only root can get); 0 disables it.
+    pub ui_port: u16,
     /// Seconds between two looks at stopped sandboxes, whose history goes
     /// once containerd has removed their container.
     pub gc_interval_secs: u64,
@@ -276,6 +279,7 @@ mod tests {
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.socket, PathBuf::from("/run/crab/crabd.sock"));
         assert_eq!(cfg.proxy_port, 7879);
+        assert_eq!(cfg.ui_port, 7880);
         std::fs::write(&path, "[crabd]\nroot = \"/x\"\n[shim]\nlog_level = \"debug\"\n").unwrap();
         let cfg = CrabdConfig::load_from(&path).unwrap();
         assert_eq!(cfg.root, PathBuf::from("/x"));

@@ -81,6 +81,96 @@ pub struct TurnReport {
     pub n_reasons: usize,
 }
 
+/// Something that happened to a sandbox: a line of `crabctl logs`, a mark
+/// on the timeline of crabd's page.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// When, in milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+    /// The sandbox.
+    pub sandbox: SandboxId,
+    /// What happened.
+    #[serde(flatten)]
+    pub kind: EventKind,
+}
+
+/// What happened, by kind (the JSON field `event` names it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum EventKind {
+    /// A turn ended: the inspector's class and the version that covers it,
+    /// or why it got none.
+    Turn {
+        /// The proxy's turn number.
+        turn: u64,
+        /// The inspector's class (none when it was not asked).
+        class: Option<Class>,
+        /// The version made for it.
+        version: Option<u64>,
+        /// Why it got no version.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    /// A version was published.
+    Checkpoint {
+        /// Its number.
+        version: u64,
+        /// What it holds.
+        class: Class,
+        /// The turn it was made for (none: by hand).
+        turn: Option<u64>,
+        /// Bytes of process images written.
+        bytes: u64,
+        /// Milliseconds the sandbox was frozen.
+        frozen_ms: f64,
+        /// Milliseconds it took, the wait for a slot excluded.
+        total_ms: f64,
+    },
+    /// A turn's answer waited for its version to be safe.
+    Hold {
+        /// The turn.
+        turn: u64,
+        /// Milliseconds from the answer's arrival to the version.
+        held_ms: f64,
+    },
+    /// A version was restored in place of the running sandbox.
+    Rollback {
+        /// The version it runs now.
+        version: u64,
+        /// Milliseconds of the undo checkpoint, if one was taken.
+        undo_ms: Option<f64>,
+        /// Milliseconds it took.
+        total_ms: f64,
+        /// Why, when not asked by a person or the agent (a safety rule).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// The sandbox's init died unasked and a version was restored.
+    Recovery {
+        /// The version restored.
+        version: u64,
+        /// The dead init's exit status.
+        exit_status: u32,
+        /// Milliseconds from the crash report to running again.
+        total_ms: u64,
+    },
+    /// A checkpoint, rollback or recovery failed.
+    Failed {
+        /// What failed: `checkpoint`, `rollback` or `recovery`.
+        what: String,
+        /// Why.
+        error: String,
+    },
+}
+
+/// The URL of crabd's page (`crabctl ui`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UiUrl {
+    /// `http://127.0.0.1:PORT/ui/<secret>/`, or none when the page is off
+    /// (`[crabd] ui_port = 0`) or its port could not be bound.
+    pub url: Option<String>,
+}
+
 /// The first line of a watch: the watch is live, and every turn that ends
 /// from now on is reported.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -542,6 +632,25 @@ impl ErrorCode {
             Fs | Internal | SandboxLost | Unknown => 500,
         }
     }
+}
+
+/// `GET` [`crate::routes::EVENTS`]'s query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventsQuery {
+    /// How many of the newest events to send first (at most
+    /// [`MAX_EVENTS_TAIL`]).
+    #[serde(default = "default_tail")]
+    pub tail: usize,
+    /// Then keep the stream open and send events as they happen.
+    #[serde(default)]
+    pub follow: bool,
+}
+
+/// The most events a sandbox keeps, and a query's largest `tail`.
+pub const MAX_EVENTS_TAIL: usize = 1000;
+
+fn default_tail() -> usize {
+    100
 }
 
 /// `POST /v1/import`'s query: where the archive's sandbox goes.

@@ -19,6 +19,8 @@
 //! | POST | [`FORKS`] | `ForksRequest` → `ForksReport` (N forks of one version) |
 //! | POST | [`TURN`] | → `TurnReport` (ends the inspector's turn by hand) |
 //! | GET | [`WATCH`] | → `TurnReport`s as JSON lines, as turns end |
+//! | GET | [`EVENTS`] (`EventsQuery`) | → `Event`s as JSON lines: the newest, then (`follow`) live ones |
+//! | GET | [`UI`] | → `UiUrl` (the page's URL, its secret included) |
 //! | GET | [`EXPORT`] | → a tar archive |
 //! | POST | [`IMPORT`] (`ImportQuery`) | a tar archive → `ImportReport` |
 //! | POST | [`RESUME`] | `ResumeRequest` → `ResumeReport` (a sandbox whose task died) |
@@ -65,6 +67,10 @@ pub const FORKS: &str = "/v1/sandboxes/{sel}/forks";
 pub const TURN: &str = "/v1/sandboxes/{sel}/turn";
 /// Turn reports as they happen.
 pub const WATCH: &str = "/v1/sandboxes/{sel}/watch";
+/// A sandbox's events (`crabctl logs`).
+pub const EVENTS: &str = "/v1/sandboxes/{sel}/events";
+/// The URL of crabd's page (`crabctl ui`).
+pub const UI: &str = "/v1/ui";
 /// One version (DELETE removes it).
 pub const VERSION: &str = "/v1/sandboxes/{sel}/versions/{version}";
 /// One version as an archive.
@@ -98,6 +104,8 @@ pub const ALL: &[(&str, &[&str])] = &[
     (FORKS, &["post"]),
     (TURN, &["post"]),
     (WATCH, &["get"]),
+    (EVENTS, &["get"]),
+    (UI, &["get"]),
     (VERSION, &["delete"]),
     (EXPORT, &["get"]),
     (IMPORT, &["post"]),
@@ -190,6 +198,12 @@ pub fn turn(sel: &dyn Display) -> String {
 /// [`WATCH`] for `sel`.
 pub fn watch(sel: &dyn Display) -> String {
     fill(WATCH, sel, None)
+}
+
+/// [`EVENTS`] for `sel`: its newest `tail` events, then (`follow`) those
+/// that happen.
+pub fn events(sel: &dyn Display, tail: usize, follow: bool) -> String {
+    format!("{}?tail={tail}&follow={follow}", fill(EVENTS, sel, None))
 }
 
 /// [`VERSION`] for `sel` and version number `n`.

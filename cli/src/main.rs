@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use crab_api::crabd::{
-    DrainRequest, ForkRequest, ForksRequest, ImportQuery, ResumeRequest, RollbackRequest, TurnReport,
-    VersionView, WatchStarted, MAX_DRAIN_GRACE_SECS, MAX_FORKS,
+    DrainRequest, Event, EventKind, ForkRequest, ForksRequest, ImportQuery, ResumeRequest, RollbackRequest,
+    TurnReport, VersionView, WatchStarted, MAX_DRAIN_GRACE_SECS, MAX_EVENTS_TAIL, MAX_FORKS,
 };
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
@@ -99,6 +99,22 @@ enum Command {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
     },
+    /// Print what happened to a sandbox: turns (class, version), versions
+    /// (size, frozen time), held answers, rollbacks, recoveries, failures.
+    Logs {
+        /// Container id, or a unique prefix of one.
+        sandbox: SandboxSelector,
+        /// How many of the newest events.
+        #[arg(short = 'n', long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=MAX_EVENTS_TAIL as u64))]
+        tail: u64,
+        /// Then print events as they happen (until Ctrl-C).
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Print the URL of crabd's page: a live timeline of every sandbox's
+    /// turns, versions, holds, rollbacks and recoveries (keep it to
+    /// yourself: it lets its holder watch every sandbox).
+    Ui,
     /// Print crabd's metrics (Prometheus text format): turns by class,
     /// versions, bytes written, the checkpoint queue, latencies.
     Metrics,
@@ -370,6 +386,35 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             print(cli.json, &r, || turn_line(&r));
         }
         Command::Metrics => print!("{}", crabd.metrics().await?),
+        Command::Logs {
+            sandbox,
+            tail,
+            follow,
+        } => {
+            let json = cli.json;
+            crabd
+                .events(sandbox, *tail as usize, *follow, |event| {
+                    match event {
+                        Ok(e) if !json => println!("{}", event_line(&e)),
+                        Ok(e) => println!("{}", serde_json::to_string(&e).expect("an event serializes")),
+                        Err(line) => println!("{line}"),
+                    }
+                    true
+                })
+                .await?;
+        }
+        Command::Ui => {
+            let ui = crabd.ui().await?;
+            print(cli.json, &ui, || match &ui.url {
+                Some(url) => format!("{url}\n"),
+                None => {
+                    "crabd's page is off: set [crabd] ui_port (see crabd's log if it is set)\n".to_owned()
+                }
+            });
+            if ui.url.is_none() {
+                std::process::exit(1);
+            }
+        }
         Command::Watch { sandbox } => {
             let json = cli.json;
             crabd
@@ -711,6 +756,55 @@ fn recovered(s: &crab_api::crabd::SandboxInfo) -> String {
 /// One line per version a restore passed over, and why.
 fn passed_over(why: &[String]) -> String {
     why.iter().map(|e| format!("passed over: {e}\n")).collect()
+}
+
+/// One line of `crabctl logs`: when, what, and the figures.
+fn event_line(e: &Event) -> String {
+    let when = table::ago(e.at_unix_ms, table::now_ms());
+    let what = match &e.kind {
+        EventKind::Turn {
+            turn,
+            class,
+            version,
+            error,
+        } => match (class, version, error) {
+            (Some(class), Some(v), _) => format!("turn {turn}: {class}, version {v}"),
+            (_, _, Some(error)) => format!("turn {turn}: no version: {error}"),
+            _ => format!("turn {turn}: no version"),
+        },
+        EventKind::Checkpoint {
+            version,
+            class,
+            turn,
+            bytes,
+            frozen_ms,
+            total_ms,
+        } => format!(
+            "version {version} ({class}, {}): {}, frozen {frozen_ms:.0} ms, {total_ms:.0} ms in all",
+            turn.map_or("by hand".to_owned(), |t| format!("turn {t}")),
+            table::size(*bytes)
+        ),
+        EventKind::Hold { turn, held_ms } => {
+            format!("turn {turn}: answer held {held_ms:.0} ms for its version")
+        }
+        EventKind::Rollback {
+            version,
+            undo_ms,
+            total_ms,
+            reason,
+        } => format!(
+            "rolled back to version {version} in {total_ms:.0} ms{}{}",
+            undo_ms.map_or(String::new(), |u| format!(" (undo {u:.0} ms)")),
+            reason.as_ref().map_or(String::new(), |r| format!(": {r}"))
+        ),
+        EventKind::Recovery {
+            version,
+            exit_status,
+            total_ms,
+        } => format!("crashed (exit status {exit_status}): recovered to version {version} in {total_ms} ms"),
+        EventKind::Failed { what, error } => format!("{what} failed: {error}"),
+    };
+    format!("{when:>12}  {what}")
 }
 
 fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {

@@ -32,6 +32,7 @@ mod checkpoint;
 mod disk_probe;
 mod drain;
 mod error;
+mod events;
 mod export;
 mod files;
 mod fork;
@@ -51,6 +52,7 @@ mod safety;
 mod sandboxes;
 mod schedule;
 mod turn_end;
+mod ui;
 mod versions;
 mod work;
 
@@ -98,6 +100,8 @@ pub struct Daemon {
     lifecycle: tokio::sync::Mutex<()>,
     /// The port the host listener is bound to, if it runs.
     proxy_port: Option<u16>,
+    /// The port crabd's page is served on, if it is.
+    ui_port: Option<u16>,
     /// What the host listener's per-sandbox secrets are made with.
     host_key: host_listener::HostKey,
     /// What this host signs its exports with.
@@ -110,6 +114,8 @@ pub struct Daemon {
     turns: turn_end::TurnQueue,
     /// What crabd counts.
     metrics: Arc<metrics::Metrics>,
+    /// What happened to each sandbox (`crabctl logs`, the page).
+    events: events::EventLog,
     /// Held by the one drain that may run.
     draining: Arc<tokio::sync::Mutex<()>>,
     /// Each sandbox's last version that safety rules judged clean (in
@@ -170,6 +176,7 @@ impl Daemon {
             scheduler: schedule::Scheduler::new(shape, metrics.clone()),
             turns: turn_end::TurnQueue::default(),
             metrics,
+            events: events::EventLog::new(&config.root),
             files: files::Files::new(config.root.join("fs")),
             host_key,
             signing_key,
@@ -179,6 +186,7 @@ impl Daemon {
             busy: parking_lot::Mutex::new(HashMap::new()),
             lifecycle: tokio::sync::Mutex::new(()),
             proxy_port: None,
+            ui_port: None,
             inspection: Inspection::new(None),
             draining: Arc::new(tokio::sync::Mutex::new(())),
             clean: parking_lot::Mutex::new(HashMap::new()),
@@ -254,12 +262,19 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
     if let Some(i) = inspect::load(&daemon.config) {
         daemon = daemon.with_inspector(i);
     }
-    let host = host_listener::bind(daemon.config.proxy_port).await;
+    let host = host_listener::bind(
+        daemon.config.proxy_port,
+        "host listener for agents outside their sandbox",
+    )
+    .await;
     daemon.proxy_port = host.as_ref().map(|(_, port)| *port);
+    let page = host_listener::bind(daemon.config.ui_port, "crabd's page (crabctl ui)").await;
+    daemon.ui_port = page.as_ref().map(|(_, port)| *port);
     let daemon = Arc::new(daemon);
     let stop_host = tokio_util::sync::CancellationToken::new();
     let host_task =
         host.map(|(listener, _)| host_listener::spawn(listener, daemon.clone(), stop_host.clone()));
+    let page_task = page.map(|(listener, _)| ui::spawn(listener, daemon.clone(), stop_host.clone()));
     // Only after the host restarted: a crabd restarted alone finds its
     // sandboxes' tasks as containerd and their shims left them.
     if resume::host_restarted(&daemon.config.root) && daemon.config.resume_on_boot {
@@ -295,6 +310,9 @@ pub async fn serve(config: CrabdConfig) -> Result<(), DaemonError> {
         task.abort();
     }
     if let Some(task) = host_task {
+        let _ = task.await;
+    }
+    if let Some(task) = page_task {
         let _ = task.await;
     }
     let _ = std::fs::remove_file(&socket);

@@ -436,9 +436,15 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
             crate::image::fixtures_dir().display()
         )
     };
+    // The page only where a test asks for it (its default port is one).
+    let page = if toml.contains("ui_port =") {
+        ""
+    } else {
+        "ui_port = 0\n"
+    };
     let keys = format!(
         "socket = \"{d}/crabd.sock\"\nroot = \"{d}/crabd\"\nproxy_port = {port}\n\
-         inspector_pin_dir = \"{pins}\"\n{inspector}{gc}{binds}",
+         inspector_pin_dir = \"{pins}\"\n{inspector}{gc}{binds}{page}",
         d = dir.display(),
         port = free_port(),
         pins = pin_dir(dir).display(),
@@ -453,7 +459,7 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
 }
 
 /// A port on 127.0.0.1 that nothing listened on a moment ago.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local addr").port()
 }

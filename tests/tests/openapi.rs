@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
-    ErrorCode, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, HostKeys, ImportQuery,
-    ImportReport, Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest, RollbackReport,
-    RollbackRequest, SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, VersionView,
-    WatchStarted,
+    ErrorCode, Event, EventKind, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, HostKeys,
+    ImportQuery, ImportReport, Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest,
+    RollbackReport, RollbackRequest, SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, UiUrl,
+    VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -85,6 +85,15 @@ const SCHEMAS: &[&str] = &[
     "Empty",
     "ErrorBody",
     "ErrorCode",
+    "Event",
+    "EventTurn",
+    "EventCheckpoint",
+    "EventHold",
+    "EventRollback",
+    "EventRecovery",
+    "EventFailed",
+    "EventLine",
+    "UiUrl",
 ];
 
 // === building values ===
@@ -469,6 +478,8 @@ fn the_helpers_find_each_routes_messages() {
         ),
         ("post", routes::TURN, None, Some("TurnReport")),
         ("get", routes::WATCH, None, Some("WatchLine")),
+        ("get", routes::EVENTS, None, Some("EventLine")),
+        ("get", routes::UI, None, Some("UiUrl")),
         ("get", routes::EXPORT, None, None),
         ("post", routes::IMPORT, None, Some("ImportReport")),
         ("get", routes::KEYS, None, Some("HostKeys")),
@@ -735,6 +746,87 @@ fn turns() {
     }
     assert_valid("TurnAnswered", &TurnAnswered { promoted: true });
     assert_valid("Crash", &Crash { exit_status: 139 });
+}
+
+#[test]
+fn events() {
+    let kinds = [
+        EventKind::Turn {
+            turn: 3,
+            class: Some(Class::Fs),
+            version: Some(4),
+            error: None,
+        },
+        EventKind::Turn {
+            turn: 4,
+            class: None,
+            version: None,
+            error: Some("superseded".into()),
+        },
+        EventKind::Checkpoint {
+            version: 4,
+            class: Class::Full,
+            turn: Some(3),
+            bytes: 1 << 20,
+            frozen_ms: 120.5,
+            total_ms: 150.0,
+        },
+        EventKind::Checkpoint {
+            version: 5,
+            class: Class::None,
+            turn: None,
+            bytes: 0,
+            frozen_ms: 0.0,
+            total_ms: 1.0,
+        },
+        EventKind::Hold {
+            turn: 3,
+            held_ms: 12.0,
+        },
+        EventKind::Rollback {
+            version: 2,
+            undo_ms: Some(140.0),
+            total_ms: 300.0,
+            reason: None,
+        },
+        EventKind::Rollback {
+            version: 2,
+            undo_ms: None,
+            total_ms: 130.0,
+            reason: Some("safety rule protected path: /etc/passwd".into()),
+        },
+        EventKind::Recovery {
+            version: 4,
+            exit_status: 137,
+            total_ms: 180,
+        },
+        EventKind::Failed {
+            what: "checkpoint".into(),
+            error: "the store is full".into(),
+        },
+    ];
+    for kind in kinds {
+        let event = Event {
+            at_unix_ms: 1_764_000_000_000,
+            sandbox: id("web-1"),
+            kind,
+        };
+        assert_valid("Event", &event);
+        assert_valid("EventLine", &event);
+    }
+    assert_valid("EventLine", &json!({"lagged": 3}));
+    assert_invalid(
+        "Event",
+        json!({"at_unix_ms": 1, "sandbox": "s", "event": "turn", "turn": 1, "class": "most", "version": 1}),
+    );
+    assert_invalid("Event", json!({"at_unix_ms": 1, "sandbox": "s", "event": "nap"}));
+    assert_valid(
+        "UiUrl",
+        &UiUrl {
+            url: Some("http://127.0.0.1:7880/ui/00112233445566778899aabbccddeeff/".into()),
+        },
+    );
+    assert_valid("UiUrl", &UiUrl { url: None });
 }
 
 #[test]

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use super::{ClientError, UnixClient};
 use crate::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
+    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, Event, ForkReport, ForkRequest,
     ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
     ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
-    TurnReport, VersionView,
+    TurnReport, UiUrl, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -162,6 +162,29 @@ impl Crabd {
                 on_line(line, serde_json::from_str::<TurnReport>(line).ok())
             })
             .await
+    }
+
+    /// Hands sandbox `sel`'s newest `tail` events to `on_event`, oldest
+    /// first, then (`follow`) each as it happens, until crabd ends the
+    /// stream or `on_event` returns false. A line that is no event (crabd
+    /// says how many a slow reader missed) comes as `Err(line)`.
+    pub async fn events(
+        &self,
+        sel: &SandboxSelector,
+        tail: usize,
+        follow: bool,
+        mut on_event: impl FnMut(Result<Event, &str>) -> bool,
+    ) -> Result<(), ClientError> {
+        self.http
+            .lines(&routes::events(sel, tail, follow), |line| {
+                on_event(serde_json::from_str::<Event>(line).map_err(|_| line))
+            })
+            .await
+    }
+
+    /// The URL of crabd's page, its secret included.
+    pub async fn ui(&self) -> Result<UiUrl, ClientError> {
+        self.http.get(routes::UI).await
     }
 
     /// Writes version `version` of sandbox `sel` as an archive to `dst`;

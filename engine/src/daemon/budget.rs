@@ -68,7 +68,7 @@ impl Daemon {
 }
 
 /// Bytes a non-root user could still write on the filesystem of `path`.
-fn free_bytes(path: &Path) -> std::io::Result<u64> {
+pub(super) fn free_bytes(path: &Path) -> std::io::Result<u64> {
     let st = nix::sys::statvfs::statvfs(path)?;
     Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
 }

@@ -17,6 +17,8 @@ use crab_api::crabd::{CheckpointReport, Registration, TurnEnd};
 use crab_api::shim::{FsTarget, ShimCheckpoint, ShimCheckpointed};
 use crab_api::{routes, Class, FsSnapshot, SnapshotName};
 
+use crab_api::crabd::EventKind;
+
 use super::metrics::Metrics;
 use super::schedule::Slot;
 use super::work::{blocking, detached, unix_ms};
@@ -68,6 +70,33 @@ impl Daemon {
     /// lock and, unless `class` is `none`, a `slot`, which is freed here.
     #[tracing::instrument(skip_all, fields(sandbox = %reg.id, %class))]
     pub(super) async fn capture(
+        self: &Arc<Self>,
+        reg: &Registration,
+        class: Class,
+        turn: Option<TurnEnd>,
+        slot: Option<Slot>,
+    ) -> Result<CheckpointReport, ApiError> {
+        let made = self.make_version(reg, class, turn, slot).await;
+        let event = match &made {
+            Ok(r) => EventKind::Checkpoint {
+                version: r.version.version,
+                class: r.version.class,
+                turn: r.version.turn,
+                bytes: r.version.images.iter().map(|f| f.bytes).sum(),
+                frozen_ms: r.frozen_ms,
+                total_ms: r.total_ms,
+            },
+            Err(e) => EventKind::Failed {
+                what: "checkpoint".into(),
+                error: crab_api::error_chain(e),
+            },
+        };
+        self.events.record(&reg.id, event);
+        made
+    }
+
+    /// [`Daemon::capture`]'s work.
+    async fn make_version(
         self: &Arc<Self>,
         reg: &Registration,
         class: Class,

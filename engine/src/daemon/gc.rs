@@ -233,6 +233,7 @@ pub(super) async fn purge(d: &Daemon, entry: &Entry) -> Result<(), ApiError> {
     d.registry.remove_if(&reg.id, |e| e.same_sandbox(entry));
     d.scheduler.forget(&reg.id);
     d.turns.forget(&reg.id);
+    d.events.remove(&reg.id);
     Ok(())
 }
 

@@ -29,9 +29,10 @@ use super::{keys, Daemon};
 /// (the slowloris guard; the sandbox's proxy applies its own after that).
 const CLIENT_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Binds `127.0.0.1:port`; `None` when `port` is 0 (disabled) or the bind
-/// fails (logged: crabd still checkpoints without it).
-pub(super) async fn bind(port: u16) -> Option<(TcpListener, u16)> {
+/// Binds `127.0.0.1:port` for `what` (the host listener, the page);
+/// `None` when `port` is 0 (disabled) or the bind fails (logged: crabd
+/// still checkpoints without it).
+pub(super) async fn bind(port: u16, what: &str) -> Option<(TcpListener, u16)> {
     if port == 0 {
         return None;
     }
@@ -39,11 +40,11 @@ pub(super) async fn bind(port: u16) -> Option<(TcpListener, u16)> {
     match TcpListener::bind(addr).await {
         Ok(listener) => {
             let port = listener.local_addr().map_or(port, |a| a.port());
-            tracing::info!(%addr, "host listener for agents outside their sandbox");
+            tracing::info!(%addr, "{what}");
             Some((listener, port))
         }
         Err(e) => {
-            tracing::error!(%addr, "no host listener: bind failed: {e}");
+            tracing::error!(%addr, "no {what}: bind failed: {e}");
             None
         }
     }
@@ -129,13 +130,24 @@ impl HostKey {
 
     /// Whether `secret` is sandbox `id`'s (in constant time).
     pub(super) fn admits(&self, id: &SandboxId, nonce: &str, secret: &str) -> bool {
-        let want = self.secret(id, nonce);
-        want.len() == secret.len()
-            && want
-                .bytes()
-                .zip(secret.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        same(&self.secret(id, nonce), secret)
+    }
+
+    /// The secret in the URL of crabd's page: 128 bits of an HMAC-SHA256
+    /// of its own context, hex.
+    pub(super) fn ui_secret(&self) -> String {
+        use hmac::{Hmac, Mac};
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
+        mac.update(b"crab page\0");
+        mac.finalize().into_bytes()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Whether `secret` is the page's (in constant time).
+    pub(super) fn admits_ui(&self, secret: &str) -> bool {
+        same(&self.ui_secret(), secret)
     }
 }
 
@@ -143,6 +155,17 @@ impl std::fmt::Debug for HostKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("HostKey(..)")
     }
+}
+
+/// Whether `got` is `want`, in time that does not depend on where they
+/// differ.
+fn same(want: &str, got: &str) -> bool {
+    want.len() == got.len()
+        && want
+            .bytes()
+            .zip(got.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 #[cfg(test)]

@@ -13,10 +13,10 @@ use axum::response::Response;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use crab_api::crabd::{
-    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, ForkReport, ForkRequest,
-    ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
-    ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
-    TurnReport, VersionView,
+    CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, EventsQuery, ForkReport,
+    ForkRequest, ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration,
+    RemovalReport, ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered,
+    TurnEnd, TurnReport, UiUrl, VersionView,
 };
 use crab_api::{routes, SandboxId, SandboxSelector, VersionSel};
 use serde::de::DeserializeOwned;
@@ -44,6 +44,8 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::RESUME, post(resume))
         .route(routes::TURN, post(turn))
         .route(routes::WATCH, get(watch))
+        .route(routes::EVENTS, get(events))
+        .route(routes::UI, get(ui_url))
         .route(routes::EXPORT, get(export))
         .route(routes::IMPORT, post(import))
         .route(routes::VERSION, delete(remove_version))
@@ -212,6 +214,21 @@ async fn turn(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Reply<Tu
 
 async fn watch(State(d): State<Arc<Daemon>>, Path(sel): Path<String>) -> Result<Response, ApiError> {
     d.watch(&selector(&sel)?)
+}
+
+async fn events(
+    State(d): State<Arc<Daemon>>,
+    Path(sel): Path<String>,
+    query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::BadRequest {
+        reason: e.body_text(),
+    })?;
+    d.events_stream(&selector(&sel)?, q).await
+}
+
+async fn ui_url(State(d): State<Arc<Daemon>>) -> Reply<UiUrl> {
+    Ok(Json(d.ui_url()))
 }
 
 async fn export(

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crab_api::crabd::{Crash, Recovery, Registration, RollbackReport, RollbackRequest};
+use crab_api::crabd::{Crash, EventKind, Recovery, Registration, RollbackReport, RollbackRequest};
 use crab_api::shim::{
     ConversationAt, FsTarget, ShimFilesRestored, ShimRestore, ShimRestoreFiles, ShimRestored,
 };
@@ -38,13 +38,15 @@ impl Daemon {
             async move {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
-                match req.files_only {
+                let done = match req.files_only {
                     true => d.restore_files(&reg, req.version).await,
                     false => {
                         d.restore_version(&reg, Pick::Sel(req.version), req.undo, None)
                             .await
                     }
-                }
+                };
+                d.events.record(&reg.id, rollback_event(&done, None));
+                done
             }
             .instrument(span),
         )
@@ -73,7 +75,20 @@ impl Daemon {
                 let busy = d.busy(&reg.id);
                 let _one_at_a_time = busy.lock().await;
                 let started = Instant::now();
-                let done = d.restore_version(&reg, Pick::Head, false, None).await?;
+                let done = match d.restore_version(&reg, Pick::Head, false, None).await {
+                    Ok(done) => done,
+                    Err(e) => {
+                        let error = crab_api::error_chain(&e);
+                        d.events.record(
+                            &reg.id,
+                            EventKind::Failed {
+                                what: "recovery".into(),
+                                error,
+                            },
+                        );
+                        return Err(e);
+                    }
+                };
                 let recovery = Recovery {
                     version: done.version,
                     pid: done.pid,
@@ -89,6 +104,14 @@ impl Daemon {
                     e.last_recovery = Some(recovery.clone());
                 })?;
                 d.metrics.recoveries.inc();
+                d.events.record(
+                    &reg.id,
+                    EventKind::Recovery {
+                        version: recovery.version,
+                        exit_status: recovery.exit_status,
+                        total_ms: recovery.total_ms,
+                    },
+                );
                 tracing::warn!(
                     version = recovery.version,
                     pid = recovery.pid,
@@ -125,6 +148,7 @@ impl Daemon {
         // descends from no version (a crash in between makes the next
         // version whole, never a wrong pairing).
         d.turns.rolling_back(&reg.id);
+        d.events.forget_answers(&reg.id);
         let _done = on_drop(|| d.turns.rolled_back(&reg.id));
         let store = d.store.clone();
         let sid = reg.id.clone();
@@ -307,4 +331,21 @@ fn on_drop(f: impl FnOnce()) -> impl Drop {
         }
     }
     Guard(Some(f))
+}
+
+/// The event of a rollback that ended as `done`; `reason` when no person
+/// or agent asked for it.
+pub(super) fn rollback_event(done: &Result<RollbackReport, ApiError>, reason: Option<String>) -> EventKind {
+    match done {
+        Ok(r) => EventKind::Rollback {
+            version: r.version,
+            undo_ms: (r.undo_ms > 0.0).then_some(r.undo_ms),
+            total_ms: r.total_ms,
+            reason,
+        },
+        Err(e) => EventKind::Failed {
+            what: "rollback".into(),
+            error: crab_api::error_chain(e),
+        },
+    }
 }

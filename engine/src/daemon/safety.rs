@@ -137,6 +137,9 @@ impl Daemon {
                 Some(inside.then(|| notice.clone())),
             )
             .await;
+        let reason = format!("safety rule {}: {}", breach.rule, breach.what);
+        self.events
+            .record(&reg.id, super::rollback::rollback_event(&restored, Some(reason)));
         match restored {
             Ok(done) => {
                 self.metrics.safety_rollbacks.inc();

@@ -23,7 +23,7 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crab_api::crabd::{CheckpointReport, Registration, TurnAnswered, TurnEnd, TurnReport};
+use crab_api::crabd::{CheckpointReport, EventKind, Registration, TurnAnswered, TurnEnd, TurnReport};
 use crab_api::{Class, SandboxId};
 use futures_util::FutureExt;
 use parking_lot::Mutex;
@@ -285,6 +285,7 @@ impl Daemon {
     /// the sandbox's queued checkpoint, if any, goes first.
     pub(super) fn turn_answered(&self, id: &SandboxId, turn: u64) -> Result<TurnAnswered, ApiError> {
         let reg = self.registry.resolve_exact(id)?;
+        self.events.answer_waits(&reg.id, turn);
         let promoted = self.turns.answered(&reg.id, turn) && self.scheduler.promote(&reg.id);
         tracing::debug!(sandbox = %reg.id, turn, promoted, "answer waits on its version");
         Ok(TurnAnswered { promoted })
@@ -313,6 +314,9 @@ impl Daemon {
             }
             if answer.is_err() {
                 self.metrics.skipped_turns.inc_by(current.len() as u64);
+            }
+            for w in &current {
+                self.turn_event(&reg.id, w.end.turn, &answer);
             }
             self.answer_all(current, answer);
         }
@@ -433,11 +437,34 @@ impl Daemon {
     fn answer_stale(&self, id: &SandboxId, stale: Vec<Waiter>) {
         for w in stale {
             self.metrics.skipped_turns.inc();
-            let _ = w.tx.send(Err(Arc::new(ApiError::Superseded {
+            let answer = Err(Arc::new(ApiError::Superseded {
                 id: id.clone(),
                 turn: w.end.turn,
                 why: "a rollback of the sandbox came first",
-            })));
+            }));
+            self.turn_event(id, w.end.turn, &answer);
+            let _ = w.tx.send(answer);
         }
+    }
+
+    /// Records how turn `turn` of `id` was answered (and its hold, if its
+    /// answer waited).
+    fn turn_event(&self, id: &SandboxId, turn: u64, answer: &Answer) {
+        let kind = match answer {
+            Ok((made, report)) => EventKind::Turn {
+                turn,
+                class: Some(report.class),
+                version: Some(made.version.version),
+                error: None,
+            },
+            Err(e) => EventKind::Turn {
+                turn,
+                class: None,
+                version: None,
+                error: Some(crab_api::error_chain(&**e)),
+            },
+        };
+        self.events.record(id, kind);
+        self.events.answer_released(id, turn);
     }
 }
