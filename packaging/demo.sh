@@ -103,4 +103,7 @@ sleep 0.5
 echo "fork counts from:  $($C task exec --exec-id n4 demo-fork cat /tmp/n)"
 $C task ls
 
+say "what happened to the sandbox, as crabd logged it (crabctl ui: the same, live, as a page)"
+$CRABCTL logs demo -n 12
+
 say "done: containerd, crabd, the sandboxes and every file are removed on exit"
