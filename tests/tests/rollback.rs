@@ -376,6 +376,104 @@ fn failed_restore_puts_the_sandbox_back() {
     assert_clean(&ctd.scope(), &[id]);
 }
 
+/// The shim's way back through a version crabd names (`undo_version`: the
+/// sandbox is still as that version left it): no undo checkpoint is taken,
+/// and a restore that fails puts that version back.
+#[test]
+fn failed_restore_goes_back_to_the_version_crabd_names() {
+    let ctd = Containerd::start();
+    let id = "undo-head";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    crabctl_ok(&ctd, &["checkpoint", id]);
+    // Changed since: the way back named below is version 1, so what comes
+    // back tells which way was taken (an undo checkpoint would keep a=2).
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+
+    let broken = ctd.dir.join("broken-images");
+    let v1 = ctd.crabd_root().join("images").join(id).join("1");
+    std::fs::create_dir_all(&broken).unwrap();
+    for e in std::fs::read_dir(&v1).unwrap().flatten() {
+        if e.file_name() != "pstree.img" {
+            std::fs::copy(e.path(), broken.join(e.file_name())).unwrap();
+        }
+    }
+    let ps = crabctl_ok(&ctd, &["ps"]);
+    let control = ps[0]["control"].as_str().unwrap().to_owned();
+    let body = serde_json::json!({
+        "images_dir": broken,
+        "fs": null,
+        "undo_version": {"images_dir": v1, "fs": null, "conversation": null},
+    });
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+            &control,
+            "-X",
+            "POST",
+            "-d",
+        ])
+        .arg(body.to_string())
+        .arg("http://shim/restore")
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(answer.ends_with("422"), "{answer}");
+    assert!(answer.contains("put back as it was"), "{answer}");
+    let now = ctd.task_pid(id).unwrap();
+    assert_ne!(now, pid);
+    assert_eq!(ctd.task_status(id).as_deref(), Some("RUNNING"));
+    assert_eq!(
+        ask(now, STORE, "get a"),
+        "1",
+        "version 1 came back, not an undo checkpoint"
+    );
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}
+
+/// With the inspector: a rollback of a sandbox that did nothing since its
+/// newest version takes no undo checkpoint (that version is the way back);
+/// one that changed something takes one.
+#[test]
+fn a_quiet_sandbox_rolls_back_without_an_undo_checkpoint() {
+    let config = std::env::temp_dir().join(crab_tests::unique("crab-quiet"));
+    std::fs::write(&config, "[crabd]\ninspector = true\n").unwrap();
+    let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    let id = "quiet";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    // Turn ends (by hand), as the proxy's would be: the inspector's ledger
+    // starts again at each.
+    assert_eq!(ask(pid, STORE, "set a 1"), "ok");
+    crabctl_ok(&ctd, &["turn", id]);
+    assert_eq!(ask(pid, STORE, "set a 2"), "ok");
+    crabctl_ok(&ctd, &["turn", id]);
+    assert_eq!(version_numbers(&ctd, id), [1, 2]);
+
+    // Nothing since version 2: no undo checkpoint.
+    let r = crabctl_ok(&ctd, &["rollback", id, "1"]);
+    assert_eq!(r["undo_ms"].as_f64(), Some(0.0), "{r}");
+    let pid = r["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(pid, STORE, "get a"), "1");
+
+    // Its store's memory changed since version 1 was restored: one is taken.
+    assert_eq!(ask(pid, STORE, "set a 3"), "ok");
+    let r = crabctl_ok(&ctd, &["rollback", id, "2"]);
+    assert!(r["undo_ms"].as_f64().unwrap() > 0.0, "{r}");
+    let pid = r["pid"].as_i64().unwrap() as i32;
+    assert_eq!(ask(pid, STORE, "get a"), "2");
+
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+    let _ = std::fs::remove_file(&config);
+}
+
 #[test]
 fn retention_keeps_the_newest_versions() {
     let config = std::env::temp_dir().join(crab_tests::unique("crab-keep"));
