@@ -235,6 +235,14 @@ pub struct TurnAnswered {
     pub promoted: bool,
 }
 
+/// `POST /v1/sandboxes/{id}/turns/{turn}/held`: the turn's answer was
+/// held for its version this long, as the sandbox's proxy measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TurnHeld {
+    /// Milliseconds from the answer's arrival to its release.
+    pub held_ms: f64,
+}
+
 /// `POST /v1/sandboxes/{sel}/checkpoint`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRequest {

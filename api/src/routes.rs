@@ -11,6 +11,7 @@
 //! | POST | [`CHECKPOINT`] | `CheckpointRequest` → `CheckpointReport` |
 //! | POST | [`TURNS`] | `TurnEnd` → `CheckpointReport` (a shim's proxy, by exact id: a turn ended) |
 //! | POST | [`ANSWERED`] | → `TurnAnswered` (a shim's proxy: the turn's answer waits on its version) |
+//! | POST | [`HELD`] | `TurnHeld` → `{}` (a shim's proxy: how long the turn's answer was held) |
 //! | GET | [`VERSIONS`] | → `[VersionView]` |
 //! | POST | [`ROLLBACK`] | `RollbackRequest` → `RollbackReport` |
 //! | POST | [`RECOVER`] | `Crash` → `Recovery` (a shim, by exact id: its init died unasked) |
@@ -53,6 +54,8 @@ pub const TURNS: &str = "/v1/sandboxes/{id}/turns";
 /// A turn's LLM answer arrived while its version was not yet safe (its
 /// proxy, an exact id): crabd moves the checkpoint to the queue's front.
 pub const ANSWERED: &str = "/v1/sandboxes/{id}/turns/{turn}/answered";
+/// A turn's answer was held for its version (a shim's proxy, by exact id).
+pub const HELD: &str = "/v1/sandboxes/{id}/turns/{turn}/held";
 /// A sandbox's versions.
 pub const VERSIONS: &str = "/v1/sandboxes/{sel}/versions";
 /// Roll a sandbox back.
@@ -97,6 +100,7 @@ pub const ALL: &[(&str, &[&str])] = &[
     (CHECKPOINT, &["post"]),
     (TURNS, &["post"]),
     (ANSWERED, &["post"]),
+    (HELD, &["post"]),
     (VERSIONS, &["get"]),
     (ROLLBACK, &["post"]),
     (RECOVER, &["post"]),
@@ -153,6 +157,11 @@ pub fn checkpoint(sel: &dyn Display) -> String {
 /// [`TURNS`] for `id`.
 pub fn turns(id: &SandboxId) -> String {
     fill(TURNS, id, None)
+}
+
+/// [`HELD`] for `id` and turn `turn`.
+pub fn held(id: &SandboxId, turn: u64) -> String {
+    fill(HELD, id, Some(&turn))
 }
 
 /// [`ANSWERED`] for `id` and turn `turn`.

@@ -758,6 +758,18 @@ fn passed_over(why: &[String]) -> String {
     why.iter().map(|e| format!("passed over: {e}\n")).collect()
 }
 
+/// `text` with its control characters escaped: error strings and reasons
+/// can carry a sandbox's bytes (a path, a process name), which must not
+/// reach the terminal as escape sequences.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_default().to_string(),
+            false => c.to_string(),
+        })
+        .collect()
+}
+
 /// One line of `crabctl logs`: when, what, and the figures.
 fn event_line(e: &Event) -> String {
     let when = table::ago(e.at_unix_ms, table::now_ms());
@@ -804,7 +816,7 @@ fn event_line(e: &Event) -> String {
         } => format!("crashed (exit status {exit_status}): recovered to version {version} in {total_ms} ms"),
         EventKind::Failed { what, error } => format!("{what} failed: {error}"),
     };
-    format!("{when:>12}  {what}")
+    format!("{when:>12}  {}", printable(&what))
 }
 
 fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {

@@ -174,6 +174,12 @@ fn docker(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, Regis
         _ => json!({}),
     };
     let ours = json!({ "runtimeType": RUNTIME_TYPE });
+    if remove && doc.get("default-runtime").and_then(Value::as_str) == Some(NAME) {
+        return Err(RegisterError::Unsupported {
+            path: path.to_owned(),
+            reason: "\"crab\" is docker's default-runtime: dockerd would not start without it; change default-runtime first".into(),
+        });
+    }
     let top = doc
         .as_object_mut()
         .ok_or_else(|| unreadable("the document is not an object".into()))?;
@@ -225,20 +231,36 @@ fn containerd(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, R
         Some(3) => "io.containerd.cri.v1.runtime",
         None if empty => "io.containerd.grpc.v1.cri",
         other => {
+            let cri_off = doc
+                .get("disabled_plugins")
+                .and_then(toml::Value::as_array)
+                .is_some_and(|p| p.iter().any(|v| v.as_str() == Some("cri")));
             return Err(RegisterError::Unsupported {
                 path: path.to_owned(),
                 reason: format!(
-                    "config version {} (this command edits versions 2 and 3; `containerd config migrate` converts it)",
-                    other.map_or("1".to_owned(), |v| v.to_string())
+                    "config version {} (this command edits versions 2 and 3; `containerd config migrate` converts it){}",
+                    other.map_or("1".to_owned(), |v| v.to_string()),
+                    if cri_off { "; its CRI plugin is disabled (disabled_plugins), so it has no runtime handlers" } else { "" }
                 ),
-            })
+            });
         }
     };
+    let root = toml::Value::Table(doc);
     let found = ["plugins", plugin, "containerd", "runtimes", NAME]
         .iter()
-        .try_fold(&toml::Value::Table(doc.clone()), |v, key| v.get(key))
+        .try_fold(&root, |v, key| v.get(key))
         .cloned();
     let is_ours = |v: &toml::Value| v.get("runtime_type").and_then(toml::Value::as_str) == Some(RUNTIME_TYPE);
+    let default = ["plugins", plugin, "containerd", "default_runtime_name"]
+        .iter()
+        .try_fold(&root, |v, key| v.get(key))
+        .and_then(toml::Value::as_str);
+    if remove && default == Some(NAME) {
+        return Err(RegisterError::Unsupported {
+            path: path.to_owned(),
+            reason: "\"crab\" is the CRI plugin's default_runtime_name: pods would have no runtime; change it first".into(),
+        });
+    }
     match (found, remove) {
         (None, true) => Ok(Change::Keep(Outcome::NotThere)),
         (Some(v), _) if !is_ours(&v) => Err(RegisterError::Conflict {
@@ -260,11 +282,13 @@ fn containerd(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, R
         }
         (None, false) => {
             let mut new = text.to_owned();
-            if empty && text.trim().is_empty() {
-                new = "version = 2\n".to_owned();
-            }
             if !new.is_empty() && !new.ends_with('\n') {
                 new.push('\n');
+            }
+            if empty {
+                // Nothing but comments: without a version line containerd
+                // would read the table as version 1's.
+                new.push_str("version = 2\n");
             }
             new.push_str(&format!(
                 "\n{BEGIN}\n[plugins.\"{plugin}\".containerd.runtimes.{NAME}]\n  runtime_type = \"{RUNTIME_TYPE}\"\n{END}\n"
@@ -437,6 +461,14 @@ mod tests {
         let doc: toml::Table = std::fs::read_to_string(&v3).unwrap().parse().unwrap();
         assert!(doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["crab"].is_table());
 
+        let comments = write(dir, "comments.toml", "# nothing set yet\n");
+        assert_eq!(
+            register(Engine::Containerd, &comments, false).unwrap(),
+            Outcome::Added
+        );
+        let doc: toml::Table = std::fs::read_to_string(&comments).unwrap().parse().unwrap();
+        assert_eq!(doc["version"].as_integer(), Some(2));
+
         let fresh = dir.join("none/config.toml");
         assert_eq!(
             register(Engine::Containerd, &fresh, false).unwrap(),
@@ -473,6 +505,22 @@ mod tests {
             );
             assert_eq!(std::fs::read_to_string(&p).unwrap(), text, "{name}");
         }
+        // Not taken out while it is the engine's default runtime.
+        let p = write(
+            dir,
+            "default.json",
+            r#"{"default-runtime": "crab", "runtimes": {"crab": {"runtimeType": "io.containerd.crab.v2"}}}"#,
+        );
+        let e = register(Engine::Docker, &p, true).unwrap_err();
+        assert!(e.to_string().contains("default-runtime"), "{e}");
+        let p = write(dir, "default.toml", "version = 2\n");
+        register(Engine::Containerd, &p, false).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap()
+            + "[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  default_runtime_name = \"crab\"\n";
+        std::fs::write(&p, &text).unwrap();
+        let e = register(Engine::Containerd, &p, true).unwrap_err();
+        assert!(e.to_string().contains("default_runtime_name"), "{e}");
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), text);
         // Crab's runtime written by hand: registered, but not ours to remove.
         let by_hand = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.crab]\n  runtime_type = \"io.containerd.crab.v2\"\n";
         let p = write(dir, "by-hand.toml", by_hand);

@@ -116,6 +116,11 @@ pub struct Daemon {
     metrics: Arc<metrics::Metrics>,
     /// What happened to each sandbox (`crabctl logs`, the page).
     events: events::EventLog,
+    /// Cancelled when crabd begins to stop: streams that would never end
+    /// (`crabctl logs -f`, watches, the page's) end then.
+    stopping: tokio_util::sync::CancellationToken,
+    /// The secret in the page's URL, new at every start.
+    ui_secret: String,
     /// Held by the one drain that may run.
     draining: Arc<tokio::sync::Mutex<()>>,
     /// Each sandbox's last version that safety rules judged clean (in
@@ -166,6 +171,17 @@ impl Daemon {
                 source,
             })?;
         let metrics = Arc::new(metrics::Metrics::new());
+        let events = events::EventLog::new(&config.root);
+        events.sweep(|id| registry.get(id).is_some());
+        let ui_secret = keys::random::<16>()
+            .map_err(|source| DaemonError::Io {
+                op: "make the page's secret",
+                path: config.root.clone(),
+                source,
+            })?
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         let shape = schedule_shape(&config);
         tracing::info!(
             slots = shape.slots,
@@ -176,7 +192,9 @@ impl Daemon {
             scheduler: schedule::Scheduler::new(shape, metrics.clone()),
             turns: turn_end::TurnQueue::default(),
             metrics,
-            events: events::EventLog::new(&config.root),
+            events,
+            stopping: tokio_util::sync::CancellationToken::new(),
+            ui_secret,
             files: files::Files::new(config.root.join("fs")),
             host_key,
             signing_key,
@@ -374,6 +392,13 @@ async fn bind(socket: &std::path::Path) -> Result<tokio::net::UnixListener, Daem
 /// drain_grace_secs` asks for (crabd serves on while it runs).
 async fn drain_then_stop(daemon: Arc<Daemon>) {
     shutdown().await;
+    drain_at_stop(&daemon).await;
+    // The graceful stop waits for every connection: none may be endless.
+    daemon.stopping.cancel();
+}
+
+/// The drain `[crabd] drain_grace_secs` asks for when crabd stops.
+async fn drain_at_stop(daemon: &Arc<Daemon>) {
     let grace_secs = daemon.config.drain_grace_secs;
     if grace_secs == 0 {
         return;

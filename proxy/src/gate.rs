@@ -198,6 +198,12 @@ where
                 hold: held,
                 outcome,
             });
+            if !held.is_zero() {
+                let (hook, sandbox, turn) = (shared.hook.clone(), shared.id.clone(), ctx.turn);
+                shared
+                    .tracker
+                    .spawn(async move { hook.answer_released(&sandbox, turn, held).await });
+            }
             tracing::debug!(
                 turn = ctx.turn,
                 ?outcome,

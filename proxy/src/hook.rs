@@ -43,6 +43,12 @@ pub trait TurnHook: Send + Sync + 'static {
     /// most once per turn, in a task of its own; its failure is only
     /// logged.
     async fn answer_waiting(&self, _sandbox: &SandboxId, _turn: u64) {}
+
+    /// Turn `turn`'s answer was released after waiting `held` for the
+    /// gate (the exposed delay the engine's log and page show). Called
+    /// only for an answer that waited, in a task of its own; its failure is
+    /// only logged.
+    async fn answer_released(&self, _sandbox: &SandboxId, _turn: u64, _held: std::time::Duration) {}
 }
 
 /// One turn end, as the hook is told of it.

@@ -112,6 +112,13 @@ impl TurnHook for EngineHook {
         }
     }
 
+    async fn answer_released(&self, sandbox: &SandboxId, turn: u64, held: std::time::Duration) {
+        let held_ms = held.as_secs_f64() * 1e3;
+        if let Err(e) = self.crabd.turn_held(sandbox, turn, held_ms).await {
+            tracing::debug!(%sandbox, turn, error = %crab_api::error_chain(&e), "answer held: crabd not told");
+        }
+    }
+
     async fn answer_waiting(&self, sandbox: &SandboxId, turn: u64) {
         match self.crabd.turn_answered(sandbox, turn).await {
             Ok(r) => tracing::debug!(%sandbox, turn, promoted = r.promoted, "answer waits on its version"),

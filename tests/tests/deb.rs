@@ -5,6 +5,9 @@
 //! it. Needs root, dpkg and cargo-deb (packaging/install-deps.sh installs
 //! them); the host must not have the package installed (the test installs
 //! and purges its own, and puts back a `/etc/docker/daemon.json` it had).
+//! It is meant for a throwaway machine such as CI's: on a host that runs
+//! systemd, the package's postinst would also enable and start crabd and
+//! reload docker.service, as it does for a user.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -12,8 +12,8 @@ use crab_api::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainOutcome, DrainReport, DrainRequest, ErrorBody,
     ErrorCode, Event, EventKind, ForkOutcome, ForkReport, ForkRequest, ForksReport, ForksRequest, HostKeys,
     ImportQuery, ImportReport, Recovery, Registration, RemovalReport, ResumeReport, ResumeRequest,
-    RollbackReport, RollbackRequest, SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnReport, UiUrl,
-    VersionView, WatchStarted,
+    RollbackReport, RollbackRequest, SafetyRollback, SandboxInfo, TurnAnswered, TurnEnd, TurnHeld,
+    TurnReport, UiUrl, VersionView, WatchStarted,
 };
 use crab_api::{
     routes, BackendKind, Class, FsSnapshot, ImageFile, Location, SandboxId, SnapshotName, VersionRecord,
@@ -94,6 +94,7 @@ const SCHEMAS: &[&str] = &[
     "EventFailed",
     "EventLine",
     "UiUrl",
+    "TurnHeld",
 ];
 
 // === building values ===
@@ -457,6 +458,7 @@ fn the_helpers_find_each_routes_messages() {
         ),
         ("post", routes::TURNS, Some("TurnEnd"), Some("CheckpointReport")),
         ("post", routes::ANSWERED, None, Some("TurnAnswered")),
+        ("post", routes::HELD, Some("TurnHeld"), Some("Empty")),
         ("get", routes::METRICS, None, None),
         ("get", routes::VERSIONS, None, Some("VersionViewList")),
         (
@@ -827,6 +829,8 @@ fn events() {
         },
     );
     assert_valid("UiUrl", &UiUrl { url: None });
+    assert_valid("TurnHeld", &TurnHeld { held_ms: 12.5 });
+    assert_invalid("TurnHeld", json!({"held_ms": -1}));
 }
 
 #[test]

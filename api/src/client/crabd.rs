@@ -10,7 +10,7 @@ use crate::crabd::{
     CheckpointReport, CheckpointRequest, Crash, DrainReport, DrainRequest, Event, ForkReport, ForkRequest,
     ForksReport, ForksRequest, HostKeys, ImportQuery, ImportReport, Recovery, Registration, RemovalReport,
     ResumeReport, ResumeRequest, RollbackReport, RollbackRequest, SandboxInfo, TurnAnswered, TurnEnd,
-    TurnReport, UiUrl, VersionView,
+    TurnHeld, TurnReport, UiUrl, VersionView,
 };
 use crate::{routes, Class, SandboxId, SandboxSelector, VersionSel};
 
@@ -82,6 +82,16 @@ impl Crabd {
     /// its version: a checkpoint still queued goes first.
     pub async fn turn_answered(&self, id: &SandboxId, turn: u64) -> Result<TurnAnswered, ClientError> {
         self.http.post(&routes::answered(id, turn), &()).await
+    }
+
+    /// Turn `turn` of sandbox `id` had its answer held `held_ms` for its
+    /// version.
+    pub async fn turn_held(&self, id: &SandboxId, turn: u64, held_ms: f64) -> Result<(), ClientError> {
+        let _: serde_json::Value = self
+            .http
+            .post(&routes::held(id, turn), &TurnHeld { held_ms })
+            .await?;
+        Ok(())
     }
 
     /// crabd's metrics, in the Prometheus text format.

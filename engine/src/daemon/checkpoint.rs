@@ -91,7 +91,7 @@ impl Daemon {
                 error: crab_api::error_chain(e),
             },
         };
-        self.events.record(&reg.id, event);
+        self.log_event(&reg.id, event);
         made
     }
 

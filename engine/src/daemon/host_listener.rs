@@ -132,23 +132,6 @@ impl HostKey {
     pub(super) fn admits(&self, id: &SandboxId, nonce: &str, secret: &str) -> bool {
         same(&self.secret(id, nonce), secret)
     }
-
-    /// The secret in the URL of crabd's page: 128 bits of an HMAC-SHA256
-    /// of its own context, hex.
-    pub(super) fn ui_secret(&self) -> String {
-        use hmac::{Hmac, Mac};
-        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
-        mac.update(b"crab page\0");
-        mac.finalize().into_bytes()[..16]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    }
-
-    /// Whether `secret` is the page's (in constant time).
-    pub(super) fn admits_ui(&self, secret: &str) -> bool {
-        same(&self.ui_secret(), secret)
-    }
 }
 
 impl std::fmt::Debug for HostKey {
@@ -159,7 +142,7 @@ impl std::fmt::Debug for HostKey {
 
 /// Whether `got` is `want`, in time that does not depend on where they
 /// differ.
-fn same(want: &str, got: &str) -> bool {
+pub(super) fn same(want: &str, got: &str) -> bool {
     want.len() == got.len()
         && want
             .bytes()

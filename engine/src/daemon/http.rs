@@ -33,6 +33,7 @@ pub(super) fn router(d: Arc<Daemon>) -> Router {
         .route(routes::CHECKPOINT, post(checkpoint))
         .route(routes::TURNS, post(turn_ended))
         .route(routes::ANSWERED, post(turn_answered))
+        .route(routes::HELD, post(turn_held))
         .route(routes::METRICS, get(metrics))
         .route(routes::VERSIONS, get(versions))
         .route(routes::ROLLBACK, post(rollback))
@@ -136,6 +137,18 @@ async fn turn_answered(
         reason: format!("invalid turn {turn:?}: a turn number"),
     })?;
     d.turn_answered(&exact(&id)?, turn).map(Json)
+}
+
+async fn turn_held(
+    State(d): State<Arc<Daemon>>,
+    Path((id, turn)): Path<(String, String)>,
+    body: Bytes,
+) -> Reply<serde_json::Value> {
+    let turn = turn.parse::<u64>().map_err(|_| ApiError::BadRequest {
+        reason: format!("invalid turn {turn:?}: a turn number"),
+    })?;
+    d.turn_held(&exact(&id)?, turn, parse(&body)?)?;
+    Ok(Json(serde_json::json!({})))
 }
 
 async fn metrics(State(d): State<Arc<Daemon>>) -> Response {

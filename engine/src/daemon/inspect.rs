@@ -255,7 +255,8 @@ impl Daemon {
                     Ok(_) => None,
                 };
                 std::future::ready(line)
-            });
+            })
+            .take_until(self.stopping.clone().cancelled_owned());
         Ok((
             [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
             Body::from_stream(first.chain(reports)),

@@ -45,7 +45,7 @@ impl Daemon {
                             .await
                     }
                 };
-                d.events.record(&reg.id, rollback_event(&done, None));
+                d.log_event(&reg.id, rollback_event(&done, None));
                 done
             }
             .instrument(span),
@@ -79,7 +79,7 @@ impl Daemon {
                     Ok(done) => done,
                     Err(e) => {
                         let error = crab_api::error_chain(&e);
-                        d.events.record(
+                        d.log_event(
                             &reg.id,
                             EventKind::Failed {
                                 what: "recovery".into(),
@@ -104,7 +104,7 @@ impl Daemon {
                     e.last_recovery = Some(recovery.clone());
                 })?;
                 d.metrics.recoveries.inc();
-                d.events.record(
+                d.log_event(
                     &reg.id,
                     EventKind::Recovery {
                         version: recovery.version,
@@ -152,7 +152,6 @@ impl Daemon {
         // descends from no version (a crash in between makes the next
         // version whole, never a wrong pairing).
         d.turns.rolling_back(&reg.id);
-        d.events.forget_answers(&reg.id);
         let _done = on_drop(|| d.turns.rolled_back(&reg.id));
         let store = d.store.clone();
         let sid = reg.id.clone();

@@ -137,9 +137,9 @@ impl Daemon {
                 Some(inside.then(|| notice.clone())),
             )
             .await;
-        let reason = format!("safety rule {}: {}", breach.rule, breach.what);
-        self.events
-            .record(&reg.id, super::rollback::rollback_event(&restored, Some(reason)));
+        // What broke the rule, quoted and cut as in the notice.
+        let reason = format!("safety rule {}: {what}", breach.rule);
+        self.log_event(&reg.id, super::rollback::rollback_event(&restored, Some(reason)));
         match restored {
             Ok(done) => {
                 self.metrics.safety_rollbacks.inc();

@@ -285,7 +285,6 @@ impl Daemon {
     /// the sandbox's queued checkpoint, if any, goes first.
     pub(super) fn turn_answered(&self, id: &SandboxId, turn: u64) -> Result<TurnAnswered, ApiError> {
         let reg = self.registry.resolve_exact(id)?;
-        self.events.answer_waits(&reg.id, turn);
         let promoted = self.turns.answered(&reg.id, turn) && self.scheduler.promote(&reg.id);
         tracing::debug!(sandbox = %reg.id, turn, promoted, "answer waits on its version");
         Ok(TurnAnswered { promoted })
@@ -447,8 +446,7 @@ impl Daemon {
         }
     }
 
-    /// Records how turn `turn` of `id` was answered (and its hold, if its
-    /// answer waited).
+    /// Records how turn `turn` of `id` was answered.
     fn turn_event(&self, id: &SandboxId, turn: u64, answer: &Answer) {
         let kind = match answer {
             Ok((made, report)) => EventKind::Turn {
@@ -464,7 +462,6 @@ impl Daemon {
                 error: Some(crab_api::error_chain(&**e)),
             },
         };
-        self.events.record(id, kind);
-        self.events.answer_released(id, turn);
+        self.log_event(id, kind);
     }
 }

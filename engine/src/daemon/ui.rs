@@ -5,9 +5,10 @@
 //! anywhere else; live updates are server-sent events.
 //!
 //! Every local user can connect to 127.0.0.1: the secret is what makes a
-//! request the page's. It is an HMAC under the host listener's key (0600
-//! in crabd's root), so only root, who reads the key or asks crabd's
-//! socket (`crabctl ui`), can hand the URL out. A wrong secret or any other
+//! request the page's. It is random, new at every start of crabd (a user
+//! who takes the port while crabd restarts learns one that no longer
+//! admits anything), and only root, who asks crabd's socket (`crabctl
+//! ui`), can hand the URL out. A wrong secret or any other
 //! path answers 404; a `Host` that is not `127.0.0.1:<port>` or
 //! `localhost:<port>` answers 421 (a page of another origin that rebinds a
 //! name to 127.0.0.1 reads nothing); a client has [`HEADER_TIMEOUT`] to
@@ -105,7 +106,7 @@ fn router(daemon: Arc<Daemon>, port: u16) -> Router {
         .route("/ui/{secret}/page.css", get(style))
         .route("/ui/{secret}/state", get(state))
         .route("/ui/{secret}/live", get(live))
-        .fallback(|| async { StatusCode::NOT_FOUND })
+        .fallback(|| async { refused(StatusCode::NOT_FOUND) })
         .with_state(page)
 }
 
@@ -126,7 +127,7 @@ impl Page {
         if !self.hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) {
             return Err(StatusCode::MISDIRECTED_REQUEST);
         }
-        if !self.daemon.host_key.admits_ui(secret) {
+        if !super::host_listener::same(&self.daemon.ui_secret, secret) {
             return Err(StatusCode::NOT_FOUND);
         }
         Ok(())
@@ -156,24 +157,30 @@ fn guarded<const N: usize>(extra: [(header::HeaderName, &'static str); N]) -> He
     h
 }
 
+/// A refusal: its connection is closed after it (a client that is not the
+/// page's keeps no slot).
+fn refused(status: StatusCode) -> Response {
+    (status, [(header::CONNECTION, "close")]).into_response()
+}
+
 async fn index(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: HeaderMap) -> Response {
     match p.admit(&headers, &secret) {
         Ok(()) => asset("text/html; charset=utf-8", PAGE),
-        Err(status) => status.into_response(),
+        Err(status) => refused(status),
     }
 }
 
 async fn script(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: HeaderMap) -> Response {
     match p.admit(&headers, &secret) {
         Ok(()) => asset("text/javascript; charset=utf-8", SCRIPT),
-        Err(status) => status.into_response(),
+        Err(status) => refused(status),
     }
 }
 
 async fn style(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: HeaderMap) -> Response {
     match p.admit(&headers, &secret) {
         Ok(()) => asset("text/css; charset=utf-8", STYLE),
-        Err(status) => status.into_response(),
+        Err(status) => refused(status),
     }
 }
 
@@ -228,7 +235,7 @@ impl SandboxState {
 
 async fn state(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: HeaderMap) -> Response {
     if let Err(status) = p.admit(&headers, &secret) {
-        return status.into_response();
+        return refused(status);
     }
     let d = p.daemon.clone();
     let built = tokio::task::spawn_blocking(move || {
@@ -268,8 +275,9 @@ async fn state(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: 
 /// slow reader missed (`event: lagged`).
 async fn live(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: HeaderMap) -> Response {
     if let Err(status) = p.admit(&headers, &secret) {
-        return status.into_response();
+        return refused(status);
     }
+    let stopping = p.daemon.stopping.clone().cancelled_owned();
     let events = tokio_stream::wrappers::BroadcastStream::new(p.daemon.events.subscribe()).map(|e| {
         Ok::<_, Infallible>(match e {
             Ok(event) => SseEvent::default()
@@ -281,6 +289,7 @@ async fn live(State(p): State<Arc<Page>>, Path(secret): Path<String>, headers: H
             }
         })
     });
+    let events = events.take_until(stopping);
     (guarded([]), Sse::new(events).keep_alive(KeepAlive::default())).into_response()
 }
 
@@ -292,7 +301,7 @@ impl Daemon {
         crab_api::crabd::UiUrl {
             url: self
                 .ui_port
-                .map(|port| format!("http://127.0.0.1:{port}/ui/{}/", self.host_key.ui_secret())),
+                .map(|port| format!("http://127.0.0.1:{port}/ui/{}/", self.ui_secret)),
         }
     }
 }

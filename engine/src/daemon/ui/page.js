@@ -92,19 +92,31 @@ function render() {
   main.replaceChildren(...(ids.length ? ids.map((id) => card(sandboxes.get(id))) : [el("p", { class: "empty" }, "No sandboxes.")]));
 }
 
+// Events that arrive while the state is read: applied on top of it.
+let pending = null;
+
 async function load() {
-  const r = await fetch("state", { cache: "no-store" });
-  if (!r.ok) throw new Error(`state: ${r.status}`);
-  const state = await r.json();
-  host = state.host;
-  sandboxes.clear();
-  for (const s of state.sandboxes) sandboxes.set(s.id, s);
-  render();
+  if (pending) return;
+  pending = [];
+  try {
+    const r = await fetch("state", { cache: "no-store" });
+    if (!r.ok) throw new Error(`state: ${r.status}`);
+    const state = await r.json();
+    host = state.host;
+    sandboxes.clear();
+    for (const s of state.sandboxes) sandboxes.set(s.id, s);
+  } finally {
+    const missed = pending;
+    pending = null;
+    for (const e of missed) apply(e);
+    render();
+  }
 }
 
 function apply(e) {
+  if (pending) return void pending.push(e);
   const s = sandboxes.get(e.sandbox);
-  if (!s) return load();
+  if (!s) return void load().catch(() => {});
   // An event the state already had (it was read after the event).
   const line = JSON.stringify(e);
   if (s.events.some((x) => JSON.stringify(x) === line)) return;
