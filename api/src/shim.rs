@@ -97,11 +97,6 @@ pub struct ShimRestore {
     /// sandbox's processes).
     #[serde(default = "yes")]
     pub undo: bool,
-    /// The version the sandbox is in now (the inspector saw nothing change
-    /// since it was made): with `undo`, a failed restore restores this
-    /// version instead, and no undo checkpoint is taken.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub undo_version: Option<UndoVersion>,
     /// Where the restored version stands in the sandbox's conversation:
     /// the proxy answers what the restored agent asks again from the
     /// transcript. None: the version ended no turn (the conversation goes on
@@ -113,17 +108,6 @@ pub struct ShimRestore {
     /// recorded one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<String>,
-}
-
-/// A version a failed restore goes back to in place of an undo checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UndoVersion {
-    /// Its process image.
-    pub images_dir: PathBuf,
-    /// Its filesystem snapshot, if it has one.
-    pub fs: Option<FsTarget>,
-    /// Where it stands in the conversation.
-    pub conversation: Option<ConversationAt>,
 }
 
 /// Where a version stands in its sandbox's conversation (the transcript's

@@ -82,24 +82,16 @@ impl Inspection {
     /// Ends the sandbox's turn: its report, also sent to watchers. When no
     /// inspector can answer, the class is `full` and the reason says why.
     pub fn turn_end(&self, sandbox: &SandboxId) -> TurnReport {
-        let report = self.changes(sandbox);
-        let _ = self.reports.send(report.clone());
-        report
-    }
-
-    /// What the sandbox changed since its last version, as [`Self::turn_end`]
-    /// answers it (and, as it, starting a new ledger), without telling
-    /// watchers: no turn ended (a rollback asks whether the sandbox is
-    /// still as its head version left it).
-    pub fn changes(&self, sandbox: &SandboxId) -> TurnReport {
-        match &self.inspector {
+        let report = match &self.inspector {
             Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| {
                 let why = crab_api::error_chain(e.as_ref());
                 tracing::warn!(%sandbox, error = why, "inspector could not end the turn: it is full");
                 full(sandbox, &why)
             }),
             None => full(sandbox, "no inspector is loaded"),
-        }
+        };
+        let _ = self.reports.send(report.clone());
+        report
     }
 
     /// Starts the sandbox's ledger afresh (its state was just restored):

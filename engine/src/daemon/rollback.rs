@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use crab_api::crabd::{Crash, EventKind, Recovery, Registration, RollbackReport, RollbackRequest};
 use crab_api::shim::{
-    ConversationAt, FsTarget, ShimFilesRestored, ShimRestore, ShimRestoreFiles, ShimRestored, UndoVersion,
+    ConversationAt, FsTarget, ShimFilesRestored, ShimRestore, ShimRestoreFiles, ShimRestored,
 };
 use crab_api::{routes, Class, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use tracing::Instrument;
@@ -143,10 +143,6 @@ impl Daemon {
         let started = Instant::now();
         let (version, images_dir, passed_over) = d.pick(&reg.id, which).await?;
         let number = version.record.version;
-        let undo_version = match undo {
-            true => d.unchanged_head(&reg.id).await,
-            false => None,
-        };
         // From here the sandbox's state is replaced: turn ends not yet
         // captured are overtaken, and until the restore is done the sandbox
         // descends from no version (a crash in between makes the next
@@ -163,7 +159,6 @@ impl Daemon {
         let notice = notice.flatten();
         let call = ShimRestore {
             undo,
-            undo_version,
             conversation,
             notice,
             images_dir,
@@ -273,45 +268,6 @@ impl Daemon {
             total_ms,
             files_from: Some(from),
             passed_over: Vec::new(),
-        })
-    }
-
-    /// Sandbox `id`'s head version, as a failed restore's way back, when the
-    /// inspector saw nothing change since it was made (the sandbox is as
-    /// that version left it: a `none` turn would reuse its image and files
-    /// too); None when it cannot vouch, the head cannot be restored, or
-    /// there is none: the shim then takes an undo checkpoint. Asking starts
-    /// the inspector's ledger afresh, as a turn end does; the restore that
-    /// follows does so again. The caller holds the sandbox's lock.
-    async fn unchanged_head(self: &Arc<Self>, id: &SandboxId) -> Option<UndoVersion> {
-        if !self.inspection.loaded() {
-            return None;
-        }
-        let head = self.store.head(id).ok()??;
-        let d = self.clone();
-        let sid = id.clone();
-        let report = tokio::task::spawn_blocking(move || d.inspection.changes(&sid))
-            .await
-            .ok()?;
-        if report.class != Class::None {
-            return None;
-        }
-        let (version, images_dir, _) = match self.pick(id, Pick::Sel(VersionSel::Number(head))).await {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::warn!(sandbox = %id, head, error = %crab_api::error_chain(&e), "the head is no way back: an undo checkpoint is taken");
-                return None;
-            }
-        };
-        let conversation = self.conversation_at(id, &version.record).await;
-        tracing::debug!(sandbox = %id, head, "unchanged since its head: no undo checkpoint");
-        Some(UndoVersion {
-            images_dir,
-            fs: version.record.fs_snapshot.map(|f| FsTarget {
-                name: f.name,
-                store: self.files.store_dir(id),
-            }),
-            conversation,
         })
     }
 

@@ -181,10 +181,7 @@ impl Container {
     /// checkpoint restored with CRIU; stdio and the proxy are re-wired. If
     /// the restore fails, the undo checkpoint is restored instead, so a
     /// failed restore does not cost the sandbox; [`Restored::failure`] then
-    /// says why. When crabd names the version the sandbox is in now
-    /// (`undo_version`: nothing changed since it was made), that version is
-    /// the way back and no undo checkpoint is taken. The caller watches the
-    /// exit of [`Restored::pid`].
+    /// says why. The caller watches the exit of [`Restored::pid`].
     pub async fn engine_restore(&mut self, req: &ShimRestore, runtime: &RuntimeClient) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
@@ -193,27 +190,14 @@ impl Container {
             self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
         }
 
-        let mut head = req.undo_version.as_ref().filter(|_| req.undo);
-        if let Some(h) = head {
-            let usable = match (check_images(&h.images_dir), &h.fs) {
-                (Err(e), _) => Err(e),
-                (Ok(()), Some(target)) => self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await,
-                (Ok(()), None) => Ok(()),
-            };
-            if let Err(e) = usable {
-                tracing::warn!(error = %crab_api::error_chain(&e), "{}: the current version is no way back: an undo checkpoint is taken", self.id);
-                head = None;
-            }
-        }
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
-        let taken = req.undo && head.is_none();
-        let undo_fs = req.fs.as_ref().filter(|_| taken).map(|t| FsTarget {
+        let undo_fs = req.fs.as_ref().filter(|_| req.undo).map(|t| FsTarget {
             name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
             store: t.store.clone(),
         });
         let mut undo_ms = 0.0;
-        if taken {
+        if req.undo {
             let undo_started = Instant::now();
             let undo = ShimCheckpoint {
                 images_dir: Some(undo_dir.clone()),
@@ -241,17 +225,10 @@ impl Container {
             }
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                let back = match head {
-                    Some(h) => {
-                        self.replace_processes(&h.images_dir, h.fs.as_ref(), (h.conversation, None), runtime)
-                            .await
-                    }
-                    None => {
-                        self.replace_processes(&undo_dir, undo_fs.as_ref(), (None, None), runtime)
-                            .await
-                    }
-                };
-                match back {
+                match self
+                    .replace_processes(&undo_dir, undo_fs.as_ref(), (None, None), runtime)
+                    .await
+                {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
