@@ -758,13 +758,15 @@ fn passed_over(why: &[String]) -> String {
     why.iter().map(|e| format!("passed over: {e}\n")).collect()
 }
 
-/// `text` with its control characters escaped: error strings and reasons
-/// can carry a sandbox's bytes (a path, a process name), which must not
-/// reach the terminal as escape sequences.
+/// `text` with its control and bidirectional-format characters escaped:
+/// error strings and reasons can carry a sandbox's bytes (a path, a
+/// process name), which must not reach the terminal as escape sequences
+/// or reorder the line around them.
 fn printable(text: &str) -> String {
+    let format = |c: char| matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}');
     text.chars()
-        .map(|c| match c.is_control() {
-            true => c.escape_default().to_string(),
+        .map(|c| match c.is_control() || format(c) {
+            true => c.escape_unicode().to_string(),
             false => c.to_string(),
         })
         .collect()
@@ -827,5 +829,27 @@ fn print<T: Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {
         );
     } else {
         print!("{}", human());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sandboxs_bytes_reach_the_terminal_escaped() {
+        assert_eq!(
+            printable("a\u{1b}]0;owned\u{7}b\u{202e}c\nd é"),
+            "a\\u{1b}]0;owned\\u{7}b\\u{202e}c\\u{a}d é"
+        );
+        let line = event_line(&Event {
+            at_unix_ms: 0,
+            sandbox: SandboxId::new("s").unwrap(),
+            kind: EventKind::Failed {
+                what: "rollback".into(),
+                error: "bad \u{1b}[2J name".into(),
+            },
+        });
+        assert!(line.ends_with("rollback failed: bad \\u{1b}[2J name"), "{line}");
     }
 }

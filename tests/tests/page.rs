@@ -98,9 +98,10 @@ fn logs_tell_turns_versions_holds_and_rollbacks_and_follow_new_ones() {
     );
     assert_eq!(of("turn", 2)["class"], "fs", "{events:#?}");
     assert_eq!(of("turn", 2)["turn"], 2, "{events:#?}");
-    // Nothing ran since turn 2's version: it is the way back, and no undo
-    // checkpoint was taken.
-    assert!(of("rollback", 1)["undo_ms"].is_null(), "{events:#?}");
+    assert!(
+        of("rollback", 1)["undo_ms"].as_f64().unwrap() > 0.0,
+        "{events:#?}"
+    );
     // The LLM answers at once and turn 1's version is a whole CRIU dump
     // (hundreds of milliseconds): its answer waited, and the proxy tells
     // crabd how long once it released it (on a task of its own: awaited).

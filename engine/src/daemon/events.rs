@@ -196,14 +196,15 @@ impl EventLog {
 }
 
 /// The newest `tail` events of `id` in `snapshot`, oldest first; a line
-/// that does not parse (a torn write) or names another sandbox is skipped.
+/// that does not parse (a torn write, cut even inside a character) or
+/// names another sandbox is skipped.
 fn read(id: &SandboxId, snapshot: Snapshot, tail: usize) -> std::io::Result<Vec<Event>> {
     let tail = tail.min(MAX_EVENTS_TAIL);
     let mut events = Vec::new();
     for (mut file, len) in snapshot {
         file.rewind()?;
-        for line in std::io::BufReader::new(file.take(len)).lines() {
-            match serde_json::from_str::<Event>(&line?) {
+        for line in std::io::BufReader::new(file.take(len)).split(b'\n') {
+            match serde_json::from_slice::<Event>(&line?) {
                 Ok(event) if event.sandbox == *id => events.push(event),
                 _ => {}
             }
@@ -363,7 +364,8 @@ mod tests {
             .append(true)
             .open(root.path().join("events/a.jsonl.jsonl"))
             .unwrap();
-        f.write_all(b"{\"at_unix_ms\":1,\"sand").unwrap();
+        // Cut inside a character, too.
+        f.write_all(b"{\"at_unix_ms\":1,\"sand\xc3").unwrap();
         record(&log, &b, turn(8));
         let of_b: Vec<_> = log.recent(&b, 10).unwrap().into_iter().map(|e| e.kind).collect();
         assert_eq!(of_b, [turn(7), turn(8)]);

@@ -94,9 +94,14 @@ function render() {
 
 // Events that arrive while the state is read: applied on top of it.
 let pending = null;
+// A load asked for while one runs (events were missed): run again after.
+let again = false;
 
 async function load() {
-  if (pending) return;
+  if (pending) {
+    again = true;
+    return;
+  }
   pending = [];
   try {
     const r = await fetch("state", { cache: "no-store" });
@@ -110,6 +115,10 @@ async function load() {
     pending = null;
     for (const e of missed) apply(e);
     render();
+    if (again) {
+      again = false;
+      load().catch(() => {});
+    }
   }
 }
 
@@ -137,10 +146,16 @@ function listen() {
     link.className = "link live";
     load().catch((e) => { document.getElementById("host").textContent = String(e); });
   });
-  live.addEventListener("error", () => { link.textContent = "reconnecting…"; link.className = "link down"; });
+  live.addEventListener("error", () => {
+    link.className = "link down";
+    // Closed for good: crabd stopped, or restarted with a new secret.
+    link.textContent = live.readyState === EventSource.CLOSED
+      ? "disconnected: crabd stopped or restarted (crabctl ui gives the new URL)"
+      : "reconnecting…";
+  });
   live.addEventListener("crab", (m) => apply(JSON.parse(m.data)));
   // Events were missed: start again from the state.
-  live.addEventListener("lagged", () => load());
+  live.addEventListener("lagged", () => load().catch(() => {}));
 }
 
 listen();
