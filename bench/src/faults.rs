@@ -8,8 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crab_tests::faults::{Campaign, Kind};
-use crab_tests::Containerd;
+use crab_tests::faults::{self, Campaign, Kind};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Faults per sandbox.
@@ -25,7 +24,7 @@ struct Row {
 
 /// Runs `faults` seeded faults and prints the table.
 pub fn run(faults: usize, seed: u64) -> anyhow::Result<()> {
-    let mut ctd = Containerd::start();
+    let mut ctd = faults::containerd();
     let bar = ProgressBar::new(faults as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} faults {msg}").expect("a valid template"),
     );

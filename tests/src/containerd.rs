@@ -80,6 +80,57 @@ impl Containerd {
         Self::start_in(dir, "", &[], Some("btrfs"))
     }
 
+    /// Starts containerd whose crabd keeps its root (registry, versions,
+    /// process images, file copies) on an ext4 filesystem of its own, a
+    /// sparse loop file of `size` (`truncate`'s syntax) with no blocks
+    /// reserved, so a test can fill it ([`Containerd::store_fs`]). `toml`
+    /// goes into the shims' and crabd's `crab.toml`.
+    pub fn start_with_own_store(size: &str, toml: &str) -> Self {
+        let dir = PathBuf::from(format!("/tmp/{}", unique("crabct")));
+        let fs = dir.join(STORE_FS);
+        let root = dir.join("crabd");
+        for d in [&fs, &root] {
+            std::fs::create_dir_all(d).expect("create containerd dir");
+        }
+        let img = dir.join("store.img");
+        ok(Command::new("truncate")
+            .arg("-s")
+            .arg(size)
+            .arg(&img)
+            .output()
+            .expect("truncate"));
+        ok(Command::new("mkfs.ext4")
+            .args(["-q", "-m", "0"])
+            .arg(&img)
+            .output()
+            .expect("mkfs.ext4"));
+        ok(Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&fs)
+            .output()
+            .expect("mount"));
+        // crabd's root is a directory of that filesystem, bound in place:
+        // what fills the filesystem stays out of crabd's tree.
+        std::fs::create_dir_all(fs.join("crabd")).expect("create crabd's root");
+        ok(Command::new("mount")
+            .arg("--bind")
+            .arg(fs.join("crabd"))
+            .arg(&root)
+            .output()
+            .expect("mount"));
+        let theirs = dir.join("theirs.toml");
+        std::fs::write(&theirs, toml).expect("write crab.toml");
+        Self::start_in(dir, "", &[("CRAB_CONFIG", &theirs.to_string_lossy())], None)
+    }
+
+    /// The filesystem crabd's root is on, for a containerd started by
+    /// [`Containerd::start_with_own_store`] (`None` otherwise).
+    pub fn store_fs(&self) -> Option<PathBuf> {
+        let fs = self.dir.join(STORE_FS);
+        fs.join("crabd").is_dir().then_some(fs)
+    }
+
     fn start_in(dir: PathBuf, extra: &str, env: &[(&str, &str)], snapshotter: Option<&'static str>) -> Self {
         let config = format!(
             "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
@@ -387,7 +438,12 @@ impl Drop for Containerd {
         self.stop();
         self.stop_crabd();
         let _ = std::fs::remove_dir_all(pin_dir(&self.dir));
-        for snapshotter in ["root/io.containerd.snapshotter.v1.overlayfs", BTRFS_ROOT] {
+        for snapshotter in [
+            "root/io.containerd.snapshotter.v1.overlayfs",
+            BTRFS_ROOT,
+            "crabd",
+            STORE_FS,
+        ] {
             let _ = nix::mount::umount2(&self.dir.join(snapshotter), nix::mount::MntFlags::MNT_DETACH);
         }
         if !std::thread::panicking() {
@@ -395,6 +451,10 @@ impl Drop for Containerd {
         }
     }
 }
+
+/// The filesystem of [`Containerd::start_with_own_store`], under the
+/// containerd directory.
+const STORE_FS: &str = "store-fs";
 
 /// containerd's btrfs snapshotter's root, under the containerd directory.
 const BTRFS_ROOT: &str = "root/io.containerd.snapshotter.v1.btrfs";

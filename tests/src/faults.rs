@@ -15,13 +15,18 @@
 //! - `containerd`: SIGKILL of containerd, then containerd started again.
 //! - `shim`: SIGKILL of the sandbox's shim (containerd then drops the
 //!   task); `crabctl resume` brings the sandbox back from its head.
+//! - `disk-full`: the filesystem of crabd's root filled to a seeded few
+//!   MiB of room (a loop file: [`containerd`]), then a checkpoint and a
+//!   rollback asked for; then room made again. Each either works or is
+//!   refused, and the sandbox runs on as it was.
 //!
 //! After each: the sandbox runs, thawed, with no CRIU left; its state is
 //! the acknowledged one (or, after an interrupted rollback, the rollback's
 //! target: either is whole); an interrupted fork is whole or absent; an
 //! interrupted export left the archive whole or absent and no partial
 //! file. At the end every acknowledged version is rolled back to and
-//! compared, the sandbox and its forks are removed, and nothing may remain.
+//! compared, every other version crabd lists restores (none is torn),
+//! the sandbox and its forks are removed, and nothing may remain.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -55,11 +60,13 @@ pub enum Kind {
     Containerd,
     /// SIGKILL of the sandbox's shim.
     Shim,
+    /// The store's filesystem full during a checkpoint and a rollback.
+    DiskFull,
 }
 
 impl Kind {
     /// Every kind, in the campaign's order.
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Init,
         Kind::CrabdCheckpoint,
         Kind::CrabdRollback,
@@ -67,6 +74,7 @@ impl Kind {
         Kind::CrabdExport,
         Kind::Containerd,
         Kind::Shim,
+        Kind::DiskFull,
     ];
 
     /// Its name in tables.
@@ -79,6 +87,7 @@ impl Kind {
             Kind::CrabdExport => "crabd-export",
             Kind::Containerd => "containerd",
             Kind::Shim => "shim",
+            Kind::DiskFull => "disk-full",
         }
     }
 }
@@ -209,12 +218,15 @@ impl<'a> Campaign<'a> {
             Kind::CrabdExport => self.export_interrupted(delay),
             Kind::Containerd => self.containerd_killed(),
             Kind::Shim => self.shim_killed(),
+            Kind::DiskFull => self.disk_full(&before),
         };
         if let Err(e) = result.and_then(|()| self.still_whole(kind)) {
             outcome.lost = Some(e);
         }
         if let Some(leak) = self.leak_now() {
             outcome.leaked = Some(leak);
+        } else if kind == Kind::DiskFull {
+            outcome.leaked = self.stray_temporaries();
         }
         outcome.note = self.note;
         outcome
@@ -238,6 +250,28 @@ impl<'a> Campaign<'a> {
             match wait_until(20, || observe(self.pid)) {
                 Some(seen) if seen == state => {}
                 seen => lost.push(format!("version {version}: {seen:?}, acknowledged {state:?}")),
+            }
+        }
+        // What crabd lists beside them (a rollback's undo, a checkpoint a
+        // killed crabd finished) has no state to compare but must restore:
+        // no version is torn.
+        let listed: Vec<u64> = version_numbers(self.ctd, &self.id)
+            .into_iter()
+            .filter_map(|v| u64::try_from(v).ok())
+            .filter(|v| !self.acked.contains_key(v))
+            .collect();
+        for version in listed {
+            let out = crabctl(self.ctd, &["rollback", &self.id, &version.to_string()]);
+            if !out.status.success() {
+                lost.push(format!(
+                    "listed version {version} does not restore: {}",
+                    crate::stderr(&out)
+                ));
+                continue;
+            }
+            self.pid = self.ctd.task_pid(&self.id).unwrap_or(self.pid);
+            if wait_until(20, || observe(self.pid)).is_none() {
+                lost.push(format!("listed version {version}: its servers do not answer"));
             }
         }
         let mut ids = vec![self.id.clone()];
@@ -391,6 +425,61 @@ impl<'a> Campaign<'a> {
         Ok(())
     }
 
+    /// Fills the store's filesystem to a seeded few MiB of room, asks for
+    /// a checkpoint and a rollback, then makes room again. A version made
+    /// while full is acknowledged like any other (the end restores it); a
+    /// refusal must say why; the sandbox runs on, at the rollback's target
+    /// if it answered done, else as it was.
+    fn disk_full(&mut self, before: &Observed) -> Result<(), String> {
+        let fs = self
+            .ctd
+            .store_fs()
+            .ok_or("crabd's root has no filesystem of its own (see faults::containerd)")?;
+        let filler = fs.join("filler");
+        let room = self.seeded.next(16) << 20;
+        let result = fill(&fs, &filler, room).and_then(|()| self.while_full(before));
+        std::fs::remove_file(&filler).map_err(|e| format!("remove {}: {e}", filler.display()))?;
+        result
+    }
+
+    fn while_full(&mut self, before: &Observed) -> Result<(), String> {
+        let out = crabctl(self.ctd, &["checkpoint", &self.id.clone()]);
+        let checkpointed = out.status.success();
+        if checkpointed {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+            let version = v["version"]["version"].as_u64().ok_or("no version number")?;
+            self.acked.insert(version, self.current.clone());
+        } else {
+            refused_for_room("checkpoint", &out)?;
+        }
+        let versions: Vec<u64> = self.acked.keys().copied().collect();
+        let target = versions[self.seeded.next(versions.len() as u64) as usize];
+        let out = crabctl(self.ctd, &["rollback", &self.id.clone(), &target.to_string()]);
+        let rolled_back = out.status.success();
+        if !rolled_back {
+            refused_for_room("rollback", &out)?;
+        }
+        self.settled_after_rollback(before, target)?;
+        let expected = match rolled_back {
+            true => &self.acked[&target],
+            false => before,
+        };
+        if self.current != *expected {
+            return Err(format!(
+                "rollback to {target} answered {}, but the sandbox holds {:?}",
+                if rolled_back { "done" } else { "refused" },
+                self.current
+            ));
+        }
+        self.note = match (checkpointed, rolled_back) {
+            (true, true) => "checkpointed, rolled back",
+            (true, false) => "checkpointed, rollback refused",
+            (false, true) => "checkpoint refused, rolled back",
+            (false, false) => "both refused",
+        };
+        Ok(())
+    }
+
     fn containerd_killed(&mut self) -> Result<(), String> {
         self.ctd.crash_restart();
         Ok(())
@@ -472,12 +561,75 @@ impl<'a> Campaign<'a> {
             .then(|| format!("{} stays frozen", freeze.display()))
     }
 
+    /// Temporary files a failed write left in crabd's store for the
+    /// sandbox (a killed crabd's are swept when it starts again; a live
+    /// crabd's failure must remove its own).
+    fn stray_temporaries(&self) -> Option<String> {
+        let root = self.ctd.crabd_root();
+        let stray: Vec<PathBuf> = [
+            root.join("images").join(&self.id),
+            root.join("sandboxes").join(&self.id),
+        ]
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with(".tmp") || name.ends_with(".tmp")
+        })
+        .collect();
+        (!stray.is_empty()).then(|| format!("a full disk left {stray:?}"))
+    }
+
     fn json(&self, args: &[&str]) -> Result<serde_json::Value, String> {
         let out = crabctl(self.ctd, args);
         if !out.status.success() {
             return Err(format!("crabctl {}: {}", args.join(" "), crate::stderr(&out)));
         }
         serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    }
+}
+
+/// Where a campaign runs: containerd whose crabd keeps its root on a
+/// filesystem of its own (a sparse 4 GiB loop file) that the disk-full
+/// fault fills, with no floor on the store's free room
+/// (`store_min_free_bytes = 0`), so that the filesystem itself runs out,
+/// in the middle of a write.
+pub fn containerd() -> Containerd {
+    Containerd::start_with_own_store("4G", "[crabd]\nstore_min_free_bytes = 0\n")
+}
+
+/// Fills the filesystem at `fs` with `filler` until about `room` bytes
+/// are left.
+fn fill(fs: &Path, filler: &Path, room: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let st = nix::sys::statvfs::statvfs(fs).map_err(|e| format!("statvfs {}: {e}", fs.display()))?;
+    let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+    let file = std::fs::File::create(filler).map_err(|e| format!("create {}: {e}", filler.display()))?;
+    // The allocation's own metadata takes blocks too: ask for less until
+    // it fits.
+    let mut len = free.saturating_sub(room);
+    loop {
+        let size = i64::try_from(len).map_err(|e| e.to_string())?;
+        match nix::fcntl::fallocate(file.as_raw_fd(), nix::fcntl::FallocateFlags::empty(), 0, size) {
+            Ok(()) => return Ok(()),
+            Err(nix::errno::Errno::ENOSPC) if len > 1 << 20 => len -= 1 << 20,
+            Err(e) => return Err(format!("fill {}: {e}", fs.display())),
+        }
+    }
+}
+
+/// A refusal says that room ran out, not something else.
+fn refused_for_room(what: &str, out: &std::process::Output) -> Result<(), String> {
+    let why = crate::stderr(out);
+    let clear = ["No space left", "store_full", "free"]
+        .iter()
+        .any(|s| why.contains(s));
+    match clear {
+        true => Ok(()),
+        false => Err(format!("a {what} on a full disk failed without saying so: {why}")),
     }
 }
 

@@ -1,26 +1,28 @@
 //! The fault campaign, short (issue 15.10; `crab-bench faults` runs 200):
 //! each kind of fault once, in order, then three seeded ones, on one
-//! stateful sandbox under real containerd, crabd and CRIU. After each, the
+//! stateful sandbox under real containerd, crabd and CRIU (crabd's root on a
+//! loop filesystem of its own, which the disk-full fault fills). After each, the
 //! sandbox runs with an acknowledged state, nothing is torn and nothing is
 //! left running or frozen; at the end every acknowledged version restores
 //! state-verified and nothing remains. Needs root: CI runs it as root.
 
-use crab_tests::faults::{Campaign, Kind};
+use crab_tests::faults::{self, Campaign, Kind};
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
 use crab_tests::{wait_until, Containerd, CRAB};
 
 #[test]
 fn every_fault_loses_nothing_acknowledged_and_leaks_nothing() {
-    let mut ctd = Containerd::start();
+    let mut ctd = faults::containerd();
     let mut campaign = Campaign::start(&mut ctd, "faulty", 0x0fa0_17ed);
     let mut outcomes = Vec::new();
     for kind in Kind::ALL.map(Some).into_iter().chain([None, None, None]) {
         let o = campaign.round(kind);
         eprintln!(
-            "{:<17} after {:>3} ms: lost {:?}, leaked {:?}",
+            "{:<17} after {:>3} ms ({}): lost {:?}, leaked {:?}",
             o.kind.name(),
             o.delay.as_millis(),
+            o.note,
             o.lost,
             o.leaked
         );

@@ -140,6 +140,21 @@ impl Registry {
         Ok(true)
     }
 
+    /// Records `pid` as sandbox `id`'s init after a restore: in memory
+    /// always (it is what runs now), on disk if it can be written; a
+    /// failure (a full disk) is logged, and the shim's next registration
+    /// writes the file again.
+    pub fn set_pid(&self, id: &SandboxId, pid: i32) {
+        let mut sandboxes = self.sandboxes.lock();
+        let Some(entry) = sandboxes.get_mut(id) else {
+            return;
+        };
+        entry.registration.pid = pid;
+        if let Err(e) = self.write(entry) {
+            tracing::warn!(sandbox = %id, pid, error = %crab_api::error_chain(&e), "the restored init's pid is not recorded on disk");
+        }
+    }
+
     /// Writes `entry`'s file durably (fsynced, renamed into place, the
     /// directory fsynced: a host crash leaves the old entry or the new
     /// one). The caller holds the table's lock, so one temporary name is

@@ -168,10 +168,16 @@ impl Daemon {
             }),
         };
         let done: ShimRestored = d.call_shim(reg, routes::shim::RESTORE, &call).await?;
-        d.registry.update(&reg.id, |e| e.registration.pid = done.pid)?;
+        // The sandbox is at the version from here: what follows is
+        // bookkeeping, and a failure of it (a full disk) must not answer
+        // that the rollback failed. A head left unset makes the next
+        // version whole.
+        d.registry.set_pid(&reg.id, done.pid);
         let store = d.store.clone();
         let sid = reg.id.clone();
-        blocking(move || store.set_head(&sid, Some(number))).await?;
+        if let Err(e) = blocking(move || store.set_head(&sid, Some(number))).await {
+            tracing::warn!(sandbox = %reg.id, version = number, error = %crab_api::error_chain(&e), "restored, but the head is not recorded: the next version is whole");
+        }
         let d2 = d.clone();
         let sid = reg.id.clone();
         // The restored state is the next turn's start; the restored tasks

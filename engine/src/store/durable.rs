@@ -53,19 +53,30 @@ pub(crate) fn sync_parent(path: &Path) -> Result<(), StoreError> {
 ///
 /// Invariant: the new file is fsynced before the rename that replaces the
 /// old one, and the directory is fsynced after it.
+///
+/// A failed write (a full disk) removes its temporary file: the old
+/// content stays, and nothing else.
 pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     let tmp = tmp_path(path);
+    let written = write_synced(&tmp, bytes)
+        .and_then(|()| fs::rename(&tmp, path).map_err(StoreError::io("rename into place", path)));
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    sync_parent(path)
+}
+
+/// Writes `bytes` as file `path` (made or cut) and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
-        .open(&tmp)
-        .map_err(StoreError::io("create", &tmp))?;
-    file.write_all(bytes).map_err(StoreError::io("write", &tmp))?;
-    file.sync_all().map_err(StoreError::io("fsync", &tmp))?;
-    drop(file);
-    fs::rename(&tmp, path).map_err(StoreError::io("rename into place", path))?;
-    sync_parent(path)
+        .open(path)
+        .map_err(StoreError::io("create", path))?;
+    file.write_all(bytes).map_err(StoreError::io("write", path))?;
+    file.sync_all().map_err(StoreError::io("fsync", path))
 }
 
 /// The temporary name [`replace_file`] writes `path` under.

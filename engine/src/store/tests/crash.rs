@@ -183,3 +183,16 @@ fn half_line_len() -> u64 {
     // length, and both are 13-digit millisecond times.
     (line.len() / 2) as u64
 }
+
+/// A replace that fails (here its rename: a directory holds the name;
+/// on a host, a full disk) leaves what was there and no temporary file.
+#[test]
+fn a_failed_replace_leaves_no_temporary_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("head.json");
+    fs::create_dir(&path).unwrap();
+    fs::write(path.join("kept"), b"x").unwrap();
+    assert!(durable::replace_file(&path, b"{}").is_err());
+    assert!(!durable::tmp_path(&path).exists(), "the temporary file stays");
+    assert!(path.join("kept").exists());
+}
