@@ -13,7 +13,10 @@
 //! and mount point. A crash in the middle leaves either `D` unmounted with
 //! the journal (the swap had not begun: undone, `D` mounted again) or no `D`
 //! and a generation with the journal (finished: the clone made). See
-//! [`ZfsBackend::finish_interrupted_rollback`].
+//! [`ZfsBackend::finish_interrupted_rollback`]. A rollback and the settling
+//! of one take the dataset's swap lock, so a snapshotter started again in
+//! the middle of a shim's rollback waits for it rather than settling a
+//! swap still under way.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -27,6 +30,8 @@ const PREFIX: &str = "crab-";
 const JOURNAL_ORIGIN: &str = "crab:rollback-origin";
 /// The journal of a rollback by clone: the live dataset's mount point.
 const JOURNAL_MOUNT: &str = "crab:rollback-mountpoint";
+/// Where a dataset's swap lock lives (see [`ZfsBackend::swap_lock`]).
+const SWAP_LOCK_DIR: &str = "/run/crab/zfs-swap";
 
 /// A sandbox's dataset and its snapshots.
 #[derive(Debug, Clone)]
@@ -87,6 +92,36 @@ impl ZfsBackend {
         &self.dataset
     }
 
+    /// Holds the dataset's swap lock until dropped. A rollback (the
+    /// shim's) and the settling of one cut short (crabzfs's, at its start)
+    /// never run at once on one dataset: settling a swap still under way
+    /// would mount the dataset the rollback is about to rename, or make
+    /// the clone it is about to make. The lock goes with its holder's
+    /// death; the journal is what a crash leaves.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the lock file cannot be made or locked.
+    pub fn swap_lock(&self) -> Result<nix::fcntl::Flock<std::fs::File>> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let dir = std::path::Path::new(SWAP_LOCK_DIR);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(Error::io("create", dir))?;
+        // A dataset's name has no '@'; a file name has no '/'.
+        let path = dir.join(format!("{}.lock", self.dataset.replace('/', "@")));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+            .open(&path)
+            .map_err(Error::io("open", &path))?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| Error::io("lock", &path)(e.into()))
+    }
+
     fn exists(&self, dataset: &str) -> bool {
         run(ZFS, &["list", "-H", "-o", "name", dataset]).is_ok()
     }
@@ -97,7 +132,7 @@ impl ZfsBackend {
     }
 
     /// Retired generations of the live dataset, by number.
-    fn generations(&self) -> Result<Vec<(u64, String)>> {
+    pub(crate) fn generations(&self) -> Result<Vec<(u64, String)>> {
         let Some(parent) = self.parent() else {
             return Ok(Vec::new());
         };
@@ -184,12 +219,14 @@ impl ZfsBackend {
 
     /// Settles a rollback by clone that a crash cut short (see the
     /// module's doc): answers whether there was one. Safe to call at any
-    /// time: without a journal it changes nothing.
+    /// time: without a journal it changes nothing, and a rollback under
+    /// way is waited for (its swap lock).
     ///
     /// # Errors
     /// [`Error::Command`] when a `zfs` step fails (the journal stays, and
     /// the next call tries again).
     pub fn finish_interrupted_rollback(&self) -> Result<bool> {
+        let _swap = self.swap_lock()?;
         if self.exists(&self.dataset) {
             let mut settled = false;
             // Journaled but never retired: the swap had not begun.
@@ -289,6 +326,7 @@ impl Backend for ZfsBackend {
     }
 
     fn rollback(&self, name: &SnapshotName) -> Result<()> {
+        let _swap = self.swap_lock()?;
         let target = self.find(name)?;
         let own: Vec<Listed> = self
             .listed()?

@@ -439,3 +439,78 @@ fn an_interrupted_zfs_rollback_is_settled_from_its_journal() {
     drop(b);
     drop(pool);
 }
+
+/// crabzfs, started again while a shim's rollback by clone is under way,
+/// waits for it (the dataset's swap lock) rather than settling the swap
+/// under its feet (mounting the dataset about to be renamed). Here the
+/// test is the shim: it holds the lock in the middle of a swap (journal
+/// set, dataset unmounted), sees the settling blocked on the lock (in
+/// `flock`, read from /proc: no timing), finishes the swap, and then the
+/// settling finds nothing to do.
+#[test]
+fn settling_waits_for_a_rollback_under_way() {
+    let _zfs = ZfsFuse::start();
+    let pool = Pool::create("256M");
+    let ds = format!("{}/sandboxes/sw", pool.name);
+    let b = ZfsBackend::create(&ds).unwrap();
+    let zfs = |args: &[&str]| {
+        crab_tests::wait_until(10, || {
+            let out = std::process::Command::new("zfs").args(args).output().unwrap();
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        })
+        .unwrap_or_else(|| panic!("zfs {args:?} failed"))
+    };
+    let mnt = PathBuf::from(zfs(&["get", "-H", "-o", "value", "mountpoint", &ds]));
+    let file = mnt.join("f");
+    std::fs::write(&file, "v1").unwrap();
+    b.snapshot(&name("v1")).unwrap();
+    std::fs::write(&file, "live").unwrap();
+    b.snapshot(&name("v2")).unwrap();
+
+    // The shim's first steps of a rollback to v1, under the lock.
+    let lock = b.swap_lock().unwrap();
+    let retired = format!("{ds}.gen-1");
+    zfs(&["set", &format!("crab:rollback-origin={retired}@crab-v1"), &ds]);
+    zfs(&["set", &format!("crab:rollback-mountpoint={}", mnt.display()), &ds]);
+    zfs(&["unmount", &ds]);
+
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let settler = {
+        let b = b.clone();
+        std::thread::spawn(move || {
+            tid_tx.send(nix::unistd::gettid().as_raw()).unwrap();
+            b.finish_interrupted_rollback()
+        })
+    };
+    let tid = tid_rx.recv().unwrap();
+    let syscall = format!("/proc/self/task/{tid}/syscall");
+    let in_flock = crab_tests::wait_until(20, || {
+        let text = std::fs::read_to_string(&syscall).unwrap_or_default();
+        let nr: i64 = text.split_whitespace().next()?.parse().ok()?;
+        (nr == nix::libc::SYS_flock).then_some(())
+    });
+    assert!(in_flock.is_some(), "the settling did not wait for the lock");
+
+    // The shim's last steps: retire, clone, clear the journal.
+    zfs(&["rename", &ds, &retired]);
+    zfs(&["set", "mountpoint=none", &retired]);
+    zfs(&[
+        "clone",
+        "-o",
+        &format!("mountpoint={}", mnt.display()),
+        &format!("{retired}@crab-v1"),
+        &ds,
+    ]);
+    for property in ["crab:rollback-origin", "crab:rollback-mountpoint"] {
+        zfs(&["inherit", property, &retired]);
+    }
+    drop(lock);
+    assert!(!settler.join().unwrap().unwrap(), "nothing was left to settle");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "v1");
+    assert_eq!(
+        zfs(&["get", "-H", "-o", "value", "origin", &ds]),
+        format!("{retired}@crab-v1")
+    );
+}
