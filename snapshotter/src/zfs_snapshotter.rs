@@ -34,9 +34,11 @@ pub struct ZfsSnapshotter {
     inner: Arc<Inner>,
 }
 
-/// The datasets directly under `root` that are the snapshotter's
-/// (`<root>/<number>`), with their numbers.
-fn children(root: &str) -> Result<Vec<(u64, String)>> {
+/// The datasets directly under `root` that are the snapshotter's: each
+/// snapshot's `<root>/<number>`, and the generations its rollbacks by
+/// clone retired, `<root>/<number>.gen-<k>` (see `ZfsBackend`), with
+/// their numbers.
+fn children(root: &str) -> Result<Vec<(u64, Option<u64>, String)>> {
     let out = run(
         ZFS,
         &[
@@ -55,10 +57,27 @@ fn children(root: &str) -> Result<Vec<(u64, String)>> {
     Ok(out
         .lines()
         .filter_map(|l| {
-            let id: u64 = l.strip_prefix(&format!("{root}/"))?.parse().ok()?;
-            Some((id, l.to_owned()))
+            let name = l.strip_prefix(&format!("{root}/"))?;
+            let (id, generation) = match name.split_once(".gen-") {
+                Some((id, k)) => (id.parse().ok()?, Some(k.parse().ok()?)),
+                None => (name.parse().ok()?, None),
+            };
+            Some((id, generation, l.to_owned()))
         })
         .collect())
+}
+
+/// Destroys a removed snapshot's dataset `ds`, if it is there, then the
+/// generations its rollbacks by clone retired, newest first (`ds` may be
+/// a clone of one, each of an older one).
+fn destroy_with_generations(ds: &str) -> Result<()> {
+    if run(ZFS, &["list", "-H", "-o", "name", ds]).is_ok() {
+        run_settled(&["destroy", "-r", ds])?;
+    }
+    for (_, generation) in crate::ZfsBackend::new(ds)?.generations()?.into_iter().rev() {
+        run_settled(&["destroy", "-r", &generation])?;
+    }
+    Ok(())
 }
 
 /// Makes the directory where `root` is mounted 0700: every dataset (and
@@ -371,7 +390,7 @@ impl Inner {
         self.meta.apply(&[(key, None)])?;
         self.crash_point("remove-after-meta");
         let ds = self.dataset(rec.id);
-        if let Err(e) = run_settled(&["destroy", "-r", &ds]) {
+        if let Err(e) = destroy_with_generations(&ds) {
             // The record is gone; reconcile reclaims the dataset later.
             tracing::warn!(key, dataset = %ds, error = %e, "dataset left for cleanup");
         }
@@ -403,13 +422,17 @@ impl Inner {
         let _g = self.lock.lock().expect("snapshotter lock");
         let records = self.meta.all()?;
         let known: HashMap<u64, &Record> = records.iter().map(|(_, r)| (r.id, r)).collect();
-        let mut orphans: Vec<(u64, String)> = children(&self.root)?
+        let mut orphans: Vec<(u64, Option<u64>, String)> = children(&self.root)?
             .into_iter()
-            .filter(|(id, _)| !known.contains_key(id))
+            .filter(|(id, _, _)| !known.contains_key(id))
             .collect();
-        // Clones have larger ids than their origins: destroy them first.
-        orphans.sort_by_key(|o| std::cmp::Reverse(o.0));
-        for (_, ds) in orphans {
+        // Clones have larger ids than their origins: destroy them first;
+        // of one id, the live dataset first, then its generations newest
+        // first (each may be a clone of an older one).
+        use std::cmp::Reverse;
+        orphans
+            .sort_by_key(|&(id, generation, _)| (Reverse(id), generation.map_or(Reverse(u64::MAX), Reverse)));
+        for (_, _, ds) in orphans {
             tracing::warn!(dataset = %ds, "destroying a dataset no snapshot names");
             run_settled(&["destroy", "-r", &ds])?;
         }

@@ -94,6 +94,14 @@ impl Snapshotter {
         std::os::unix::process::ExitStatusExt::signal(&status).is_some()
     }
 
+    /// Kills the process (SIGKILL), as a crash would, and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Stops the process (SIGTERM) and waits for it.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

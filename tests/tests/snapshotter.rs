@@ -230,6 +230,37 @@ fn lost_metadata_never_destroys_the_datasets() {
     assert_eq!(s.datasets(), before);
 }
 
+/// What no record names is reclaimed at start, the generations a
+/// removed sandbox's rollbacks by clone retired too (a clone of one of
+/// them first); what a record names is kept, generations included.
+#[test]
+fn orphaned_generations_are_reclaimed() {
+    let mut s = Setup::start();
+    s.import(crab_tests::image::busybox_archive());
+    let before = s.datasets();
+    let zfs = |args: &[&str]| ok(Command::new("zfs").args(args).output().unwrap());
+    let root = &s.snap.dataset;
+    // A removed sandbox 900's two generations, the second a clone of the
+    // first's snapshot; and a generation of a live record's dataset.
+    zfs(&["create", &format!("{root}/900.gen-1")]);
+    zfs(&["snapshot", &format!("{root}/900.gen-1@crab-v1")]);
+    zfs(&[
+        "clone",
+        &format!("{root}/900.gen-1@crab-v1"),
+        &format!("{root}/900.gen-2"),
+    ]);
+    let live = before[0].clone();
+    let kept = format!("{live}.gen-1");
+    zfs(&["create", &kept]);
+    s.respawn(None);
+    let mut want = before.clone();
+    want.push(kept.clone());
+    want.sort();
+    let mut have = s.datasets();
+    have.sort();
+    assert_eq!(have, want);
+}
+
 #[test]
 fn crash_in_the_middle_recovers() {
     let mut s = Setup::start();
@@ -429,4 +460,75 @@ fn crabctl_rollback_on_crabzfs() {
     // Its dataset is gone: so is its history.
     crab_tests::sandbox::wait_forgotten(&s.ctd, "zr");
     assert_clean(&s.ctd.scope(), &["zr"]);
+}
+
+/// The snapshotter SIGKILLed (then started again, as systemd would) while
+/// crabd rolls a sandbox on crabzfs back and checkpoints it: the
+/// rollback's swap and the restarted snapshotter's settling never meet
+/// (the swap lock), every answer is true (a rollback answered done is at
+/// its version, a checkpoint answered done restores), and in the end
+/// containerd and the pool agree (the generations rollbacks retired go
+/// with the sandbox) and nothing is left. The kill lands at a few fixed
+/// delays; what it interrupts may differ from run to run, what must hold
+/// does not.
+#[test]
+fn a_killed_snapshotter_loses_nothing() {
+    use crab_tests::sandbox::{crabctl, crabctl_ok, exec_sh, wait_registered};
+    let mut s = Setup::start();
+    s.import(crab_tests::image::busybox_archive());
+    s.run(crab_tests::image::BUSYBOX, "zk", "sleep 100000");
+    wait_registered(&s.ctd, "zk");
+    let kept = |s: &Setup| exec_sh(&s.ctd, "zk", "cat /kept").trim().to_owned();
+    let mut versions = std::collections::BTreeMap::new();
+    for text in ["one", "two"] {
+        exec_sh(&s.ctd, "zk", &format!("echo {text} > /kept"));
+        let v = crabctl_ok(&s.ctd, &["checkpoint", "zk"]);
+        versions.insert(v["version"]["version"].as_u64().unwrap(), text.to_owned());
+    }
+    for (round, delay_ms) in [0u64, 150, 400].into_iter().enumerate() {
+        let (rolled, checkpoint) = std::thread::scope(|scope| {
+            let ctd = &s.ctd;
+            let op = scope.spawn(move || {
+                let rolled = crabctl(ctd, &["rollback", "zk", "1"]).status.success();
+                let out = crabctl(ctd, &["checkpoint", "zk"]);
+                let checkpoint = out.status.success().then(|| {
+                    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                    v["version"]["version"].as_u64().unwrap()
+                });
+                (rolled, checkpoint)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+            s.snap.kill();
+            s.snap.spawn(None);
+            op.join().expect("the operations' thread")
+        });
+        eprintln!(
+            "round {round}, killed after {delay_ms} ms: rollback done {rolled}, checkpoint {checkpoint:?}"
+        );
+        wait_until(30, || s.snapshots(&["ls"]).status.success().then_some(()))
+            .expect("containerd reconnects");
+        assert_eq!(
+            s.ctd.task_status("zk").as_deref(),
+            Some("RUNNING"),
+            "round {round}"
+        );
+        let now = kept(&s);
+        if rolled {
+            assert_eq!(now, "one", "round {round}: the rollback answered done");
+        }
+        if let Some(v) = checkpoint {
+            versions.insert(v, now);
+        }
+        exec_sh(&s.ctd, "zk", "echo two > /kept");
+    }
+    // Every version answered done restores with its files.
+    for (version, want) in &versions {
+        crabctl_ok(&s.ctd, &["rollback", "zk", &version.to_string()]);
+        assert_eq!(&kept(&s), want, "version {version}");
+    }
+    s.ctd.remove("zk");
+    crab_tests::sandbox::wait_forgotten(&s.ctd, "zk");
+    wait_until(30, || (s.keys().len() == s.datasets().len()).then_some(()))
+        .unwrap_or_else(|| s.assert_agree());
+    assert_clean(&s.ctd.scope(), &["zk"]);
 }
