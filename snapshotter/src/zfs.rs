@@ -109,8 +109,7 @@ impl ZfsBackend {
             .mode(0o700)
             .create(dir)
             .map_err(Error::io("create", dir))?;
-        // A dataset's name has no '@'; a file name has no '/'.
-        let path = dir.join(format!("{}.lock", self.dataset.replace('/', "@")));
+        let path = self.swap_lock_path();
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
@@ -120,6 +119,13 @@ impl ZfsBackend {
             .map_err(Error::io("open", &path))?;
         nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
             .map_err(|(_, e)| Error::io("lock", &path)(e.into()))
+    }
+
+    /// The file of [`ZfsBackend::swap_lock`]; removed with the dataset
+    /// (by crabzfs), when nothing can roll it back any more.
+    pub(crate) fn swap_lock_path(&self) -> PathBuf {
+        // A dataset's name has no '@'; a file name has no '/'.
+        std::path::Path::new(SWAP_LOCK_DIR).join(format!("{}.lock", self.dataset.replace('/', "@")))
     }
 
     fn exists(&self, dataset: &str) -> bool {

@@ -69,14 +69,16 @@ fn children(root: &str) -> Result<Vec<(u64, Option<u64>, String)>> {
 
 /// Destroys a removed snapshot's dataset `ds`, if it is there, then the
 /// generations its rollbacks by clone retired, newest first (`ds` may be
-/// a clone of one, each of an older one).
+/// a clone of one, each of an older one), then its swap lock's file.
 fn destroy_with_generations(ds: &str) -> Result<()> {
     if run(ZFS, &["list", "-H", "-o", "name", ds]).is_ok() {
         run_settled(&["destroy", "-r", ds])?;
     }
-    for (_, generation) in crate::ZfsBackend::new(ds)?.generations()?.into_iter().rev() {
+    let backend = crate::ZfsBackend::new(ds)?;
+    for (_, generation) in backend.generations()?.into_iter().rev() {
         run_settled(&["destroy", "-r", &generation])?;
     }
+    let _ = std::fs::remove_file(backend.swap_lock_path());
     Ok(())
 }
 

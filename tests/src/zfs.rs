@@ -105,5 +105,16 @@ impl Drop for Pool {
                 .then_some(())
         });
         let _ = std::fs::remove_dir_all(&self.dir);
+        // The swap locks of its datasets (crab_snapshotter::ZfsBackend).
+        let prefix = format!("{}@", self.name);
+        for entry in std::fs::read_dir("/run/crab/zfs-swap")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 }

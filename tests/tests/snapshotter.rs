@@ -531,4 +531,18 @@ fn a_killed_snapshotter_loses_nothing() {
     wait_until(30, || (s.keys().len() == s.datasets().len()).then_some(()))
         .unwrap_or_else(|| s.assert_agree());
     assert_clean(&s.ctd.scope(), &["zk"]);
+    // A swap lock's file goes with its dataset.
+    let datasets: Vec<String> = s
+        .datasets()
+        .iter()
+        .map(|d| format!("{}.lock", d.replace('/', "@")))
+        .collect();
+    let locks: Vec<_> = std::fs::read_dir("/run/crab/zfs-swap")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("{}@", s.pool.name)) && !datasets.contains(n))
+        .collect();
+    assert!(locks.is_empty(), "swap locks of no dataset: {locks:?}");
 }
