@@ -86,6 +86,31 @@ pub(crate) fn tmp_path(path: &Path) -> std::path::PathBuf {
     path.with_file_name(name)
 }
 
+/// Moves a temporary directory `dir` (`.tmp-*`), if present, out of the
+/// way and removes it. A writer may still be in it: a killed crabd's
+/// checkpoint goes on in the shim, CRIU writing its images there, and
+/// removing under a writer fails (`ENOTEMPTY`). The rename never does:
+/// the name is free at once, and what cannot be removed yet stays under
+/// a `.tmp-` name, logged, for the next sweep.
+pub(crate) fn clear_tmp(dir: &Path) -> Result<(), StoreError> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut name = dir.file_name().unwrap_or_default().to_owned();
+    name.push(format!(".stale-{nanos}"));
+    let aside = dir.with_file_name(name);
+    match fs::rename(dir, &aside) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(StoreError::io("move aside", dir)(e)),
+    }
+    sync_parent(dir)?;
+    if let Err(e) = fs::remove_dir_all(&aside) {
+        tracing::warn!(path = %aside.display(), error = %e, "a temporary directory stays for the next sweep (a writer may still be in it)");
+    }
+    Ok(())
+}
+
 /// Removes directory tree `dir`, if present, and fsyncs its parent.
 pub(crate) fn remove_dir(dir: &Path) -> Result<(), StoreError> {
     match fs::remove_dir_all(dir) {

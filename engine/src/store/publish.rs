@@ -124,7 +124,7 @@ impl VersionStore {
         };
         let tmp = if new.capture.class().needs_proc() {
             let tmp = self.inner.images_root(sandbox).join(format!(".tmp-{version}"));
-            durable::remove_dir(&tmp)?;
+            durable::clear_tmp(&tmp)?;
             fs::create_dir(&tmp).map_err(StoreError::io("create directory", &tmp))?;
             Some(tmp)
         } else {

@@ -106,13 +106,16 @@ pub(crate) fn sweep(
             })
         }
     };
+    // Read whole first: moving a directory aside adds a name.
+    let entries: Vec<fs::DirEntry> = entries
+        .collect::<Result<_, _>>()
+        .map_err(StoreError::io("read directory", &root))?;
     for entry in entries {
-        let entry = entry.map_err(StoreError::io("read directory", &root))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if pending_tmp.as_deref() == Some(name.as_str()) {
             continue;
         } else if name.starts_with(".tmp-") {
-            fs::remove_dir_all(entry.path()).map_err(StoreError::io("remove directory", entry.path()))?;
+            durable::clear_tmp(&entry.path())?;
             swept.tmp_dirs.push(name);
         } else if let Ok(n) = name.parse::<u64>() {
             if m.claims_images(n) {

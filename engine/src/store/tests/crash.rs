@@ -196,3 +196,37 @@ fn a_failed_replace_leaves_no_temporary_file() {
     assert!(!durable::tmp_path(&path).exists(), "the temporary file stays");
     assert!(path.join("kept").exists());
 }
+
+/// A temporary images directory that cannot be removed (a killed crabd's
+/// checkpoint still writing in it, in the shim; here a directory made
+/// immutable) does not stop the store from opening: it is moved aside,
+/// and the number it held is given out again. Needs root (chattr): CI
+/// runs it as root.
+#[test]
+fn a_temporary_directory_in_use_does_not_stop_the_open() {
+    let fx = fixture();
+    fx.run("a");
+    drop(fx.store);
+    let images = fx.dir.path().join("images/s1");
+    let busy = images.join(".tmp-2/busy");
+    fs::create_dir_all(&busy).unwrap();
+    fs::write(busy.join("pages-1.img"), b"x").unwrap();
+    let chattr = |flag: &str, dir: &Path| {
+        let ok = Command::new("chattr").arg(flag).arg(dir).status().unwrap().success();
+        assert!(ok, "chattr {flag} {}", dir.display());
+    };
+    chattr("+i", &busy);
+    let opened = VersionStore::open(fx.dir.path());
+    let left: Vec<PathBuf> = fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(".tmp-"))
+        .collect();
+    for dir in &left {
+        chattr("-i", &dir.join("busy"));
+    }
+    let store = opened.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(!images.join(".tmp-2").exists());
+    assert_eq!(publish(&store, &sid("s1"), "a").version, 2);
+}
