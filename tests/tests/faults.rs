@@ -113,3 +113,74 @@ fn a_restarted_crabd_settles_what_the_killed_one_was_making() {
     ctd.ctr_ok(&["container", "rm", "stranger"]);
     assert_clean(&ctd.scope(), &["half", "stranger", "whole"]);
 }
+
+/// An import names its making before it publishes its version (the id
+/// has none yet, so every version it then has is the import's): a crabd
+/// killed after the publish and before the container was made leaves a
+/// record the next crabd settles by forgetting the id's history, so the
+/// name is free again. Deterministic: the state such a kill leaves is
+/// made from a real import whose container and registration are removed
+/// while crabd is stopped.
+#[test]
+fn a_restarted_crabd_forgets_an_import_it_never_started() {
+    use crab_tests::sandbox::{crabctl, crabctl_ok, wait_registered};
+    let mut ctd = Containerd::start();
+    ctd.run_detached(CRAB, "orig", &["sleep", "300"]);
+    wait_registered(&ctd, "orig");
+    crabctl_ok(&ctd, &["checkpoint", "orig"]);
+    let file = ctd.dir.join("orig.crab");
+    let file = file.to_string_lossy();
+    crabctl_ok(&ctd, &["export", "orig", "1", &file]);
+    let address = ctd.address().to_string_lossy().into_owned();
+    let namespace = ctd.namespace.clone();
+    let import = [
+        "import",
+        &file,
+        "--name",
+        "ghost",
+        "--namespace",
+        &namespace,
+        "--containerd",
+        &address,
+    ];
+    crabctl_ok(&ctd, &import);
+    wait_registered(&ctd, "ghost");
+    ctd.stop_crabd();
+    // What a kill after the publish leaves: a version, no container, no
+    // registration, and the making's record.
+    ctd.remove("ghost");
+    std::fs::remove_file(ctd.crabd_root().join("registry/ghost.json")).unwrap();
+    let images = ctd.crabd_root().join("images/ghost");
+    assert!(images.exists());
+    let making = ctd.crabd_root().join("making");
+    std::fs::create_dir_all(&making).unwrap();
+    let record = serde_json::json!({
+        "token": "ghost.1",
+        "address": ctd.address(),
+        "namespace": ctd.namespace,
+        "snapshotter": "overlayfs",
+        "id": "ghost",
+        "history": true,
+        "transcript": null,
+    });
+    std::fs::write(making.join("ghost.1.json"), record.to_string()).unwrap();
+    ctd.start_crabd();
+    let settled = wait_until(30, || {
+        let left = std::fs::read_dir(&making).map_or(0, |d| d.count());
+        (left == 0).then_some(())
+    });
+    assert!(settled.is_some(), "the making's record stays");
+    assert!(!images.exists(), "the import's version stays");
+    let versions = crabctl(&ctd, &["versions", "ghost"]);
+    assert!(
+        !versions.status.success() || !String::from_utf8_lossy(&versions.stdout).contains("\"version\""),
+        "{versions:?}"
+    );
+    // The name is free: the same import works again.
+    crabctl_ok(&ctd, &import);
+    wait_registered(&ctd, "ghost");
+    for id in ["ghost", "orig"] {
+        ctd.remove(id);
+    }
+    assert_clean(&ctd.scope(), &["ghost", "orig"]);
+}

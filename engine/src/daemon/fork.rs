@@ -193,23 +193,23 @@ impl Daemon {
         source: &Source<'_>,
         new_id: &SandboxId,
     ) -> Result<Copied, ApiError> {
-        let conversation = self.fork_conversation(source, new_id).await;
+        // Named before anything of it is written: its transcript too.
+        let mut making = self.begin_making(containerd, &template.snapshotter, new_id, false)?;
+        let mut conversation = self.fork_conversation(source, new_id).await;
+        if let Some((_, path)) = &conversation {
+            if let Err(e) = making.transcript_written(path) {
+                tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
+                let _ = std::fs::remove_file(path);
+                conversation = None;
+            }
+        }
         let from = FilesFrom {
             sandbox: source.reg.id.clone(),
             name: source.files.clone(),
         };
         let at = conversation.as_ref().map(|(at, _)| at);
-        let transcript = conversation.as_ref().map(|(_, path)| path.as_path());
         let made = self
-            .start_copy(
-                containerd,
-                template,
-                new_id,
-                source.images,
-                from,
-                at,
-                (None, transcript),
-            )
+            .start_copy(containerd, template, new_id, source.images, from, at, making)
             .await;
         match (made, &conversation) {
             (Err(e), Some((_, path))) => {
@@ -291,9 +291,8 @@ impl Daemon {
     /// Creates sandbox `new_id` in `containerd` from `template`: its files
     /// a copy of `files`, its init restored from `images` when the shim
     /// starts it. Nothing is left if it fails, nor if crabd is killed
-    /// before its task runs (`undo`: the imported version its files are,
-    /// the transcript written for it, which the making's record names;
-    /// see `making`).
+    /// before its task runs (`making`, begun before anything of it was
+    /// written; see `making`).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn start_copy(
         self: &Arc<Self>,
@@ -303,11 +302,16 @@ impl Daemon {
         images: &Path,
         files: FilesFrom,
         conversation: Option<&ConversationAt>,
-        undo: (Option<u64>, Option<&Path>),
+        making: MakingGuard,
     ) -> Result<Copied, ApiError> {
         let files_from_elsewhere = files.sandbox != *new_id;
-        let making = self.begin_making(containerd, &template.snapshotter, new_id, undo.0, undo.1)?;
-        let grant = self.grant_restore(new_id, containerd.namespace(), images).await?;
+        let grant = match self.grant_restore(new_id, containerd.namespace(), images).await {
+            Ok(grant) => grant,
+            Err(e) => {
+                making.done();
+                return Err(e);
+            }
+        };
         let restore = Restore {
             images,
             conversation,

@@ -161,8 +161,14 @@ async fn make_and_start(
     let fs_stream = unpacked.fs_stream.clone();
     let images = m.images.clone();
     let allow_privileged = q.allow_privileged_files;
+    let namespace = q.namespace.unwrap_or_else(|| d.config.namespace.clone());
+    let address = q.containerd.unwrap_or_else(|| d.config.containerd.clone());
+    let containerd = Containerd::connect(&address, &namespace).await?;
+    // Named before anything of it is written (the id has no version yet:
+    // every one it gets from here is this import's).
+    let mut making = d.begin_making(&containerd, &m.container.snapshotter, new_id, true)?;
     let (d2, sid) = (d.clone(), new_id.clone());
-    let version = blocking_io(move || -> Result<VersionRecord, ApiError> {
+    let published = blocking_io(move || -> Result<VersionRecord, ApiError> {
         let io = |op| move |source| ApiError::Io { op, source };
         let pending = d2.store.begin_version(
             &sid,
@@ -194,47 +200,52 @@ async fn make_and_start(
         d2.files.import(&sid, &name, &mut input, policy)?;
         Ok(pending.publish()?)
     })
-    .await?;
-
-    let namespace = q.namespace.unwrap_or_else(|| d.config.namespace.clone());
-    let address = q.containerd.unwrap_or_else(|| d.config.containerd.clone());
-    let conversation = import_conversation(unpacked, &namespace, new_id).await;
-    let started_copy = async {
-        let containerd = Containerd::connect(&address, &namespace).await?;
-        let store = d.store.clone();
-        let sid = new_id.clone();
-        let n = version.version;
-        let images_dir = blocking(move || store.get(&sid, n))
-            .await?
-            .images_dir
-            .expect("an imported version holds its images");
-        let mut template = m.container.clone();
-        // The template's spec names the exported container; the copy is renamed.
-        template.id = m.version.sandbox.as_str().to_owned();
-        let from = FilesFrom {
-            sandbox: new_id.clone(),
-            name: m.fs.name.clone(),
-        };
-        let at = conversation.as_ref().map(|(at, _)| at);
-        let transcript = conversation.as_ref().map(|(_, path)| path.as_path());
-        d.start_copy(
-            &containerd,
-            &template,
-            new_id,
-            &images_dir,
-            from,
-            at,
-            (Some(n), transcript),
-        )
-        .await
-        .map(|mut copied| {
-            if let Some(m) = copied.making.take() {
-                m.done();
-            }
-            copied.pid
-        })
-    }
     .await;
+    let version = match published {
+        Ok(version) => version,
+        Err(e) => {
+            // The caller removes what was written; nothing else was made.
+            making.done();
+            return Err(e);
+        }
+    };
+    let mut conversation = import_conversation(unpacked, &namespace, new_id).await;
+    if let Some((_, path)) = &conversation {
+        if let Err(e) = making.transcript_written(path) {
+            tracing::warn!(sandbox = %new_id, error = %crab_api::error_chain(&e), "the import's conversation starts afresh");
+            let _ = std::fs::remove_file(path);
+            conversation = None;
+        }
+    }
+    let store = d.store.clone();
+    let (sid, n) = (new_id.clone(), version.version);
+    let images_dir = blocking(move || store.get(&sid, n))
+        .await
+        .map(|v| v.images_dir.expect("an imported version holds its images"));
+    let started_copy = match images_dir {
+        Err(e) => {
+            making.done();
+            Err(e)
+        }
+        Ok(images_dir) => {
+            let mut template = m.container.clone();
+            // The template's spec names the exported container; the copy is renamed.
+            template.id = m.version.sandbox.as_str().to_owned();
+            let from = FilesFrom {
+                sandbox: new_id.clone(),
+                name: m.fs.name.clone(),
+            };
+            let at = conversation.as_ref().map(|(at, _)| at);
+            d.start_copy(&containerd, &template, new_id, &images_dir, from, at, making)
+                .await
+                .map(|mut copied| {
+                    if let Some(m) = copied.making.take() {
+                        m.done();
+                    }
+                    copied.pid
+                })
+        }
+    };
     if let (Err(_), Some((_, path))) = (&started_copy, &conversation) {
         let _ = std::fs::remove_file(path);
     }

@@ -37,10 +37,16 @@ struct Making {
     snapshotter: String,
     /// The new sandbox's container id.
     id: SandboxId,
-    /// The imported version its files are, for an import; a fork's files
-    /// are a store of its own.
+    /// The imported version its files are (records of an earlier crabd;
+    /// see `history`).
+    #[serde(default)]
     import_version: Option<u64>,
-    /// The transcript written for it, if any.
+    /// Every version of the id is this making's: an import, which begins
+    /// only for an id with none, records its making before it publishes
+    /// one. A fork's files are a store of its own.
+    #[serde(default)]
+    history: bool,
+    /// The transcript written for it, once written.
     transcript: Option<PathBuf>,
 }
 
@@ -51,13 +57,21 @@ struct Making {
 #[derive(Debug)]
 pub(super) struct MakingGuard {
     path: PathBuf,
-    token: String,
+    record: Making,
 }
 
 impl MakingGuard {
     /// The label value of what this making makes.
     pub(super) fn token(&self) -> &str {
-        &self.token
+        &self.record.token
+    }
+
+    /// Names the transcript just written for the sandbox in the record
+    /// (replaced whole, synced), so a crash from here removes it too.
+    pub(super) fn transcript_written(&mut self, transcript: &Path) -> Result<(), ApiError> {
+        self.record.transcript = Some(transcript.to_owned());
+        let bytes = serde_json::to_vec(&self.record).expect("a making serializes");
+        crate::store::replace_file(&self.path, &bytes).map_err(ApiError::from)
     }
 
     /// The making is settled: its record goes, durably.
@@ -80,14 +94,14 @@ impl Daemon {
 
     /// Names sandbox `id`, about to be made in `containerd` (at `address`,
     /// on `snapshotter`), durably (the file and its directory synced)
-    /// before anything of it exists.
+    /// before anything of it exists: its versions (`history`: all of the
+    /// id's are this making's), files, transcript or container.
     pub(super) fn begin_making(
         &self,
         containerd: &Containerd,
         snapshotter: &str,
         id: &SandboxId,
-        import_version: Option<u64>,
-        transcript: Option<&Path>,
+        history: bool,
     ) -> Result<MakingGuard, ApiError> {
         use std::io::Write;
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
@@ -113,8 +127,9 @@ impl Daemon {
             namespace: containerd.namespace().to_owned(),
             snapshotter: snapshotter.to_owned(),
             id: id.clone(),
-            import_version,
-            transcript: transcript.map(Path::to_owned),
+            import_version: None,
+            history,
+            transcript: None,
         };
         let path = dir.join(format!("{token}.json"));
         let mut file = std::fs::OpenOptions::new()
@@ -127,7 +142,7 @@ impl Daemon {
             .and_then(|()| file.sync_all())
             .map_err(io)?;
         crate::store::sync_parent(&path)?;
-        Ok(MakingGuard { path, token })
+        Ok(MakingGuard { path, record })
     }
 
     /// Settles what a killed crabd was making (see the module's doc).
@@ -151,11 +166,7 @@ impl Daemon {
             match self.settle(&record).await {
                 Ok(settled) => {
                     tracing::warn!(sandbox = %record.id, ?settled, "settled what a killed crabd was making");
-                    MakingGuard {
-                        path,
-                        token: record.token,
-                    }
-                    .done();
+                    MakingGuard { path, record }.done();
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %record.id, error = %crab_api::error_chain(&e), "what a killed crabd was making stays for the next start");
@@ -183,9 +194,16 @@ impl Daemon {
         if settled != Settled::Removed || known {
             return Ok(settled);
         }
-        let (d, id, version) = (self.clone(), record.id.clone(), record.import_version);
+        let (d, id, version, history) = (
+            self.clone(),
+            record.id.clone(),
+            record.import_version,
+            record.history,
+        );
         super::work::blocking_io(move || {
-            if let Some(n) = version {
+            if history {
+                let _ = d.store.forget(&id);
+            } else if let Some(n) = version {
                 let _ = d.store.remove_version(&id, n);
                 if d.store.versions(&id).is_ok_and(|v| v.is_empty()) {
                     let _ = d.store.forget(&id);
