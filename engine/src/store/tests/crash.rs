@@ -212,7 +212,12 @@ fn a_temporary_directory_in_use_does_not_stop_the_open() {
     fs::create_dir_all(&busy).unwrap();
     fs::write(busy.join("pages-1.img"), b"x").unwrap();
     let chattr = |flag: &str, dir: &Path| {
-        let ok = Command::new("chattr").arg(flag).arg(dir).status().unwrap().success();
+        let ok = Command::new("chattr")
+            .arg(flag)
+            .arg(dir)
+            .status()
+            .unwrap()
+            .success();
         assert!(ok, "chattr {flag} {}", dir.display());
     };
     chattr("+i", &busy);
