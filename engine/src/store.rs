@@ -19,7 +19,7 @@
 //!                                     by a publish (format: head.rs)
 //! <root>/images/<id>/<version>/       the process image that version wrote:
 //!                                     opaque files (CRIU's), any tree
-//! <root>/images/<id>/.tmp-<version>/  a process image being written
+//! <root>/images/<id>/.tmp-<version>-<attempt>/  a process image being written
 //! <root>/trash/                       directories on their way out
 //! ```
 //!

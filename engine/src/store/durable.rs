@@ -86,30 +86,36 @@ pub(crate) fn tmp_path(path: &Path) -> std::path::PathBuf {
     path.with_file_name(name)
 }
 
-/// Moves a temporary directory `dir` (`.tmp-*`), if present, out of the
-/// way and removes it. A writer may still be in it: a killed crabd's
-/// checkpoint goes on in the shim, CRIU writing its images there, and
-/// removing under a writer fails (`ENOTEMPTY`). The rename never does:
-/// the name is free at once, and what cannot be removed yet stays under
-/// a `.tmp-` name, logged, for the next sweep.
-pub(crate) fn clear_tmp(dir: &Path) -> Result<(), StoreError> {
+/// Removes a temporary directory `dir` (`.tmp-*`) that no one should be
+/// writing; answers whether it is gone. A writer may still be in it all
+/// the same (a killed crabd's checkpoint goes on in the shim, CRIU
+/// writing its images there), and removing under a writer fails
+/// (`ENOTEMPTY`): the directory is then moved aside as `.stale.tmp-*`,
+/// never swept again under its `.tmp-` name, and removed by a later
+/// sweep (logged).
+pub(crate) fn clear_tmp(dir: &Path) -> Result<bool, StoreError> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => return Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => {
+            tracing::warn!(path = %dir.display(), error = %e, "a temporary directory is moved aside (a writer may still be in it)")
+        }
+    }
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let mut name = dir.file_name().unwrap_or_default().to_owned();
-    name.push(format!(".stale-{nanos}"));
+    // Moved once: a sweep removes `.stale*` entries, never renames them.
+    let mut name = std::ffi::OsString::from(STALE);
+    name.push(dir.file_name().unwrap_or_default());
+    name.push(format!("-{nanos}"));
     let aside = dir.with_file_name(name);
-    match fs::rename(dir, &aside) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(StoreError::io("move aside", dir)(e)),
-    }
+    fs::rename(dir, &aside).map_err(StoreError::io("move aside", dir))?;
     sync_parent(dir)?;
-    if let Err(e) = fs::remove_dir_all(&aside) {
-        tracing::warn!(path = %aside.display(), error = %e, "a temporary directory stays for the next sweep (a writer may still be in it)");
-    }
-    Ok(())
+    Ok(false)
 }
+
+/// The prefix of a temporary directory [`clear_tmp`] moved aside.
+pub(crate) const STALE: &str = ".stale";
 
 /// Removes directory tree `dir`, if present, and fsyncs its parent.
 pub(crate) fn remove_dir(dir: &Path) -> Result<(), StoreError> {

@@ -123,8 +123,15 @@ impl VersionStore {
             Capture::Full(snapshot) => (Some(version), Some(snapshot.clone())),
         };
         let tmp = if new.capture.class().needs_proc() {
-            let tmp = self.inner.images_root(sandbox).join(format!(".tmp-{version}"));
-            durable::clear_tmp(&tmp)?;
+            // A name of this attempt's own: a checkpoint a killed crabd
+            // asked for may still be writing into an earlier attempt's.
+            let attempt = std::time::SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let tmp = self
+                .inner
+                .images_root(sandbox)
+                .join(format!(".tmp-{version}-{attempt}"));
             fs::create_dir(&tmp).map_err(StoreError::io("create directory", &tmp))?;
             Some(tmp)
         } else {

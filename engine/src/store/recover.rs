@@ -112,11 +112,21 @@ pub(crate) fn sweep(
         .map_err(StoreError::io("read directory", &root))?;
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if pending_tmp.as_deref() == Some(name.as_str()) {
+        if pending_tmp
+            .as_deref()
+            .is_some_and(|p| name == p || name.starts_with(&format!("{p}-")))
+        {
             continue;
-        } else if name.starts_with(".tmp-") {
-            durable::clear_tmp(&entry.path())?;
-            swept.tmp_dirs.push(name);
+        } else if let Some(rest) = name.strip_prefix(".tmp-") {
+            // `.tmp-<version>-<attempt>`: reported by its version.
+            if durable::clear_tmp(&entry.path())? {
+                let version = rest.split('-').next().unwrap_or_default();
+                swept.tmp_dirs.push(format!(".tmp-{version}"));
+            }
+        } else if name.starts_with(durable::STALE) {
+            if let Err(e) = fs::remove_dir_all(entry.path()) {
+                tracing::warn!(path = %entry.path().display(), error = %e, "a temporary directory moved aside stays for the next sweep");
+            }
         } else if let Ok(n) = name.parse::<u64>() {
             if m.claims_images(n) {
                 swept.highest_kept = swept.highest_kept.max(n);

@@ -199,16 +199,17 @@ fn a_failed_replace_leaves_no_temporary_file() {
 
 /// A temporary images directory that cannot be removed (a killed crabd's
 /// checkpoint still writing in it, in the shim; here a directory made
-/// immutable) does not stop the store from opening: it is moved aside,
-/// and the number it held is given out again. Needs root (chattr): CI
-/// runs it as root.
+/// immutable) does not stop the store from opening, again and again: it
+/// is moved aside once, under a name no later sweep renames, and the
+/// number it held is given out again. Needs root (chattr, on a
+/// filesystem that has it): CI runs it as root.
 #[test]
 fn a_temporary_directory_in_use_does_not_stop_the_open() {
     let fx = fixture();
     fx.run("a");
     drop(fx.store);
     let images = fx.dir.path().join("images/s1");
-    let busy = images.join(".tmp-2/busy");
+    let busy = images.join(".tmp-2-1/busy");
     fs::create_dir_all(&busy).unwrap();
     fs::write(busy.join("pages-1.img"), b"x").unwrap();
     let chattr = |flag: &str, dir: &Path| {
@@ -221,17 +222,24 @@ fn a_temporary_directory_in_use_does_not_stop_the_open() {
         assert!(ok, "chattr {flag} {}", dir.display());
     };
     chattr("+i", &busy);
-    let opened = VersionStore::open(fx.dir.path());
-    let left: Vec<PathBuf> = fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(".tmp-"))
-        .collect();
-    for dir in &left {
-        chattr("-i", &dir.join("busy"));
+    let hidden = || -> Vec<String> {
+        fs::read_dir(&images)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect()
+    };
+    let first = VersionStore::open(fx.dir.path()).map(drop);
+    let after_first = hidden();
+    let second = VersionStore::open(fx.dir.path());
+    let after_second = hidden();
+    for name in &after_second {
+        chattr("-i", &images.join(name).join("busy"));
     }
-    let store = opened.unwrap();
-    assert_eq!(left.len(), 1, "{left:?}");
-    assert!(!images.join(".tmp-2").exists());
+    first.unwrap();
+    let store = second.unwrap();
+    assert_eq!(after_first.len(), 1, "{after_first:?}");
+    assert!(after_first[0].starts_with(".stale.tmp-2-1-"), "{after_first:?}");
+    assert_eq!(after_second, after_first, "a second sweep renamed it");
     assert_eq!(publish(&store, &sid("s1"), "a").version, 2);
 }
