@@ -71,10 +71,13 @@ fn children(root: &str) -> Result<Vec<(u64, Option<u64>, String)>> {
 /// generations its rollbacks by clone retired, newest first (`ds` may be
 /// a clone of one, each of an older one), then its swap lock's file.
 fn destroy_with_generations(ds: &str) -> Result<()> {
+    let backend = crate::ZfsBackend::new(ds)?;
+    // Under the swap lock (no rollback is under way), whose file goes
+    // while it is held.
+    let _swap = backend.swap_lock()?;
     if run(ZFS, &["list", "-H", "-o", "name", ds]).is_ok() {
         run_settled(&["destroy", "-r", ds])?;
     }
-    let backend = crate::ZfsBackend::new(ds)?;
     for (_, generation) in backend.generations()?.into_iter().rev() {
         run_settled(&["destroy", "-r", &generation])?;
     }
@@ -436,7 +439,11 @@ impl Inner {
             .sort_by_key(|&(id, generation, _)| (Reverse(id), generation.map_or(Reverse(u64::MAX), Reverse)));
         for (_, _, ds) in orphans {
             tracing::warn!(dataset = %ds, "destroying a dataset no snapshot names");
-            run_settled(&["destroy", "-r", &ds])?;
+            // One that cannot go yet (busy, a clone outside) stops nothing
+            // else: the next reconcile tries again.
+            if let Err(e) = run_settled(&["destroy", "-r", &ds]) {
+                tracing::warn!(dataset = %ds, error = %e, "a dataset no snapshot names stays for now");
+            }
         }
         // An active snapshot whose commit crashed after `zfs snapshot`.
         for (key, rec) in &records {

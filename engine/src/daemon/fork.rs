@@ -195,14 +195,7 @@ impl Daemon {
     ) -> Result<Copied, ApiError> {
         // Named before anything of it is written: its transcript too.
         let mut making = self.begin_making(containerd, &template.snapshotter, new_id, false)?;
-        let mut conversation = self.fork_conversation(source, new_id).await;
-        if let Some((_, path)) = &conversation {
-            if let Err(e) = making.transcript_written(path) {
-                tracing::warn!(fork = %new_id, error = %crab_api::error_chain(&e), "the fork's conversation starts afresh");
-                let _ = std::fs::remove_file(path);
-                conversation = None;
-            }
-        }
+        let conversation = self.fork_conversation(source, new_id, &mut making).await;
         let from = FilesFrom {
             sandbox: source.reg.id.clone(),
             name: source.files.clone(),
@@ -237,21 +230,22 @@ impl Daemon {
     }
 
     /// Writes the conversation of `source`'s version as the transcript of
-    /// fork `new_id`, beside its source's; answers where the fork stands
-    /// in it, and the file. None (logged) when there is none (see
-    /// [`Daemon::version_conversation`]) or it cannot be written: the
-    /// fork's conversation then starts afresh.
+    /// fork `new_id`, beside its source's, named in its `making`; answers
+    /// where the fork stands in it, and the file. None (logged) when there
+    /// is none (see [`Daemon::version_conversation`]) or it cannot be
+    /// written (see [`MakingGuard::write_transcript`]): the fork's
+    /// conversation then starts afresh.
     async fn fork_conversation(
         &self,
         source: &Source<'_>,
         new_id: &SandboxId,
+        making: &mut MakingGuard,
     ) -> Option<(ConversationAt, PathBuf)> {
         let from = source.reg.transcript.clone()?;
         let (at, records) = self.version_conversation(source.reg, source.record).await?;
-        // A file there is another container's of that id (a live one's,
-        // perhaps): never touched; `write_new` refuses it.
         let path = from.with_file_name(format!("{new_id}.jsonl"));
-        write_conversation(&path, new_id, records)
+        making
+            .write_transcript(&path, new_id, records)
             .await
             .then_some((at, path))
     }
@@ -308,7 +302,7 @@ impl Daemon {
         let grant = match self.grant_restore(new_id, containerd.namespace(), images).await {
             Ok(grant) => grant,
             Err(e) => {
-                making.done();
+                self.undo_making(making).await;
                 return Err(e);
             }
         };
@@ -323,8 +317,7 @@ impl Daemon {
         {
             Ok(made) => made,
             Err(e) => {
-                self.undo_making(containerd, making, new_id, &template.snapshotter)
-                    .await;
+                self.undo_making(making).await;
                 return Err(e.into());
             }
         };
@@ -359,12 +352,9 @@ impl Daemon {
                 Ok(copied)
             }
             Err(e) => {
-                // Removed (checked) before the record goes; an import's own
-                // store holds the version it restores, a fork's is new and
-                // goes.
-                let settled = self
-                    .undo_making(containerd, making, new_id, &template.snapshotter)
-                    .await;
+                // Removed (checked) before the record goes, with what the
+                // making wrote: a fork's new store, an import's version.
+                let settled = self.undo_making(making).await;
                 if files_from_elsewhere && settled == Some(crate::containerd::Settled::Removed) {
                     let (files, id) = (self.files.clone(), new_id.clone());
                     let _ = tokio::task::spawn_blocking(move || files.remove_store(&id)).await;

@@ -204,19 +204,12 @@ async fn make_and_start(
     let version = match published {
         Ok(version) => version,
         Err(e) => {
-            // The caller removes what was written; nothing else was made.
-            making.done();
+            // What was written goes before the record.
+            d.undo_making(making).await;
             return Err(e);
         }
     };
-    let mut conversation = import_conversation(unpacked, &namespace, new_id).await;
-    if let Some((_, path)) = &conversation {
-        if let Err(e) = making.transcript_written(path) {
-            tracing::warn!(sandbox = %new_id, error = %crab_api::error_chain(&e), "the import's conversation starts afresh");
-            let _ = std::fs::remove_file(path);
-            conversation = None;
-        }
-    }
+    let conversation = import_conversation(unpacked, &namespace, new_id, &mut making).await;
     let store = d.store.clone();
     let (sid, n) = (new_id.clone(), version.version);
     let images_dir = blocking(move || store.get(&sid, n))
@@ -224,7 +217,7 @@ async fn make_and_start(
         .map(|v| v.images_dir.expect("an imported version holds its images"));
     let started_copy = match images_dir {
         Err(e) => {
-            making.done();
+            d.undo_making(making).await;
             Err(e)
         }
         Ok(images_dir) => {
@@ -277,13 +270,14 @@ impl From<ArchiveError> for ApiError {
 
 /// Writes the archive's conversation as sandbox `new_id`'s transcript,
 /// where its shim in `namespace` keeps it (`[shim.proxy] transcript_dir`);
-/// answers where the sandbox stands in it, and the file. None (logged)
-/// when the archive has none or it cannot be written: the sandbox's
-/// conversation then starts afresh.
+/// named in its `making`; answers where the sandbox stands in it, and the
+/// file. None (logged) when the archive has none or it cannot be written:
+/// the sandbox's conversation then starts afresh.
 async fn import_conversation(
     unpacked: &archive::Unpacked,
     namespace: &str,
     new_id: &SandboxId,
+    making: &mut super::making::MakingGuard,
 ) -> Option<(ConversationAt, PathBuf)> {
     let member = unpacked.manifest.transcript.as_ref()?;
     let staged = unpacked.transcript.clone()?;
@@ -324,7 +318,8 @@ async fn import_conversation(
         return None;
     }
     let path = dir.join(format!("{new_id}.jsonl"));
-    super::fork::write_conversation(&path, new_id, records)
+    making
+        .write_transcript(&path, new_id, records)
         .await
         .then_some((member.at, path))
 }

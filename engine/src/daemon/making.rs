@@ -66,10 +66,37 @@ impl MakingGuard {
         &self.record.token
     }
 
-    /// Names the transcript just written for the sandbox in the record
-    /// (replaced whole, synced), so a crash from here removes it too.
-    pub(super) fn transcript_written(&mut self, transcript: &Path) -> Result<(), ApiError> {
-        self.record.transcript = Some(transcript.to_owned());
+    /// Writes `records` as the sandbox's new transcript at `path`, named in
+    /// the record first (replaced whole, synced), so a crash after the
+    /// write removes it too. A file already there is another container's
+    /// of that id: never named, never touched. True when written; false
+    /// (logged) otherwise, and the conversation starts afresh.
+    pub(super) async fn write_transcript(
+        &mut self,
+        path: &Path,
+        id: &SandboxId,
+        records: Vec<crab_proxy::transcript::TurnRecord>,
+    ) -> bool {
+        if std::fs::symlink_metadata(path).is_ok() {
+            tracing::warn!(sandbox = %id, path = %path.display(), "a transcript is there already: the conversation starts afresh");
+            return false;
+        }
+        if let Err(e) = self.name_transcript(Some(path)) {
+            tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "the conversation starts afresh");
+            return false;
+        }
+        if super::fork::write_conversation(path, id, records).await {
+            return true;
+        }
+        // Not written (or another's appeared in between): not ours to name.
+        if let Err(e) = self.name_transcript(None) {
+            tracing::error!(sandbox = %id, error = %crab_api::error_chain(&e), "a making's record names a transcript it did not write");
+        }
+        false
+    }
+
+    fn name_transcript(&mut self, transcript: Option<&Path>) -> Result<(), ApiError> {
+        self.record.transcript = transcript.map(Path::to_owned);
         let bytes = serde_json::to_vec(&self.record).expect("a making serializes");
         crate::store::replace_file(&self.path, &bytes).map_err(ApiError::from)
     }
@@ -152,6 +179,11 @@ impl Daemon {
         };
         for entry in entries.flatten() {
             let path = entry.path();
+            // A record's rewrite cut short leaves its temporary file.
+            if path.extension().is_none_or(|e| e != "json") {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
             let record: Making = match std::fs::read(&path)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
@@ -163,7 +195,7 @@ impl Daemon {
                     continue;
                 }
             };
-            match self.settle(&record).await {
+            match self.settle(&record, PATIENCE).await {
                 Ok(settled) => {
                     tracing::warn!(sandbox = %record.id, ?settled, "settled what a killed crabd was making");
                     MakingGuard { path, record }.done();
@@ -175,9 +207,10 @@ impl Daemon {
         }
     }
 
-    /// Settles one making: keeps its sandbox if it runs (or ran), or
-    /// removes what of it was made.
-    async fn settle(self: &Arc<Self>, record: &Making) -> Result<Settled, ApiError> {
+    /// Settles one making: keeps its sandbox if it runs (or ran, waiting
+    /// up to `patience` for a task still starting), or removes what of it
+    /// was made.
+    async fn settle(self: &Arc<Self>, record: &Making, patience: Duration) -> Result<Settled, ApiError> {
         let containerd = Containerd::connect(&record.address, &record.namespace).await?;
         let known = self.registry.get(&record.id).is_some();
         let settled = containerd
@@ -186,7 +219,7 @@ impl Daemon {
                 &record.token,
                 &record.snapshotter,
                 known,
-                PATIENCE,
+                patience,
             )
             .await?;
         // Files, versions and transcripts are keyed by id alone: they are
@@ -219,30 +252,21 @@ impl Daemon {
         Ok(settled)
     }
 
-    /// Removes what the making `guard` made of `id` after a failed step,
-    /// checked; the record goes only once that worked (answered), and
+    /// Removes what the making `guard` made after a failed step (its
+    /// container and snapshot, then its versions, files and transcript, as
+    /// settling does), checked; the record goes only once that worked, and
     /// stays for the next crabd otherwise (`None`).
-    pub(super) async fn undo_making(
-        self: &Arc<Self>,
-        containerd: &Containerd,
-        guard: MakingGuard,
-        id: &SandboxId,
-        snapshotter: &str,
-    ) -> Option<Settled> {
-        let known = self.registry.get(id).is_some();
-        match containerd
-            .settle_made(id.as_str(), guard.token(), snapshotter, known, Duration::ZERO)
-            .await
-        {
+    pub(super) async fn undo_making(self: &Arc<Self>, guard: MakingGuard) -> Option<Settled> {
+        match self.settle(&guard.record, Duration::ZERO).await {
             Ok(settled) => {
                 if settled == Settled::Kept {
-                    tracing::warn!(sandbox = %id, "a start reported failed, but its task runs: kept");
+                    tracing::warn!(sandbox = %guard.record.id, "a start reported failed, but its task runs: kept");
                 }
                 guard.done();
                 Some(settled)
             }
             Err(e) => {
-                tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "a failed making stays for the next start to settle");
+                tracing::warn!(sandbox = %guard.record.id, error = %crab_api::error_chain(&e), "a failed making stays for the next start to settle");
                 None
             }
         }
