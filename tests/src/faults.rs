@@ -15,6 +15,9 @@
 //! - `containerd`: SIGKILL of containerd, then containerd started again.
 //! - `shim`: SIGKILL of the sandbox's shim (containerd then drops the
 //!   task); `crabctl resume` brings the sandbox back from its head.
+//! - `shim-checkpoint`, `shim-rollback`: the same at a seeded delay into a
+//!   checkpoint or a rollback (the shim is the one writing the images, or
+//!   restoring them).
 //! - `disk-full`: the filesystem of crabd's root filled to a seeded few
 //!   MiB of room (a loop file: [`containerd`]), then a checkpoint and a
 //!   rollback asked for; then room made again. Each either works or is
@@ -60,13 +63,17 @@ pub enum Kind {
     Containerd,
     /// SIGKILL of the sandbox's shim.
     Shim,
+    /// SIGKILL of the sandbox's shim during a checkpoint.
+    ShimCheckpoint,
+    /// SIGKILL of the sandbox's shim during a rollback.
+    ShimRollback,
     /// The store's filesystem full during a checkpoint and a rollback.
     DiskFull,
 }
 
 impl Kind {
     /// Every kind, in the campaign's order.
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Init,
         Kind::CrabdCheckpoint,
         Kind::CrabdRollback,
@@ -74,6 +81,8 @@ impl Kind {
         Kind::CrabdExport,
         Kind::Containerd,
         Kind::Shim,
+        Kind::ShimCheckpoint,
+        Kind::ShimRollback,
         Kind::DiskFull,
     ];
 
@@ -87,6 +96,8 @@ impl Kind {
             Kind::CrabdExport => "crabd-export",
             Kind::Containerd => "containerd",
             Kind::Shim => "shim",
+            Kind::ShimCheckpoint => "shim-checkpoint",
+            Kind::ShimRollback => "shim-rollback",
             Kind::DiskFull => "disk-full",
         }
     }
@@ -175,7 +186,10 @@ impl<'a> Campaign<'a> {
         // crabd gives up on a sandbox that crashes a fourth time within a
         // minute (by design: a crash loop is the task's end): two per
         // sandbox keep every crash a recoverable one.
-        if matches!(kind, Kind::Init | Kind::Shim) {
+        if matches!(
+            kind,
+            Kind::Init | Kind::Shim | Kind::ShimCheckpoint | Kind::ShimRollback
+        ) {
             if self.crashes >= 2 {
                 kind = Kind::CrabdCheckpoint;
             } else {
@@ -218,6 +232,22 @@ impl<'a> Campaign<'a> {
             Kind::CrabdExport => self.export_interrupted(delay),
             Kind::Containerd => self.containerd_killed(),
             Kind::Shim => self.shim_killed(),
+            Kind::ShimCheckpoint => {
+                let n = version_numbers(self.ctd, &self.id).len();
+                self.shim_killed_during(&["checkpoint", &self.id.clone()], delay)
+                    .map(|()| {
+                        self.note = match version_numbers(self.ctd, &self.id).len() > n {
+                            true => "checkpointed",
+                            false => "no version",
+                        }
+                    })
+            }
+            Kind::ShimRollback => {
+                let versions: Vec<u64> = self.acked.keys().copied().collect();
+                let target = versions[self.seeded.next(versions.len() as u64) as usize];
+                self.shim_killed_during(&["rollback", &self.id.clone(), &target.to_string()], delay)
+                    .and_then(|()| self.settled_after_rollback(&before, target))
+            }
             Kind::DiskFull => self.disk_full(&before),
         };
         if let Err(e) = result.and_then(|()| self.still_whole(kind)) {
@@ -485,16 +515,35 @@ impl<'a> Campaign<'a> {
         Ok(())
     }
 
-    fn shim_killed(&mut self) -> Result<(), String> {
+    /// Runs `crabctl args` and SIGKILLs the sandbox's shim `delay` into
+    /// it, then resumes the sandbox. The operation may have ended either
+    /// way.
+    fn shim_killed_during(&mut self, args: &[&str], delay: Duration) -> Result<(), String> {
+        let shim = self.shim_pid()?;
+        let ctd = &*self.ctd;
+        std::thread::scope(|s| {
+            let op = s.spawn(|| crabctl(ctd, args));
+            std::thread::sleep(delay);
+            let _ = kill(Pid::from_raw(shim), Signal::SIGKILL);
+            let _ = op.join();
+        });
+        self.resumed()
+    }
+
+    fn shim_pid(&self) -> Result<i32, String> {
         let addr = self.ctd.address().to_string_lossy().into_owned();
-        let shim = leftovers::shim_pids(&addr)
+        leftovers::shim_pids(&addr)
             .into_iter()
             .find(|&p| {
                 std::fs::read(format!("/proc/{p}/cmdline"))
                     .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == self.id.as_bytes()))
             })
-            .ok_or("no shim of the sandbox")?;
-        kill(Pid::from_raw(shim), Signal::SIGKILL).map_err(|e| e.to_string())?;
+            .ok_or_else(|| "no shim of the sandbox".to_owned())
+    }
+
+    /// After its shim was killed: containerd drops the task, and
+    /// `crabctl resume` brings the sandbox back from its head.
+    fn resumed(&mut self) -> Result<(), String> {
         wait_until(30, || self.ctd.task_pid(&self.id).is_none().then_some(()))
             .ok_or("containerd kept the task of a dead shim")?;
         let out = crabctl(self.ctd, &["resume", &self.id]);
@@ -503,6 +552,12 @@ impl<'a> Campaign<'a> {
         }
         self.pid = self.ctd.task_pid(&self.id).ok_or("no task after resume")?;
         Ok(())
+    }
+
+    fn shim_killed(&mut self) -> Result<(), String> {
+        let shim = self.shim_pid()?;
+        kill(Pid::from_raw(shim), Signal::SIGKILL).map_err(|e| e.to_string())?;
+        self.resumed()
     }
 
     /// The sandbox runs, thawed, with the state the agent knows.
@@ -569,6 +624,8 @@ impl<'a> Campaign<'a> {
         let stray: Vec<PathBuf> = [
             root.join("images").join(&self.id),
             root.join("sandboxes").join(&self.id),
+            root.join("registry"),
+            root.join("making"),
         ]
         .iter()
         .filter_map(|dir| std::fs::read_dir(dir).ok())
@@ -577,7 +634,7 @@ impl<'a> Campaign<'a> {
         .map(|e| e.path())
         .filter(|p| {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
-            name.starts_with(".tmp") || name.ends_with(".tmp")
+            name.starts_with(".tmp") || name.starts_with(".stale") || name.ends_with(".tmp")
         })
         .collect();
         (!stray.is_empty()).then(|| format!("a full disk left {stray:?}"))
@@ -624,7 +681,7 @@ fn fill(fs: &Path, filler: &Path, room: u64) -> Result<(), String> {
 /// A refusal says that room ran out, not something else.
 fn refused_for_room(what: &str, out: &std::process::Output) -> Result<(), String> {
     let why = crate::stderr(out);
-    let clear = ["No space left", "store_full", "free"]
+    let clear = ["No space left on device", "store_full"]
         .iter()
         .any(|s| why.contains(s));
     match clear {
