@@ -103,6 +103,13 @@ impl Kind {
     }
 }
 
+/// Whose SIGKILL interrupts an operation.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    Crabd,
+    Shim,
+}
+
 /// One fault and what came of it.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -212,42 +219,14 @@ impl<'a> Campaign<'a> {
         let before = self.current.clone();
         let result = match kind {
             Kind::Init => self.init_killed(),
-            Kind::CrabdCheckpoint => {
-                let n = version_numbers(self.ctd, &self.id).len();
-                self.crabd_killed_during(&["checkpoint", &self.id.clone()], delay)
-                    .map(|()| {
-                        self.note = match version_numbers(self.ctd, &self.id).len() > n {
-                            true => "checkpointed",
-                            false => "no version",
-                        }
-                    })
-            }
-            Kind::CrabdRollback => {
-                let versions: Vec<u64> = self.acked.keys().copied().collect();
-                let target = versions[self.seeded.next(versions.len() as u64) as usize];
-                self.crabd_killed_during(&["rollback", &self.id.clone(), &target.to_string()], delay)
-                    .and_then(|()| self.settled_after_rollback(&before, target))
-            }
+            Kind::CrabdCheckpoint => self.checkpoint_interrupted(Victim::Crabd, delay),
+            Kind::CrabdRollback => self.rollback_interrupted(Victim::Crabd, &before, delay),
             Kind::CrabdFork => self.fork_interrupted(delay),
             Kind::CrabdExport => self.export_interrupted(delay),
             Kind::Containerd => self.containerd_killed(),
             Kind::Shim => self.shim_killed(),
-            Kind::ShimCheckpoint => {
-                let n = version_numbers(self.ctd, &self.id).len();
-                self.shim_killed_during(&["checkpoint", &self.id.clone()], delay)
-                    .map(|()| {
-                        self.note = match version_numbers(self.ctd, &self.id).len() > n {
-                            true => "checkpointed",
-                            false => "no version",
-                        }
-                    })
-            }
-            Kind::ShimRollback => {
-                let versions: Vec<u64> = self.acked.keys().copied().collect();
-                let target = versions[self.seeded.next(versions.len() as u64) as usize];
-                self.shim_killed_during(&["rollback", &self.id.clone(), &target.to_string()], delay)
-                    .and_then(|()| self.settled_after_rollback(&before, target))
-            }
+            Kind::ShimCheckpoint => self.checkpoint_interrupted(Victim::Shim, delay),
+            Kind::ShimRollback => self.rollback_interrupted(Victim::Shim, &before, delay),
             Kind::DiskFull => self.disk_full(&before),
         };
         if let Err(e) = result.and_then(|()| self.still_whole(kind)) {
@@ -352,6 +331,47 @@ impl<'a> Campaign<'a> {
         let version = v["version"]["version"].as_u64().ok_or("no version number")?;
         self.acked.insert(version, self.current.clone());
         Ok(())
+    }
+
+    /// A checkpoint `victim`'s SIGKILL interrupts `delay` into it.
+    fn checkpoint_interrupted(&mut self, victim: Victim, delay: Duration) -> Result<(), String> {
+        let n = version_numbers(self.ctd, &self.id).len();
+        self.killed_during(victim, &["checkpoint", &self.id.clone()], delay)?;
+        self.note = match version_numbers(self.ctd, &self.id).len() > n {
+            true => "checkpointed",
+            false => "no version",
+        };
+        Ok(())
+    }
+
+    /// A rollback to a seeded acknowledged version that `victim`'s SIGKILL
+    /// interrupts `delay` into it.
+    fn rollback_interrupted(
+        &mut self,
+        victim: Victim,
+        before: &Observed,
+        delay: Duration,
+    ) -> Result<(), String> {
+        let target = self.seeded_target();
+        self.killed_during(
+            victim,
+            &["rollback", &self.id.clone(), &target.to_string()],
+            delay,
+        )?;
+        self.settled_after_rollback(before, target)
+    }
+
+    fn killed_during(&mut self, victim: Victim, args: &[&str], delay: Duration) -> Result<(), String> {
+        match victim {
+            Victim::Crabd => self.crabd_killed_during(args, delay),
+            Victim::Shim => self.shim_killed_during(args, delay),
+        }
+    }
+
+    /// A seeded one of the acknowledged versions.
+    fn seeded_target(&mut self) -> u64 {
+        let versions: Vec<u64> = self.acked.keys().copied().collect();
+        versions[self.seeded.next(versions.len() as u64) as usize]
     }
 
     fn init_killed(&mut self) -> Result<(), String> {
@@ -482,8 +502,7 @@ impl<'a> Campaign<'a> {
         } else {
             refused_for_room("checkpoint", &out)?;
         }
-        let versions: Vec<u64> = self.acked.keys().copied().collect();
-        let target = versions[self.seeded.next(versions.len() as u64) as usize];
+        let target = self.seeded_target();
         let out = crabctl(self.ctd, &["rollback", &self.id.clone(), &target.to_string()]);
         let rolled_back = out.status.success();
         if !rolled_back {
