@@ -577,18 +577,37 @@ impl Containerd {
     pub async fn start(&self, c: &NewContainer) -> Result<u32, ContainerdError> {
         let ns = self.namespace.as_str();
         let call = |call| move |status| ContainerdError::Call { call, status };
-        self.client
-            .tasks()
-            .create(with_namespace!(
-                CreateTaskRequest {
-                    container_id: c.id.clone(),
-                    rootfs: c.mounts.clone(),
-                    ..Default::default()
-                },
-                ns
-            ))
-            .await
-            .map_err(call("create task"))?;
+        let deadline = tokio::time::Instant::now() + DEAD_SHIM_PATIENCE;
+        loop {
+            let created = self
+                .client
+                .tasks()
+                .create(with_namespace!(
+                    CreateTaskRequest {
+                        container_id: c.id.clone(),
+                        rootfs: c.mounts.clone(),
+                        ..Default::default()
+                    },
+                    ns
+                ))
+                .await;
+            match created {
+                Ok(_) => break,
+                // The task of a shim that died is listed until containerd
+                // has run `shim delete` for it, while asking it for its
+                // state already answers NotFound: wait for it to go. A
+                // task that answers is a real conflict.
+                Err(status)
+                    if status.code() == containerd_client::tonic::Code::AlreadyExists
+                        && tokio::time::Instant::now() < deadline
+                        && self.task_status(&c.id).await?.is_none() =>
+                {
+                    tracing::info!(id = %c.id, "waiting for containerd to drop the task of a dead shim");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                Err(status) => return Err(call("create task")(status)),
+            }
+        }
         let pid = self
             .client
             .tasks()
@@ -632,6 +651,11 @@ impl Containerd {
         let _ = self.remove_snapshot_checked(snapshotter, key).await;
     }
 }
+
+/// How long [`Containerd::start`] waits for containerd to drop the task of
+/// a shim that died (it runs `shim delete` first, which unmounts and
+/// cleans the bundle).
+const DEAD_SHIM_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn unforkable(id: &str, reason: &str) -> ContainerdError {
     ContainerdError::Unforkable {

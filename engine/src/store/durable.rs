@@ -117,6 +117,21 @@ pub(crate) fn clear_tmp(dir: &Path) -> Result<bool, StoreError> {
 /// The prefix of a temporary directory [`clear_tmp`] moved aside.
 pub(crate) const STALE: &str = ".stale";
 
+/// Removes entry `path` if [`clear_tmp`] moved it aside (its name starts
+/// with [`STALE`]); answers whether it had that name. One whose writer is
+/// still in it stays for the next sweep (logged).
+pub(crate) fn sweep_stale(path: &Path) -> bool {
+    let stale = path
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with(STALE));
+    if stale {
+        if let Err(e) = fs::remove_dir_all(path) {
+            tracing::warn!(path = %path.display(), error = %e, "a temporary directory moved aside stays for the next sweep");
+        }
+    }
+    stale
+}
+
 /// Removes directory tree `dir`, if present, and fsyncs its parent.
 pub(crate) fn remove_dir(dir: &Path) -> Result<(), StoreError> {
     match fs::remove_dir_all(dir) {

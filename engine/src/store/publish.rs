@@ -128,10 +128,13 @@ impl VersionStore {
             let attempt = std::time::SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
-            let tmp = self
-                .inner
-                .images_root(sandbox)
-                .join(format!(".tmp-{version}-{attempt}"));
+            let root = self.inner.images_root(sandbox);
+            // What the last open moved aside has had a checkpoint's time
+            // to end: a live crabd sweeps it too, not only the next start.
+            for entry in fs::read_dir(&root).into_iter().flatten().flatten() {
+                durable::sweep_stale(&entry.path());
+            }
+            let tmp = root.join(format!(".tmp-{version}-{attempt}"));
             fs::create_dir(&tmp).map_err(StoreError::io("create directory", &tmp))?;
             Some(tmp)
         } else {

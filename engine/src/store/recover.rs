@@ -123,10 +123,8 @@ pub(crate) fn sweep(
                 let version = rest.split('-').next().unwrap_or_default();
                 swept.tmp_dirs.push(format!(".tmp-{version}"));
             }
-        } else if name.starts_with(durable::STALE) {
-            if let Err(e) = fs::remove_dir_all(entry.path()) {
-                tracing::warn!(path = %entry.path().display(), error = %e, "a temporary directory moved aside stays for the next sweep");
-            }
+        } else if durable::sweep_stale(&entry.path()) {
+            // Moved aside by an earlier open: removed, or kept for the next.
         } else if let Ok(n) = name.parse::<u64>() {
             if m.claims_images(n) {
                 swept.highest_kept = swept.highest_kept.max(n);

@@ -200,8 +200,8 @@ fn a_failed_replace_leaves_no_temporary_file() {
 /// A temporary images directory that cannot be removed (a killed crabd's
 /// checkpoint still writing in it, in the shim; here a directory made
 /// immutable) does not stop the store from opening, again and again: it
-/// is moved aside once, under a name no later sweep renames, and the
-/// number it held is given out again. Needs root (chattr, on a
+/// is moved aside once, under a name no later sweep renames, the number
+/// it held is given out again, and the next checkpoint removes it. Needs root (chattr, on a
 /// filesystem that has it): CI runs it as root.
 #[test]
 fn a_temporary_directory_in_use_does_not_stop_the_open() {
@@ -241,5 +241,7 @@ fn a_temporary_directory_in_use_does_not_stop_the_open() {
     assert_eq!(after_first.len(), 1, "{after_first:?}");
     assert!(after_first[0].starts_with(".stale.tmp-2-1-"), "{after_first:?}");
     assert_eq!(after_second, after_first, "a second sweep renamed it");
+    // Its writer gone, the next checkpoint of a live store removes it.
     assert_eq!(publish(&store, &sid("s1"), "a").version, 2);
+    assert_eq!(hidden(), Vec::<String>::new(), "the live store kept it");
 }
