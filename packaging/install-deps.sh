@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything Crab's build and tests need. Idempotent; run as root.
 #
-# Debian 12 (bookworm): base packages from bookworm; docker 26 from Debian 13
-# (trixie); CRIU 4.2 from sid with trixie's libraries. bookworm's CRIU 3.17
-# fails on Linux >= 6.x ("Unexpected rt vDSO area bounds"), trixie's 4.1
-# cannot dump TCP sockets on Linux >= 6.16, and both newer ones need glibc
-# 2.38, so CRIU is unpacked into a private prefix with its own loader
-# instead of being installed system-wide.
-#
-# Debian 13 / Ubuntu 24.04+: every package comes from the host's own suite
-# (on Linux >= 6.16 their CRIU must be 4.2 or newer for sockets).
+# Debian 12 (bookworm): base packages from bookworm, docker 26 from Debian 13
+# (trixie). Debian 13 / Ubuntu 24.04+: every package from the host's own
+# suite. Everywhere: CRIU at one pinned version, built from its Debian
+# source package against the host's libraries (see below).
 set -euo pipefail
 
 CRIU_PREFIX=${CRIU_PREFIX:-/opt/crab/criu}
+CRIU_VERSION=4.2.1
+CRIU_URL=${CRIU_URL:-http://deb.debian.org/debian/pool/main/c/criu/criu_$CRIU_VERSION.orig.tar.xz}
+CRIU_SHA256=${CRIU_SHA256:-29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9}
 export DEBIAN_FRONTEND=noninteractive
 
 log() { printf '[install-deps] %s\n' "$*" >&2; }
@@ -34,6 +32,9 @@ base_pkgs=(
   nodejs
   fonts-dejavu-core
   chromium chromium-driver
+  # CRIU's build (below)
+  make libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev libnl-3-dev
+  libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
 )
 
 missing=()
@@ -42,7 +43,7 @@ for p in "${base_pkgs[@]}"; do
 done
 
 if [ "$codename" = bookworm ]; then
-  # Trixie for docker 26 and CRIU 4.x only, pinned low so nothing else moves.
+  # Trixie for docker 26 only, pinned low so nothing else moves.
   if [ ! -f /etc/apt/sources.list.d/crab-trixie.sources ]; then
     log "adding the trixie source (pinned to priority 100)"
     cat >/etc/apt/sources.list.d/crab-trixie.sources <<'SRC'
@@ -63,7 +64,7 @@ PIN
     missing+=(docker.io/trixie docker-cli/trixie)
   fi
 else
-  missing_extra=(docker.io criu)
+  missing_extra=(docker.io)
   for p in "${missing_extra[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
   done
@@ -78,42 +79,60 @@ fi
 # docker.io's postinst may start services through init scripts; tests start
 # their own daemons, so nothing here needs to stay running.
 
-if [ "$codename" = bookworm ]; then
-  if ! [ -x /usr/local/sbin/criu ] || ! /usr/local/sbin/criu --version 2>/dev/null | grep -q 'Version: 4\.[2-9]'; then
-    # CRIU >= 4.2: 4.1 cannot dump TCP sockets on Linux >= 6.16 (the kernel
-    # refuses SO_PASSSEC on them; checkpoint-restore/criu#2718). CRIU 4.2
-    # and the two libraries it needs newer come from sid, read through a
-    # private apt state so the system's sources stay as they are; the rest
-    # comes from trixie.
-    log "unpacking CRIU 4.2 (sid) and its libraries (trixie) into $CRIU_PREFIX"
-    criu_pkgs=(libc6 libbsd0 libgnutls30t64 libnftables1
-      libprotobuf-c1 libuuid1 libmd0 libp11-kit0 libidn2-0
-      libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libjansson4
-      libmnl0 libnftnl11 libxtables12 libffi8 libedit2 libtinfo6 libbpf1
-      libelf1t64 zlib1g libzstd1 libcap2)
-    sid_pkgs=(criu libcompel1 libnet9 libnl-3-200)
-    tmp=$(mktemp -d); chmod 755 "$tmp"
-    mkdir -p "$tmp/lists/partial"
-    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" >"$tmp/sid.list"
-    sid=(-o Dir::Etc::sourcelist="$tmp/sid.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$tmp/lists")
-    apt-get -q "${sid[@]}" update
-    (cd "$tmp" && apt-get download -q $(printf '%s/trixie ' "${criu_pkgs[@]}"))
-    (cd "$tmp" && apt-get download -q "${sid[@]}" "${sid_pkgs[@]}")
-    rm -rf "$CRIU_PREFIX.new"
-    mkdir -p "$CRIU_PREFIX.new"
-    # sid's packages last: they replace trixie's where both have a file.
-    for deb in $(ls "$tmp"/*.deb | grep -v -e /criu_ -e /libcompel1_ -e /libnet9_ -e /libnl-3-200_); do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
-    for deb in "$tmp"/criu_*.deb "$tmp"/libcompel1_*.deb "$tmp"/libnet9_*.deb "$tmp"/libnl-3-200_*.deb; do dpkg-deb -x "$deb" "$CRIU_PREFIX.new"; done
-    rm -rf "$tmp" "$CRIU_PREFIX"
-    mv "$CRIU_PREFIX.new" "$CRIU_PREFIX"
-    cat >/usr/local/sbin/criu <<WRAP
-#!/bin/sh
-# CRIU 4.2 (Debian sid) with Debian 13 libraries, run through its own loader (installed by Crab's install-deps.sh).
-P=$CRIU_PREFIX
-exec "\$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "\$P/usr/lib/x86_64-linux-gnu" "\$P/usr/sbin/criu" "\$@"
-WRAP
-    chmod 755 /usr/local/sbin/criu
+# CRIU, pinned: version $CRIU_VERSION from its Debian source package (the
+# upstream tarball Debian ships as criu_<version>.orig.tar.xz, checked
+# against its sha256), built against this host's own libraries into
+# $CRIU_PREFIX and linked as /usr/local/sbin/criu. No upload to any Debian
+# suite can change what is installed: a source that changed fails its
+# checksum, and one that is gone fails with the fix below. (Distributions'
+# binaries do not do: bookworm's 3.17 fails on current kernels, trixie's
+# 4.1 cannot dump TCP sockets on Linux >= 6.16, sid's need trixie's glibc.)
+criu_stamp="criu $CRIU_VERSION $CRIU_SHA256"
+if [ "$(cat "$CRIU_PREFIX/BUILT" 2>/dev/null)" != "$criu_stamp" ] \
+  || [ "$(readlink /usr/local/sbin/criu 2>/dev/null)" != "$CRIU_PREFIX/sbin/criu" ]; then
+  log "building CRIU $CRIU_VERSION from $CRIU_URL into $CRIU_PREFIX"
+  tmp=$(mktemp -d)
+  if ! curl -fsSL --retry 3 -o "$tmp/criu.tar.xz" "$CRIU_URL"; then
+    rm -rf "$tmp"
+    echo "install-deps.sh: cannot download CRIU $CRIU_VERSION's source from $CRIU_URL" >&2
+    echo "  (Debian's pool drops a source once no suite carries it). Fix: fetch that" >&2
+    echo "  tarball elsewhere (a Debian mirror or snapshot.debian.org, sha256 $CRIU_SHA256)," >&2
+    echo "  or another CRIU >= 4.2 source tarball, and run again with" >&2
+    echo "  CRIU_URL=file:///path/to/it [CRIU_SHA256=<its sha256>] ./packaging/install-deps.sh" >&2
+    exit 1
   fi
+  if ! echo "$CRIU_SHA256  $tmp/criu.tar.xz" | sha256sum -c --quiet - >/dev/null 2>&1; then
+    got=$(sha256sum "$tmp/criu.tar.xz" | cut -d' ' -f1)
+    rm -rf "$tmp"
+    echo "install-deps.sh: CRIU's source from $CRIU_URL has sha256 $got, not the pinned" >&2
+    echo "  $CRIU_SHA256: refusing to build it. Fix: point CRIU_URL at the pinned tarball, or" >&2
+    echo "  set CRIU_SHA256 to the sha256 of a CRIU >= 4.2 source you trust." >&2
+    exit 1
+  fi
+  tar -xf "$tmp/criu.tar.xz" -C "$tmp"
+  src=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -1)
+  # The binary alone: no documentation, Python bindings or plugins.
+  if ! make -C "$src" -j"$(nproc)" criu >"$tmp/build.log" 2>&1; then
+    tail -30 "$tmp/build.log" >&2
+    echo "install-deps.sh: building CRIU $CRIU_VERSION failed (above; the whole log is $tmp/build.log)." >&2
+    echo "  Fix: install its build dependencies (libprotobuf-c-dev protobuf-c-compiler libnl-3-dev" >&2
+    echo "  libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev) and run again." >&2
+    exit 1
+  fi
+  rm -rf "$CRIU_PREFIX.new"
+  install -D -m 0755 "$src/criu/criu" "$CRIU_PREFIX.new/sbin/criu"
+  echo "$criu_stamp" >"$CRIU_PREFIX.new/BUILT"
+  rm -rf "$tmp" "$CRIU_PREFIX"
+  mv "$CRIU_PREFIX.new" "$CRIU_PREFIX"
+  ln -sfn "$CRIU_PREFIX/sbin/criu" /usr/local/sbin/criu
+fi
+if ! criu_out=$(/usr/local/sbin/criu check 2>&1); then
+  printf '%s\n' "$criu_out" >&2
+  echo "install-deps.sh: 'criu check' fails on this host (above), so sandboxes could not be" >&2
+  echo "  checkpointed. Fix: run on a kernel built with CONFIG_CHECKPOINT_RESTORE (Debian's and" >&2
+  echo "  Ubuntu's are), as root outside a restricted container, or rebuild CRIU with" >&2
+  echo "  rm $CRIU_PREFIX/BUILT && ./packaging/install-deps.sh" >&2
+  exit 1
 fi
 
 # The official OpenAI and Anthropic Python SDKs, for the proxy's SDK tests
