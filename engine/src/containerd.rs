@@ -578,6 +578,7 @@ impl Containerd {
         let ns = self.namespace.as_str();
         let call = |call| move |status| ContainerdError::Call { call, status };
         let deadline = tokio::time::Instant::now() + DEAD_SHIM_PATIENCE;
+        let mut waited = false;
         loop {
             let created = self
                 .client
@@ -591,22 +592,27 @@ impl Containerd {
                     ns
                 ))
                 .await;
-            match created {
+            let status = match created {
                 Ok(_) => break,
-                // The task of a shim that died is listed until containerd
-                // has run `shim delete` for it, while asking it for its
-                // state already answers NotFound: wait for it to go. A
-                // task that answers is a real conflict.
-                Err(status)
-                    if status.code() == containerd_client::tonic::Code::AlreadyExists
-                        && tokio::time::Instant::now() < deadline
-                        && self.task_status(&c.id).await?.is_none() =>
-                {
-                    tracing::info!(id = %c.id, "waiting for containerd to drop the task of a dead shim");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-                Err(status) => return Err(call("create task")(status)),
+                Err(status) => status,
+            };
+            // The task of a shim that died stays listed until containerd
+            // has run `shim delete` for it (containerd 1.6 drops it from
+            // its list only after that), while asking it for its state
+            // already answers NotFound: wait for it to go. A task that
+            // answers is a real conflict, and so is anything past the
+            // deadline.
+            let dead_shims = status.code() == containerd_client::tonic::Code::AlreadyExists
+                && tokio::time::Instant::now() < deadline
+                && matches!(self.task_status(&c.id).await, Ok(None));
+            if !dead_shims {
+                return Err(call("create task")(status));
             }
+            if !waited {
+                tracing::info!(id = %c.id, "waiting for containerd to drop the task of a dead shim");
+                waited = true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         let pid = self
             .client

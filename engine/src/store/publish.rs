@@ -95,6 +95,18 @@ impl VersionStore {
     /// ```
     pub fn begin_version(&self, sandbox: &SandboxId, new: NewVersion) -> Result<PendingVersion, StoreError> {
         let state_arc = self.inner.sandbox(sandbox)?;
+        // What the last open moved aside has had a checkpoint's time to
+        // end: a live crabd sweeps it at its next process image too, not only
+        // the next start. Only an open makes such names: no lock needed.
+        if new.capture.class().needs_proc() {
+            for entry in fs::read_dir(self.inner.images_root(sandbox))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                durable::sweep_stale(&entry.path());
+            }
+        }
         let mut state = state_arc.lock();
         if let Some(pending) = &state.pending {
             return Err(StoreError::PendingExists {
@@ -128,13 +140,10 @@ impl VersionStore {
             let attempt = std::time::SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
-            let root = self.inner.images_root(sandbox);
-            // What the last open moved aside has had a checkpoint's time
-            // to end: a live crabd sweeps it too, not only the next start.
-            for entry in fs::read_dir(&root).into_iter().flatten().flatten() {
-                durable::sweep_stale(&entry.path());
-            }
-            let tmp = root.join(format!(".tmp-{version}-{attempt}"));
+            let tmp = self
+                .inner
+                .images_root(sandbox)
+                .join(format!(".tmp-{version}-{attempt}"));
             fs::create_dir(&tmp).map_err(StoreError::io("create directory", &tmp))?;
             Some(tmp)
         } else {
