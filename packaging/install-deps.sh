@@ -9,7 +9,7 @@ set -euo pipefail
 
 CRIU_PREFIX=${CRIU_PREFIX:-/opt/crab/criu}
 CRIU_VERSION=4.2.1
-CRIU_URL=${CRIU_URL:-http://deb.debian.org/debian/pool/main/c/criu/criu_$CRIU_VERSION.orig.tar.xz}
+CRIU_SOURCE=${CRIU_SOURCE:-$(dirname "$(readlink -f "$0")")/criu/criu_$CRIU_VERSION.orig.tar.xz}
 CRIU_SHA256=${CRIU_SHA256:-29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -79,60 +79,63 @@ fi
 # docker.io's postinst may start services through init scripts; tests start
 # their own daemons, so nothing here needs to stay running.
 
-# CRIU, pinned: version $CRIU_VERSION from its Debian source package (the
-# upstream tarball Debian ships as criu_<version>.orig.tar.xz, checked
-# against its sha256), built against this host's own libraries into
-# $CRIU_PREFIX and linked as /usr/local/sbin/criu. No upload to any Debian
-# suite can change what is installed: a source that changed fails its
-# checksum, and one that is gone fails with the fix below. (Distributions'
+# CRIU, pinned: version $CRIU_VERSION from its Debian source package. The
+# upstream tarball Debian ships as criu_<version>.orig.tar.xz is kept in
+# packaging/criu/ (byte for byte, sha256 as in Debian's signed .dsc) and
+# checked again here; it is built against this host's own libraries into
+# $CRIU_PREFIX and linked as /usr/local/sbin/criu. Nothing is downloaded, so
+# no upload to any Debian suite can change or break it. (Distributions'
 # binaries do not do: bookworm's 3.17 fails on current kernels, trixie's
 # 4.1 cannot dump TCP sockets on Linux >= 6.16, sid's need trixie's glibc.)
 criu_stamp="criu $CRIU_VERSION $CRIU_SHA256"
+criu_fail() {
+  printf 'install-deps.sh: %s\n' "$@" >&2
+  exit 1
+}
 if [ "$(cat "$CRIU_PREFIX/BUILT" 2>/dev/null)" != "$criu_stamp" ] \
-  || [ "$(readlink /usr/local/sbin/criu 2>/dev/null)" != "$CRIU_PREFIX/sbin/criu" ]; then
-  log "building CRIU $CRIU_VERSION from $CRIU_URL into $CRIU_PREFIX"
+  || [ "$(readlink /usr/local/sbin/criu 2>/dev/null)" != "$CRIU_PREFIX/sbin/criu" ] \
+  || ! "$CRIU_PREFIX/sbin/criu" --version >/dev/null 2>&1; then
+  # Only a prefix this script made is replaced (BUILT; usr/sbin/criu from
+  # before the pin), never a directory someone named by mistake.
+  if [ -e "$CRIU_PREFIX" ] && ! [ -e "$CRIU_PREFIX/BUILT" ] && ! [ -x "$CRIU_PREFIX/usr/sbin/criu" ]; then
+    criu_fail "CRIU_PREFIX=$CRIU_PREFIX exists and is not a CRIU this script built: refusing to replace it." \
+      "  Fix: set CRIU_PREFIX to a new directory (the default is /opt/crab/criu)."
+  fi
+  log "building CRIU $CRIU_VERSION from $CRIU_SOURCE into $CRIU_PREFIX"
   tmp=$(mktemp -d)
-  if ! curl -fsSL --retry 3 -o "$tmp/criu.tar.xz" "$CRIU_URL"; then
-    rm -rf "$tmp"
-    echo "install-deps.sh: cannot download CRIU $CRIU_VERSION's source from $CRIU_URL" >&2
-    echo "  (Debian's pool drops a source once no suite carries it). Fix: fetch that" >&2
-    echo "  tarball elsewhere (a Debian mirror or snapshot.debian.org, sha256 $CRIU_SHA256)," >&2
-    echo "  or another CRIU >= 4.2 source tarball, and run again with" >&2
-    echo "  CRIU_URL=file:///path/to/it [CRIU_SHA256=<its sha256>] ./packaging/install-deps.sh" >&2
-    exit 1
-  fi
-  if ! echo "$CRIU_SHA256  $tmp/criu.tar.xz" | sha256sum -c --quiet - >/dev/null 2>&1; then
-    got=$(sha256sum "$tmp/criu.tar.xz" | cut -d' ' -f1)
-    rm -rf "$tmp"
-    echo "install-deps.sh: CRIU's source from $CRIU_URL has sha256 $got, not the pinned" >&2
-    echo "  $CRIU_SHA256: refusing to build it. Fix: point CRIU_URL at the pinned tarball, or" >&2
-    echo "  set CRIU_SHA256 to the sha256 of a CRIU >= 4.2 source you trust." >&2
-    exit 1
-  fi
-  tar -xf "$tmp/criu.tar.xz" -C "$tmp"
-  src=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -1)
+  trap 'rm -rf "$tmp"' EXIT
+  case $CRIU_SOURCE in
+    http://* | https://* | file://*)
+      curl -fsSL --retry 3 -o "$tmp/criu.tar.xz" "$CRIU_SOURCE" \
+        || criu_fail "cannot download CRIU's source from $CRIU_SOURCE." \
+          "  Fix: set CRIU_SOURCE to a reachable CRIU >= 4.2 source tarball (and CRIU_SHA256 to its sha256)," \
+          "  or unset it to build the copy in packaging/criu/." ;;
+    *) cp "$CRIU_SOURCE" "$tmp/criu.tar.xz" \
+        || criu_fail "cannot read CRIU's source $CRIU_SOURCE (a fresh clone has it in packaging/criu/)." ;;
+  esac
+  got=$(sha256sum "$tmp/criu.tar.xz" | cut -d' ' -f1)
+  [ "$got" = "$CRIU_SHA256" ] \
+    || criu_fail "CRIU's source $CRIU_SOURCE has sha256 $got, not $CRIU_SHA256: refusing to build it." \
+      "  Fix: restore packaging/criu/ from git, or set CRIU_SHA256 to the sha256 of a CRIU >= 4.2 source you trust."
+  mkdir "$tmp/src"
+  tar -xf "$tmp/criu.tar.xz" -C "$tmp/src" --strip-components=1
   # The binary alone: no documentation, Python bindings or plugins.
-  if ! make -C "$src" -j"$(nproc)" criu >"$tmp/build.log" 2>&1; then
+  if ! make -C "$tmp/src" -j"$(nproc)" criu >"$tmp/build.log" 2>&1; then
     tail -30 "$tmp/build.log" >&2
-    echo "install-deps.sh: building CRIU $CRIU_VERSION failed (above; the whole log is $tmp/build.log)." >&2
-    echo "  Fix: install its build dependencies (libprotobuf-c-dev protobuf-c-compiler libnl-3-dev" >&2
-    echo "  libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev) and run again." >&2
-    exit 1
+    cp "$tmp/build.log" /var/log/crab-criu-build.log || true
+    criu_fail "building CRIU $CRIU_VERSION failed (above; the whole log is /var/log/crab-criu-build.log)." \
+      "  Fix: install its build dependencies (libprotobuf-c-dev protobuf-c-compiler libnl-3-dev" \
+      "  libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev; this script's" \
+      "  apt step does) and, on a /tmp mounted noexec, run again with TMPDIR on another filesystem."
   fi
   rm -rf "$CRIU_PREFIX.new"
-  install -D -m 0755 "$src/criu/criu" "$CRIU_PREFIX.new/sbin/criu"
+  install -D -m 0755 "$tmp/src/criu/criu" "$CRIU_PREFIX.new/sbin/criu"
   echo "$criu_stamp" >"$CRIU_PREFIX.new/BUILT"
-  rm -rf "$tmp" "$CRIU_PREFIX"
-  mv "$CRIU_PREFIX.new" "$CRIU_PREFIX"
+  rm -rf "$CRIU_PREFIX"
+  mv -T "$CRIU_PREFIX.new" "$CRIU_PREFIX"
   ln -sfn "$CRIU_PREFIX/sbin/criu" /usr/local/sbin/criu
-fi
-if ! criu_out=$(/usr/local/sbin/criu check 2>&1); then
-  printf '%s\n' "$criu_out" >&2
-  echo "install-deps.sh: 'criu check' fails on this host (above), so sandboxes could not be" >&2
-  echo "  checkpointed. Fix: run on a kernel built with CONFIG_CHECKPOINT_RESTORE (Debian's and" >&2
-  echo "  Ubuntu's are), as root outside a restricted container, or rebuild CRIU with" >&2
-  echo "  rm $CRIU_PREFIX/BUILT && ./packaging/install-deps.sh" >&2
-  exit 1
+  rm -rf "$tmp"
+  trap - EXIT
 fi
 
 # The official OpenAI and Anthropic Python SDKs, for the proxy's SDK tests
@@ -180,6 +183,15 @@ CARGO_DEB_VERSION=3.8.0
 if [ "$(cargo-deb --version 2>/dev/null | awk '{print $2}')" != "$CARGO_DEB_VERSION" ]; then
   log "installing cargo-deb $CARGO_DEB_VERSION"
   cargo install --locked --quiet cargo-deb --version "=$CARGO_DEB_VERSION"
+fi
+
+# Last, so that a host where CRIU cannot work still gets everything else.
+if ! criu_out=$(/usr/local/sbin/criu check 2>&1); then
+  printf '%s\n' "$criu_out" >&2
+  echo "install-deps.sh: 'criu check' fails on this host (above): sandboxes could not be checkpointed." >&2
+  echo "  Fix: run on a kernel built with CONFIG_CHECKPOINT_RESTORE (Debian's and Ubuntu's are), as" >&2
+  echo "  root and outside a restricted container; or rebuild CRIU: rm $CRIU_PREFIX/BUILT, run again." >&2
+  exit 1
 fi
 
 log "done: $(cargo --version); $(containerd --version | head -1); runc $(runc --version | head -1 | awk '{print $3}'); $(dockerd --version); criu $(criu --version | head -1)"
