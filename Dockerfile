@@ -1,12 +1,33 @@
-# Builds every Crab binary reproducibly (Cargo.lock pinned, --locked).
-#   docker build --output type=local,dest=out .
-FROM docker.io/library/rust:1.95-bookworm AS build
+# Builds every Crab binary, BPF programs included, reproducibly (Cargo.lock
+# pinned, --locked), into an image that holds only them under /usr/bin.
+#
+#   make image    # offline from any registry: a Debian base made here by
+#                 # debootstrap (packaging/image/build.sh), binaries copied
+#                 # to target/image/
+#   docker build --network host --build-arg BASE=debian:bookworm -t crab .
+#
+# BASE is any Debian 12 image; the Rust toolchain comes from rustup, the
+# rest from Debian's archive.
+ARG BASE=docker.io/library/debian:bookworm
+FROM ${BASE} AS build
+ARG RUST_VERSION=1.95.0
+ENV DEBIAN_FRONTEND=noninteractive PATH=/root/.cargo/bin:$PATH
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler libseccomp-dev pkg-config clang llvm libbpf-dev \
+ && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
+      pkg-config protobuf-compiler libseccomp-dev clang llvm libbpf-dev bpftool \
  && rm -rf /var/lib/apt/lists/*
+RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
+  | sh -s -- -y --profile minimal --default-toolchain "$RUST_VERSION"
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --workspace --bins
+# The inspector's build reads the build host's kernel BTF for vmlinux.h
+# and fails the image (not a stub object) when it cannot.
+RUN test -r /sys/kernel/btf/vmlinux \
+ && cargo build --release --locked --workspace --bins \
+ && ! grep -qs "BPF programs not built" target/release/build/crab-inspector-*/output
 
 FROM scratch
-COPY --from=build /src/target/release/containerd-shim-crab-v2 /src/target/release/crab-bench /
+COPY --from=build /src/target/release/containerd-shim-crab-v2 /src/target/release/crabd \
+  /src/target/release/crabctl /src/target/release/containerd-crab-snapshotter \
+  /src/target/release/crab-bench /usr/bin/
+COPY packaging/crab.toml /etc/crab/crab.toml

@@ -5,7 +5,7 @@
 # Rust as packaging/install-deps.sh installs it when the machine has none.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: deps build release demo test lint bench install deb
+.PHONY: deps build release demo test lint bench install deb image
 
 deps:
 	packaging/install-deps.sh
@@ -48,3 +48,8 @@ install: release
 # /etc/crab/crab.toml, systemd units, completions (packaging/deb).
 deb: deps release
 	packaging/deb/build.sh --binaries target/release
+
+# The Dockerfile, built with nothing from a registry (a Debian base made by
+# debootstrap); crab:latest, its binaries copied to target/image/.
+image: deps
+	packaging/image/build.sh
