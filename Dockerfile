@@ -16,8 +16,11 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
       pkg-config protobuf-compiler libseccomp-dev clang llvm libbpf-dev bpftool \
  && rm -rf /var/lib/apt/lists/*
-RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
-  | sh -s -- -y --profile minimal --default-toolchain "$RUST_VERSION"
+RUN curl --proto '=https' --tlsv1.2 -sSf -o /tmp/rustup-init \
+      "https://static.rust-lang.org/rustup/dist/$(uname -m)-unknown-linux-gnu/rustup-init" \
+ && chmod 755 /tmp/rustup-init \
+ && /tmp/rustup-init -y --profile minimal --default-toolchain "$RUST_VERSION" \
+ && rm /tmp/rustup-init
 WORKDIR /src
 COPY . .
 # The inspector's build reads the build host's kernel BTF for vmlinux.h

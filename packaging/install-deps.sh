@@ -169,8 +169,15 @@ mountpoint -q /sys/kernel/tracing || mount -t tracefs none /sys/kernel/tracing |
 export PATH="$HOME/.cargo/bin:$PATH"
 if ! command -v cargo >/dev/null; then
   log "installing Rust (rustup, stable, with rustfmt and clippy)"
-  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
-    sh -s -- -y --profile minimal --component rustfmt,clippy
+  # rustup-init itself (what sh.rustup.rs fetches), from the host that
+  # serves the toolchains: one name fewer to resolve.
+  # It must be named rustup-init: rustup acts on the name it is run as.
+  rustup_dir=$(mktemp -d)
+  curl --proto '=https' --tlsv1.2 -sSf -o "$rustup_dir/rustup-init" \
+    "https://static.rust-lang.org/rustup/dist/$(uname -m)-unknown-linux-gnu/rustup-init"
+  chmod 755 "$rustup_dir/rustup-init"
+  "$rustup_dir/rustup-init" -y --profile minimal --component rustfmt,clippy
+  rm -rf "$rustup_dir"
 elif command -v rustup >/dev/null; then
   for c in rustfmt clippy; do
     rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
