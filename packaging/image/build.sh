@@ -4,7 +4,8 @@
 # as crab/debian:bookworm; the image is tagged crab:latest and its binaries
 # are copied to target/image/. Uses the host's docker when it answers, else a
 # private dockerd (no bridge, no iptables: the build runs on the host's
-# network) under target/image-docker/, stopped at the end. Run as root.
+# network) under target/image-docker/, stopped at the end. The base trusts
+# the host's local certificate authorities. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 base=crab/debian:bookworm
@@ -40,6 +41,13 @@ if ! "${docker[@]}" image inspect "$base" >/dev/null 2>&1; then
   debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 \
     || { tail -20 "$root.log" >&2; trap_base; echo "debootstrap failed (whole log: $root.log)" >&2; exit 1; }
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  # The host's own certificate authorities (a proxy's, say): the build
+  # reaches the same servers the host does, and ca-certificates takes them
+  # in when the Dockerfile installs it.
+  if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+    mkdir -p "$root/usr/local/share/ca-certificates"
+    cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+  fi
   tar -C "$root" -c . | "${docker[@]}" import - "$base" >/dev/null
   trap_base
   rm -f "$root.log"
