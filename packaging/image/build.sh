@@ -41,12 +41,12 @@ if ! "${docker[@]}" image inspect "$base" >/dev/null 2>&1; then
   debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 \
     || { tail -20 "$root.log" >&2; trap_base; echo "debootstrap failed (whole log: $root.log)" >&2; exit 1; }
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
-  # The host's own certificate authorities (a proxy's, say): the build
+  # The certificate authorities the host trusts (a proxy's, say): the build
   # reaches the same servers the host does, and ca-certificates takes them
   # in when the Dockerfile installs it.
-  if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
-    mkdir -p "$root/usr/local/share/ca-certificates"
-    cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+  mkdir -p "$root/usr/local/share/ca-certificates"
+  if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
+    cp /etc/ssl/certs/ca-certificates.crt "$root/usr/local/share/ca-certificates/host-bundle.crt"
   fi
   tar -C "$root" -c . | "${docker[@]}" import - "$base" >/dev/null
   trap_base
