@@ -5,7 +5,7 @@
 # are copied to target/image/. Uses the host's docker when it answers, else a
 # private dockerd (no bridge, no iptables: the build runs on the host's
 # network) under target/image-docker/, stopped at the end. The base trusts
-# the host's local certificate authorities. Run as root.
+# the certificate authorities the host trusts. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 base=crab/debian:bookworm
@@ -13,6 +13,23 @@ out=target/image
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
 log() { printf '[image] %s\n' "$*" >&2; }
+
+# One cleanup for every exit: the base's root being made, the private
+# dockerd and the namespace mount it leaves when stopped.
+root=
+dockerd_pid=
+cleanup() {
+  [ -n "$root" ] && rm -rf "$root" "$root.log"
+  if [ -n "$dockerd_pid" ]; then
+    kill "$dockerd_pid" 2>/dev/null || true
+    wait "$dockerd_pid" 2>/dev/null || true
+    for m in "$dir"/exec/netns/*; do
+      mountpoint -q "$m" && umount "$m"
+    done
+  fi
+  return 0
+}
+trap cleanup EXIT
 
 if docker info >/dev/null 2>&1; then
   docker=(docker)
@@ -25,7 +42,6 @@ else
     -H "unix://$dir/d.sock" --bridge=none --iptables=false --ip6tables=false \
     >"$dir/dockerd.log" 2>&1 &
   dockerd_pid=$!
-  trap 'kill "$dockerd_pid" 2>/dev/null; wait "$dockerd_pid" 2>/dev/null || true' EXIT
   docker=(docker -H "unix://$dir/d.sock")
   for _ in $(seq 100); do
     "${docker[@]}" info >/dev/null 2>&1 && break
@@ -37,9 +53,11 @@ fi
 if ! "${docker[@]}" image inspect "$base" >/dev/null 2>&1; then
   log "making $base with debootstrap from $mirror"
   root=$(mktemp -d /tmp/crab-base.XXXXXX)
-  trap_base() { rm -rf "$root"; }
-  debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 \
-    || { tail -20 "$root.log" >&2; trap_base; echo "debootstrap failed (whole log: $root.log)" >&2; exit 1; }
+  if ! debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1; then
+    tail -20 "$root.log" >&2
+    echo "debootstrap failed (above)" >&2
+    exit 1
+  fi
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
   # The certificate authorities the host trusts (a proxy's, say): the build
   # reaches the same servers the host does, and ca-certificates takes them
@@ -49,8 +67,8 @@ if ! "${docker[@]}" image inspect "$base" >/dev/null 2>&1; then
     cp /etc/ssl/certs/ca-certificates.crt "$root/usr/local/share/ca-certificates/host-bundle.crt"
   fi
   tar -C "$root" -c . | "${docker[@]}" import - "$base" >/dev/null
-  trap_base
-  rm -f "$root.log"
+  rm -rf "$root" "$root.log"
+  root=
 fi
 
 log "building crab:latest on $base"

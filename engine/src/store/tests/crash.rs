@@ -201,8 +201,8 @@ fn a_failed_replace_leaves_no_temporary_file() {
 /// checkpoint still writing in it, in the shim; here a directory made
 /// immutable) does not stop the store from opening, again and again: it
 /// is moved aside once, under a name no later sweep renames, the number
-/// it held is given out again, and the next checkpoint removes it. Needs root (chattr, on a
-/// filesystem that has it): CI runs it as root.
+/// it held is given out again, and the next checkpoint removes it. Needs
+/// root (chattr, on a filesystem that has it): CI runs it as root.
 #[test]
 fn a_temporary_directory_in_use_does_not_stop_the_open() {
     let fx = fixture();
