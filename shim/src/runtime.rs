@@ -27,7 +27,7 @@ mod criu;
 mod kdat;
 pub(crate) mod protocol;
 
-pub use client::{CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
+pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};
 pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};

@@ -113,6 +113,9 @@ impl Shim for Service {
         // task: remove whatever the container left behind.
         let bundle = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let runtime = runtime_client(ExitRouter::start().await, &self.namespace);
+        // First what the dead shim was running on the container (a dump
+        // left alone can hold the killed container forever).
+        crate::runtime::kill_orphaned_helpers(&bundle).await;
         if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
             tracing::warn!(error = %crab_api::error_chain(&e), "delete {} in {}", self.id, self.namespace);
         }

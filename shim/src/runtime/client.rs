@@ -400,6 +400,71 @@ impl RuntimeClient {
     }
 }
 
+/// Kills the runtime helpers that a dead shim of the bundle at `bundle`
+/// left running, each with its process group (the CRIU it started), and
+/// waits (a few seconds at most) for those groups to be gone; answers how
+/// many helpers there were.
+///
+/// A shim watches its helpers: it stops a dump whose init starts dying,
+/// because CRIU then waits forever for a traced task that waits for its
+/// pid namespace's children, which only CRIU can reap. A killed shim
+/// watches nothing, so its cleanup must stop them before it kills the
+/// container. A helper is known by its command line (the reply file it
+/// was given lies in the bundle), read from `/proc`: no record of the
+/// dead shim's is needed, so none can be missing.
+pub async fn kill_orphaned_helpers(bundle: &Path) -> usize {
+    let groups: Vec<i32> = helpers_of(bundle);
+    for &group in &groups {
+        tracing::warn!(
+            helper = group,
+            "killing a runtime helper of the dead shim, with its group"
+        );
+        let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
+    }
+    let in_groups = || {
+        procfs::process::all_processes().is_ok_and(|mut all| {
+            all.any(|p| {
+                p.ok()
+                    .and_then(|p| p.stat().ok())
+                    .is_some_and(|s| groups.contains(&s.pgrp) && s.state != 'Z')
+            })
+        })
+    };
+    let deadline = tokio::time::Instant::now() + ORPHAN_WAIT;
+    while !groups.is_empty() && in_groups() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(WATCH_PERIOD).await;
+    }
+    groups.len()
+}
+
+/// How long a cleanup waits for killed helpers to be gone.
+const ORPHAN_WAIT: Duration = Duration::from_secs(5);
+
+/// The pids of the runtime helpers whose reply file lies in `bundle`.
+fn helpers_of(bundle: &Path) -> Vec<i32> {
+    let Ok(bundle) = bundle.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(all) = procfs::process::all_processes() else {
+        return Vec::new();
+    };
+    all.flatten()
+        .filter(|p| {
+            p.cmdline().is_ok_and(|argv| match argv.as_slice() {
+                [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
+                    let reply = Path::new(reply);
+                    reply
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(".crab-"))
+                        && reply.parent().and_then(|d| d.canonicalize().ok()).as_deref() == Some(&*bundle)
+                }
+                _ => false,
+            })
+        })
+        .map(|p| p.pid)
+        .collect()
+}
+
 /// The operation's name, for errors and the reply file.
 fn op_name(op: &Op) -> &'static str {
     match op {
@@ -504,6 +569,7 @@ impl Launch<'_> {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::ExitStatusExt;
     use std::process::Child;
     use std::time::Instant;
 
@@ -564,6 +630,52 @@ mod tests {
             init_pid: Some(init.id() as i32),
             ..Default::default()
         }
+    }
+
+    /// A helper as a shim starts it, for the bundle at `bundle`: its
+    /// command line names a reply file there (`sh` runs the script that
+    /// `stuck_helper` made in `dir` under the name `runtime`).
+    fn orphan(dir: &Path, bundle: &Path) -> (Child, PathBuf, String) {
+        let (script, pidfile, length) = stuck_helper(dir);
+        std::fs::rename(script, dir.join(SUBCOMMAND)).unwrap();
+        let reply = bundle.join(".crab-checkpoint-1-0.reply");
+        let child = Command::new("sh")
+            .current_dir(dir)
+            .arg(SUBCOMMAND)
+            .arg("--reply")
+            .arg(reply)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        (child, pidfile, length)
+    }
+
+    #[tokio::test]
+    async fn a_dead_shims_helpers_are_killed_with_their_groups_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let [mine, theirs, bundle, other] = ["mine", "theirs", "bundle", "other"].map(|d| {
+            let path = dir.path().join(d);
+            std::fs::create_dir(&path).unwrap();
+            path
+        });
+        let (mut helper, pidfile, length) = orphan(&mine, &bundle);
+        let (mut unrelated, other_pidfile, _) = orphan(&theirs, &other);
+        // Once each has started what it starts.
+        let (p1, p2) = (pidfile.clone(), other_pidfile.clone());
+        tokio::task::spawn_blocking(move || (grandchild(&p1), grandchild(&p2)))
+            .await
+            .unwrap();
+
+        assert_eq!(kill_orphaned_helpers(&bundle).await, 1);
+        assert_eq!(helper.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(no_sleep_left(&length), "what the helper started went with it");
+        assert!(
+            unrelated.try_wait().unwrap().is_none(),
+            "another bundle's helper runs on"
+        );
+
+        let _ = killpg(Pid::from_raw(unrelated.id() as i32), Signal::SIGKILL);
+        let _ = unrelated.wait();
     }
 
     #[tokio::test]
