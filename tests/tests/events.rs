@@ -1,11 +1,46 @@
 //! Task events reach containerd: create, start, exec-added, exec-started,
 //! paused, resumed, OOM, exit, delete. Needs root: CI runs it as root.
 
+use std::io::BufRead;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 
 use crab_tests::image::BUSYBOX;
 use crab_tests::leftovers::assert_clean;
-use crab_tests::{Containerd, CRAB};
+use crab_tests::{wait_until, Containerd, CRAB};
+
+/// The lines `ctr events` printed so far, gathered by a thread of their own.
+#[derive(Clone, Default)]
+struct Stream(Arc<Mutex<String>>);
+
+impl Stream {
+    fn follow(out: std::process::ChildStdout) -> Stream {
+        let stream = Stream::default();
+        let lines = stream.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let mut text = lines.0.lock().unwrap();
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        stream
+    }
+
+    fn text(&self) -> String {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// Waits until a line names container `id` and `topic`.
+    fn wait_for(&self, id: &str, topic: &str) {
+        let seen = |text: &str| {
+            text.lines()
+                .any(|l| l.contains(&format!("\"container_id\":\"{id}\"")) && l.contains(topic))
+        };
+        wait_until(30, || seen(&self.text()).then_some(()))
+            .unwrap_or_else(|| panic!("no {topic} event of {id}:\n{}", self.text()));
+    }
+}
 
 #[test]
 fn task_events() {
@@ -16,8 +51,19 @@ fn task_events() {
         .stderr(Stdio::null())
         .spawn()
         .expect("ctr events");
-    // ctr events subscribes asynchronously; a first container proves it is listening.
-    ctd.ctr_ok(&["run", "--rm", "--runtime", CRAB, BUSYBOX, "warmup", "true"]);
+    let stream = Stream::follow(events.stdout.take().expect("piped"));
+    // ctr events subscribes asynchronously: a first container's events
+    // seen prove it is listening.
+    let heard = || {
+        ctd.ctr_ok(&["run", "--rm", "--runtime", CRAB, BUSYBOX, "warmup", "true"]);
+        wait_until(5, || {
+            stream
+                .text()
+                .contains("\"container_id\":\"warmup\"")
+                .then_some(())
+        })
+    };
+    assert!((0..6).any(|_| heard().is_some()), "ctr events hears nothing");
 
     ctd.run_detached(CRAB, "ev", &["sleep", "300"]);
     ctd.ctr_ok(&["task", "exec", "--exec-id", "x", "ev", "true"]);
@@ -40,10 +86,15 @@ fn task_events() {
     ]);
     assert_eq!(out.status.code(), Some(137));
     ctd.ctr_ok(&["run", "--rm", "--runtime", CRAB, BUSYBOX, "last", "true"]);
+    // Events reach the stream in their own time: every one expected has
+    // come once the last container's delete and the OOM exit have.
+    stream.wait_for("last", "/tasks/delete");
+    stream.wait_for("oom", "/tasks/exit");
+    stream.wait_for("ev", "/tasks/delete");
 
     let _ = events.kill();
-    let out = events.wait_with_output().expect("ctr events output");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let _ = events.wait();
+    let text = stream.text();
     let topics_of = |id: &str| -> Vec<String> {
         text.lines()
             .filter(|l| l.contains(&format!("\"container_id\":\"{id}\"")))

@@ -93,6 +93,18 @@ fn turn_records(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// The turn records at `path` once there are `n`: a turn's record is
+/// written when its exchange ends, after its answer reached the agent (the
+/// next turn's answer waits for it), so the agent's last turn can be
+/// answered before its record is there.
+fn turn_records_once(path: &Path, n: usize) -> Vec<Value> {
+    crab_tests::wait_until(30, || {
+        let records = path.exists().then(|| turn_records(path))?;
+        (records.len() >= n).then_some(records)
+    })
+    .unwrap_or_else(|| panic!("{}: fewer than {n} turns", path.display()))
+}
+
 /// `GET path` on 127.0.0.1:`port` with a raw HTTP/1.1 request: the status
 /// and the body.
 fn raw_get(port: u16, path: &str) -> (u16, Value) {
@@ -158,7 +170,7 @@ fn host_agent_reaches_its_sandbox_through_crabd() {
         .join("transcripts")
         .join(&ctd.namespace)
         .join(format!("{id}.jsonl"));
-    let turns = turn_records(&path);
+    let turns = turn_records_once(&path, 3);
     let numbers: Vec<u64> = turns.iter().filter_map(|t| t["turn"].as_u64()).collect();
     assert_eq!(numbers, [1, 2, 3], "every turn of the host agent");
     let raw = std::fs::read_to_string(&path).unwrap();
@@ -282,7 +294,7 @@ fn each_turn_end_is_a_version_before_its_answer() {
         .join("transcripts")
         .join(&ctd.namespace)
         .join(format!("{id}.jsonl"));
-    let turns = turn_records(&path);
+    let turns = turn_records_once(&path, 3);
     assert_eq!(turns.len(), 3);
     let holds: Vec<u64> = turns
         .iter()
@@ -365,7 +377,10 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
         .join("transcripts")
         .join(&ctd.namespace)
         .join(format!("{id}.jsonl"));
-    let gates: Vec<Value> = turn_records(&path).iter().map(|t| t["gate"].clone()).collect();
+    let gates: Vec<Value> = turn_records_once(&path, 5)
+        .iter()
+        .map(|t| t["gate"].clone())
+        .collect();
     assert_eq!(gates, ["opened"; 5]);
 
     // Back to turn 2's end: the files hold one answer, and the agent asks
@@ -380,6 +395,7 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
         "turn 2 from the transcript, then live turns"
     );
     assert_eq!(llm.seen().len(), 8, "the upstream never saw turn 2 again");
+    turn_records_once(&path, 8);
 
     // One transcript: the old branch whole, then a branch after turn 2.
     let entries: Vec<Value> = std::fs::read_to_string(&path)
@@ -432,7 +448,7 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
     );
     assert_eq!(llm.seen().len(), 11, "the fork's turn 2 came from its transcript");
     let fork_path = path.with_file_name(format!("{fork}.jsonl"));
-    let fork_turns: Vec<u64> = turn_records(&fork_path)
+    let fork_turns: Vec<u64> = turn_records_once(&fork_path, 5)
         .iter()
         .map(|t| t["turn"].as_u64().unwrap())
         .collect();
@@ -472,7 +488,7 @@ fn a_rolled_back_agent_inside_is_fast_forwarded_then_branches() {
         14,
         "the import's turn 2 came from its transcript"
     );
-    let imported_turns: Vec<u64> = turn_records(&path.with_file_name(format!("{imported}.jsonl")))
+    let imported_turns: Vec<u64> = turn_records_once(&path.with_file_name(format!("{imported}.jsonl")), 5)
         .iter()
         .map(|t| t["turn"].as_u64().unwrap())
         .collect();
