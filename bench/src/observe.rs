@@ -19,14 +19,21 @@ pub fn metrics(ctd: &Containerd) -> Vec<(String, f64)> {
         .collect()
 }
 
-/// Each turn's hold (how long its answer waited for its version), from a
-/// sandbox's transcript.
-pub fn holds(path: &Path) -> Vec<Duration> {
+/// The turn records of a sandbox's transcript (none if it cannot be read).
+pub fn turn_records(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["kind"] == "turn")
+        .collect()
+}
+
+/// Each turn's hold (how long its answer waited for its version), from a
+/// sandbox's transcript.
+pub fn holds(path: &Path) -> Vec<Duration> {
+    turn_records(path)
+        .iter()
         .map(|v| Duration::from_micros(v["timing"]["hold_us"].as_u64().unwrap_or(0)))
         .collect()
 }

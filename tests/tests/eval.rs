@@ -2,8 +2,9 @@
 //! key-value server and a Python REPL, whose state lives in memory), one
 //! crash each at a seeded point, recovered by crab and by a deliberately
 //! broken recovery (the head's parent restored in its place). The harness
-//! must find crab's recoveries state-correct and the broken ones not.
-//! Real containerd, crabd, CRIU; needs root (CI runs it as root) and the
+//! must find crab's recoveries state-correct and the broken ones not; and
+//! again with each agent inside its sandbox (`--agent-inside`), against
+//! chat-only. Real containerd, crabd, CRIU; needs root (CI runs it as root) and the
 //! crab-bench binary of the workspace build.
 
 use serde_json::Value;
@@ -17,15 +18,15 @@ fn policy<'a>(report: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {name} in {report:#}"))
 }
 
-#[test]
-fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
-    let out = tempfile::tempdir().expect("a report directory");
+/// Runs `crab-bench eval` on the two terminal tasks with `policies` (and
+/// `extra` options) into `out`; answers its report.json.
+fn tiny_eval(out: &std::path::Path, policies: &str, extra: &[&str]) -> Value {
     let bench = crab_tests::bin_dir().join("crab-bench");
     let run = std::process::Command::new(&bench)
         .args(["eval", "--swe", "0", "--terminal-tasks", "kv-server,python-repl"])
         .args([
             "--policies",
-            "crab,crab-broken",
+            policies,
             "--scale",
             "0.05",
             "--parallel",
@@ -33,8 +34,9 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
             "--seed",
             "3",
         ])
+        .args(extra)
         .arg("--out")
-        .arg(out.path())
+        .arg(out)
         .env("PATH", crab_tests::path_with_crab())
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", bench.display()));
@@ -44,9 +46,14 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
         "crab-bench eval failed:\n{stdout}\n{}",
         crab_tests::stderr(&run)
     );
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.path().join("report.json")).expect("report.json"))
-            .expect("report.json is JSON");
+    serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).expect("report.json"))
+        .expect("report.json is JSON")
+}
+
+#[test]
+fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
+    let out = tempfile::tempdir().expect("a report directory");
+    let report = tiny_eval(out.path(), "crab,crab-broken", &[]);
 
     let crab = policy(&report, "crab");
     assert_eq!(
@@ -96,4 +103,37 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
         out.path().join("logs/crab/crabd.log").exists(),
         "the run's logs are kept"
     );
+}
+
+/// The same tasks with each agent inside its sandbox (its memory and shell
+/// are the sandbox's): crab restores the agent with its sandbox, and the
+/// agent goes on from the turn it remembers, asking again what the proxy
+/// answers from the transcript; chat-only's fresh sandbox lacks the files
+/// and servers its agent was told about. Each recovery is checked at the
+/// agent's first request after it and at the end.
+#[test]
+fn an_agent_inside_is_recovered_with_its_sandbox_and_chat_only_is_not() {
+    let out = tempfile::tempdir().expect("a report directory");
+    let report = tiny_eval(out.path(), "crab,chat-only", &["--agent-inside"]);
+
+    let crab = policy(&report, "crab");
+    assert_eq!(
+        (crab["correct"].as_u64(), crab["crashed"].as_u64()),
+        (Some(2), Some(2)),
+        "{crab:#}"
+    );
+    for task in crab["tasks"].as_array().unwrap() {
+        assert!(
+            task["version"].as_u64().is_some(),
+            "crab restored a version: {task:#}"
+        );
+    }
+    let chat = policy(&report, "chat-only");
+    assert_eq!(
+        (chat["correct"].as_u64(), chat["crashed"].as_u64()),
+        (Some(0), Some(2)),
+        "{chat:#}"
+    );
+    let md = std::fs::read_to_string(out.path().join("report.md")).expect("report.md");
+    assert!(md.contains("agents inside their sandboxes"), "{md}");
 }

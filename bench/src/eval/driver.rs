@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -15,6 +16,9 @@ use crab_tests::llm::chat_turn;
 use crab_tests::sandbox::{crabctl, listed};
 use crab_tests::Containerd;
 
+mod inside;
+
+use super::agent_llm::{AgentLlm, Ask};
 use super::fault::{Fault, Phase};
 use super::policy::{Fresh, Policy, Recovery};
 use super::sandbox;
@@ -105,6 +109,10 @@ pub struct Setup<'a> {
     pub tick: &'a (dyn Fn() + Sync),
     /// Print every command's output.
     pub verbose: bool,
+    /// `--agent-inside`: the agents' LLM (each sandbox runs its agent).
+    pub agents: Option<&'a AgentLlm>,
+    /// Where the sandboxes' transcripts are (`<id>.jsonl`).
+    pub transcripts: &'a Path,
 }
 
 /// The longest a recovery may take before the run counts it failed.
@@ -113,8 +121,14 @@ const RECOVERY_LIMIT: Duration = Duration::from_secs(180);
 /// Runs `task` as `setup` says. Errors only for the harness's own
 /// failures; what went wrong in the sandbox is in [`Run::error`].
 pub fn drive(setup: &Setup, task: &Task) -> anyhow::Result<Run> {
-    let mut agent = Agent::new(setup, task)?;
-    let result = agent.run();
+    let (mut agent, asks) = Agent::new(setup, task)?;
+    let result = match asks {
+        Some(asks) => agent.run_inside(&asks),
+        None => agent.run(),
+    };
+    if let Some(llm) = setup.agents {
+        llm.forget(&agent.key);
+    }
     let Agent {
         mut run,
         started,
@@ -128,7 +142,12 @@ pub fn drive(setup: &Setup, task: &Task) -> anyhow::Result<Run> {
         run.error = Some(format!("{e:#}"));
     }
     if setup.policy.checkpoints() {
-        run.classes = classes(setup.ctd, run.ids.last().expect("a sandbox"), task.steps.len());
+        run.classes = classes(
+            setup.ctd,
+            run.ids.last().expect("a sandbox"),
+            task.steps.len(),
+            setup.agents.is_some(),
+        );
     }
     run.shim_peak_kb = run
         .ids
@@ -156,15 +175,22 @@ struct Agent<'a> {
     saved: Option<(isize, PathBuf)>,
     /// Commands that failed, and the first one's error.
     failed: std::sync::Mutex<(usize, Option<String>)>,
+    /// Its name to the agents' LLM (the same for every sandbox of the task).
+    key: String,
 }
 
 impl<'a> Agent<'a> {
-    fn new(setup: &'a Setup<'a>, task: &'a Task) -> anyhow::Result<Self> {
+    /// The agent of `task`, its sandbox started; under `--agent-inside`,
+    /// with the requests of the agent in the sandbox.
+    fn new(setup: &'a Setup<'a>, task: &'a Task) -> anyhow::Result<(Self, Option<Receiver<Ask>>)> {
         let id = container_id(task, setup.policy, 0);
-        let url = sandbox::start(setup.ctd, &id, setup.image)?;
+        let key = id.clone();
+        // Before the sandbox starts: its agent asks at once.
+        let asks = setup.agents.map(|llm| llm.register(&key));
+        let url = start_sandbox(setup, task, &id, &key)?;
         // The task's time starts once its sandbox is up, as an agent's does.
         let started = Instant::now();
-        Ok(Agent {
+        let agent = Agent {
             setup,
             task,
             run: Run {
@@ -177,7 +203,9 @@ impl<'a> Agent<'a> {
             captures: Duration::ZERO,
             saved: None,
             failed: Default::default(),
-        })
+            key,
+        };
+        Ok((agent, asks))
     }
 
     fn now(&self) -> f64 {
@@ -394,12 +422,19 @@ impl<'a> Agent<'a> {
             .iter()
             .find(|v| v["version"] == number)
             .context("the restored version is listed")?;
-        let at = step_of(record)?;
+        let inside = self.setup.agents.is_some();
+        let at = step_of(record, inside)?;
         if wrong {
             let parent = record["parent"]
                 .as_u64()
                 .context("the restored version has a parent")?;
-            let out = crabctl(ctd, &["rollback", "--no-undo", &self.id, &parent.to_string()]);
+            // An agent inside goes on from what it remembers: only files
+            // put back apart from it make a recovery wrong.
+            let how = match inside {
+                true => "--files-only",
+                false => "--no-undo",
+            };
+            let out = crabctl(ctd, &["rollback", how, &self.id, &parent.to_string()]);
             if !out.status.success() {
                 bail!(
                     "rollback to {parent}: {}",
@@ -421,7 +456,7 @@ impl<'a> Agent<'a> {
         .context("the killed sandbox's task never stopped")?;
         sandbox::remove(ctd, &self.id);
         let id = container_id(self.task, self.setup.policy, self.run.ids.len());
-        self.url = sandbox::start(ctd, &id, self.setup.image)?;
+        self.url = start_sandbox(self.setup, self.task, &id, &self.key)?;
         self.run.ids.push(id.clone());
         self.id = id;
         Ok(match fresh {
@@ -444,6 +479,17 @@ impl<'a> Agent<'a> {
             },
         })
     }
+}
+
+/// Starts sandbox `id` of `task` as `setup` says (with its agent inside,
+/// named `key`, under `--agent-inside`); answers its proxy URL.
+fn start_sandbox(setup: &Setup, task: &Task, id: &str, key: &str) -> anyhow::Result<String> {
+    let agent = setup.agents.map(|llm| sandbox::InsideAgent {
+        program: llm.program_dir(),
+        key,
+        cwd: &task.cwd,
+    });
+    sandbox::start(setup.ctd, id, setup.image, agent.as_ref())
 }
 
 /// The container id of `task` under `policy`, its `n`th sandbox.
@@ -471,19 +517,20 @@ pub fn versions(ctd: &Containerd, id: &str) -> anyhow::Result<Vec<serde_json::Va
 }
 
 /// The step whose end version `record` is: its turn counts the agent's
-/// LLM calls from 1, one per step, before any restore.
-fn step_of(record: &serde_json::Value) -> anyhow::Result<isize> {
+/// LLM calls from 1, one per step, before any restore; an agent inside
+/// asks once more first, for its first step (`inside`).
+fn step_of(record: &serde_json::Value, inside: bool) -> anyhow::Result<isize> {
     let turn = record["turn"]
         .as_i64()
         .context("the restored version has a turn")?;
-    Ok(turn as isize - 1)
+    Ok(turn as isize - 1 - isize::from(inside))
 }
 
 /// The class of the version of each of `steps` steps of sandbox `id`.
-fn classes(ctd: &Containerd, id: &str, steps: usize) -> Vec<Option<String>> {
+fn classes(ctd: &Containerd, id: &str, steps: usize, inside: bool) -> Vec<Option<String>> {
     let mut out = vec![None; steps];
     for v in versions(ctd, id).unwrap_or_default() {
-        if let (Ok(step), Some(class)) = (step_of(&v), v["class"].as_str()) {
+        if let (Ok(step), Some(class)) = (step_of(&v, inside), v["class"].as_str()) {
             if let Some(slot) = usize::try_from(step).ok().and_then(|s| out.get_mut(s)) {
                 *slot = Some(class.to_owned());
             }

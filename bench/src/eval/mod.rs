@@ -7,6 +7,7 @@
 //! sandbox on it, `--parallel` at once; the fault-free run goes first and
 //! records the state after every step, which the others are held to.
 
+mod agent_llm;
 mod driver;
 mod fault;
 mod plot;
@@ -77,6 +78,11 @@ pub struct Args {
     /// Print every command's output (to stderr).
     #[arg(long)]
     pub verbose: bool,
+    /// Each agent runs inside its sandbox (its memory and shell are the
+    /// sandbox's), asking its LLM through the sandbox's proxy; otherwise
+    /// it runs on the host, its commands through `ctr task exec`.
+    #[arg(long)]
+    pub agent_inside: bool,
 }
 
 // === impl Args ===
@@ -129,18 +135,24 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     policies.extend(args.policies.iter().copied().filter(|p| *p != Policy::FaultFree));
     std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
     println!(
-        "eval: {} tasks x {} policies, think times x{} of the traced ones, seed {}, {} sandboxes at once",
+        "eval: {} tasks x {} policies, think times x{} of the traced ones, seed {}, {} sandboxes at once, agents {} their sandboxes",
         tasks.len(),
         policies.len(),
         args.scale,
         args.seed,
-        args.parallel
+        args.parallel,
+        if args.agent_inside { "inside" } else { "outside" }
     );
     let llm = ScriptedLlm::start();
+    let agents = match args.agent_inside {
+        true => Some(agent_llm::AgentLlm::start()?),
+        false => None,
+    };
+    let upstream = agents.as_ref().map_or(llm.port, |a| a.port);
     let bars = MultiProgress::new();
     let mut results = Vec::new();
     for policy in policies {
-        let result = run_policy(policy, &tasks, &faults, &llm, args, &bars)
+        let result = run_policy(policy, &tasks, &faults, upstream, agents.as_ref(), args, &bars)
             .with_context(|| format!("policy {}", policy.name()))?;
         results.push(result);
     }
@@ -149,6 +161,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         seed: args.seed,
         scale: args.scale,
         parallel: args.parallel,
+        agent_inside: args.agent_inside,
         wall: started.elapsed(),
     };
     let md = report::markdown(&results, &meta, &pictures);
@@ -167,7 +180,8 @@ fn run_policy(
     policy: Policy,
     tasks: &[Task],
     faults: &[Option<Fault>],
-    llm: &ScriptedLlm,
+    upstream: u16,
+    agents: Option<&agent_llm::AgentLlm>,
     args: &Args,
     bars: &MultiProgress,
 ) -> anyhow::Result<PolicyResult> {
@@ -176,7 +190,7 @@ fn run_policy(
     let base = base_dir.path().to_owned();
     let transcripts = base.join("transcripts");
     let config = base.join("crab.toml");
-    std::fs::write(&config, policy.config(llm.port, &transcripts))?;
+    std::fs::write(&config, policy.config(upstream, &transcripts))?;
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let mut images: BTreeMap<String, String> = BTreeMap::new();
     for t in tasks {
@@ -191,6 +205,7 @@ fn run_policy(
     );
     bar.set_prefix(policy.name());
     let tick = || bar.inc(1);
+    let namespace_transcripts = transcripts.join(&ctd.namespace);
     let next = AtomicUsize::new(0);
     let done = Mutex::new(Vec::new());
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
@@ -209,6 +224,8 @@ fn run_policy(
                     scratch: &base,
                     tick: &tick,
                     verbose: args.verbose,
+                    agents,
+                    transcripts: &namespace_transcripts,
                 };
                 match drive(&setup, task) {
                     Ok(run) => {
@@ -216,9 +233,7 @@ fn run_policy(
                             .ids
                             .iter()
                             .flat_map(|id| {
-                                crate::observe::holds(
-                                    &transcripts.join(&ctd.namespace).join(format!("{id}.jsonl")),
-                                )
+                                crate::observe::holds(&namespace_transcripts.join(format!("{id}.jsonl")))
                             })
                             .collect();
                         let classes = run.classes.clone();

@@ -69,6 +69,8 @@ pub struct Meta {
     pub scale: f64,
     /// How many sandboxes ran at once.
     pub parallel: usize,
+    /// The agents ran inside their sandboxes (`--agent-inside`).
+    pub agent_inside: bool,
     /// The wall time of the whole evaluation.
     pub wall: Duration,
 }
@@ -210,10 +212,11 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
     let _ = writeln!(
         md,
         "{n_tasks} tasks, one crash each (SIGKILL of the sandbox's init, seed {}), think times x{} of the traced ones, \
-         {} sandboxes at once, {:.0} s in all, on this machine ({} cores).\n",
+         {} sandboxes at once, agents {} their sandboxes, {:.0} s in all, on this machine ({} cores).\n",
         meta.seed,
         meta.scale,
         meta.parallel,
+        if meta.agent_inside { "inside" } else { "outside" },
         meta.wall.as_secs_f64(),
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
@@ -499,6 +502,7 @@ mod tests {
                 seed: 1,
                 scale: 0.1,
                 parallel: 1,
+                agent_inside: false,
                 wall: Duration::from_secs(1),
             },
             &[],

@@ -24,21 +24,61 @@ const ENV: [&str; 3] = [
 /// The longest a command runs (the traces' agent allowed 60 s).
 pub const COMMAND_LIMIT: Duration = Duration::from_secs(60);
 
-/// Starts container `id` of image `reference`, idling, and waits until
-/// crabd knows it; returns its proxy URL on crabd's host listener.
-pub fn start(ctd: &Containerd, id: &str, reference: &str) -> anyhow::Result<String> {
-    let out = ctd.ctr(&[
+/// The agent a sandbox runs as its own process (`--agent-inside`).
+pub struct InsideAgent<'a> {
+    /// The host directory of `agent.py`, bound read-only.
+    pub program: &'a Path,
+    /// Its name to the LLM.
+    pub key: &'a str,
+    /// Where its commands run.
+    pub cwd: &'a str,
+}
+
+/// Where a sandbox sees the agent's program.
+const AGENT_DIR: &str = "/opt/crab-agent";
+
+/// Starts container `id` of image `reference`, idling (or running `agent`),
+/// and waits until crabd knows it; returns its proxy URL on crabd's host
+/// listener.
+pub fn start(
+    ctd: &Containerd,
+    id: &str,
+    reference: &str,
+    agent: Option<&InsideAgent>,
+) -> anyhow::Result<String> {
+    let mut args: Vec<String> = [
         "run",
         "-d",
         "--runtime",
         CRAB,
         "--mount",
         "type=bind,src=/usr,dst=/usr,options=rbind:ro",
-        reference,
-        id,
-        "sleep",
-        "100000000",
-    ]);
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let command: Vec<String> = match agent {
+        None => vec!["sleep".into(), "100000000".into()],
+        Some(agent) => {
+            args.push("--mount".into());
+            args.push(format!(
+                "type=bind,src={},dst={AGENT_DIR},options=rbind:ro",
+                agent.program.display()
+            ));
+            let limit = COMMAND_LIMIT.as_secs();
+            for var in ENV.map(str::to_owned).into_iter().chain([
+                format!("CRAB_AGENT_KEY={}", agent.key),
+                format!("CRAB_AGENT_CWD={}", agent.cwd),
+                format!("CRAB_AGENT_LIMIT={limit}"),
+            ]) {
+                args.extend(["--env".to_owned(), var]);
+            }
+            vec!["python3".into(), format!("{AGENT_DIR}/agent.py")]
+        }
+    };
+    args.extend([reference.to_owned(), id.to_owned()]);
+    args.extend(command);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = ctd.ctr(&args);
     if !out.status.success() {
         bail!("ctr run {id}: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
