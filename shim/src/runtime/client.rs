@@ -23,6 +23,9 @@ use crate::exits::{Exit, ExitRouter};
 pub type ExitReceiver = tokio::sync::oneshot::Receiver<Exit>;
 pub use crate::io::ChildStdio as Stdio;
 
+/// CRIU's configuration file in a helper's work directory.
+const CRIU_CONF: &str = ".crab-criu.conf";
+
 /// Runs libcontainer operations in helper processes.
 pub struct RuntimeClient {
     exe: PathBuf,
@@ -203,7 +206,7 @@ impl RuntimeClient {
         if std::env::var_os("CRIU_CONFIG_FILE").is_some_and(|f| !f.is_empty()) {
             return Ok(());
         }
-        let conf = work_dir.join(".crab-criu.conf");
+        let conf = work_dir.join(CRIU_CONF);
         let text = format!("network-lock {}\n", self.network_lock.as_str());
         std::fs::write(&conf, text).map_err(Error::io(format!("write {}", conf.display())))?;
         cmd.env("CRIU_CONFIG_FILE", conf);
@@ -402,66 +405,130 @@ impl RuntimeClient {
 
 /// Kills the runtime helpers that a dead shim of the bundle at `bundle`
 /// left running, each with its process group (the CRIU it started), and
-/// waits (a few seconds at most) for those groups to be gone; answers how
-/// many helpers there were.
+/// waits (a second at most) for them to be gone; answers how many
+/// processes it killed.
 ///
 /// A shim watches its helpers: it stops a dump whose init starts dying,
 /// because CRIU then waits forever for a traced task that waits for its
 /// pid namespace's children, which only CRIU can reap. A killed shim
 /// watches nothing, so its cleanup must stop them before it kills the
-/// container. A helper is known by its command line (the reply file it
-/// was given lies in the bundle), read from `/proc`: no record of the
-/// dead shim's is needed, so none can be missing.
+/// container. They are found in `/proc`, so no record of the dead shim's
+/// can be missing: a helper is a root process leading its group whose
+/// command line names a reply file in the bundle (absolute, compared as
+/// written: no path another process chose is resolved); a CRIU whose
+/// helper is already gone is known by the configuration file its helper
+/// gave it. Each process is signalled through a pidfd opened before it
+/// is checked, so a pid reused meanwhile is never hit.
 pub async fn kill_orphaned_helpers(bundle: &Path) -> usize {
-    let groups: Vec<i32> = helpers_of(bundle);
-    for &group in &groups {
-        tracing::warn!(
-            helper = group,
-            "killing a runtime helper of the dead shim, with its group"
-        );
-        let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
+    // The bundle as this cleanup was given it, resolved, and as its
+    // environment names it (containerd's path, which a helper's files
+    // carry, may differ from the resolved one).
+    let mut bundles = vec![bundle.to_owned()];
+    let resolved = bundle.canonicalize().ok();
+    bundles.extend(resolved.clone());
+    if let Some(pwd) = std::env::var_os("PWD").map(PathBuf::from) {
+        if pwd.canonicalize().ok() == resolved {
+            bundles.push(pwd);
+        }
     }
-    let in_groups = || {
-        procfs::process::all_processes().is_ok_and(|mut all| {
-            all.any(|p| {
-                p.ok()
-                    .and_then(|p| p.stat().ok())
-                    .is_some_and(|s| groups.contains(&s.pgrp) && s.state != 'Z')
-            })
-        })
-    };
+    bundles.dedup();
+    let groups = orphaned_groups(&bundles);
+    let mut killed = Vec::new();
+    for &group in &groups {
+        tracing::warn!(group, "killing a runtime helper's group of the dead shim");
+        killed.extend(kill_group(group));
+    }
     let deadline = tokio::time::Instant::now() + ORPHAN_WAIT;
-    while !groups.is_empty() && in_groups() && tokio::time::Instant::now() < deadline {
+    loop {
+        let alive: Vec<i32> = killed.iter().copied().filter(|&p| alive(p)).collect();
+        if alive.is_empty() {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(?alive, "killed runtime helpers still exit: going on");
+            break;
+        }
         tokio::time::sleep(WATCH_PERIOD).await;
     }
-    groups.len()
+    killed.len()
 }
 
-/// How long a cleanup waits for killed helpers to be gone.
-const ORPHAN_WAIT: Duration = Duration::from_secs(5);
+/// How long a cleanup waits for killed helpers to be gone (containerd
+/// gives the whole cleanup 5 s by default).
+const ORPHAN_WAIT: Duration = Duration::from_secs(1);
 
-/// The pids of the runtime helpers whose reply file lies in `bundle`.
-fn helpers_of(bundle: &Path) -> Vec<i32> {
-    let Ok(bundle) = bundle.canonicalize() else {
+/// Whether process `pid` exists and is no zombie.
+fn alive(pid: i32) -> bool {
+    procfs::process::Process::new(pid)
+        .and_then(|p| p.stat())
+        .is_ok_and(|s| s.state != 'Z')
+}
+
+/// The process groups of the runtime helpers of `bundles` (one bundle,
+/// as given and as resolved): those of helpers, and those of CRIUs whose
+/// helper is gone.
+fn orphaned_groups(bundles: &[PathBuf]) -> Vec<i32> {
+    let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
+    let mut groups: Vec<i32> = all
+        .flatten()
+        .filter_map(|p| {
+            // Cheap tests first: only root's processes can be helpers.
+            let stat = p.stat().ok()?;
+            if stat.state == 'Z' || p.status().ok()?.euid != 0 {
+                return None;
+            }
+            let helper = stat.pgrp == p.pid
+                && p.cmdline().is_ok_and(|argv| match argv.as_slice() {
+                    [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
+                        in_bundle(Path::new(reply), ".crab-", bundles)
+                    }
+                    _ => false,
+                });
+            let criu = || {
+                p.environ().is_ok_and(|env| {
+                    env.get(std::ffi::OsStr::new("CRIU_CONFIG_FILE"))
+                        .is_some_and(|conf| in_bundle(Path::new(conf), CRIU_CONF, bundles))
+                })
+            };
+            (helper || criu()).then_some(stat.pgrp)
+        })
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
+/// Whether `path` is absolute, lies under one of `bundles` (compared as
+/// written) and its name starts with `prefix`: a file a helper of the
+/// bundle was given (in the bundle or CRIU's work directory there).
+fn in_bundle(path: &Path, prefix: &str, bundles: &[PathBuf]) -> bool {
+    path.is_absolute()
+        && path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+        && bundles.iter().any(|b| path.starts_with(b))
+}
+
+/// SIGKILLs every member of process group `group`, each through a pidfd
+/// opened before its group is checked; answers their pids.
+fn kill_group(group: i32) -> Vec<i32> {
+    use rustix::process::{pidfd_open, pidfd_send_signal, PidfdFlags};
     let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
     all.flatten()
-        .filter(|p| {
-            p.cmdline().is_ok_and(|argv| match argv.as_slice() {
-                [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
-                    let reply = Path::new(reply);
-                    reply
-                        .file_name()
-                        .is_some_and(|n| n.to_string_lossy().starts_with(".crab-"))
-                        && reply.parent().and_then(|d| d.canonicalize().ok()).as_deref() == Some(&*bundle)
-                }
-                _ => false,
-            })
+        .filter(|p| p.stat().is_ok_and(|s| s.pgrp == group))
+        .filter_map(|p| {
+            let pid = rustix::process::Pid::from_raw(p.pid)?;
+            let fd = pidfd_open(pid, PidfdFlags::empty()).ok()?;
+            // The pidfd names this process for good: check it again.
+            let still = procfs::process::Process::new(p.pid)
+                .and_then(|p| p.stat())
+                .is_ok_and(|s| s.pgrp == group);
+            (still && pidfd_send_signal(&fd, rustix::process::Signal::KILL).is_ok()).then_some(p.pid)
         })
-        .map(|p| p.pid)
         .collect()
 }
 
@@ -650,32 +717,69 @@ mod tests {
         (child, pidfile, length)
     }
 
+    /// A process of its own group that sleeps, with `env`, run from `cwd`
+    /// as `sh runtime ARGS…` when `args` is given.
+    fn sleeper(cwd: &Path, args: Option<&[&str]>, env: Option<(&str, String)>) -> Child {
+        let mut cmd = match args {
+            Some(args) => {
+                std::fs::write(cwd.join(SUBCOMMAND), "sleep 1000\n").unwrap();
+                let mut cmd = Command::new("sh");
+                cmd.arg(SUBCOMMAND).args(args);
+                cmd
+            }
+            None => {
+                let mut cmd = Command::new("sleep");
+                cmd.arg("1000");
+                cmd
+            }
+        };
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        cmd.current_dir(cwd).process_group(0).spawn().unwrap()
+    }
+
     #[tokio::test]
     async fn a_dead_shims_helpers_are_killed_with_their_groups_and_no_other() {
         let dir = tempfile::tempdir().unwrap();
-        let [mine, theirs, bundle, other] = ["mine", "theirs", "bundle", "other"].map(|d| {
-            let path = dir.path().join(d);
-            std::fs::create_dir(&path).unwrap();
-            path
-        });
+        let [mine, theirs, bundle, other, forger] =
+            ["mine", "theirs", "bundle", "other", "forger"].map(|d| {
+                let path = dir.path().join(d);
+                std::fs::create_dir(&path).unwrap();
+                path
+            });
         let (mut helper, pidfile, length) = orphan(&mine, &bundle);
         let (mut unrelated, other_pidfile, _) = orphan(&theirs, &other);
-        // Once each has started what it starts.
+        // A CRIU whose helper is gone, known by its helper's configuration.
+        let conf = bundle.join(CRIU_CONF).display().to_string();
+        let mut criu = sleeper(&forger, None, Some(("CRIU_CONFIG_FILE", conf)));
+        // A process that names a reply file relative to where the cleanup
+        // runs (the bundle): no helper's.
+        let mut forged = sleeper(&bundle, Some(&["--reply", "./.crab-x.reply"]), None);
+        // Once each helper has started what it starts.
         let (p1, p2) = (pidfile.clone(), other_pidfile.clone());
         tokio::task::spawn_blocking(move || (grandchild(&p1), grandchild(&p2)))
             .await
             .unwrap();
 
-        assert_eq!(kill_orphaned_helpers(&bundle).await, 1);
+        // The helper, its sleep, and the CRIU.
+        assert_eq!(kill_orphaned_helpers(&bundle).await, 3);
         assert_eq!(helper.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(criu.wait().unwrap().signal(), Some(libc::SIGKILL));
         assert!(no_sleep_left(&length), "what the helper started went with it");
         assert!(
             unrelated.try_wait().unwrap().is_none(),
             "another bundle's helper runs on"
         );
+        assert!(
+            forged.try_wait().unwrap().is_none(),
+            "a relative reply path is no helper's"
+        );
 
-        let _ = killpg(Pid::from_raw(unrelated.id() as i32), Signal::SIGKILL);
-        let _ = unrelated.wait();
+        for mut child in [unrelated, forged] {
+            let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+            let _ = child.wait();
+        }
     }
 
     #[tokio::test]
