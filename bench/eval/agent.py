@@ -9,8 +9,11 @@ until the LLM says it is done; then it marks the end and waits.
 
 Each request names the agent and its turn, built the same way every time:
 an agent restored mid-request asks the same turn again byte for byte, so
-the proxy can answer it from the sandbox's transcript. A failed request is
-asked again, as an SDK retries (a proxy that is restoring refuses it).
+the proxy can answer it from the sandbox's transcript. Its header
+`x-crab-eval-sent-us` says when it was sent (wall clock): a request its
+driver sees after killing the sandbox was sent by the agent it killed if
+it was sent before. A failed request is asked again, as an SDK retries (a
+proxy that is restoring refuses it).
 
 Environment: CRAB_AGENT_KEY (its name to the LLM), CRAB_AGENT_CWD (where
 commands run), CRAB_AGENT_LIMIT (seconds a command may take),
@@ -42,9 +45,11 @@ def ask(turn, statuses):
         sort_keys=True,
     ).encode()
     while True:
-        request = urllib.request.Request(
-            URL, data=body, headers={"content-type": "application/json"}
-        )
+        headers = {
+            "content-type": "application/json",
+            "x-crab-eval-sent-us": str(time.time_ns() // 1000),
+        }
+        request = urllib.request.Request(URL, data=body, headers=headers)
         try:
             with OPENER.open(request, timeout=900) as response:
                 answer = json.load(response)

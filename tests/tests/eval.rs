@@ -18,9 +18,10 @@ fn policy<'a>(report: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {name} in {report:#}"))
 }
 
-/// Runs `crab-bench eval` on the two terminal tasks with `policies` (and
-/// `extra` options) into `out`; answers its report.json.
-fn tiny_eval(out: &std::path::Path, policies: &str, extra: &[&str]) -> Value {
+/// Runs `crab-bench eval` on the two terminal tasks with `policies`, the
+/// crashes placed by `seed` (and `extra` options), into `out`; answers its
+/// report.json.
+fn tiny_eval(out: &std::path::Path, policies: &str, seed: &str, extra: &[&str]) -> Value {
     let bench = crab_tests::bin_dir().join("crab-bench");
     let run = std::process::Command::new(&bench)
         .args(["eval", "--swe", "0", "--terminal-tasks", "kv-server,python-repl"])
@@ -32,7 +33,7 @@ fn tiny_eval(out: &std::path::Path, policies: &str, extra: &[&str]) -> Value {
             "--parallel",
             "2",
             "--seed",
-            "3",
+            seed,
         ])
         .args(extra)
         .arg("--out")
@@ -53,7 +54,7 @@ fn tiny_eval(out: &std::path::Path, policies: &str, extra: &[&str]) -> Value {
 #[test]
 fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
     let out = tempfile::tempdir().expect("a report directory");
-    let report = tiny_eval(out.path(), "crab,crab-broken", &[]);
+    let report = tiny_eval(out.path(), "crab,crab-broken", "3", &[]);
 
     let crab = policy(&report, "crab");
     assert_eq!(
@@ -114,7 +115,9 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
 #[test]
 fn an_agent_inside_is_recovered_with_its_sandbox_and_chat_only_is_not() {
     let out = tempfile::tempdir().expect("a report directory");
-    let report = tiny_eval(out.path(), "crab,chat-only", &["--agent-inside"]);
+    // Seed 0: kv-server crashes in step 1's LLM wait, python-repl in step
+    // 3's command.
+    let report = tiny_eval(out.path(), "crab,chat-only", "0", &["--agent-inside"]);
 
     let crab = policy(&report, "crab");
     assert_eq!(
@@ -122,12 +125,16 @@ fn an_agent_inside_is_recovered_with_its_sandbox_and_chat_only_is_not() {
         (Some(2), Some(2)),
         "{crab:#}"
     );
+    let mut phases: Vec<&str> = Vec::new();
     for task in crab["tasks"].as_array().unwrap() {
         assert!(
             task["version"].as_u64().is_some(),
             "crab restored a version: {task:#}"
         );
+        phases.extend(task["crash"]["phase"].as_str());
     }
+    phases.sort_unstable();
+    assert_eq!(phases, ["command", "llm-wait"], "{crab:#}");
     let chat = policy(&report, "chat-only");
     assert_eq!(
         (chat["correct"].as_u64(), chat["crashed"].as_u64()),

@@ -89,6 +89,7 @@ fn task_events() {
     // Events reach the stream in their own time: every one expected has
     // come once the last container's delete and the OOM exit have.
     stream.wait_for("last", "/tasks/delete");
+    stream.wait_for("oom", "/tasks/oom");
     stream.wait_for("oom", "/tasks/exit");
     stream.wait_for("ev", "/tasks/delete");
 

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -16,6 +17,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
+
+/// The header that says when an agent sent its request (µs since the epoch).
+const SENT_HEADER: &str = "x-crab-eval-sent-us";
+
+/// The largest request body an agent sends.
+const MAX_BODY: usize = 1 << 20;
 
 /// The agent's program, put in every sandbox at `/opt/crab-agent`.
 const AGENT_PY: &str = include_str!("../../eval/agent.py");
@@ -27,6 +34,8 @@ pub struct Ask {
     pub turn: u64,
     /// Exit statuses of the step's commands, in order.
     pub statuses: Vec<i32>,
+    /// When the agent sent it (its wall clock, the host's).
+    pub sent: SystemTime,
     answer: oneshot::Sender<String>,
 }
 
@@ -113,7 +122,7 @@ fn parse(body: &[u8]) -> Option<(String, u64, Vec<i32>)> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let said: serde_json::Value = serde_json::from_str(v["messages"][0]["content"].as_str()?).ok()?;
     let key = said["agent"].as_str()?.to_owned();
-    let turn = said["turn"].as_u64()?;
+    let turn = said["turn"].as_u64().filter(|&t| t >= 1)?;
     let statuses = said["statuses"]
         .as_array()?
         .iter()
@@ -136,13 +145,17 @@ async fn answer(
     if req.method() != http::Method::POST {
         return Ok(reply(200, r#"{"data":[]}"#.to_owned()));
     }
-    let body = req
-        .into_body()
+    let sent = req
+        .headers()
+        .get(SENT_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us));
+    let body = http_body_util::Limited::new(req.into_body(), MAX_BODY)
         .collect()
         .await
         .map(|c| c.to_bytes())
         .unwrap_or_default();
-    let Some((key, turn, statuses)) = parse(&body) else {
+    let (Some((key, turn, statuses)), Some(sent)) = (parse(&body), sent) else {
         return Ok(reply(
             400,
             r#"{"error":"not an eval agent's request"}"#.to_owned(),
@@ -154,6 +167,7 @@ async fn answer(
         d.send(Ask {
             turn,
             statuses,
+            sent,
             answer: tx,
         })
         .is_ok()
@@ -180,6 +194,8 @@ mod tests {
             format!(r#"{{"messages": [{{"content": "{said}", "role": "user"}}], "model": "crab-eval"}}"#);
         assert_eq!(parse(body.as_bytes()), Some(("kv.crab".into(), 3, vec![0, 2])));
         assert_eq!(parse(br#"{"messages":[{"content":"hello"}]}"#), None);
+        let turn0 = body.replace(r#"\"turn\": 3"#, r#"\"turn\": 0"#);
+        assert_eq!(parse(turn0.as_bytes()), None, "turns count from 1");
         assert_eq!(parse(b"not json"), None);
     }
 }

@@ -72,7 +72,9 @@ pub fn start(
             ]) {
                 args.extend(["--env".to_owned(), var]);
             }
-            vec!["python3".into(), format!("{AGENT_DIR}/agent.py")]
+            // Isolated: the testbed's modules on PYTHONPATH never shadow
+            // the agent's (its commands keep the environment).
+            vec!["python3".into(), "-I".into(), format!("{AGENT_DIR}/agent.py")]
         }
     };
     args.extend([reference.to_owned(), id.to_owned()]);
@@ -160,8 +162,18 @@ pub fn exec(
 
 /// SIGKILL to sandbox `id`'s init, from the host: the crash.
 pub fn kill_init(ctd: &Containerd, id: &str) -> anyhow::Result<i32> {
-    let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
-        .with_context(|| format!("kill {pid}"))?;
+    let pid = init_pid(ctd, id)?;
+    kill(pid)?;
     Ok(pid)
+}
+
+/// The host pid of sandbox `id`'s init.
+pub fn init_pid(ctd: &Containerd, id: &str) -> anyhow::Result<i32> {
+    ctd.task_pid(id).with_context(|| format!("{id} has no task"))
+}
+
+/// SIGKILL to process `pid` (a sandbox's init): the crash, at once.
+pub fn kill(pid: i32) -> anyhow::Result<()> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+        .with_context(|| format!("kill {pid}"))
 }

@@ -10,7 +10,7 @@
 //! restored agent asking a turn again) never reaches the driver.
 
 use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -39,14 +39,6 @@ struct Pending {
     seen: isize,
 }
 
-/// Where a fresh agent starts (chat-only, chat+fs), and the steps whose
-/// answers the conversation already has (answered without thinking).
-#[derive(Default)]
-struct Resume {
-    at: Option<usize>,
-    known: isize,
-}
-
 impl Agent<'_> {
     /// The task with its agent inside the sandbox, until the agent is told
     /// it is done and its end state is captured.
@@ -56,13 +48,17 @@ impl Agent<'_> {
         let fault = self.setup.fault.filter(|_| policy.crashes());
         let mut crashed = false;
         let mut pending: Option<Pending> = None;
-        let mut resume = Resume { at: None, known: -1 };
+        // Where a fresh agent starts (chat-only, chat+fs, restart).
+        let mut resume: Option<usize> = None;
+        // When the sandbox was last killed: what its agent sent before
+        // is not the restored agent's.
+        let mut killed: Option<SystemTime> = None;
         // The step whose commands the agent runs now, and since when.
         let mut running: Option<(usize, f64)> = None;
         // The last step whose statuses were counted.
         let mut counted: isize = -1;
         loop {
-            let ask = self.next_ask(asks)?;
+            let ask = self.next_ask(asks, killed)?;
             let done = ask.turn as isize - 2;
             if done >= steps as isize {
                 bail!("the agent asked turn {}, past the task's end", ask.turn);
@@ -105,8 +101,10 @@ impl Agent<'_> {
             let due = fault.filter(|f| !crashed && f.step as isize == done && f.phase != Phase::Command);
             if let Some(f) = due {
                 let begun = self.now();
+                let init = sandbox::init_pid(self.setup.ctd, &self.id)?;
                 std::thread::sleep(f.after);
-                sandbox::kill_init(self.setup.ctd, &self.id)?;
+                sandbox::kill(init)?;
+                killed = Some(SystemTime::now());
                 drop(ask);
                 self.event(EventKind::Turn(f.step), begun);
                 crashed = true;
@@ -115,7 +113,7 @@ impl Agent<'_> {
             }
             // A fresh agent's first request: it goes on where the policy says.
             let next = match ask.turn {
-                1 => resume.at.take().unwrap_or(0),
+                1 => resume.take().unwrap_or(0),
                 _ => (done + 1) as usize,
             };
             if next == steps {
@@ -123,7 +121,7 @@ impl Agent<'_> {
                 break;
             }
             let begun = self.now();
-            if done >= 0 && done > resume.known {
+            if done >= 0 {
                 std::thread::sleep(self.task.steps[done as usize].think);
             }
             let turn = ask.turn;
@@ -136,6 +134,7 @@ impl Agent<'_> {
             running = Some((next, self.now()));
             let due = fault.filter(|f| !crashed && f.step == next && f.phase == Phase::Command);
             if let Some(f) = due {
+                let init = sandbox::init_pid(self.setup.ctd, &self.id)?;
                 // Into the commands: once the agent has its answer (the
                 // proxy may hold it), which its turn's record says.
                 crab_tests::wait_until(RECOVERY_LIMIT.as_secs(), || {
@@ -143,7 +142,8 @@ impl Agent<'_> {
                 })
                 .context("the agent's answer was never recorded")?;
                 std::thread::sleep(f.after);
-                sandbox::kill_init(self.setup.ctd, &self.id)?;
+                sandbox::kill(init)?;
+                killed = Some(SystemTime::now());
                 crashed = true;
                 pending = Some(self.recover_inside(f, &mut resume)?);
             }
@@ -155,21 +155,38 @@ impl Agent<'_> {
         Ok(())
     }
 
-    /// How many times turn `turn` of the sandbox was answered, by its
-    /// transcript (a turn's record is written once its answer is sent).
+    /// How many times the agent's turn `turn` was answered, by the
+    /// sandbox's transcript (a turn's record is written once its answer is
+    /// sent). The agent's turn is the one its request names: the proxy
+    /// counts a retry as a turn of its own.
     fn answered(&self, turn: u64) -> usize {
         let path = self.setup.transcripts.join(format!("{}.jsonl", self.id));
         crate::observe::turn_records(&path)
             .iter()
-            .filter(|r| r["turn"].as_u64() == Some(turn))
+            .filter(|r| agents_turn(r) == Some(turn))
             .count()
     }
 
-    /// The agent's next request, within the time its step may take.
-    fn next_ask(&self, asks: &Receiver<Ask>) -> anyhow::Result<Ask> {
-        let limit = COMMAND_LIMIT * 4 + RECOVERY_LIMIT;
-        asks.recv_timeout(limit)
-            .with_context(|| format!("the agent asked nothing for {limit:?}"))
+    /// The agent's next request, within the time a step of the task may
+    /// take; a request sent before the sandbox was `killed` is its dead
+    /// agent's, and dropped.
+    fn next_ask(&self, asks: &Receiver<Ask>, killed: Option<SystemTime>) -> anyhow::Result<Ask> {
+        let most = self
+            .task
+            .steps
+            .iter()
+            .map(|s| s.commands.len())
+            .max()
+            .unwrap_or(0) as u32;
+        let limit = COMMAND_LIMIT * (most + 1) + RECOVERY_LIMIT;
+        loop {
+            let ask = asks
+                .recv_timeout(limit)
+                .with_context(|| format!("the agent asked nothing for {limit:?}"))?;
+            if killed.is_none_or(|k| ask.sent > k) {
+                return Ok(ask);
+            }
+        }
     }
 
     /// Counts the commands of step `step` that exited non-zero.
@@ -189,7 +206,7 @@ impl Agent<'_> {
     /// After the kill of `fault`: crabd's recovery (the agent goes on by
     /// itself), or a fresh sandbox whose new agent starts where the policy
     /// says (`resume`).
-    fn recover_inside(&mut self, fault: Fault, resume: &mut Resume) -> anyhow::Result<Pending> {
+    fn recover_inside(&mut self, fault: Fault, resume: &mut Option<usize>) -> anyhow::Result<Pending> {
         let killed = self.now();
         let killed_at = Instant::now();
         let seen = fault.agent_at();
@@ -207,16 +224,9 @@ impl Agent<'_> {
             }
             Recovery::Fresh(fresh) => {
                 let at = self.fresh_sandbox(fresh, seen)?;
-                // The new agent is told the conversation up to `seen`: it
-                // goes on after the state the policy claims, and what it
-                // asks up to `seen` is answered without thinking.
-                *resume = Resume {
-                    at: Some((at + 1) as usize),
-                    known: match fresh {
-                        Fresh::FromScratch => -1,
-                        Fresh::Nothing | Fresh::Files => seen,
-                    },
-                };
+                // The new agent is told the conversation so far: it goes
+                // on after the state the policy claims.
+                *resume = Some((at + 1) as usize);
                 Pending {
                     killed,
                     took: killed_at.elapsed(),
@@ -242,5 +252,27 @@ impl Agent<'_> {
             (real_dir && std::fs::symlink_metadata(tmp.join("crab-agent.done")).is_ok()).then_some(())
         })
         .context("the agent never marked its end")
+    }
+}
+
+/// The turn an agent's request names, from its transcript record.
+fn agents_turn(record: &serde_json::Value) -> Option<u64> {
+    let body: serde_json::Value = serde_json::from_str(record["request"]["body"]["text"].as_str()?).ok()?;
+    let said: serde_json::Value = serde_json::from_str(body["messages"][0]["content"].as_str()?).ok()?;
+    said["turn"].as_u64()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn a_records_turn_is_the_one_the_agents_request_names() {
+        let said = json!({"agent": "a", "turn": 4, "statuses": [0]}).to_string();
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": said}]}).to_string();
+        // The proxy numbered it 5 (a retry came before).
+        let record = json!({"kind": "turn", "turn": 5, "request": {"body": {"text": body}}});
+        assert_eq!(super::agents_turn(&record), Some(4));
+        assert_eq!(super::agents_turn(&json!({"kind": "turn", "turn": 5})), None);
     }
 }
