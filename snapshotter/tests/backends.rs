@@ -218,6 +218,51 @@ fn overlay_copy_shares_untouched_files() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A rollback gives a file that was only changed since the snapshot its
+/// content, holes and mode back in its own inode: a process restored with
+/// the snapshot knows its files by inode number (SQLite refuses to write
+/// to a database whose path names another inode than the one it opened).
+/// A file the sandbox replaced comes back whole too.
+#[test]
+fn an_overlay_rollback_keeps_the_inode_of_a_changed_file() {
+    use std::os::unix::fs::MetadataExt;
+    let root = PathBuf::from(format!("/tmp/{}", unique("crabino")));
+    let upper = root.join("upper");
+    std::fs::create_dir_all(&upper).unwrap();
+    let db = upper.join("app.db");
+    let file = std::fs::File::create(&db).unwrap();
+    file.set_len(64 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, b"page one", 4096).unwrap();
+    drop(file);
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::fs::write(upper.join("replaced"), "first").unwrap();
+    let b = OverlayCopyBackend::new(&upper, &root.join("store"));
+    b.snapshot(&name("s1")).unwrap();
+    let ino = std::fs::metadata(&db).unwrap().ino();
+    let before = digest(&upper);
+
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&db)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"a new row"))
+        .unwrap();
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::remove_file(upper.join("replaced")).unwrap();
+    std::fs::write(upper.join("replaced"), "second, longer").unwrap();
+    b.rollback(&name("s1")).unwrap();
+
+    let md = std::fs::metadata(&db).unwrap();
+    assert_eq!(md.ino(), ino, "the changed file keeps its inode");
+    assert_eq!(md.len(), 64 << 20);
+    assert!(
+        md.blocks() < 1024,
+        "its holes stay holes ({} blocks)",
+        md.blocks()
+    );
+    assert_eq!(digest(&upper), before, "content and modes are the snapshot's");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A rollback cut short (the shim killed halfway through rewriting the
 /// upper) leaves its journal; finishing it makes the upper the snapshot's
 /// whole, and a finished rollback leaves no journal.

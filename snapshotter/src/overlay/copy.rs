@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use walkdir::WalkDir;
 
 use super::index::Index;
-use super::tree::{apply_meta, copy_entry, remove_any, Kind, Meta};
+use super::tree::{apply_meta, copy_entry, remove_any, rewrite_in_place, Kind, Meta};
 use crate::{Error, Result};
 
 /// A previous snapshot to share untouched files with.
@@ -160,8 +160,18 @@ pub fn restore_tree(snap: &Path, live: &Path, index: &Index) -> Result<()> {
                     (Some(h), Some(k)) => h.kind == Kind::File && index.untouched(k, h.ino, h.ctime),
                     _ => false,
                 };
-                if !untouched {
-                    replace_with(&to, |tmp| copy_entry(entry.path(), tmp, &want))?;
+                // A file of one name that the version has too keeps its
+                // inode: the restored processes know it by its number.
+                let in_place = have
+                    .as_ref()
+                    .is_some_and(|h| h.kind == Kind::File && h.nlink == 1 && want.nlink == 1);
+                match (untouched, in_place) {
+                    (true, _) => {}
+                    (false, true) => {
+                        rewrite_in_place(entry.path(), &to)?;
+                        apply_meta(&to, &want)?;
+                    }
+                    (false, false) => replace_with(&to, |tmp| copy_entry(entry.path(), tmp, &want))?,
                 }
                 groups.insert(want.ino, to);
             }

@@ -144,10 +144,7 @@ pub fn copy_entry(src: &Path, dst: &Path, meta: &Meta) -> Result<()> {
 /// the next checkpoint. Only the data extents (`SEEK_DATA`/`SEEK_HOLE`)
 /// are copied; a filesystem that cannot tell gets a plain copy.
 fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
-    use nix::errno::Errno;
-    use nix::unistd::{lseek, Whence};
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let from = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
@@ -159,13 +156,53 @@ fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
             src.display()
         )));
     }
-    let end = md.len() as i64;
     // 0600 until apply_meta sets owner and mode.
     let to = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(dst)?;
+    copy_extents(&from, &to, md.len())?;
+    // The mode as std::fs::copy left it (apply_meta sets it after chown).
+    to.set_permissions(std::fs::Permissions::from_mode(md.permissions().mode() & 0o777))
+}
+
+/// Makes regular file `dst` (one name of its inode) hold what `src`
+/// holds, in place: its inode, and so its number, stays. A process
+/// restored with the version knows its files by inode number (SQLite
+/// refuses to write to a database whose path names another inode than the
+/// one it opened). Holes are kept, as [`copy_entry`] keeps them; the
+/// caller sets the metadata. Not atomic: a rollback's journal redoes it
+/// after a crash.
+pub fn rewrite_in_place(src: &Path, dst: &Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let open = || -> std::io::Result<()> {
+        let from = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(src)?;
+        let md = from.metadata()?;
+        let to = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(dst)?;
+        if !md.is_file() || !to.metadata()?.is_file() {
+            return Err(std::io::Error::other("no longer a regular file"));
+        }
+        to.set_len(0)?;
+        copy_extents(&from, &to, md.len())
+    };
+    open().map_err(Error::io("rewrite", dst))
+}
+
+/// Copies the data extents of `from` (`len` bytes long) into the empty
+/// file `to`, whose length becomes `len`: holes stay holes.
+fn copy_extents(from: &std::fs::File, to: &std::fs::File, len: u64) -> std::io::Result<()> {
+    use nix::errno::Errno;
+    use nix::unistd::{lseek, Whence};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let end = len as i64;
     let mut pos: i64 = 0;
     while pos < end {
         let data = match lseek(from.as_raw_fd(), pos, Whence::SeekData) {
@@ -185,7 +222,7 @@ fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
         let (mut off_in, mut off_out) = (data, data);
         while off_in < hole {
             let want = (hole - off_in) as usize;
-            match nix::fcntl::copy_file_range(&from, Some(&mut off_in), &to, Some(&mut off_out), want) {
+            match nix::fcntl::copy_file_range(from, Some(&mut off_in), to, Some(&mut off_out), want) {
                 // The file shrank meanwhile: what is left is a hole.
                 Ok(0) => break,
                 Ok(_) => {}
@@ -209,9 +246,7 @@ fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
         }
         pos = hole.max(pos + 1);
     }
-    to.set_len(end as u64)?;
-    // The mode as std::fs::copy left it (apply_meta sets it after chown).
-    to.set_permissions(std::fs::Permissions::from_mode(md.permissions().mode() & 0o777))
+    to.set_len(len)
 }
 
 /// Makes a device, fifo or socket node like `meta` at `dst`.
