@@ -275,8 +275,10 @@ impl Inspector {
             .chain(shared)
             .chain(verdict.changed.into_iter().map(|path| Reason::Changed { path }))
             .collect();
+        // Not a warning here: the caller knows whether the turn counts (a
+        // restore's reset discards what the restorer did).
         if class == Class::Full && reasons.iter().any(|r| matches!(r, Reason::Unsure { .. })) {
-            log::warn!(
+            log::debug!(
                 "inspector: sandbox {sandbox} turn {turn} is full: {:?}",
                 reasons[0]
             );
