@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long)]
     pub quick: bool,
     /// SWE tasks, from bench/eval/swe.toml's default set.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     pub swe: usize,
     /// SWE tasks by name (SWE-bench instance ids), instead.
     #[arg(long = "swe-tasks", value_delimiter = ',')]
