@@ -238,6 +238,9 @@ fn an_overlay_rollback_keeps_the_inode_of_a_changed_file() {
     std::fs::write(upper.join("replaced"), "first").unwrap();
     let b = OverlayCopyBackend::new(&upper, &root.join("store"));
     b.snapshot(&name("s1")).unwrap();
+    // Untouched in between: the store shares the file between s1 and s2.
+    std::fs::write(upper.join("other"), "a turn's change").unwrap();
+    b.snapshot(&name("s2")).unwrap();
     let ino = std::fs::metadata(&db).unwrap().ino();
     let before = digest(&upper);
 
@@ -249,7 +252,7 @@ fn an_overlay_rollback_keeps_the_inode_of_a_changed_file() {
     std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::remove_file(upper.join("replaced")).unwrap();
     std::fs::write(upper.join("replaced"), "second, longer").unwrap();
-    b.rollback(&name("s1")).unwrap();
+    b.rollback(&name("s2")).unwrap();
 
     let md = std::fs::metadata(&db).unwrap();
     assert_eq!(md.ino(), ino, "the changed file keeps its inode");

@@ -162,18 +162,58 @@ pub fn exec(
 
 /// SIGKILL to sandbox `id`'s init, from the host: the crash.
 pub fn kill_init(ctd: &Containerd, id: &str) -> anyhow::Result<i32> {
-    let pid = init_pid(ctd, id)?;
-    kill(pid)?;
-    Ok(pid)
+    let init = Init::of(ctd, id)?;
+    init.kill()?;
+    Ok(init.pid)
 }
 
-/// The host pid of sandbox `id`'s init.
-pub fn init_pid(ctd: &Containerd, id: &str) -> anyhow::Result<i32> {
-    ctd.task_pid(id).with_context(|| format!("{id} has no task"))
+/// A sandbox's init, known by its host pid and start time (a pid reused
+/// meanwhile is another process, never signalled).
+pub struct Init {
+    pid: i32,
+    start: u64,
 }
 
-/// SIGKILL to process `pid` (a sandbox's init): the crash, at once.
-pub fn kill(pid: i32) -> anyhow::Result<()> {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
-        .with_context(|| format!("kill {pid}"))
+impl Init {
+    /// Sandbox `id`'s init now.
+    pub fn of(ctd: &Containerd, id: &str) -> anyhow::Result<Init> {
+        let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
+        let start = start_time(pid).with_context(|| format!("{id}'s init {pid} is gone"))?;
+        Ok(Init { pid, start })
+    }
+
+    /// SIGKILL to it, if it is still the one found: the crash.
+    pub fn kill(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            start_time(self.pid) == Some(self.start),
+            "the init {} is gone already",
+            self.pid
+        );
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .with_context(|| format!("kill {}", self.pid))
+    }
+
+    /// Waits (10 s at most) until it has exited. An init exits only after
+    /// every other process of its pid namespace has: nothing of the
+    /// sandbox runs then.
+    pub fn wait_gone(&self) {
+        let gone = || {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next());
+            state.is_none_or(|s| s == "Z" || s == "X") || start_time(self.pid) != Some(self.start)
+        };
+        let _ = crab_tests::wait_until(10, || gone().then_some(()));
+    }
+}
+
+/// The start time (clock ticks after boot) of process `pid`.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 22; the fields after the command's closing parenthesis start at 3.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
 }

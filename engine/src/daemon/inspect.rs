@@ -91,7 +91,8 @@ impl Inspection {
             None => full(sandbox, "no inspector is loaded"),
         };
         if let Some(why) = report.reasons.iter().find(|r| r["kind"] == "unsure") {
-            tracing::warn!(%sandbox, turn = report.turn, reason = %why["why"], "the inspector cannot vouch for the turn: it is full");
+            let why = why["why"].as_str().unwrap_or_default();
+            tracing::warn!(%sandbox, turn = report.turn, reason = why, "the inspector cannot vouch for the turn: it is full");
         }
         let _ = self.reports.send(report.clone());
         report

@@ -26,6 +26,10 @@ pub use crate::io::ChildStdio as Stdio;
 /// CRIU's configuration file in a helper's work directory.
 const CRIU_CONF: &str = ".crab-criu.conf";
 
+/// Names, in a helper's environment (and so in what it starts: CRIU,
+/// `zfs`), its work directory resolved: the mark a cleanup finds them by.
+const HELPER_DIR_ENV: &str = "CRAB_HELPER_DIR";
+
 /// Runs libcontainer operations in helper processes.
 pub struct RuntimeClient {
     exe: PathBuf,
@@ -292,6 +296,9 @@ impl RuntimeClient {
             .arg(serde_json::to_string(&request).expect("a request serializes"))
             .current_dir(work_dir)
             .process_group(0);
+        if let Ok(dir) = work_dir.canonicalize() {
+            cmd.env(HELPER_DIR_ENV, dir);
+        }
         if criu_op {
             self.configure_criu(&mut cmd, work_dir)?;
         }
@@ -420,23 +427,15 @@ impl RuntimeClient {
 /// gave it. Each process is signalled through a pidfd opened before it
 /// is checked, so a pid reused meanwhile is never hit.
 pub async fn kill_orphaned_helpers(bundle: &Path) -> usize {
-    // The bundle as this cleanup was given it, resolved, and as its
-    // environment names it (containerd's path, which a helper's files
-    // carry, may differ from the resolved one).
+    // The bundle as this cleanup was given it and resolved: a helper names
+    // its directory resolved (its marker), its reply file as containerd
+    // spelled the bundle, which may hold a link.
     let mut bundles = vec![bundle.to_owned()];
-    let resolved = bundle.canonicalize().ok();
-    bundles.extend(resolved.clone());
-    if let Some(pwd) = std::env::var_os("PWD").map(PathBuf::from) {
-        if pwd.canonicalize().ok() == resolved {
-            bundles.push(pwd);
-        }
-    }
-    bundles.dedup();
-    let groups = orphaned_groups(&bundles);
+    bundles.extend(bundle.canonicalize().ok().filter(|c| c != bundle));
     let mut killed = Vec::new();
-    for &group in &groups {
+    for (group, identified) in orphaned_groups(&bundles) {
         tracing::warn!(group, "killing a runtime helper's group of the dead shim");
-        killed.extend(kill_group(group));
+        killed.extend(kill_group(group, &identified));
     }
     let deadline = tokio::time::Instant::now() + ORPHAN_WAIT;
     loop {
@@ -465,38 +464,48 @@ fn alive(pid: i32) -> bool {
 }
 
 /// The process groups of the runtime helpers of `bundles` (one bundle,
-/// as given and as resolved): those of helpers, and those of CRIUs whose
-/// helper is gone.
-fn orphaned_groups(bundles: &[PathBuf]) -> Vec<i32> {
+/// as given and as resolved), each with a pidfd of the process that showed
+/// it: a helper (its reply file), or what a helper started (its marker,
+/// or for a helper of an older shim, CRIU's configuration file).
+fn orphaned_groups(bundles: &[PathBuf]) -> Vec<(i32, OwnedFd)> {
+    use rustix::process::{pidfd_open, Pid as RPid, PidfdFlags};
     let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
-    let mut groups: Vec<i32> = all
-        .flatten()
-        .filter_map(|p| {
-            // Cheap tests first: only root's processes can be helpers.
-            let stat = p.stat().ok()?;
-            if stat.state == 'Z' || p.status().ok()?.euid != 0 {
-                return None;
-            }
-            let helper = stat.pgrp == p.pid
-                && p.cmdline().is_ok_and(|argv| match argv.as_slice() {
-                    [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
-                        in_bundle(Path::new(reply), ".crab-", bundles)
-                    }
-                    _ => false,
-                });
-            let criu = || {
-                p.environ().is_ok_and(|env| {
-                    env.get(std::ffi::OsStr::new("CRIU_CONFIG_FILE"))
-                        .is_some_and(|conf| in_bundle(Path::new(conf), CRIU_CONF, bundles))
-                })
-            };
-            (helper || criu()).then_some(stat.pgrp)
-        })
-        .collect();
-    groups.sort_unstable();
-    groups.dedup();
+    let mut groups: Vec<(i32, OwnedFd)> = Vec::new();
+    for p in all.flatten() {
+        // Cheap tests first: only root's processes can be helpers.
+        let Ok(stat) = p.stat() else { continue };
+        if stat.state == 'Z' || groups.iter().any(|(g, _)| *g == stat.pgrp) {
+            continue;
+        }
+        if !p.status().is_ok_and(|s| s.euid == 0) {
+            continue;
+        }
+        // Opened before the process is judged: it names this one for good.
+        let Some(fd) = RPid::from_raw(p.pid).and_then(|pid| pidfd_open(pid, PidfdFlags::empty()).ok()) else {
+            continue;
+        };
+        let helper = stat.pgrp == p.pid
+            && p.cmdline().is_ok_and(|argv| match argv.as_slice() {
+                [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
+                    in_bundle(Path::new(reply), ".crab-", bundles)
+                }
+                _ => false,
+            });
+        let started = || {
+            p.environ().is_ok_and(|env| {
+                env.get(std::ffi::OsStr::new(HELPER_DIR_ENV)).is_some_and(|dir| {
+                    Path::new(dir).is_absolute() && bundles.iter().any(|b| Path::new(dir).starts_with(b))
+                }) || env
+                    .get(std::ffi::OsStr::new("CRIU_CONFIG_FILE"))
+                    .is_some_and(|conf| in_bundle(Path::new(conf), CRIU_CONF, bundles))
+            })
+        };
+        if helper || started() {
+            groups.push((stat.pgrp, fd));
+        }
+    }
     groups
 }
 
@@ -511,24 +520,35 @@ fn in_bundle(path: &Path, prefix: &str, bundles: &[PathBuf]) -> bool {
         && bundles.iter().any(|b| path.starts_with(b))
 }
 
-/// SIGKILLs every member of process group `group`, each through a pidfd
-/// opened before its group is checked; answers their pids.
-fn kill_group(group: i32) -> Vec<i32> {
-    use rustix::process::{pidfd_open, pidfd_send_signal, PidfdFlags};
+/// SIGKILLs every member of process group `group`, which process
+/// `identified` (a pidfd) showed to be a helper's; answers their pids.
+/// Members are gathered through pidfds opened before their group is
+/// checked, and only killed if `identified` still exists then (a group's
+/// number is not given to another while one of its members exists).
+fn kill_group(group: i32, identified: &OwnedFd) -> Vec<i32> {
+    use rustix::process::{pidfd_open, pidfd_send_signal, Pid as RPid, PidfdFlags, Signal as RSignal};
     let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
-    all.flatten()
+    let members: Vec<(i32, OwnedFd)> = all
+        .flatten()
         .filter(|p| p.stat().is_ok_and(|s| s.pgrp == group))
         .filter_map(|p| {
-            let pid = rustix::process::Pid::from_raw(p.pid)?;
-            let fd = pidfd_open(pid, PidfdFlags::empty()).ok()?;
-            // The pidfd names this process for good: check it again.
+            let fd = pidfd_open(RPid::from_raw(p.pid)?, PidfdFlags::empty()).ok()?;
             let still = procfs::process::Process::new(p.pid)
                 .and_then(|p| p.stat())
                 .is_ok_and(|s| s.pgrp == group);
-            (still && pidfd_send_signal(&fd, rustix::process::Signal::KILL).is_ok()).then_some(p.pid)
+            still.then_some((p.pid, fd))
         })
+        .collect();
+    // The one that showed the group, first: if it is gone, so may be the
+    // group, and its number another's.
+    if pidfd_send_signal(identified, RSignal::KILL).is_err() {
+        return Vec::new();
+    }
+    members
+        .into_iter()
+        .filter_map(|(pid, fd)| pidfd_send_signal(&fd, RSignal::KILL).is_ok().then_some(pid))
         .collect()
 }
 
@@ -753,6 +773,14 @@ mod tests {
         // A CRIU whose helper is gone, known by its helper's configuration.
         let conf = bundle.join(CRIU_CONF).display().to_string();
         let mut criu = sleeper(&forger, None, Some(("CRIU_CONFIG_FILE", conf)));
+        // What a helper started (a `zfs`, say), known by the helper's mark.
+        let marked = bundle
+            .canonicalize()
+            .unwrap()
+            .join(".crab-criu")
+            .display()
+            .to_string();
+        let mut started = sleeper(&forger, None, Some((HELPER_DIR_ENV, marked)));
         // A process that names a reply file relative to where the cleanup
         // runs (the bundle): no helper's.
         let mut forged = sleeper(&bundle, Some(&["--reply", "./.crab-x.reply"]), None);
@@ -762,10 +790,11 @@ mod tests {
             .await
             .unwrap();
 
-        // The helper, its sleep, and the CRIU.
-        assert_eq!(kill_orphaned_helpers(&bundle).await, 3);
+        // The helper, its sleep, the CRIU and the marked one.
+        assert_eq!(kill_orphaned_helpers(&bundle).await, 4);
         assert_eq!(helper.wait().unwrap().signal(), Some(libc::SIGKILL));
         assert_eq!(criu.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(started.wait().unwrap().signal(), Some(libc::SIGKILL));
         assert!(no_sleep_left(&length), "what the helper started went with it");
         assert!(
             unrelated.try_wait().unwrap().is_none(),

@@ -102,8 +102,9 @@ pub fn copy_tree(src: &Path, dst: &Path, prev: Option<Previous<'_>>) -> Result<I
 }
 
 /// Makes the tree `live` equal to the snapshot tree `snap`, whose index is
-/// `index`. Entries untouched since the snapshot are left alone; everything
-/// else is replaced (files atomically, by rename).
+/// `index`. Entries untouched since the snapshot are left alone; a file the
+/// snapshot saw, changed since, is rewritten in its own inode; everything
+/// else is replaced (files by rename).
 pub fn restore_tree(snap: &Path, live: &Path, index: &Index) -> Result<()> {
     // 1. Remove what the snapshot does not have, or has as another kind.
     let mut it = WalkDir::new(live)
@@ -160,18 +161,22 @@ pub fn restore_tree(snap: &Path, live: &Path, index: &Index) -> Result<()> {
                     (Some(h), Some(k)) => h.kind == Kind::File && index.untouched(k, h.ino, h.ctime),
                     _ => false,
                 };
-                // A file of one name that the version has too keeps its
-                // inode: the restored processes know it by its number.
-                let in_place = have
-                    .as_ref()
-                    .is_some_and(|h| h.kind == Kind::File && h.nlink == 1 && want.nlink == 1);
-                match (untouched, in_place) {
-                    (true, _) => {}
+                // The very file the version saw, changed since (one name:
+                // phase 1 removed the others), keeps its inode: the
+                // restored processes know it by its number.
+                let same_inode = match (&have, rel.to_str()) {
+                    (Some(h), Some(k)) => h.kind == Kind::File && h.nlink == 1 && index.ino(k) == Some(h.ino),
+                    _ => false,
+                };
+                let rewritten = match (untouched, same_inode) {
+                    (true, _) => true,
                     (false, true) => {
-                        rewrite_in_place(entry.path(), &to)?;
-                        apply_meta(&to, &want)?;
+                        rewrite_in_place(entry.path(), &to, have.as_ref().map_or(0, |h| h.ino), &want)?
                     }
-                    (false, false) => replace_with(&to, |tmp| copy_entry(entry.path(), tmp, &want))?,
+                    (false, false) => false,
+                };
+                if !rewritten {
+                    replace_with(&to, |tmp| copy_entry(entry.path(), tmp, &want))?;
                 }
                 groups.insert(want.ino, to);
             }

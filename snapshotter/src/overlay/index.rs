@@ -50,6 +50,11 @@ impl Index {
         std::fs::write(path, bytes).map_err(Error::io("write", path))
     }
 
+    /// The inode number the live entry at `rel` had when it was saved.
+    pub fn ino(&self, rel: &str) -> Option<u64> {
+        self.entries.get(rel).map(|e| e.0)
+    }
+
     /// Whether the live entry `(ino, ctime)` at `rel` is the one saved.
     pub fn untouched(&self, rel: &str, ino: u64, ctime: (i64, i64)) -> bool {
         self.entries.get(rel) == Some(&(ino, ctime.0, ctime.1))

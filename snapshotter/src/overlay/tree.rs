@@ -167,32 +167,73 @@ fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
     to.set_permissions(std::fs::Permissions::from_mode(md.permissions().mode() & 0o777))
 }
 
-/// Makes regular file `dst` (one name of its inode) hold what `src`
-/// holds, in place: its inode, and so its number, stays. A process
-/// restored with the version knows its files by inode number (SQLite
-/// refuses to write to a database whose path names another inode than the
-/// one it opened). Holes are kept, as [`copy_entry`] keeps them; the
-/// caller sets the metadata. Not atomic: a rollback's journal redoes it
-/// after a crash.
-pub fn rewrite_in_place(src: &Path, dst: &Path) -> Result<()> {
+/// Makes regular file `dst` hold what `src` holds, with `meta`, in place:
+/// its inode, and so its number, stays. A process restored with the
+/// version knows its files by inode number (SQLite refuses to write to a
+/// database whose path names another inode than the one it opened).
+/// Holes are kept, as [`copy_entry`] keeps them. `dst` is opened without
+/// following a link and must still be inode `ino` with one name; answers
+/// false, having written nothing, when it is not (the caller replaces it
+/// instead). Not atomic: a rollback's journal redoes it after a crash.
+pub fn rewrite_in_place(src: &Path, dst: &Path, ino: u64, meta: &Meta) -> Result<bool> {
     use std::os::unix::fs::OpenOptionsExt;
-    let open = || -> std::io::Result<()> {
+    let flags = nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_NOCTTY;
+    let Ok(to) = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(flags)
+        .open(dst)
+    else {
+        return Ok(false);
+    };
+    let Ok(have) = to.metadata() else {
+        return Ok(false);
+    };
+    if !have.is_file() || have.ino() != ino || have.nlink() != 1 {
+        return Ok(false);
+    }
+    let copy = || -> std::io::Result<()> {
         let from = std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .custom_flags(flags)
             .open(src)?;
         let md = from.metadata()?;
-        let to = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-            .open(dst)?;
-        if !md.is_file() || !to.metadata()?.is_file() {
-            return Err(std::io::Error::other("no longer a regular file"));
+        if !md.is_file() {
+            return Err(std::io::Error::other(
+                "the snapshot's entry is no longer a regular file",
+            ));
         }
         to.set_len(0)?;
         copy_extents(&from, &to, md.len())
     };
-    open().map_err(Error::io("rewrite", dst))
+    copy().map_err(Error::io("rewrite", dst))?;
+    apply_meta_fd(&to, dst, meta)?;
+    Ok(true)
+}
+
+/// [`apply_meta`] on the open regular file `file` (named `path` in errors).
+fn apply_meta_fd(file: &std::fs::File, path: &Path, meta: &Meta) -> Result<()> {
+    use nix::sys::stat::{fchmod, futimens};
+    use nix::unistd::fchown;
+    use std::os::fd::AsRawFd;
+    use xattr::FileExt;
+    let fd = file.as_raw_fd();
+    fchown(fd, Some(Uid::from_raw(meta.uid)), Some(Gid::from_raw(meta.gid)))
+        .map_err(|e| Error::io("chown", path)(e.into()))?;
+    // After chown, which clears setuid/setgid bits.
+    fchmod(fd, Mode::from_bits_retain(meta.mode & 0o7777)).map_err(|e| Error::io("chmod", path)(e.into()))?;
+    let have = file.list_xattr().map_err(Error::io("list xattrs of", path))?;
+    for name in have {
+        if !meta.xattrs.iter().any(|(n, _)| *n == name) {
+            file.remove_xattr(&name)
+                .map_err(Error::io("remove xattr of", path))?;
+        }
+    }
+    for (name, value) in &meta.xattrs {
+        file.set_xattr(name, value)
+            .map_err(Error::io("set xattr of", path))?;
+    }
+    let ts = |(s, ns): (i64, i64)| TimeSpec::new(s, ns);
+    futimens(fd, &ts(meta.atime), &ts(meta.mtime)).map_err(|e| Error::io("set times of", path)(e.into()))
 }
 
 /// Copies the data extents of `from` (`len` bytes long) into the empty

@@ -101,9 +101,10 @@ impl Agent<'_> {
             let due = fault.filter(|f| !crashed && f.step as isize == done && f.phase != Phase::Command);
             if let Some(f) = due {
                 let begun = self.now();
-                let init = sandbox::init_pid(self.setup.ctd, &self.id)?;
+                let init = sandbox::Init::of(self.setup.ctd, &self.id)?;
                 std::thread::sleep(f.after);
-                sandbox::kill(init)?;
+                init.kill()?;
+                init.wait_gone();
                 killed = Some(SystemTime::now());
                 drop(ask);
                 self.event(EventKind::Turn(f.step), begun);
@@ -134,7 +135,7 @@ impl Agent<'_> {
             running = Some((next, self.now()));
             let due = fault.filter(|f| !crashed && f.step == next && f.phase == Phase::Command);
             if let Some(f) = due {
-                let init = sandbox::init_pid(self.setup.ctd, &self.id)?;
+                let init = sandbox::Init::of(self.setup.ctd, &self.id)?;
                 // Into the commands: once the agent has its answer (the
                 // proxy may hold it), which its turn's record says.
                 crab_tests::wait_until(RECOVERY_LIMIT.as_secs(), || {
@@ -142,7 +143,8 @@ impl Agent<'_> {
                 })
                 .context("the agent's answer was never recorded")?;
                 std::thread::sleep(f.after);
-                sandbox::kill(init)?;
+                init.kill()?;
+                init.wait_gone();
                 killed = Some(SystemTime::now());
                 crashed = true;
                 pending = Some(self.recover_inside(f, &mut resume)?);
@@ -155,7 +157,7 @@ impl Agent<'_> {
         Ok(())
     }
 
-    /// How many times the agent's turn `turn` was answered, by the
+    /// How many times the agent's turn `turn` was answered whole, by the
     /// sandbox's transcript (a turn's record is written once its answer is
     /// sent). The agent's turn is the one its request names: the proxy
     /// counts a retry as a turn of its own.
@@ -163,7 +165,7 @@ impl Agent<'_> {
         let path = self.setup.transcripts.join(format!("{}.jsonl", self.id));
         crate::observe::turn_records(&path)
             .iter()
-            .filter(|r| agents_turn(r) == Some(turn))
+            .filter(|r| agents_turn(r) == Some(turn) && r["response"]["end"] == "complete")
             .count()
     }
 
