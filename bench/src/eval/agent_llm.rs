@@ -118,7 +118,7 @@ impl AgentLlm {
 }
 
 /// What an agent's request says: its name, turn and statuses.
-fn parse(body: &[u8]) -> Option<(String, u64, Vec<i32>)> {
+pub fn parse(body: &[u8]) -> Option<(String, u64, Vec<i32>)> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let said: serde_json::Value = serde_json::from_str(v["messages"][0]["content"].as_str()?).ok()?;
     let key = said["agent"].as_str()?.to_owned();

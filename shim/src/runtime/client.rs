@@ -420,22 +420,18 @@ impl RuntimeClient {
 /// pid namespace's children, which only CRIU can reap. A killed shim
 /// watches nothing, so its cleanup must stop them before it kills the
 /// container. They are found in `/proc`, so no record of the dead shim's
-/// can be missing: a helper is a root process leading its group whose
-/// command line names a reply file in the bundle (absolute, compared as
-/// written: no path another process chose is resolved); a CRIU whose
-/// helper is already gone is known by the configuration file its helper
-/// gave it. Each process is signalled through a pidfd opened before it
-/// is checked, so a pid reused meanwhile is never hit.
+/// can be missing: every helper, and all it starts (CRIU, `zfs`), carries
+/// its resolved work directory in its environment (`CRAB_HELPER_DIR`),
+/// which lies in the bundle; only root's processes count. Each process is
+/// signalled through a pidfd opened before it is checked, so a pid reused
+/// meanwhile is never hit.
 pub async fn kill_orphaned_helpers(bundle: &Path) -> usize {
-    // The bundle as this cleanup was given it and resolved: a helper names
-    // its directory resolved (its marker), its reply file as containerd
-    // spelled the bundle, which may hold a link.
-    let mut bundles = vec![bundle.to_owned()];
-    bundles.extend(bundle.canonicalize().ok().filter(|c| c != bundle));
     let mut killed = Vec::new();
-    for (group, identified) in orphaned_groups(&bundles) {
-        tracing::warn!(group, "killing a runtime helper's group of the dead shim");
-        killed.extend(kill_group(group, &identified));
+    if let Ok(bundle) = bundle.canonicalize() {
+        for (group, identified) in orphaned_groups(&bundle) {
+            tracing::warn!(group, "killing a runtime helper's group of the dead shim");
+            killed.extend(kill_group(group, &identified));
+        }
     }
     let deadline = tokio::time::Instant::now() + ORPHAN_WAIT;
     loop {
@@ -463,11 +459,10 @@ fn alive(pid: i32) -> bool {
         .is_ok_and(|s| s.state != 'Z')
 }
 
-/// The process groups of the runtime helpers of `bundles` (one bundle,
-/// as given and as resolved), each with a pidfd of the process that showed
-/// it: a helper (its reply file), or what a helper started (its marker,
-/// or for a helper of an older shim, CRIU's configuration file).
-fn orphaned_groups(bundles: &[PathBuf]) -> Vec<(i32, OwnedFd)> {
+/// The process groups of the runtime helpers of the bundle at `bundle`
+/// (resolved), each with a pidfd of a member that bears the helpers' mark
+/// (the helper, or what it started when it is gone).
+fn orphaned_groups(bundle: &Path) -> Vec<(i32, OwnedFd)> {
     use rustix::process::{pidfd_open, Pid as RPid, PidfdFlags};
     let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
@@ -486,38 +481,15 @@ fn orphaned_groups(bundles: &[PathBuf]) -> Vec<(i32, OwnedFd)> {
         let Some(fd) = RPid::from_raw(p.pid).and_then(|pid| pidfd_open(pid, PidfdFlags::empty()).ok()) else {
             continue;
         };
-        let helper = stat.pgrp == p.pid
-            && p.cmdline().is_ok_and(|argv| match argv.as_slice() {
-                [_, sub, flag, reply, ..] if sub == SUBCOMMAND && flag == "--reply" => {
-                    in_bundle(Path::new(reply), ".crab-", bundles)
-                }
-                _ => false,
-            });
-        let started = || {
-            p.environ().is_ok_and(|env| {
-                env.get(std::ffi::OsStr::new(HELPER_DIR_ENV)).is_some_and(|dir| {
-                    Path::new(dir).is_absolute() && bundles.iter().any(|b| Path::new(dir).starts_with(b))
-                }) || env
-                    .get(std::ffi::OsStr::new("CRIU_CONFIG_FILE"))
-                    .is_some_and(|conf| in_bundle(Path::new(conf), CRIU_CONF, bundles))
-            })
-        };
-        if helper || started() {
+        let marked = p.environ().is_ok_and(|env| {
+            env.get(std::ffi::OsStr::new(HELPER_DIR_ENV))
+                .is_some_and(|dir| Path::new(dir).is_absolute() && Path::new(dir).starts_with(bundle))
+        });
+        if marked {
             groups.push((stat.pgrp, fd));
         }
     }
     groups
-}
-
-/// Whether `path` is absolute, lies under one of `bundles` (compared as
-/// written) and its name starts with `prefix`: a file a helper of the
-/// bundle was given (in the bundle or CRIU's work directory there).
-fn in_bundle(path: &Path, prefix: &str, bundles: &[PathBuf]) -> bool {
-    path.is_absolute()
-        && path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
-        && bundles.iter().any(|b| path.starts_with(b))
 }
 
 /// SIGKILLs every member of process group `group`, which process
@@ -656,7 +628,6 @@ impl Launch<'_> {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::ExitStatusExt;
     use std::process::Child;
     use std::time::Instant;
 
@@ -719,96 +690,45 @@ mod tests {
         }
     }
 
-    /// A helper as a shim starts it, for the bundle at `bundle`: its
-    /// command line names a reply file there (`sh` runs the script that
-    /// `stuck_helper` made in `dir` under the name `runtime`).
-    fn orphan(dir: &Path, bundle: &Path) -> (Child, PathBuf, String) {
-        let (script, pidfile, length) = stuck_helper(dir);
-        std::fs::rename(script, dir.join(SUBCOMMAND)).unwrap();
-        let reply = bundle.join(".crab-checkpoint-1-0.reply");
-        let child = Command::new("sh")
-            .current_dir(dir)
-            .arg(SUBCOMMAND)
-            .arg("--reply")
-            .arg(reply)
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        (child, pidfile, length)
-    }
-
-    /// A process of its own group that sleeps, with `env`, run from `cwd`
-    /// as `sh runtime ARGS…` when `args` is given.
-    fn sleeper(cwd: &Path, args: Option<&[&str]>, env: Option<(&str, String)>) -> Child {
-        let mut cmd = match args {
-            Some(args) => {
-                std::fs::write(cwd.join(SUBCOMMAND), "sleep 1000\n").unwrap();
-                let mut cmd = Command::new("sh");
-                cmd.arg(SUBCOMMAND).args(args);
-                cmd
-            }
-            None => {
-                let mut cmd = Command::new("sleep");
-                cmd.arg("1000");
-                cmd
-            }
+    /// A checkpoint helper that the shim started in `bundle` and left
+    /// running (as a killed shim leaves it), once it has started what it
+    /// starts: the pid of that (its sleep), and the sleep's length.
+    async fn left_running(bundle: &Path) -> (i32, String) {
+        let (exe, pidfile, length) = stuck_helper(bundle);
+        let runtime = client(exe, bundle, Duration::from_secs(3600));
+        let (images, opts) = (bundle.join("images"), CheckpointOpts::default());
+        let dump = runtime.checkpoint("c1", bundle, &images, &opts);
+        let started = tokio::task::spawn_blocking(move || grandchild(&pidfile));
+        // The call is dropped; the helper is not stopped by that.
+        let sleep = tokio::select! {
+            _ = dump => panic!("a stuck helper ended"),
+            pid = started => pid.unwrap(),
         };
-        if let Some((k, v)) = env {
-            cmd.env(k, v);
-        }
-        cmd.current_dir(cwd).process_group(0).spawn().unwrap()
+        (sleep, length)
     }
 
     #[tokio::test]
     async fn a_dead_shims_helpers_are_killed_with_their_groups_and_no_other() {
         let dir = tempfile::tempdir().unwrap();
-        let [mine, theirs, bundle, other, forger] =
-            ["mine", "theirs", "bundle", "other", "forger"].map(|d| {
-                let path = dir.path().join(d);
-                std::fs::create_dir(&path).unwrap();
-                path
-            });
-        let (mut helper, pidfile, length) = orphan(&mine, &bundle);
-        let (mut unrelated, other_pidfile, _) = orphan(&theirs, &other);
-        // A CRIU whose helper is gone, known by its helper's configuration.
-        let conf = bundle.join(CRIU_CONF).display().to_string();
-        let mut criu = sleeper(&forger, None, Some(("CRIU_CONFIG_FILE", conf)));
-        // What a helper started (a `zfs`, say), known by the helper's mark.
-        let marked = bundle
-            .canonicalize()
-            .unwrap()
-            .join(".crab-criu")
-            .display()
-            .to_string();
-        let mut started = sleeper(&forger, None, Some((HELPER_DIR_ENV, marked)));
-        // A process that names a reply file relative to where the cleanup
-        // runs (the bundle): no helper's.
-        let mut forged = sleeper(&bundle, Some(&["--reply", "./.crab-x.reply"]), None);
-        // Once each helper has started what it starts.
-        let (p1, p2) = (pidfile.clone(), other_pidfile.clone());
-        tokio::task::spawn_blocking(move || (grandchild(&p1), grandchild(&p2)))
-            .await
-            .unwrap();
+        let [bundle, other] = ["bundle", "other"].map(|d| {
+            let path = dir.path().join(d);
+            std::fs::create_dir(&path).unwrap();
+            path
+        });
+        let (_, length) = left_running(&bundle).await;
+        let (theirs, _) = left_running(&other).await;
 
-        // The helper, its sleep, the CRIU and the marked one.
-        assert_eq!(kill_orphaned_helpers(&bundle).await, 4);
-        assert_eq!(helper.wait().unwrap().signal(), Some(libc::SIGKILL));
-        assert_eq!(criu.wait().unwrap().signal(), Some(libc::SIGKILL));
-        assert_eq!(started.wait().unwrap().signal(), Some(libc::SIGKILL));
+        // The helper and the sleep it started, both marked.
+        assert_eq!(kill_orphaned_helpers(&bundle).await, 2);
         assert!(no_sleep_left(&length), "what the helper started went with it");
-        assert!(
-            unrelated.try_wait().unwrap().is_none(),
-            "another bundle's helper runs on"
-        );
-        assert!(
-            forged.try_wait().unwrap().is_none(),
-            "a relative reply path is no helper's"
-        );
+        let group = procfs::process::Process::new(theirs)
+            .unwrap()
+            .stat()
+            .unwrap()
+            .pgrp;
+        assert!(alive(theirs), "another bundle's helper runs on");
 
-        for mut child in [unrelated, forged] {
-            let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
-            let _ = child.wait();
-        }
+        let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
     }
 
     #[tokio::test]

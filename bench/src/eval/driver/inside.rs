@@ -259,9 +259,8 @@ impl Agent<'_> {
 
 /// The turn an agent's request names, from its transcript record.
 fn agents_turn(record: &serde_json::Value) -> Option<u64> {
-    let body: serde_json::Value = serde_json::from_str(record["request"]["body"]["text"].as_str()?).ok()?;
-    let said: serde_json::Value = serde_json::from_str(body["messages"][0]["content"].as_str()?).ok()?;
-    said["turn"].as_u64()
+    let body = record["request"]["body"]["text"].as_str()?;
+    crate::eval::agent_llm::parse(body.as_bytes()).map(|(_, turn, _)| turn)
 }
 
 #[cfg(test)]
