@@ -32,6 +32,8 @@ base_pkgs=(
   nodejs
   fonts-dejavu-core
   chromium chromium-driver
+  # CRI pods' network (bridge, host-local, loopback)
+  containernetworking-plugins
   # CRIU's build (below)
   make libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev libnl-3-dev
   libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev

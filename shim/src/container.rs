@@ -43,6 +43,10 @@ pub struct Container {
     rootfs: Rootfs,
     /// The task publishing its OOM events; aborted at delete.
     pub oom_task: Option<tokio::task::JoinHandle<()>>,
+    /// Whether Crab keeps this container as a sandbox (its proxy, turns
+    /// and versions): all but a pod's pause container and sidecars
+    /// (`crate::pod`).
+    pub sandbox: bool,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
     /// How the proxy was set up (its variables, which execs get too), to
@@ -88,11 +92,13 @@ pub type ExitReceiver = oneshot::Receiver<Exit>;
 
 impl Container {
     /// Creates the container of `req`: rootfs, stdio, cgroups, init (waiting
-    /// for Start). Nothing is left behind if it fails.
+    /// for Start), and when it is a `sandbox` its LLM proxy. Nothing is left
+    /// behind if it fails.
     pub async fn create(
         req: &CreateTaskRequest,
         runtime: &RuntimeClient,
         proxy: &ProxySetup<'_>,
+        sandbox: bool,
     ) -> Result<(Self, Option<ExitReceiver>)> {
         validate_id(&req.id)?;
         if !req.checkpoint.is_empty() {
@@ -130,6 +136,7 @@ impl Container {
             cgroups_path,
             rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
+            sandbox,
             proxy: None,
             proxy_plan: None,
             pending_restore: spec
@@ -164,7 +171,7 @@ impl Container {
             let root = &crate::config::get().crabd.root;
             crate::grant::take(root, spec.annotations().as_ref(), &c.id, proxy.namespace, images)?;
         }
-        let mut plan = match proxy.config.enabled {
+        let mut plan = match proxy.config.enabled && sandbox {
             true => sandbox_proxy::inject(&bundle, proxy.config)?,
             false => None,
         };

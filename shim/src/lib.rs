@@ -31,6 +31,7 @@ mod logging;
 mod metrics;
 mod netns;
 mod oom;
+mod pod;
 mod process;
 mod recovery;
 mod rootfs;

@@ -24,9 +24,6 @@ use crate::process::timestamp;
 use crate::runtime::RuntimeClient;
 use crate::RUNTIME_NAME;
 
-/// Annotation that groups the containers of one Kubernetes pod in one shim.
-const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
-
 /// Runs the shim personality: parses containerd's flags and serves.
 pub fn shim_main() {
     let config = match Config::load() {
@@ -84,6 +81,8 @@ pub struct TaskService {
     pub containerd: String,
     /// Control sockets (and crabd registrations) of started containers.
     pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
+    /// Which container is each pod's sandbox (CRI pods share one shim).
+    pub pods: crate::pod::Pods,
 }
 
 // === impl Service ===
@@ -102,7 +101,8 @@ impl Shim for Service {
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let grouping = sandbox_group(Path::new("config.json")).unwrap_or_else(|| opts.id.clone());
+        // A pod's containers share one shim (`crate::pod`).
+        let grouping = crate::pod::group(Path::new(".")).unwrap_or_else(|| opts.id.clone());
         let address = spawn(opts, &grouping, Vec::new()).await?;
         write_str_to_file("address", &address).await?;
         Ok(address)
@@ -158,6 +158,7 @@ impl Shim for Service {
             namespace: self.namespace.clone(),
             containerd: self.containerd.clone(),
             controls: tokio::sync::Mutex::new(HashMap::new()),
+            pods: crate::pod::Pods::default(),
         }
     }
 }
@@ -205,16 +206,6 @@ fn runtime_client(exits: Arc<ExitRouter>, namespace: &str) -> RuntimeClient {
         .with_criu(cfg.criu.clone(), cfg.criu_network_lock)
 }
 
-/// The pod id a CRI container's shim is shared under, from its spec.
-fn sandbox_group(spec: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(spec).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    v.get("annotations")?
-        .get(SANDBOX_ID_ANNOTATION)?
-        .as_str()
-        .map(str::to_owned)
-}
-
 // === impl TaskService ===
 
 impl TaskService {
@@ -229,6 +220,31 @@ impl TaskService {
                 kind: "container",
                 id: id.to_owned(),
             })
+    }
+
+    /// Serves the control socket of sandbox `id` and registers it with crabd.
+    pub async fn start_control(
+        &self,
+        container: Arc<tokio::sync::Mutex<Container>>,
+        id: &str,
+        restored: bool,
+    ) {
+        let config = &crate::config::get().crabd;
+        let started = Control::start(
+            container,
+            self.runtime.clone(),
+            self.events.clone(),
+            (&self.namespace, &self.containerd),
+            config,
+            restored,
+        )
+        .await;
+        match started {
+            Ok(control) => {
+                self.controls.lock().await.insert(id.to_owned(), control);
+            }
+            Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "{id}: no control socket"),
+        }
     }
 
     /// Publishes TaskOOM for every OOM kill in `c`'s memory cgroup until it

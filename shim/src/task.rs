@@ -17,7 +17,6 @@ use containerd_shim::protos::types::task::ProcessInfo;
 
 use crate::cgroup;
 use crate::container::{Container, ProxySetup};
-use crate::control::Control;
 use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
@@ -42,7 +41,21 @@ impl Task for TaskService {
             namespace: &self.namespace,
             config: &crate::config::get().shim.proxy,
         };
-        let (mut container, rx) = Container::create(&req, &self.runtime, &proxy).await?;
+        let role = crate::pod::role_of(std::path::Path::new(&req.bundle));
+        let sandbox = self.pods.claim(&role, &req.id);
+        if !sandbox {
+            tracing::info!(
+                "{}: {role:?} of a pod whose sandbox is another container: no proxy, no versions",
+                req.id
+            );
+        }
+        let (mut container, rx) = match Container::create(&req, &self.runtime, &proxy, sandbox).await {
+            Ok(created) => created,
+            Err(e) => {
+                self.pods.release(&req.id);
+                return Err(e.into());
+            }
+        };
         self.watch_oom(&mut container);
         let pid = container.init.pid;
         let container = Arc::new(tokio::sync::Mutex::new(container));
@@ -102,21 +115,10 @@ impl Task for TaskService {
                 )
                 .await;
         } else {
-            let config = &crate::config::get().crabd;
-            match Control::start(
-                container.clone(),
-                self.runtime.clone(),
-                self.events.clone(),
-                (&self.namespace, &self.containerd),
-                config,
-                restored,
-            )
-            .await
-            {
-                Ok(control) => {
-                    self.controls.lock().await.insert(req.id.clone(), control);
-                }
-                Err(e) => tracing::warn!(error = %crab_api::error_chain(&e), "{}: no control socket", req.id),
+            // A pod's pause container and its sidecars are no sandboxes:
+            // no control socket, no registration with crabd.
+            if container.lock().await.sandbox {
+                self.start_control(container.clone(), &req.id, restored).await;
             }
             self.events
                 .publish(
@@ -193,6 +195,7 @@ impl Task for TaskService {
         let (pid, exit) = if req.exec_id.is_empty() {
             c.delete(&self.runtime).await?;
             self.containers.lock().expect("containers lock").remove(&req.id);
+            self.pods.release(&req.id);
             (c.init.pid, c.init.exit())
         } else {
             let p = c.remove_exec(&req.exec_id)?;

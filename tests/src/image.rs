@@ -114,3 +114,34 @@ pub fn devbox_archive() -> &'static PathBuf {
         )
     })
 }
+
+/// The image reference of the pods' sandbox (pause) container.
+pub const PAUSE: &str = "docker.io/crab/pause:test";
+
+/// The pause image: busybox whose command sleeps for ever (containerd's
+/// CRI `sandbox_image`; nothing is pulled), built once.
+pub fn pause_archive() -> &'static PathBuf {
+    static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
+    ARCHIVE.get_or_init(|| {
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            include_str!("../fixtures/mkimage.sh").hash(&mut h);
+            h.finish()
+        };
+        let path = crate::bin_dir().join(format!("crab-test-pause-{hash:016x}.tar"));
+        if !path.exists() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            crate::ok(
+                Command::new(fixtures_dir().join("mkimage.sh"))
+                    .env("MKIMAGE_CMD", r#"["sleep","2147483647"]"#)
+                    .arg(&tmp)
+                    .arg(PAUSE)
+                    .output()
+                    .expect("run mkimage.sh"),
+            );
+            std::fs::rename(&tmp, &path).expect("publish image archive");
+        }
+        path
+    })
+}

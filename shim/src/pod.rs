@@ -1,0 +1,130 @@
+//! Kubernetes pods. containerd's CRI plugin runs all containers of a pod in
+//! one shim (grouped by the pod's id): first the pause container, which
+//! only holds the pod's namespaces, then the app containers, which join
+//! them. A pod is one sandbox: one LLM proxy in the pod's network
+//! namespace, one registration with crabd, turns and versions of the pod's
+//! sandbox container, the first app container. The pause container is no
+//! sandbox, and a later app container (a sidecar) runs as a plain
+//! container, outside the pod's versions.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// The annotation naming the pod a CRI container belongs to.
+pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+
+/// The annotation saying whether a CRI container is the pod's pause
+/// container (`sandbox`) or an app container (`container`).
+const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+
+/// What a container is to its pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Not in a pod (ctr, docker, nerdctl): a sandbox of its own.
+    Alone,
+    /// A pod's pause container: the pod's namespaces and nothing else.
+    Infra,
+    /// An app container of the pod whose id this is.
+    Member(String),
+}
+
+/// The role the annotations of a container's spec give it.
+pub fn role(annotations: &HashMap<String, String>) -> Role {
+    match (
+        annotations.get(CONTAINER_TYPE).map(String::as_str),
+        annotations.get(SANDBOX_ID),
+    ) {
+        (Some("sandbox"), _) => Role::Infra,
+        (Some("container"), Some(pod)) => Role::Member(pod.clone()),
+        _ => Role::Alone,
+    }
+}
+
+/// The role of the container whose bundle is `bundle` (its `config.json`);
+/// a spec that cannot be read is `Alone` (its create then says why).
+pub fn role_of(bundle: &Path) -> Role {
+    let annotations = std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
+        .and_then(|spec| serde_json::from_value(spec.get("annotations")?.clone()).ok())
+        .unwrap_or_default();
+    role(&annotations)
+}
+
+/// The pod id a CRI container's shim is shared under, from its spec.
+pub fn group(bundle: &Path) -> Option<String> {
+    let text = std::fs::read(bundle.join("config.json")).ok()?;
+    let spec: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    spec.get("annotations")?
+        .get(SANDBOX_ID)?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Which app container is each pod's sandbox, for the pods of one shim.
+#[derive(Debug, Default)]
+pub struct Pods(Mutex<HashMap<String, String>>);
+
+impl Pods {
+    /// Whether container `id` of role `role` is a sandbox: every container
+    /// outside pods, and the first app container of each pod (claimed
+    /// here until [`Pods::release`]).
+    pub fn claim(&self, role: &Role, id: &str) -> bool {
+        match role {
+            Role::Alone => true,
+            Role::Infra => false,
+            Role::Member(pod) => {
+                let mut pods = self.0.lock().expect("pods lock");
+                pods.entry(pod.clone()).or_insert_with(|| id.to_owned()) == id
+            }
+        }
+    }
+
+    /// Gives up the pod whose sandbox `id` was (its container is gone, or
+    /// was never made): the pod's next app container becomes its sandbox.
+    pub fn release(&self, id: &str) {
+        self.0
+            .lock()
+            .expect("pods lock")
+            .retain(|_, sandbox| sandbox != id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn annotations(kind: &str, pod: &str) -> HashMap<String, String> {
+        HashMap::from([
+            (CONTAINER_TYPE.to_owned(), kind.to_owned()),
+            (SANDBOX_ID.to_owned(), pod.to_owned()),
+        ])
+    }
+
+    #[test]
+    fn roles_come_from_the_cri_annotations() {
+        assert_eq!(role(&HashMap::new()), Role::Alone);
+        assert_eq!(role(&annotations("sandbox", "p")), Role::Infra);
+        assert_eq!(role(&annotations("container", "p")), Role::Member("p".into()));
+        // An app container without its pod is no member of one.
+        let lone = HashMap::from([(CONTAINER_TYPE.to_owned(), "container".to_owned())]);
+        assert_eq!(role(&lone), Role::Alone);
+    }
+
+    #[test]
+    fn a_pod_has_one_sandbox_until_it_is_released() {
+        let pods = Pods::default();
+        let p = Role::Member("p".into());
+        assert!(!pods.claim(&Role::Infra, "pause"));
+        assert!(pods.claim(&Role::Alone, "other"));
+        assert!(pods.claim(&p, "agent"));
+        assert!(pods.claim(&p, "agent"), "its own claim again");
+        assert!(!pods.claim(&p, "sidecar"));
+        assert!(pods.claim(&Role::Member("q".into()), "agent-q"), "another pod");
+        pods.release("sidecar");
+        assert!(!pods.claim(&p, "sidecar2"), "a sidecar's release frees nothing");
+        pods.release("agent");
+        assert!(pods.claim(&p, "agent2"), "a restarted agent takes the pod");
+    }
+}

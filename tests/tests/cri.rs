@@ -1,0 +1,363 @@
+//! Kubernetes pods on crab: containerd's CRI plugin driven over its socket
+//! as the kubelet drives it (`k8s-cri`'s generated client), with the
+//! runtime handler `crab` from `packaging/containerd/config.toml`, a
+//! bridge network from Debian's CNI plugins and a locally built pause
+//! image (nothing is pulled). Real containerd, CRIU and CNI; needs root:
+//! CI runs it as root.
+
+use std::path::PathBuf;
+
+use crab_tests::image::{fixtures_dir, pause_archive, python_sdk_archive, BUSYBOX, PAUSE, PYTHON_SDK};
+use crab_tests::leftovers::assert_clean;
+use crab_tests::llm::ScriptedLlm;
+use crab_tests::sandbox::{
+    ask, crabctl_ok, listed, try_ask, version_turns, wait_forgotten, wait_registered, STORE,
+};
+use crab_tests::{unique, wait_until, Containerd};
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::{
+    ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec, KeyValue,
+    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
+    Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest,
+};
+use tonic::transport::Channel;
+
+/// The CRI namespace of containerd.
+const K8S: &str = "k8s.io";
+
+/// A containerd with its CRI plugin set up for crab pods, and a client.
+struct Node {
+    ctd: Containerd,
+    rt: tokio::runtime::Runtime,
+    cri: RuntimeServiceClient<Channel>,
+    dir: PathBuf,
+    bridge: String,
+    cgroup_parent: String,
+}
+
+impl Node {
+    fn start(llm: &ScriptedLlm) -> Self {
+        let dir = std::env::temp_dir().join(unique("crab-cri"));
+        let cni = dir.join("cni");
+        std::fs::create_dir_all(&cni).unwrap();
+        // One bridge per run; its name fits IFNAMSIZ.
+        let bridge = format!("crab{}", std::process::id());
+        std::fs::write(
+            cni.join("10-crab.conflist"),
+            serde_json::json!({
+                "cniVersion": "0.4.0",
+                "name": "crab-test",
+                "plugins": [
+                    {"type": "bridge", "bridge": bridge, "isGateway": true,
+                     "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.231.7.0/24"}]],
+                              "dataDir": dir.join("ipam")}},
+                    {"type": "loopback"}
+                ]
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let config = dir.join("crab.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[shim]\nlog_level = \"debug\"\n[shim.proxy]\nopenai_upstream = \"http://127.0.0.1:{}\"\n",
+                llm.port
+            ),
+        )
+        .unwrap();
+        let extra = format!(
+            "  sandbox_image = \"{PAUSE}\"\n  restrict_oom_score_adj = true\n\
+             [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"/usr/lib/cni\"\n  conf_dir = \"{}\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n{}",
+            cni.display(),
+            include_str!("../../packaging/containerd/config.toml")
+                .lines()
+                .filter(|l| !l.starts_with("version"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        ) + "\n[debug]\n  level = \"debug\"\n";
+        let mut ctd = Containerd::start_full(&extra, &[("CRAB_CONFIG", &config.to_string_lossy())]);
+        ctd.namespace = K8S.to_owned();
+        ctd.ctr_ok(&[
+            "image",
+            "import",
+            &crab_tests::image::busybox_archive().to_string_lossy(),
+        ]);
+        ctd.ctr_ok(&["image", "import", &pause_archive().to_string_lossy()]);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let channel = rt
+            .block_on(containerd_client::connect(ctd.address()))
+            .expect("connect to containerd");
+        let cri = RuntimeServiceClient::new(channel);
+        Node {
+            ctd,
+            rt,
+            cri,
+            dir: dir.clone(),
+            bridge,
+            cgroup_parent: unique("crabcri"),
+        }
+    }
+
+    fn pod_config(&self, name: &str) -> PodSandboxConfig {
+        PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: name.to_owned(),
+                uid: unique("uid"),
+                namespace: "default".to_owned(),
+                attempt: 0,
+            }),
+            hostname: name.to_owned(),
+            log_directory: self.dir.join("logs").to_string_lossy().into_owned(),
+            linux: Some(LinuxPodSandboxConfig {
+                cgroup_parent: format!("/{}", self.cgroup_parent),
+                security_context: Some(LinuxSandboxSecurityContext {
+                    namespace_options: Some(namespaces()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn run_pod(&mut self, config: &PodSandboxConfig) -> String {
+        let req = RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: "crab".to_owned(),
+        };
+        self.rt
+            .block_on(self.cri.run_pod_sandbox(req))
+            .expect("RunPodSandbox")
+            .into_inner()
+            .pod_sandbox_id
+    }
+
+    /// Creates and starts container `name` of `pod`: `command` in `image`.
+    fn run_container(
+        &mut self,
+        pod: &str,
+        config: &PodSandboxConfig,
+        name: &str,
+        image: &str,
+        command: &[&str],
+        mounts: Vec<Mount>,
+    ) -> String {
+        let req = CreateContainerRequest {
+            pod_sandbox_id: pod.to_owned(),
+            config: Some(ContainerConfig {
+                metadata: Some(ContainerMetadata {
+                    name: name.to_owned(),
+                    attempt: 0,
+                }),
+                image: Some(ImageSpec {
+                    image: image.to_owned(),
+                    ..Default::default()
+                }),
+                command: command.iter().map(|a| a.to_string()).collect(),
+                mounts,
+                envs: vec![KeyValue {
+                    key: "AGENT".into(),
+                    value: name.into(),
+                }],
+                log_path: format!("{name}.log"),
+                linux: Some(LinuxContainerConfig {
+                    security_context: Some(LinuxContainerSecurityContext {
+                        namespace_options: Some(namespaces()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            sandbox_config: Some(config.clone()),
+        };
+        let id = self
+            .rt
+            .block_on(self.cri.create_container(req))
+            .expect("CreateContainer")
+            .into_inner()
+            .container_id;
+        self.rt
+            .block_on(self.cri.start_container(StartContainerRequest {
+                container_id: id.clone(),
+            }))
+            .expect("StartContainer");
+        id
+    }
+
+    /// `sh -c script` in container `id` through CRI's ExecSync: (exit, stdout).
+    fn exec(&mut self, id: &str, script: &str) -> (i32, String) {
+        let req = ExecSyncRequest {
+            container_id: id.to_owned(),
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            timeout: 30,
+        };
+        let out = self
+            .rt
+            .block_on(self.cri.exec_sync(req))
+            .expect("ExecSync")
+            .into_inner();
+        (out.exit_code, String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn remove_pod(&mut self, pod: &str) {
+        self.rt
+            .block_on(self.cri.stop_pod_sandbox(StopPodSandboxRequest {
+                pod_sandbox_id: pod.to_owned(),
+            }))
+            .expect("StopPodSandbox");
+        self.rt
+            .block_on(self.cri.remove_pod_sandbox(RemovePodSandboxRequest {
+                pod_sandbox_id: pod.to_owned(),
+            }))
+            .expect("RemovePodSandbox");
+    }
+}
+
+/// The kubelet's defaults: the pod's network and IPC, a pid namespace per
+/// container.
+fn namespaces() -> NamespaceOption {
+    NamespaceOption {
+        network: NamespaceMode::Pod.into(),
+        pid: NamespaceMode::Container.into(),
+        ipc: NamespaceMode::Pod.into(),
+        ..Default::default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "delete", &self.bridge])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn env_of(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|b| {
+            b.split(|c| *c == 0)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn has_proxy_vars(pid: i32) -> bool {
+    env_of(pid).iter().any(|v| v.starts_with("OPENAI_BASE_URL="))
+}
+
+/// One turn of an agent in the pod, from container `id`: a chat completion
+/// posted to the pod's proxy on the pod's loopback.
+fn turn_from(node: &mut Node, id: &str) {
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"next"}]}"#;
+    let (code, out) = node.exec(
+        id,
+        &format!(
+            "wget -q -O - --header 'content-type: application/json' --post-data '{body}' \
+             http://127.0.0.1:7878/v1/chat/completions"
+        ),
+    );
+    assert_eq!(code, 0, "the pod's proxy answers {id}: {out}");
+    assert!(out.contains("choices"), "{out}");
+}
+
+#[test]
+fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
+    let llm = ScriptedLlm::start();
+    let mut node = Node::start(&llm);
+    node.ctd
+        .ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    let config = node.pod_config("agent");
+    let pod = node.run_pod(&config);
+    let fixtures = Mount {
+        container_path: "/fixtures".into(),
+        host_path: fixtures_dir().to_string_lossy().into_owned(),
+        readonly: true,
+        ..Default::default()
+    };
+    let agent = node.run_container(
+        &pod,
+        &config,
+        "agent",
+        PYTHON_SDK,
+        &["/opt/crab/sdk-venv/bin/python3", "/fixtures/stateful.py"],
+        vec![fixtures],
+    );
+    let sidecar = node.run_container(&pod, &config, "sidecar", BUSYBOX, &["sleep", "100000"], vec![]);
+    let pid = |node: &Node, id: &str| node.ctd.task_pid(id).expect("the task runs");
+    let agent_pid = pid(&node, &agent);
+    wait_until(20, || try_ask(agent_pid, STORE, "get nothing").ok()).expect("the agent's store answers");
+
+    // The pod is one sandbox: its agent. Neither the pause container nor
+    // the sidecar is one, nor do they get the proxy's variables.
+    wait_registered(&node.ctd, &agent);
+    assert!(
+        listed(&node.ctd, &pod).is_none(),
+        "the pause container is no sandbox"
+    );
+    assert!(listed(&node.ctd, &sidecar).is_none(), "a sidecar is no sandbox");
+    assert!(has_proxy_vars(agent_pid));
+    assert!(!has_proxy_vars(pid(&node, &pod)));
+    assert!(!has_proxy_vars(pid(&node, &sidecar)));
+
+    // One proxy in the pod's network namespace: the agent's turns and any
+    // container's requests through it are the pod's turns.
+    turn_from(&mut node, &agent);
+    turn_from(&mut node, &sidecar);
+    assert_eq!(
+        wait_until(20, || {
+            let turns = version_turns(&node.ctd, &agent);
+            (turns.len() >= 2).then_some(turns)
+        })
+        .unwrap_or_else(|| {
+            let log = std::fs::read_to_string(node.ctd.dir.join("containerd.log")).unwrap_or_default();
+            let bad: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("level=warn") || l.contains("level=error") || l.contains("turn"))
+                .collect();
+            panic!(
+                "versions {}\n{}",
+                crabctl_ok(&node.ctd, &["versions", &agent]),
+                bad.join("\n")
+            )
+        }),
+        vec![1, 2]
+    );
+    assert_eq!(llm.seen().len(), 2, "each turn reached the LLM once");
+
+    // Checkpoint, change files and memory, roll back: the agent comes back
+    // as it was, in the pod's network, and execs run in it again.
+    assert_eq!(ask(agent_pid, STORE, "set k before"), "ok");
+    assert_eq!(node.exec(&agent, "echo one > /data/f").0, 0);
+    let v = crabctl_ok(&node.ctd, &["checkpoint", &agent])["version"]["version"]
+        .as_u64()
+        .expect("a version");
+    assert_eq!(ask(agent_pid, STORE, "set k after"), "ok");
+    assert_eq!(node.exec(&agent, "echo two > /data/f; touch /data/g").0, 0);
+    crabctl_ok(&node.ctd, &["rollback", &agent, &v.to_string()]);
+    let agent_pid = pid(&node, &agent);
+    assert_eq!(ask(agent_pid, STORE, "get k"), "before");
+    assert_eq!(
+        node.exec(&agent, "cat /data/f; ls /data"),
+        (0, "one\nf\n".to_owned())
+    );
+    turn_from(&mut node, &agent);
+    assert_eq!(
+        node.exec(&sidecar, "echo alive").1,
+        "alive\n",
+        "the sidecar runs on"
+    );
+
+    node.remove_pod(&pod);
+    wait_forgotten(&node.ctd, &agent);
+    let scope = node.ctd.scope_of(K8S, &node.cgroup_parent);
+    assert_clean(&scope, &[&pod, &agent, &sidecar]);
+}
