@@ -441,8 +441,18 @@ impl Container {
         })
     }
 
+    /// What CRIU cannot dump, refused before the freeze and CRIU:
+    /// [`Error::SharedPidNs`] when the init is not its pid namespace's, and
+    /// [`Error::IoUring`] when a process of the container holds an io_uring.
+    async fn refuse_undumpable(&self) -> Result<()> {
+        if !is_pid_ns_init(self.init.pid) {
+            return Err(Error::SharedPidNs { id: self.id.clone() });
+        }
+        self.refuse_io_uring().await
+    }
+
     /// [`Error::IoUring`] when a process of the container holds an
-    /// io_uring (CRIU cannot dump one): refused before the freeze and CRIU.
+    /// io_uring (CRIU cannot dump one).
     /// Off the shim's thread (it reads `/proc`, which a stalled process can
     /// hold up), for at most [`URING_SCAN_LIMIT`]; a scan that cannot
     /// finish leaves the verdict to CRIU. A ring made after the scan fails
@@ -594,7 +604,7 @@ impl Container {
                 reason: "no image path".to_owned(),
             });
         }
-        self.refuse_io_uring().await?;
+        self.refuse_undumpable().await?;
         let dumped = runtime
             .checkpoint(&self.id, &self.bundle, &image_path, &opts)
             .await;
@@ -755,3 +765,14 @@ fn report_pipe() -> Result<(OwnedFd, OwnedFd)> {
 
 /// The longest the io_uring scan before a checkpoint may take.
 const URING_SCAN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether `pid` is the init of its pid namespace (the last number of its
+/// `NSpid` is 1). A process that cannot be read counts as one: what CRIU
+/// then meets is its to report.
+fn is_pid_ns_init(pid: i32) -> bool {
+    procfs::process::Process::new(pid)
+        .and_then(|p| p.status())
+        .ok()
+        .and_then(|s| s.nspid)
+        .is_none_or(|ns| ns.last() == Some(&1))
+}

@@ -312,7 +312,9 @@ fn refuse_error(e: Error) -> Response {
         Error::RestoreUndone { .. } => ErrorCode::RestoreUndone,
         Error::BadState { .. } => ErrorCode::NotRunning,
         Error::NoFsBackend { .. } => ErrorCode::NoFsBackend,
-        Error::Unsupported { .. } | Error::IoUring { .. } => ErrorCode::Unsupported,
+        Error::Unsupported { .. } | Error::IoUring { .. } | Error::SharedPidNs { .. } => {
+            ErrorCode::Unsupported
+        }
         Error::Snapshot { .. }
         | Error::Runtime {
             kind: FailureKind::Fs,

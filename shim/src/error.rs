@@ -245,6 +245,18 @@ pub enum Error {
         /// How it holds the ring (`fd N`, `a mapping`).
         held: String,
     },
+    /// The container's init is not the init of its pid namespace (a pod
+    /// sharing one process namespace, or the host's), and CRIU dumps a pid
+    /// namespace only with its init.
+    #[error(
+        "{id}: its processes share a pid namespace whose init is outside the container \
+         (a pod with shareProcessNamespace, or the host's), and CRIU checkpoints a pid namespace \
+         only with its init: give the container a pid namespace of its own (the kubelet's default)"
+    )]
+    SharedPidNs {
+        /// The container.
+        id: String,
+    },
     /// The spec asks for a restore crabd did not grant.
     #[error("{id}: restore refused: {reason}")]
     RestoreNotGranted {
@@ -285,7 +297,9 @@ impl Error {
             | Error::InvalidCheckpointOptions { .. }
             | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
-            Error::NoFsBackend { .. } | Error::IoUring { .. } => ttrpc::Code::FAILED_PRECONDITION,
+            Error::NoFsBackend { .. } | Error::IoUring { .. } | Error::SharedPidNs { .. } => {
+                ttrpc::Code::FAILED_PRECONDITION
+            }
             Error::RestoreNotGranted { .. } => ttrpc::Code::PERMISSION_DENIED,
             Error::Runtime { kind, .. } => match kind {
                 FailureKind::NoSuchContainer => ttrpc::Code::NOT_FOUND,

@@ -11,7 +11,7 @@ use crab_tests::image::{fixtures_dir, pause_archive, python_sdk_archive, BUSYBOX
 use crab_tests::leftovers::assert_clean;
 use crab_tests::llm::ScriptedLlm;
 use crab_tests::sandbox::{
-    ask, crabctl_ok, listed, try_ask, version_turns, wait_forgotten, wait_registered, STORE,
+    ask, crabctl_err, crabctl_ok, listed, try_ask, version_turns, wait_forgotten, wait_registered, STORE,
 };
 use crab_tests::{unique, wait_until, Containerd};
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
@@ -41,8 +41,11 @@ impl Node {
         let dir = std::env::temp_dir().join(unique("crab-cri"));
         let cni = dir.join("cni");
         std::fs::create_dir_all(&cni).unwrap();
-        // One bridge per run; its name fits IFNAMSIZ.
-        let bridge = format!("crab{}", std::process::id());
+        // A bridge and a subnet of this node's own (its name fits IFNAMSIZ).
+        static NODES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = std::process::id() * 4 + NODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let bridge = format!("crab{n}");
+        let subnet = format!("10.231.{}.0/24", n % 250);
         std::fs::write(
             cni.join("10-crab.conflist"),
             serde_json::json!({
@@ -50,7 +53,7 @@ impl Node {
                 "name": "crab-test",
                 "plugins": [
                     {"type": "bridge", "bridge": bridge, "isGateway": true,
-                     "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.231.7.0/24"}]],
+                     "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]],
                               "dataDir": dir.join("ipam")}},
                     {"type": "loopback"}
                 ]
@@ -104,7 +107,9 @@ impl Node {
         }
     }
 
-    fn pod_config(&self, name: &str) -> PodSandboxConfig {
+    /// A pod named `name`; `shared_pid`: its containers share one pid
+    /// namespace (`shareProcessNamespace: true`).
+    fn pod_config(&self, name: &str, shared_pid: bool) -> PodSandboxConfig {
         PodSandboxConfig {
             metadata: Some(PodSandboxMetadata {
                 name: name.to_owned(),
@@ -117,7 +122,7 @@ impl Node {
             linux: Some(LinuxPodSandboxConfig {
                 cgroup_parent: format!("/{}", self.cgroup_parent),
                 security_context: Some(LinuxSandboxSecurityContext {
-                    namespace_options: Some(namespaces()),
+                    namespace_options: Some(namespaces(shared_pid)),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -168,7 +173,11 @@ impl Node {
                 log_path: format!("{name}.log"),
                 linux: Some(LinuxContainerConfig {
                     security_context: Some(LinuxContainerSecurityContext {
-                        namespace_options: Some(namespaces()),
+                        namespace_options: config
+                            .linux
+                            .as_ref()
+                            .and_then(|l| l.security_context.as_ref())
+                            .and_then(|s| s.namespace_options.clone()),
                         ..Default::default()
                     }),
                     ..Default::default()
@@ -220,12 +229,17 @@ impl Node {
     }
 }
 
-/// The kubelet's defaults: the pod's network and IPC, a pid namespace per
-/// container.
-fn namespaces() -> NamespaceOption {
+/// The kubelet's: the pod's network and IPC, a pid namespace per container
+/// unless the pod shares one.
+fn namespaces(shared_pid: bool) -> NamespaceOption {
+    let pid = if shared_pid {
+        NamespaceMode::Pod
+    } else {
+        NamespaceMode::Container
+    };
     NamespaceOption {
         network: NamespaceMode::Pod.into(),
-        pid: NamespaceMode::Container.into(),
+        pid: pid.into(),
         ipc: NamespaceMode::Pod.into(),
         ..Default::default()
     }
@@ -248,6 +262,10 @@ fn env_of(pid: i32) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+fn namespace(pid: i32, ns: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).expect("a namespace")
 }
 
 fn has_proxy_vars(pid: i32) -> bool {
@@ -275,7 +293,7 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     let mut node = Node::start(&llm);
     node.ctd
         .ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
-    let config = node.pod_config("agent");
+    let config = node.pod_config("agent", false);
     let pod = node.run_pod(&config);
     let fixtures = Mount {
         container_path: "/fixtures".into(),
@@ -345,6 +363,14 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     crabctl_ok(&node.ctd, &["rollback", &agent, &v.to_string()]);
     let agent_pid = pid(&node, &agent);
     assert_eq!(ask(agent_pid, STORE, "get k"), "before");
+    let pause_pid = pid(&node, &pod);
+    for ns in ["net", "ipc", "uts"] {
+        assert_eq!(
+            namespace(agent_pid, ns),
+            namespace(pause_pid, ns),
+            "the restored agent is in the pod's {ns} namespace"
+        );
+    }
     assert_eq!(
         node.exec(&agent, "cat /data/f; ls /data"),
         (0, "one\nf\n".to_owned())
@@ -360,4 +386,31 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     wait_forgotten(&node.ctd, &agent);
     let scope = node.ctd.scope_of(K8S, &node.cgroup_parent);
     assert_clean(&scope, &[&pod, &agent, &sidecar]);
+}
+
+/// In a pod that shares one process namespace the pause container is the
+/// namespace's init, and CRIU dumps a pid namespace only with its init: a
+/// checkpoint is refused with the reason and what to do (a sandbox's first
+/// version holds its processes), and the pod runs on, its turns answered.
+#[test]
+fn a_pod_sharing_its_process_namespace_is_refused_a_checkpoint_clearly() {
+    let llm = ScriptedLlm::start();
+    let mut node = Node::start(&llm);
+    let config = node.pod_config("shared", true);
+    let pod = node.run_pod(&config);
+    let agent = node.run_container(&pod, &config, "agent", BUSYBOX, &["sleep", "100000"], vec![]);
+    wait_registered(&node.ctd, &agent);
+    for args in [["checkpoint", "--fs"].as_slice(), &["checkpoint"]] {
+        let e = crabctl_err(&node.ctd, &[args, &[agent.as_str()]].concat());
+        assert!(
+            e.contains("shareProcessNamespace") && e.contains("pid namespace of its own"),
+            "{e}"
+        );
+    }
+    turn_from(&mut node, &agent);
+    assert!(version_turns(&node.ctd, &agent).is_empty());
+    assert_eq!(node.exec(&agent, "echo alive").1, "alive\n");
+    node.remove_pod(&pod);
+    wait_forgotten(&node.ctd, &agent);
+    assert_clean(&node.ctd.scope_of(K8S, &node.cgroup_parent), &[&pod, &agent]);
 }

@@ -91,7 +91,7 @@ impl Container {
             self.rootfs.check_backend(&self.id)?;
         }
         if req.images_dir.is_some() {
-            self.refuse_io_uring().await?;
+            self.refuse_undumpable().await?;
         }
         let t0 = Instant::now();
         self.freeze_for_capture(runtime).await?;

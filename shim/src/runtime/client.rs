@@ -203,15 +203,16 @@ impl RuntimeClient {
     }
 
     /// Points the CRIU that `cmd` will start at a configuration file with
-    /// the network lock method, which rust-criu has no option for (CRIU
-    /// reads `CRIU_CONFIG_FILE` in RPC mode too; the RPC request does not
-    /// override the method). One the shim's environment names wins.
-    fn configure_criu(&self, cmd: &mut Command, work_dir: &Path) -> Result<()> {
+    /// the network lock method and `extra` lines, which rust-criu has no
+    /// options for (CRIU reads `CRIU_CONFIG_FILE` in RPC mode too; the RPC
+    /// request does not override them). One the shim's environment names
+    /// wins.
+    fn configure_criu(&self, cmd: &mut Command, work_dir: &Path, extra: &str) -> Result<()> {
         if std::env::var_os("CRIU_CONFIG_FILE").is_some_and(|f| !f.is_empty()) {
             return Ok(());
         }
         let conf = work_dir.join(CRIU_CONF);
-        let text = format!("network-lock {}\n", self.network_lock.as_str());
+        let text = format!("network-lock {}\n{extra}", self.network_lock.as_str());
         std::fs::write(&conf, text).map_err(Error::io(format!("write {}", conf.display())))?;
         cmd.env("CRIU_CONFIG_FILE", conf);
         Ok(())
@@ -300,7 +301,11 @@ impl RuntimeClient {
             cmd.env(HELPER_DIR_ENV, dir);
         }
         if criu_op {
-            self.configure_criu(&mut cmd, work_dir)?;
+            let extra = match &request.op {
+                Op::Restore(r) => super::criu::join_ns_config(r.bundle.as_deref().unwrap_or(work_dir)),
+                _ => String::new(),
+            };
+            self.configure_criu(&mut cmd, work_dir, &extra)?;
         }
         match stdio {
             Stdio::Fds {

@@ -444,6 +444,43 @@ fn is_bind(m: &Mount) -> bool {
     m.typ().as_deref() == Some("bind") || m.options().iter().flatten().any(|o| o == "bind" || o == "rbind")
 }
 
+/// CRIU configuration lines (`join-ns`) for a restore of the spec in
+/// `bundle`: the IPC and UTS namespaces it joins by path (a pod's, a
+/// `--ipc container:` one), which the restored tree joins again, as runc
+/// has CRIU do; CRIU would make new ones, leaving the pod. (The network
+/// namespace is external instead: [`external_netns`].) A path that could
+/// break a configuration line is left out.
+pub fn join_ns_config(bundle: &Path) -> String {
+    let Ok(spec) = Spec::load(bundle.join("config.json")) else {
+        return String::new();
+    };
+    let namespaces = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().clone())
+        .unwrap_or_default();
+    let mut lines = String::new();
+    for ns in namespaces {
+        let name = match ns.typ() {
+            LinuxNamespaceType::Ipc => "ipc",
+            LinuxNamespaceType::Uts => "uts",
+            _ => continue,
+        };
+        let Some(path) = ns.path().as_ref().and_then(|p| p.to_str()) else {
+            continue;
+        };
+        if path.is_empty()
+            || path
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '"')
+        {
+            continue;
+        }
+        lines.push_str(&format!("join-ns {name}:{path}\n"));
+    }
+    lines
+}
+
 /// The network namespace the spec joins by path, if any.
 fn joined_netns(spec: &Spec) -> Option<PathBuf> {
     spec.linux()
