@@ -733,7 +733,7 @@ fn fork_spec(
     if joined_netns {
         return Err(unforkable(
             source,
-            "it joins a network namespace by path (docker's): the copy would share it",
+            "it joins a network namespace by path (a docker container's, a Kubernetes pod's): the copy would share it",
         ));
     }
     let obj = spec
