@@ -60,6 +60,10 @@ pub struct Registration {
     /// afresh descends from no version, so its next version is whole.
     #[serde(default)]
     pub restored: bool,
+    /// The Kubernetes pod whose sandbox this is (`namespace/name`), when
+    /// containerd's CRI plugin runs it (a pod is one sandbox).
+    #[serde(default)]
+    pub pod: Option<String>,
 }
 
 /// What a turn of a sandbox changed, as the inspector saw it

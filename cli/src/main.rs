@@ -285,6 +285,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                     vec![
                         s.registration.id.to_string(),
                         s.registration.namespace.clone(),
+                        s.registration.pod.clone().unwrap_or_else(|| "-".to_owned()),
                         if s.running { "running" } else { "stopped" }.to_owned(),
                         if s.running {
                             s.registration.pid.to_string()
@@ -300,6 +301,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                     &[
                         "SANDBOX",
                         "NAMESPACE",
+                        "POD",
                         "STATE",
                         "PID",
                         "VERSIONS",

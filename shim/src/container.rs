@@ -47,6 +47,8 @@ pub struct Container {
     /// and versions): all but a pod's pause container and sidecars
     /// (`crate::pod`).
     pub sandbox: bool,
+    /// The Kubernetes pod it is in (`namespace/name`), if CRI runs it.
+    pub pod: Option<String>,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
     /// How the proxy was set up (its variables, which execs get too), to
@@ -137,6 +139,7 @@ impl Container {
             rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
             sandbox,
+            pod: spec.annotations().as_ref().and_then(crate::pod::name),
             proxy: None,
             proxy_plan: None,
             pending_restore: spec

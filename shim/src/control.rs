@@ -63,7 +63,7 @@ impl Control {
         config: &CrabdShimConfig,
         restored: bool,
     ) -> std::io::Result<Control> {
-        let (id, pid, crab_init, fs_backend, proxy, transcript, cgroup, own_snapshots, layer) = {
+        let (id, pid, crab_init, fs_backend, proxy, transcript, cgroup, own_snapshots, layer, pod) = {
             let c = container.lock().await;
             (
                 c.id.clone(),
@@ -75,6 +75,7 @@ impl Control {
                 crate::cgroup::cgroup2_dir(&c.cgroups_path),
                 c.own_snapshot_store(),
                 c.writable_layer(),
+                c.pod.clone(),
             )
         };
         let socket = runtime.root().join(".ctl").join(format!("{id}.sock"));
@@ -127,6 +128,7 @@ impl Control {
                 own_snapshots,
                 layer,
                 restored,
+                pod,
             };
             match register(&client, &reg, config).await {
                 Ok(()) => {

@@ -29,6 +29,27 @@ pub enum Role {
     Member(String),
 }
 
+/// The annotations naming a CRI container's pod.
+const POD_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+const POD_NAME: &str = "io.kubernetes.cri.sandbox-name";
+
+/// The Kubernetes pod (`namespace/name`) the annotations of a container's
+/// spec name, if they name one in Kubernetes' own alphabet (anything else
+/// is no name to show).
+pub fn name(annotations: &HashMap<String, String>) -> Option<String> {
+    let part = |key| {
+        annotations
+            .get(key)
+            .filter(|v: &&String| {
+                (1..=253).contains(&v.len())
+                    && v.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            })
+            .cloned()
+    };
+    Some(format!("{}/{}", part(POD_NAMESPACE)?, part(POD_NAME)?))
+}
+
 /// The role the annotations of a container's spec give it.
 pub fn role(annotations: &HashMap<String, String>) -> Role {
     match (
@@ -110,6 +131,21 @@ mod tests {
         // An app container without its pod is no member of one.
         let lone = HashMap::from([(CONTAINER_TYPE.to_owned(), "container".to_owned())]);
         assert_eq!(role(&lone), Role::Alone);
+    }
+
+    #[test]
+    fn a_pods_name_is_shown_only_in_kubernetes_alphabet() {
+        let named = |ns: &str, name: &str| {
+            HashMap::from([
+                (POD_NAMESPACE.to_owned(), ns.to_owned()),
+                (POD_NAME.to_owned(), name.to_owned()),
+            ])
+        };
+        assert_eq!(name(&named("agents", "run-17.a")), Some("agents/run-17.a".into()));
+        assert_eq!(name(&named("agents", "")), None);
+        assert_eq!(name(&named("agents", "a\u{1b}[2J")), None);
+        assert_eq!(name(&named("../x", "a")), None);
+        assert_eq!(name(&HashMap::new()), None);
     }
 
     #[test]

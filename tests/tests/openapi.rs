@@ -180,6 +180,7 @@ fn registrations() -> Vec<Registration> {
             store: "/var/lib/containerd/io.containerd.snapshotter.v1.btrfs/crab/17".into(),
         }),
         restored: true,
+        pod: Some("agents/run-17".into()),
     };
     let bare = Registration {
         id: id("web-1"),
@@ -195,6 +196,7 @@ fn registrations() -> Vec<Registration> {
         layer: None,
         own_snapshots: None,
         restored: false,
+        pod: None,
     };
     let overlay = Registration {
         id: id("agent.test_2"),

@@ -41,6 +41,7 @@ fn daemon(root: &std::path::Path, running: &[&str]) -> Arc<Daemon> {
                     layer: None,
                     own_snapshots: None,
                     restored: false,
+                    pod: None,
                 },
                 running: true,
                 incarnation: None,
