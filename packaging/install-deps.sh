@@ -34,6 +34,8 @@ base_pkgs=(
   chromium chromium-driver
   # CRI pods' network (bridge, host-local, loopback)
   containernetworking-plugins
+  # an image registry on the loopback (crabctl push/pull's tests)
+  docker-registry
   # CRIU's build (below)
   make libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev libnl-3-dev
   libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
@@ -79,7 +81,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # docker.io's postinst may start services through init scripts; tests start
-# their own daemons, so nothing here needs to stay running.
+# their own daemons, so nothing here needs to stay running. The registry's
+# package would serve every interface on :5000: keep it off.
+if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+  systemctl disable --now docker-registry >/dev/null 2>&1 || true
+fi
 
 # CRIU, pinned: version $CRIU_VERSION from its Debian source package. The
 # upstream tarball Debian ships as criu_<version>.orig.tar.xz is kept in

@@ -16,6 +16,7 @@ use serde::Serialize;
 mod doctor;
 mod progress;
 mod register;
+mod registry;
 mod table;
 mod tree;
 
@@ -177,6 +178,38 @@ enum Command {
         #[arg(long)]
         insecure_unsigned: bool,
     },
+    /// Push a version to an image registry as an OCI artifact, sending only
+    /// what the repository lacks (a loopback registry over HTTP, any other
+    /// over HTTPS; no credentials).
+    Push {
+        /// Container id, or a unique prefix of one.
+        sandbox: SandboxSelector,
+        /// A version number from `crabctl versions`, or `latest`.
+        version: VersionSel,
+        /// Where: `HOST[:PORT]/REPO[:TAG]` (e.g. 127.0.0.1:5000/agents/web:v3).
+        reference: String,
+    },
+    /// Start a sandbox from a version that `crabctl push` put in a registry
+    /// (`HOST[:PORT]/REPO[:TAG]` or `…@sha256:…`); checked as an import.
+    Pull {
+        /// What to pull.
+        reference: String,
+        /// The new sandbox's container id (default: the pushed one's).
+        #[arg(long)]
+        name: Option<SandboxId>,
+        /// containerd namespace (default: crabd's `[crabd] namespace`).
+        #[arg(long)]
+        namespace: Option<String>,
+        /// containerd's socket (default: crabd's `[crabd] containerd`).
+        #[arg(long)]
+        containerd: Option<PathBuf>,
+        /// As `crabctl import --allow-privileged-files`.
+        #[arg(long)]
+        allow_privileged_files: bool,
+        /// As `crabctl import --insecure-unsigned`.
+        #[arg(long)]
+        insecure_unsigned: bool,
+    },
     /// Print the key this host signs its exports with, and the keys whose
     /// exports it imports (a file per key in the directory it names).
     Keys,
@@ -257,6 +290,12 @@ enum RunError {
     /// A runtime registration left the configuration as it was.
     #[error(transparent)]
     Register(#[from] register::RegisterError),
+    /// Not a registry reference.
+    #[error(transparent)]
+    Reference(#[from] registry::InvalidReference),
+    /// A push or a pull failed.
+    #[error(transparent)]
+    Transfer(#[from] registry::TransferError),
     /// A local step failed.
     #[error("cannot {what}")]
     Local {
@@ -663,6 +702,44 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                     file.display(),
                     r.pid,
                     r.total_ms
+                )
+            });
+        }
+        Command::Push {
+            sandbox,
+            version,
+            reference,
+        } => {
+            let reference = registry::Reference::parse(reference)?;
+            let r = registry::push(&crabd, sandbox, *version, &reference).await?;
+            print(cli.json, &r, || {
+                format!(
+                    "pushed {}@{}: {} members, {} bytes; sent {} ({} bytes), the rest was there\n",
+                    r.reference, r.digest, r.members, r.bytes, r.sent, r.sent_bytes
+                )
+            });
+        }
+        Command::Pull {
+            reference,
+            name,
+            namespace,
+            containerd,
+            allow_privileged_files,
+            insecure_unsigned,
+        } => {
+            let reference = registry::Reference::parse(reference)?;
+            let query = ImportQuery {
+                name: name.clone(),
+                namespace: namespace.clone(),
+                containerd: containerd.clone(),
+                allow_privileged_files: *allow_privileged_files,
+                insecure_unsigned: *insecure_unsigned,
+            };
+            let r = registry::pull(&crabd, &reference, &query).await?;
+            print(cli.json, &r, || {
+                format!(
+                    "{} runs from {}@{}: pid {}, {} bytes\n",
+                    r.sandbox.id, r.reference, r.digest, r.sandbox.pid, r.bytes
                 )
             });
         }

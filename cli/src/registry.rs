@@ -1,0 +1,195 @@
+//! `crabctl push` and `crabctl pull`: versions shared through an ordinary
+//! image registry, as OCI artifacts ([`artifact`]), so the hosts of a fleet
+//! share versions through the registry they already run. A push sends only
+//! the members the repository lacks; a pull hands crabd an archive that
+//! its import checks like any other (signature, every member's sha256).
+//!
+//! Everything passes through a private temporary directory (0700, removed
+//! after): the archive, its members, never anywhere else.
+
+mod artifact;
+mod client;
+mod reference;
+
+use std::collections::HashMap;
+
+use crab_api::crabd::{ImportQuery, ImportReport};
+use crab_api::{Crabd, SandboxSelector, VersionSel};
+use serde::Serialize;
+
+pub use client::RegistryError;
+pub use reference::{InvalidReference, Reference};
+
+use client::Registry;
+
+/// Why a push or a pull failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// crabd refused the export or the import.
+    #[error(transparent)]
+    Crabd(#[from] crab_api::ClientError),
+    /// The registry refused, or sent what it should not.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// What the registry holds under the reference is no Crab version.
+    #[error("{reference}: {reason}")]
+    NotAVersion {
+        /// The reference.
+        reference: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A local step failed.
+    #[error("{what}: {source}")]
+    Local {
+        /// The step.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What `crabctl push` did.
+#[derive(Debug, Serialize)]
+pub struct Pushed {
+    /// Where the version is now.
+    pub reference: String,
+    /// Its manifest's digest (`REPO@DIGEST` names exactly this push).
+    pub digest: String,
+    /// Members of its archive, and their bytes.
+    pub members: usize,
+    /// Bytes of all members.
+    pub bytes: u64,
+    /// Members sent (the repository lacked them), and their bytes.
+    pub sent: usize,
+    /// Bytes sent.
+    pub sent_bytes: u64,
+}
+
+/// What `crabctl pull` did.
+#[derive(Debug, Serialize)]
+pub struct Pulled {
+    /// What was pulled.
+    pub reference: String,
+    /// Its manifest's digest.
+    pub digest: String,
+    /// Bytes of its members.
+    pub bytes: u64,
+    /// The sandbox that runs from it.
+    pub sandbox: ImportReport,
+}
+
+/// Exports version `version` of `sandbox` through crabd and pushes it to
+/// `reference` (a tag).
+pub async fn push(
+    crabd: &Crabd,
+    sandbox: &SandboxSelector,
+    version: VersionSel,
+    reference: &Reference,
+) -> Result<Pushed, TransferError> {
+    let reference_tag = match &reference.target {
+        reference::Target::Tag(t) => t.clone(),
+        reference::Target::Digest(_) => {
+            return Err(TransferError::NotAVersion {
+                reference: reference.to_string(),
+                reason: "a push names a tag, not a digest".to_owned(),
+            })
+        }
+    };
+    let registry = Registry::new(reference)?;
+    let dir = private_dir()?;
+    let archive = dir.path().join("export.tar");
+    crabd.export(sandbox, version, &archive, &|_, _| {}).await?;
+    let members_dir = dir.path().join("members");
+    let blobs = tokio::task::spawn_blocking(move || {
+        std::fs::create_dir(&members_dir)?;
+        artifact::split(&archive, &members_dir)
+    })
+    .await
+    .expect("the split does not panic")
+    .map_err(|source| TransferError::Local {
+        what: "split the export into members",
+        source,
+    })?;
+    let mut report = Pushed {
+        reference: reference.to_string(),
+        digest: String::new(),
+        members: blobs.len(),
+        bytes: blobs.iter().map(|b| b.size).sum(),
+        sent: 0,
+        sent_bytes: 0,
+    };
+    let mut sent = std::collections::HashSet::new();
+    for blob in &blobs {
+        if sent.contains(&blob.digest) || registry.has_blob(&blob.digest).await? {
+            continue;
+        }
+        registry.put_blob(&blob.digest, &blob.path, blob.size).await?;
+        sent.insert(blob.digest.clone());
+        report.sent += 1;
+        report.sent_bytes += blob.size;
+    }
+    let annotations = HashMap::from([
+        ("io.crab.sandbox".to_owned(), sandbox.to_string()),
+        ("io.crab.version".to_owned(), version.to_string()),
+    ]);
+    let manifest = artifact::manifest(&blobs, annotations);
+    report.digest = registry
+        .put_manifest(&reference_tag, manifest, artifact::MANIFEST_TYPE)
+        .await?;
+    Ok(report)
+}
+
+/// Pulls the version at `reference` and has crabd start a sandbox from it
+/// (`query`: as `crabctl import`).
+pub async fn pull(
+    crabd: &Crabd,
+    reference: &Reference,
+    query: &ImportQuery,
+) -> Result<Pulled, TransferError> {
+    let registry = Registry::new(reference)?;
+    let (manifest, digest) = registry
+        .get_manifest(reference.target(), artifact::MANIFEST_TYPE)
+        .await?;
+    let members = artifact::members(&manifest).map_err(|reason| TransferError::NotAVersion {
+        reference: reference.to_string(),
+        reason,
+    })?;
+    let dir = private_dir()?;
+    let mut files = Vec::with_capacity(members.len());
+    for (n, m) in members.iter().enumerate() {
+        let file = dir.path().join(format!("member-{n}"));
+        registry.get_blob(&m.digest, m.size, &file).await?;
+        files.push(file);
+    }
+    let archive = dir.path().join("import.tar");
+    let joined = {
+        let (members, archive) = (members.clone(), archive.clone());
+        tokio::task::spawn_blocking(move || artifact::join(&members, &files, &archive))
+            .await
+            .expect("the join does not panic")
+    };
+    joined.map_err(|source| TransferError::Local {
+        what: "write the archive",
+        source,
+    })?;
+    let sandbox = crabd.import(&archive, query, &|_, _| {}).await?;
+    Ok(Pulled {
+        reference: reference.to_string(),
+        digest,
+        bytes: members.iter().map(|m| m.size).sum(),
+        sandbox,
+    })
+}
+
+/// A new directory only root reads, removed when dropped.
+fn private_dir() -> Result<tempfile::TempDir, TransferError> {
+    tempfile::Builder::new()
+        .prefix("crabctl-transfer-")
+        .tempdir()
+        .map_err(|source| TransferError::Local {
+            what: "make a private temporary directory",
+            source,
+        })
+}

@@ -1,0 +1,321 @@
+//! A version's export archive (`crabctl export`) as an OCI artifact. Each
+//! member of the archive is a blob, so a member that did not change since
+//! a version already pushed (the filesystem stream of a turn that only
+//! ran processes, most small CRIU images, the transcript's shared prefix
+//! is not: it is one member) is not sent again; the archive's own manifest
+//! (`crab-export.json`, which names every member's sha256 and which the
+//! exporting host signed) is the artifact's config; the OCI manifest lists
+//! the members in the archive's order, each named by its title.
+//!
+//! Pulling writes the members back into an archive in that order, the
+//! archive's manifest last, and crabd's import checks it as it checks any
+//! archive: a registry can withhold a version, never change one.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Component, Path, PathBuf};
+use std::str::FromStr;
+
+use oci_spec::image::{Descriptor, Digest, ImageManifest, ImageManifestBuilder, MediaType};
+use sha2::{Digest as _, Sha256};
+
+use super::client::hex;
+
+/// The artifact's type.
+pub const ARTIFACT_TYPE: &str = "application/vnd.crab.version.v1";
+/// The config's type: the archive's manifest.
+pub const CONFIG_TYPE: &str = "application/vnd.crab.export.manifest.v1+json";
+/// A member's type.
+pub const MEMBER_TYPE: &str = "application/vnd.crab.export.member.v1";
+/// The OCI manifest's own type.
+pub const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+/// The annotation naming a member.
+const TITLE: &str = "org.opencontainers.image.title";
+/// The archive's manifest, its last member.
+const EXPORT_MANIFEST: &str = "crab-export.json";
+/// The most members an artifact may have.
+const MAX_MEMBERS: usize = 100_000;
+
+/// One member of an archive, in a file of its own.
+#[derive(Debug, Clone)]
+pub struct Blob {
+    /// Its name in the archive.
+    pub name: String,
+    /// `sha256:<hex>` of its content.
+    pub digest: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The file holding it.
+    pub path: PathBuf,
+}
+
+/// Splits the archive `archive` into one file per member in `dir`;
+/// answers the members in the archive's order (its manifest last).
+pub fn split(archive: &Path, dir: &Path) -> io::Result<Vec<Blob>> {
+    let mut tar = tar::Archive::new(File::open(archive)?);
+    let mut blobs = Vec::new();
+    for (n, entry) in tar.entries()?.enumerate() {
+        let mut entry = entry?;
+        if entry.header().entry_type() != tar::EntryType::Regular {
+            continue;
+        }
+        let name = entry.path()?.to_string_lossy().into_owned();
+        let path = dir.join(format!("member-{n}"));
+        let mut out = private_file(&path)?;
+        let (mut hasher, mut size, mut buf) = (Sha256::new(), 0u64, vec![0u8; 1 << 16]);
+        loop {
+            let k = entry.read(&mut buf)?;
+            if k == 0 {
+                break;
+            }
+            hasher.update(&buf[..k]);
+            out.write_all(&buf[..k])?;
+            size += k as u64;
+        }
+        out.sync_all()?;
+        blobs.push(Blob {
+            name,
+            digest: format!("sha256:{}", hex(&hasher.finalize())),
+            size,
+            path,
+        });
+    }
+    match blobs.last() {
+        Some(b) if b.name == EXPORT_MANIFEST => Ok(blobs),
+        _ => Err(io::Error::other(format!(
+            "the export has no {EXPORT_MANIFEST} last"
+        ))),
+    }
+}
+
+/// The OCI manifest of `blobs` (from [`split`]), with `annotations`.
+pub fn manifest(blobs: &[Blob], annotations: HashMap<String, String>) -> Vec<u8> {
+    let (config, members) = blobs.split_last().expect("split answers the archive's manifest");
+    let descriptor = |b: &Blob, media_type: &str, title: bool| {
+        let mut d = Descriptor::new(
+            MediaType::Other(media_type.to_owned()),
+            b.size,
+            Digest::from_str(&b.digest).expect("a sha256 digest this module made"),
+        );
+        if title {
+            d.set_annotations(Some(HashMap::from([(TITLE.to_owned(), b.name.clone())])));
+        }
+        d
+    };
+    let manifest: ImageManifest = ImageManifestBuilder::default()
+        .schema_version(2u32)
+        .media_type(MediaType::ImageManifest)
+        .artifact_type(MediaType::Other(ARTIFACT_TYPE.to_owned()))
+        .config(descriptor(config, CONFIG_TYPE, false))
+        .layers(
+            members
+                .iter()
+                .map(|b| descriptor(b, MEMBER_TYPE, true))
+                .collect::<Vec<_>>(),
+        )
+        .annotations(annotations)
+        .build()
+        .expect("every field of the manifest is set");
+    serde_json::to_vec(&manifest).expect("a manifest serializes")
+}
+
+/// A member an artifact names: its name, digest and size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its name in the archive.
+    pub name: String,
+    /// `sha256:<hex>`.
+    pub digest: String,
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+/// The members the OCI manifest `bytes` names, in the archive's order (its
+/// manifest last), each name one safe relative path, each once.
+pub fn members(bytes: &[u8]) -> Result<Vec<Member>, String> {
+    let manifest: ImageManifest =
+        serde_json::from_slice(bytes).map_err(|e| format!("not an OCI image manifest: {e}"))?;
+    if manifest.config().media_type() != &MediaType::Other(CONFIG_TYPE.to_owned()) {
+        return Err(format!(
+            "not a Crab version (its config is {}, not {CONFIG_TYPE})",
+            manifest.config().media_type()
+        ));
+    }
+    if manifest.layers().len() >= MAX_MEMBERS {
+        return Err(format!(
+            "{} members: more than {MAX_MEMBERS}",
+            manifest.layers().len()
+        ));
+    }
+    let sha256 = |d: &Descriptor| -> Result<String, String> {
+        let digest = d.digest().to_string();
+        let hex = digest.strip_prefix("sha256:").unwrap_or_default();
+        if hex.len() == 64
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            Ok(digest)
+        } else {
+            Err(format!("{digest}: only sha256 digests are read"))
+        }
+    };
+    let mut out = Vec::with_capacity(manifest.layers().len() + 1);
+    let mut seen = std::collections::HashSet::new();
+    for layer in manifest.layers() {
+        if layer.media_type() != &MediaType::Other(MEMBER_TYPE.to_owned()) {
+            return Err(format!(
+                "a member of type {}, not {MEMBER_TYPE}",
+                layer.media_type()
+            ));
+        }
+        let name = layer
+            .annotations()
+            .as_ref()
+            .and_then(|a| a.get(TITLE))
+            .ok_or("a member without a title")?;
+        let safe = Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)))
+            && !name.is_empty()
+            && name != EXPORT_MANIFEST;
+        if !safe || !seen.insert(name.clone()) {
+            return Err(format!("member {name:?}: not one relative path of its own"));
+        }
+        out.push(Member {
+            name: name.clone(),
+            digest: sha256(layer)?,
+            size: layer.size(),
+        });
+    }
+    out.push(Member {
+        name: EXPORT_MANIFEST.to_owned(),
+        digest: sha256(manifest.config())?,
+        size: manifest.config().size(),
+    });
+    Ok(out)
+}
+
+/// Writes the archive of `members`, whose contents are the files `files`
+/// (in the same order), to the new file `to`.
+pub fn join(members: &[Member], files: &[PathBuf], to: &Path) -> io::Result<()> {
+    let mut tar = tar::Builder::new(private_file(to)?);
+    for (m, file) in members.iter().zip(files) {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(m.size);
+        header.set_mode(0o600);
+        header.set_entry_type(tar::EntryType::Regular);
+        tar.append_data(&mut header, &m.name, File::open(file)?)?;
+    }
+    tar.into_inner()?.sync_all()
+}
+
+/// A new file only its owner can read.
+fn private_file(path: &Path) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn archive(dir: &Path, members: &[(&str, &[u8])]) -> PathBuf {
+        let path = dir.join("in.tar");
+        let mut tar = tar::Builder::new(File::create(&path).unwrap());
+        for (name, data) in members {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o600);
+            tar.append_data(&mut h, name, *data).unwrap();
+        }
+        tar.finish().unwrap();
+        path
+    }
+
+    #[test]
+    fn an_archive_goes_through_a_manifest_and_back_member_for_member() {
+        let dir = tempfile::tempdir().unwrap();
+        let input: &[(&str, &[u8])] = &[
+            ("images/pages-1.img", b"pages"),
+            ("fs.stream", b"files"),
+            ("crab-export.sig", b"sig"),
+            ("crab-export.json", b"{}"),
+        ];
+        let path = archive(dir.path(), input);
+        let split_dir = dir.path().join("split");
+        std::fs::create_dir(&split_dir).unwrap();
+        let blobs = split(&path, &split_dir).unwrap();
+        let bytes = manifest(
+            &blobs,
+            HashMap::from([("io.crab.version".to_owned(), "3".to_owned())]),
+        );
+        let back = members(&bytes).unwrap();
+        let names: Vec<&str> = back.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, input.iter().map(|(n, _)| *n).collect::<Vec<_>>());
+        for (m, b) in back.iter().zip(&blobs) {
+            assert_eq!((&m.digest, m.size), (&b.digest, b.size));
+        }
+        let out = dir.path().join("out.tar");
+        let files: Vec<PathBuf> = blobs.iter().map(|b| b.path.clone()).collect();
+        join(&back, &files, &out).unwrap();
+        let mut again = tar::Archive::new(File::open(&out).unwrap());
+        let got: Vec<(String, Vec<u8>)> = again
+            .entries()
+            .unwrap()
+            .map(|e| {
+                let mut e = e.unwrap();
+                let mut data = Vec::new();
+                e.read_to_end(&mut data).unwrap();
+                (e.path().unwrap().to_string_lossy().into_owned(), data)
+            })
+            .collect();
+        let want: Vec<(String, Vec<u8>)> = input.iter().map(|(n, d)| (n.to_string(), d.to_vec())).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_manifest_that_names_unsafe_or_foreign_members_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = archive(dir.path(), &[("a", b"1"), ("crab-export.json", b"{}")]);
+        let split_dir = dir.path().join("split");
+        std::fs::create_dir(&split_dir).unwrap();
+        let good = String::from_utf8(manifest(&split(&path, &split_dir).unwrap(), HashMap::new())).unwrap();
+        let title = r#""org.opencontainers.image.title":"a""#;
+        for (what, bad) in [
+            (
+                "a path out",
+                good.replace(title, r#""org.opencontainers.image.title":"../a""#),
+            ),
+            (
+                "an absolute path",
+                good.replace(title, r#""org.opencontainers.image.title":"/etc/a""#),
+            ),
+            (
+                "the manifest twice",
+                good.replace(title, r#""org.opencontainers.image.title":"crab-export.json""#),
+            ),
+            (
+                "another config",
+                good.replace(CONFIG_TYPE, "application/vnd.oci.image.config.v1+json"),
+            ),
+            (
+                "another member type",
+                good.replace(MEMBER_TYPE, "application/x-other"),
+            ),
+        ] {
+            assert!(members(bad.as_bytes()).is_err(), "{what} passed: {bad}");
+        }
+        assert!(members(b"not json").is_err());
+        let archive_without_manifest =
+            archive(dir.path().join("x").as_path().parent().unwrap(), &[("a", b"1")]);
+        let split2 = dir.path().join("split2");
+        std::fs::create_dir(&split2).unwrap();
+        assert!(split(&archive_without_manifest, &split2).is_err());
+    }
+}

@@ -1,0 +1,209 @@
+//! `crabctl push` on one containerd and `crabctl pull` on another through a
+//! real image registry on the loopback (Debian's `docker-registry`): the
+//! sandbox runs there with the same state; a second push sends only what
+//! the repository lacks; a registry that serves other bytes than it names
+//! is caught. Needs root: CI runs it as root.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use crab_tests::containerd::free_port;
+use crab_tests::image::python_sdk_archive;
+use crab_tests::leftovers::assert_clean;
+use crab_tests::sandbox::{
+    ask, crabctl_err, crabctl_ok, exec_sh, run_stateful, tree_digest, trust, wait_registered, COUNTER, STORE,
+};
+use crab_tests::{unique, wait_until, Containerd};
+
+/// A registry of its own, on a free loopback port, its storage in a
+/// directory of its own.
+struct Registry {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Registry {
+    fn start() -> Self {
+        assert!(
+            std::path::Path::new("/usr/bin/docker-registry").exists(),
+            "/usr/bin/docker-registry missing: run packaging/install-deps.sh"
+        );
+        let dir = std::env::temp_dir().join(unique("crab-registry"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port();
+        let config = dir.join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
+                 http:\n  addr: 127.0.0.1:{port}\n",
+                dir.join("data").display()
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.join("registry.log")).unwrap();
+        let child = Command::new("/usr/bin/docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start docker-registry");
+        let r = Registry { child, dir, port };
+        wait_until(20, || r.get("/v2/").filter(|a| a.starts_with("HTTP/1.1 200"))).unwrap_or_else(|| {
+            panic!(
+                "the registry never answered; see {}",
+                r.dir.join("registry.log").display()
+            )
+        });
+        r
+    }
+
+    /// The answer to a GET of `path` (manifests as OCI's).
+    fn get(&self, path: &str) -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: application/vnd.oci.image.manifest.v1+json\r\n\
+             connection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).ok()?;
+        Some(answer)
+    }
+
+    fn reference(&self, repo_tag: &str) -> String {
+        format!("127.0.0.1:{}/{repo_tag}", self.port)
+    }
+
+    /// The file holding blob `digest` in the registry's storage.
+    fn blob_file(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").unwrap();
+        self.dir
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn a_version_pushed_on_one_host_is_pulled_and_runs_on_another() {
+    let registry = Registry::start();
+    let a = Containerd::start();
+    let id = "traveller";
+    let pid = run_stateful(&a, id);
+    wait_registered(&a, id);
+    assert_eq!(ask(pid, STORE, "set a 7"), "ok");
+    assert_eq!(ask(pid, COUNTER, "hit"), "2");
+    exec_sh(&a, id, "mkdir -p /data/x && echo moved > /data/x/f");
+    let files = tree_digest(pid, "/data");
+    crabctl_ok(&a, &["checkpoint", id]);
+
+    // The first push sends every member (once, whatever members share
+    // their content); pushing it again sends nothing.
+    let v1 = registry.reference("agents/traveller:v1");
+    let first = crabctl_ok(&a, &["push", id, "1", &v1]);
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    assert!(
+        0 < n(&first, "sent") && n(&first, "sent") <= n(&first, "members"),
+        "{first}"
+    );
+    assert!(n(&first, "sent_bytes") > 1 << 20, "{first}");
+    let again = crabctl_ok(&a, &["push", id, "1", &v1]);
+    assert_eq!(again["sent"], 0, "{again}");
+    assert_eq!(again["digest"], first["digest"]);
+    // A later version shares most of its members with the first: only
+    // what changed is sent.
+    assert_eq!(ask(pid, STORE, "set b 8"), "ok");
+    crabctl_ok(&a, &["checkpoint", id]);
+    let second = crabctl_ok(&a, &["push", id, "2", &registry.reference("agents/traveller:v2")]);
+    eprintln!("first push {first}\nsecond push {second}");
+    assert!(
+        0 < n(&second, "sent") && n(&second, "sent") < n(&first, "sent"),
+        "{second}"
+    );
+    assert!(n(&second, "sent_bytes") < n(&second, "bytes"), "{second}");
+
+    // Another host: its own containerd, image and crabd, trusting a's key.
+    let mut b = Containerd::start();
+    b.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    b.start_crabd();
+    trust(&b, &a);
+    let address = b.address().to_string_lossy().into_owned();
+    let pull = |reference: &str| -> Vec<String> {
+        [
+            "pull",
+            reference,
+            "--namespace",
+            &b.namespace,
+            "--containerd",
+            &address,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+
+    // A registry that serves other bytes than a member's digest is caught
+    // before anything is imported.
+    let manifest: serde_json::Value = serde_json::from_str(
+        registry
+            .get(&format!(
+                "/v2/agents/traveller/manifests/{}",
+                first["digest"].as_str().unwrap()
+            ))
+            .unwrap()
+            .split("\r\n\r\n")
+            .nth(1)
+            .unwrap(),
+    )
+    .unwrap();
+    let member = manifest["layers"][0]["digest"].as_str().unwrap().to_owned();
+    let stored = registry.blob_file(&member);
+    let original = std::fs::read(&stored).unwrap();
+    let mut tampered = original.clone();
+    tampered[0] ^= 0x5a;
+    std::fs::write(&stored, &tampered).unwrap();
+    let e = crabctl_err(&b, &strs(&pull(&v1)));
+    assert!(e.contains(&member) && e.contains("arrived"), "{e}");
+    assert_eq!(crabctl_ok(&b, &["ps"]), serde_json::json!([]));
+    std::fs::write(&stored, &original).unwrap();
+
+    // What is not there, and what is no reference, say so.
+    let e = crabctl_err(&b, &strs(&pull(&registry.reference("agents/traveller:v9"))));
+    assert!(e.contains("404"), "{e}");
+    let e = crabctl_err(&a, &["push", id, "1", "agents/traveller:v1"]);
+    assert!(e.contains("invalid reference"), "{e}");
+
+    // The version: the sandbox runs on b with a's state at v1.
+    let r = crabctl_ok(&b, &strs(&pull(&v1)));
+    assert_eq!(r["digest"], first["digest"]);
+    assert_eq!(r["sandbox"]["id"], id);
+    let bpid = r["sandbox"]["pid"].as_i64().unwrap() as i32;
+    wait_registered(&b, id);
+    assert_eq!(ask(bpid, STORE, "get a"), "7");
+    assert_eq!(ask(bpid, STORE, "get b"), "-");
+    assert_eq!(ask(bpid, COUNTER, "hit"), "3");
+    assert_eq!(tree_digest(bpid, "/data"), files);
+
+    a.remove(id);
+    b.remove(id);
+    assert_clean(&a.scope(), &[id]);
+    assert_clean(&b.scope(), &[id]);
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
