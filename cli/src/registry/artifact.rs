@@ -312,10 +312,12 @@ mod tests {
             assert!(members(bad.as_bytes()).is_err(), "{what} passed: {bad}");
         }
         assert!(members(b"not json").is_err());
-        let archive_without_manifest =
-            archive(dir.path().join("x").as_path().parent().unwrap(), &[("a", b"1")]);
-        let split2 = dir.path().join("split2");
+        // An archive without its manifest last is no export.
+        let other = dir.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        let without_manifest = archive(&other, &[("a", b"1")]);
+        let split2 = other.join("split");
         std::fs::create_dir(&split2).unwrap();
-        assert!(split(&archive_without_manifest, &split2).is_err());
+        assert!(split(&without_manifest, &split2).is_err());
     }
 }
