@@ -87,6 +87,33 @@ if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
   systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
 
+# checkpointctl (the checkpoint-archive tests read crabctl's checkpoint
+# layout with it). Debian 13 packages it; on Debian 12 its trixie build runs
+# under trixie's own C library, kept beside it in /opt/crab/checkpointctl
+# (the host's libraries are not touched).
+if ! checkpointctl --help >/dev/null 2>&1; then
+  if [ "$codename" = bookworm ]; then
+    log "installing checkpointctl from trixie, with trixie's C library beside it"
+    cpdir=/opt/crab/checkpointctl
+    tmp=$(mktemp -d)
+    (cd "$tmp" && apt-get download -q checkpointctl/trixie libc6/trixie 2>/dev/null) ||
+      (cd "$tmp" && chown _apt "$tmp" && apt-get download -q checkpointctl/trixie libc6/trixie)
+    rm -rf "$cpdir" && mkdir -p "$cpdir"
+    for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/x"; done
+    cp "$tmp/x/usr/bin/checkpointctl" "$cpdir/"
+    cp -a "$tmp/x/usr/lib/x86_64-linux-gnu/." "$cpdir/lib/" 2>/dev/null || cp -a "$tmp/x/lib/x86_64-linux-gnu/." "$cpdir/lib/"
+    rm -rf "$tmp"
+    cat >/usr/local/bin/checkpointctl <<WRAP
+#!/bin/sh
+exec $cpdir/lib/ld-linux-x86-64.so.2 --library-path $cpdir/lib $cpdir/checkpointctl "\$@"
+WRAP
+    chmod 755 /usr/local/bin/checkpointctl
+  else
+    apt-get install -y -q --no-install-recommends checkpointctl
+  fi
+  checkpointctl --help >/dev/null || { echo "checkpointctl does not run: see above" >&2; exit 1; }
+fi
+
 # CRIU, pinned: version $CRIU_VERSION from its Debian source package. The
 # upstream tarball Debian ships as criu_<version>.orig.tar.xz is kept in
 # packaging/criu/ (byte for byte, sha256 as in Debian's signed .dsc) and

@@ -13,11 +13,13 @@ use crab_api::crabd::{
 use crab_api::{Class, Crabd, SandboxId, SandboxSelector, VersionRecord, VersionSel};
 use serde::Serialize;
 
+mod checkpointctl;
 mod doctor;
 mod progress;
 mod register;
 mod registry;
 mod table;
+mod transfer;
 mod tree;
 
 /// Checkpoint, roll back and inspect Crab sandboxes.
@@ -153,6 +155,12 @@ enum Command {
         version: VersionSel,
         /// The archive to write.
         file: PathBuf,
+        /// `crab`: for `crabctl import` on another host (signed, with the
+        /// files); `checkpointctl`: the container checkpoint layout that
+        /// Kubernetes tooling reads (`checkpointctl show FILE`), for
+        /// inspection.
+        #[arg(long, value_enum, default_value = "crab")]
+        format: ExportFormat,
     },
     /// Start a sandbox from an archive that `crabctl export` wrote.
     Import {
@@ -269,6 +277,16 @@ fn main() -> ExitCode {
     }
 }
 
+/// The layout `crabctl export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ExportFormat {
+    /// Crab's own archive.
+    Crab,
+    /// The container checkpoint archive layout (config.dump, spec.dump,
+    /// checkpoint/).
+    Checkpointctl,
+}
+
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
 enum RunError {
@@ -295,7 +313,7 @@ enum RunError {
     Reference(#[from] registry::InvalidReference),
     /// A push or a pull failed.
     #[error(transparent)]
-    Transfer(#[from] registry::TransferError),
+    Transfer(#[from] transfer::TransferError),
     /// A local step failed.
     #[error("cannot {what}")]
     Local {
@@ -662,6 +680,19 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             sandbox,
             version,
             file,
+            format: ExportFormat::Checkpointctl,
+        } => {
+            let n = checkpointctl::export(&crabd, sandbox, *version, file).await?;
+            let report = serde_json::json!({ "file": file, "bytes": n });
+            print(cli.json, &report, || {
+                format!("wrote {} ({n} bytes, checkpoint layout)\n", file.display())
+            });
+        }
+        Command::Export {
+            sandbox,
+            version,
+            file,
+            format: ExportFormat::Crab,
         } => {
             let bar = progress::bar(cli.json, "export");
             let n = crabd

@@ -4,8 +4,8 @@
 //! the members the repository lacks; a pull hands crabd an archive that
 //! its import checks like any other (signature, every member's sha256).
 //!
-//! Everything passes through a private temporary directory (0700, removed
-//! after): the archive, its members, never anywhere else.
+//! Everything passes through a private temporary directory
+//! ([`transfer::private_dir`]): the archive, its members, nowhere else.
 
 mod artifact;
 mod client;
@@ -20,35 +20,8 @@ use serde::Serialize;
 pub use client::RegistryError;
 pub use reference::{InvalidReference, Reference};
 
+use crate::transfer::{self, TransferError};
 use client::Registry;
-
-/// Why a push or a pull failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TransferError {
-    /// crabd refused the export or the import.
-    #[error(transparent)]
-    Crabd(#[from] crab_api::ClientError),
-    /// The registry refused, or sent what it should not.
-    #[error(transparent)]
-    Registry(#[from] RegistryError),
-    /// What the registry holds under the reference is no Crab version.
-    #[error("{reference}: {reason}")]
-    NotAVersion {
-        /// The reference.
-        reference: String,
-        /// Why not.
-        reason: String,
-    },
-    /// A local step failed.
-    #[error("{what}: {source}")]
-    Local {
-        /// The step.
-        what: &'static str,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-}
 
 /// What `crabctl push` did.
 #[derive(Debug, Serialize)]
@@ -98,9 +71,7 @@ pub async fn push(
         }
     };
     let registry = Registry::new(reference)?;
-    let dir = private_dir()?;
-    let archive = dir.path().join("export.tar");
-    crabd.export(sandbox, version, &archive, &|_, _| {}).await?;
+    let (dir, archive) = transfer::exported(crabd, sandbox, version).await?;
     let members_dir = dir.path().join("members");
     let blobs = tokio::task::spawn_blocking(move || {
         std::fs::create_dir(&members_dir)?;
@@ -156,7 +127,7 @@ pub async fn pull(
         reference: reference.to_string(),
         reason,
     })?;
-    let dir = private_dir()?;
+    let dir = transfer::private_dir()?;
     let mut files = Vec::with_capacity(members.len());
     for (n, m) in members.iter().enumerate() {
         let file = dir.path().join(format!("member-{n}"));
@@ -181,15 +152,4 @@ pub async fn pull(
         bytes: members.iter().map(|m| m.size).sum(),
         sandbox,
     })
-}
-
-/// A new directory only root reads, removed when dropped.
-fn private_dir() -> Result<tempfile::TempDir, TransferError> {
-    tempfile::Builder::new()
-        .prefix("crabctl-transfer-")
-        .tempdir()
-        .map_err(|source| TransferError::Local {
-            what: "make a private temporary directory",
-            source,
-        })
 }

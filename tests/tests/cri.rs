@@ -264,6 +264,20 @@ fn env_of(pid: i32) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `checkpointctl args…`'s output, asserting success.
+fn checkpointctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("checkpointctl")
+        .args(args)
+        .output()
+        .expect("checkpointctl runs: packaging/install-deps.sh installs it");
+    assert!(
+        out.status.success(),
+        "checkpointctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn namespace(pid: i32, ns: &str) -> PathBuf {
     std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).expect("a namespace")
 }
@@ -358,6 +372,32 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     let v = crabctl_ok(&node.ctd, &["checkpoint", &agent])["version"]["version"]
         .as_u64()
         .expect("a version");
+    // The version in Kubernetes' checkpoint archive layout, as its tools
+    // read it: the pod's container, its image, its process tree.
+    let archive = node.dir.join("agent-checkpoint.tar");
+    let archive_arg = archive.to_string_lossy().into_owned();
+    crabctl_ok(
+        &node.ctd,
+        &[
+            "export",
+            &agent,
+            &v.to_string(),
+            &archive_arg,
+            "--format",
+            "checkpointctl",
+        ],
+    );
+    let show = checkpointctl(&["show", &archive_arg]);
+    for want in ["agent", PYTHON_SDK, &agent[..12], "containerd"] {
+        assert!(show.contains(want), "checkpointctl show lacks {want}: {show}");
+    }
+    let inspect = checkpointctl(&["inspect", &archive_arg, "--ps-tree"]);
+    for want in ["Engine: containerd", "Process tree", "python3"] {
+        assert!(
+            inspect.contains(want),
+            "checkpointctl inspect lacks {want}: {inspect}"
+        );
+    }
     assert_eq!(ask(agent_pid, STORE, "set k after"), "ok");
     assert_eq!(node.exec(&agent, "echo two > /data/f; touch /data/g").0, 0);
     crabctl_ok(&node.ctd, &["rollback", &agent, &v.to_string()]);

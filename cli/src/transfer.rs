@@ -1,0 +1,60 @@
+//! What moving a version off this host shares: its archive exported into
+//! a private temporary directory (0700, removed after), and the errors.
+
+use std::path::PathBuf;
+
+use crab_api::{Crabd, SandboxSelector, VersionSel};
+
+use crate::registry::RegistryError;
+
+/// Why moving a version off this host (push, pull, another layout) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// crabd refused the export or the import.
+    #[error(transparent)]
+    Crabd(#[from] crab_api::ClientError),
+    /// The registry refused, or sent what it should not.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// What the registry holds under the reference is no Crab version.
+    #[error("{reference}: {reason}")]
+    NotAVersion {
+        /// The reference.
+        reference: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A local step failed.
+    #[error("{what}: {source}")]
+    Local {
+        /// The step.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A new directory only root reads, removed when dropped.
+pub fn private_dir() -> Result<tempfile::TempDir, TransferError> {
+    tempfile::Builder::new()
+        .prefix("crabctl-transfer-")
+        .tempdir()
+        .map_err(|source| TransferError::Local {
+            what: "make a private temporary directory",
+            source,
+        })
+}
+
+/// Version `version` of `sandbox`, exported by crabd into a private
+/// directory: the directory and the archive in it.
+pub async fn exported(
+    crabd: &Crabd,
+    sandbox: &SandboxSelector,
+    version: VersionSel,
+) -> Result<(tempfile::TempDir, PathBuf), TransferError> {
+    let dir = private_dir()?;
+    let archive = dir.path().join("export.tar");
+    crabd.export(sandbox, version, &archive, &|_, _| {}).await?;
+    Ok((dir, archive))
+}
