@@ -19,7 +19,7 @@ use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use crab_api::{Crabd, SandboxSelector, VersionSel};
+use crab_api::{Crabd, Progress, SandboxSelector, VersionSel};
 use serde_json::Value;
 
 use crate::transfer::{self, TransferError};
@@ -28,14 +28,16 @@ use crate::transfer::{self, TransferError};
 const RUNTIME: &str = "containerd-shim-crab-v2";
 
 /// Writes version `version` of `sandbox` to the new file `file` in the
-/// checkpoint archive layout; answers its size.
+/// checkpoint archive layout (telling `progress` of the export); answers
+/// its size.
 pub async fn export(
     crabd: &Crabd,
     sandbox: &SandboxSelector,
     version: VersionSel,
     file: &Path,
+    progress: Progress<'_>,
 ) -> Result<u64, TransferError> {
-    let (_dir, archive) = transfer::exported(crabd, sandbox, version).await?;
+    let (_dir, archive) = transfer::exported(crabd, sandbox, version, progress).await?;
     let file = file.to_owned();
     tokio::task::spawn_blocking(move || convert(&archive, &file))
         .await

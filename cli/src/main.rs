@@ -682,7 +682,12 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             file,
             format: ExportFormat::Checkpointctl,
         } => {
-            let n = checkpointctl::export(&crabd, sandbox, *version, file).await?;
+            let bar = progress::bar(cli.json, "export");
+            let n = checkpointctl::export(&crabd, sandbox, *version, file, &|n, total| {
+                progress::tick(&bar, n, total)
+            })
+            .await?;
+            bar.finish_and_clear();
             let report = serde_json::json!({ "file": file, "bytes": n });
             print(cli.json, &report, || {
                 format!("wrote {} ({n} bytes, checkpoint layout)\n", file.display())
@@ -742,7 +747,12 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             reference,
         } => {
             let reference = registry::Reference::parse(reference)?;
-            let r = registry::push(&crabd, sandbox, *version, &reference).await?;
+            let bar = progress::bar(cli.json, "export");
+            let r = registry::push(&crabd, sandbox, *version, &reference, &|phase, n, total| {
+                progress::phase(&bar, phase, n, total)
+            })
+            .await?;
+            bar.finish_and_clear();
             print(cli.json, &r, || {
                 format!(
                     "pushed {}@{}: {} members, {} bytes; sent {} ({} bytes), the rest was there\n",
@@ -766,7 +776,12 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 allow_privileged_files: *allow_privileged_files,
                 insecure_unsigned: *insecure_unsigned,
             };
-            let r = registry::pull(&crabd, &reference, &query).await?;
+            let bar = progress::bar(cli.json, "pull");
+            let r = registry::pull(&crabd, &reference, &query, &|phase, n, total| {
+                progress::phase(&bar, phase, n, total)
+            })
+            .await?;
+            bar.finish_and_clear();
             print(cli.json, &r, || {
                 format!(
                     "{} runs from {}@{}: pid {}, {} bytes\n",

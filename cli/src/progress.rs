@@ -23,3 +23,13 @@ pub fn tick(bar: &ProgressBar, n: u64, total: Option<u64>) {
     }
     bar.set_position(n);
 }
+
+/// Moves `bar` to `n` bytes of `total` of `phase`, relabelled (and
+/// restarted) when the phase changes.
+pub fn phase(bar: &ProgressBar, phase: &'static str, n: u64, total: Option<u64>) {
+    if bar.message() != phase {
+        bar.set_message(phase);
+        bar.reset();
+    }
+    tick(bar, n, total);
+}

@@ -53,13 +53,17 @@ pub struct Pulled {
     pub sandbox: ImportReport,
 }
 
+/// How far a transfer is: `(phase, bytes done, bytes in all)`.
+pub type Progress<'a> = &'a (dyn Fn(&'static str, u64, Option<u64>) + Sync);
+
 /// Exports version `version` of `sandbox` through crabd and pushes it to
-/// `reference` (a tag).
+/// `reference` (a tag), telling `progress` (phases `export`, `push`).
 pub async fn push(
     crabd: &Crabd,
     sandbox: &SandboxSelector,
     version: VersionSel,
     reference: &Reference,
+    progress: Progress<'_>,
 ) -> Result<Pushed, TransferError> {
     let reference_tag = match &reference.target {
         reference::Target::Tag(t) => t.clone(),
@@ -71,7 +75,8 @@ pub async fn push(
         }
     };
     let registry = Registry::new(reference)?;
-    let (dir, archive) = transfer::exported(crabd, sandbox, version).await?;
+    let (dir, archive) =
+        transfer::exported(crabd, sandbox, version, &|n, total| progress("export", n, total)).await?;
     let members_dir = dir.path().join("members");
     let blobs = tokio::task::spawn_blocking(move || {
         std::fs::create_dir(&members_dir)?;
@@ -92,7 +97,10 @@ pub async fn push(
         sent_bytes: 0,
     };
     let mut sent = std::collections::HashSet::new();
+    let mut done = 0;
     for blob in &blobs {
+        progress("push", done, Some(report.bytes));
+        done += blob.size;
         if sent.contains(&blob.digest) || registry.has_blob(&blob.digest).await? {
             continue;
         }
@@ -101,6 +109,7 @@ pub async fn push(
         report.sent += 1;
         report.sent_bytes += blob.size;
     }
+    progress("push", done, Some(report.bytes));
     let annotations = HashMap::from([
         ("io.crab.sandbox".to_owned(), sandbox.to_string()),
         ("io.crab.version".to_owned(), version.to_string()),
@@ -113,11 +122,13 @@ pub async fn push(
 }
 
 /// Pulls the version at `reference` and has crabd start a sandbox from it
-/// (`query`: as `crabctl import`).
+/// (`query`: as `crabctl import`), telling `progress` (phases `pull`,
+/// `import`).
 pub async fn pull(
     crabd: &Crabd,
     reference: &Reference,
     query: &ImportQuery,
+    progress: Progress<'_>,
 ) -> Result<Pulled, TransferError> {
     let registry = Registry::new(reference)?;
     let (manifest, digest) = registry
@@ -129,10 +140,14 @@ pub async fn pull(
     })?;
     let dir = transfer::private_dir()?;
     let mut files = Vec::with_capacity(members.len());
+    let total: u64 = members.iter().map(|m| m.size).sum();
+    let mut done = 0;
     for (n, m) in members.iter().enumerate() {
+        progress("pull", done, Some(total));
         let file = dir.path().join(format!("member-{n}"));
         registry.get_blob(&m.digest, m.size, &file).await?;
         files.push(file);
+        done += m.size;
     }
     let archive = dir.path().join("import.tar");
     let joined = {
@@ -145,7 +160,9 @@ pub async fn pull(
         what: "write the archive",
         source,
     })?;
-    let sandbox = crabd.import(&archive, query, &|_, _| {}).await?;
+    let sandbox = crabd
+        .import(&archive, query, &|n, total| progress("import", n, total))
+        .await?;
     Ok(Pulled {
         reference: reference.to_string(),
         digest,

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crab_api::{Crabd, SandboxSelector, VersionSel};
+use crab_api::{Crabd, Progress, SandboxSelector, VersionSel};
 
 use crate::registry::RegistryError;
 
@@ -47,14 +47,15 @@ pub fn private_dir() -> Result<tempfile::TempDir, TransferError> {
 }
 
 /// Version `version` of `sandbox`, exported by crabd into a private
-/// directory: the directory and the archive in it.
+/// directory (telling `progress`): the directory and the archive in it.
 pub async fn exported(
     crabd: &Crabd,
     sandbox: &SandboxSelector,
     version: VersionSel,
+    progress: Progress<'_>,
 ) -> Result<(tempfile::TempDir, PathBuf), TransferError> {
     let dir = private_dir()?;
     let archive = dir.path().join("export.tar");
-    crabd.export(sandbox, version, &archive, &|_, _| {}).await?;
+    crabd.export(sandbox, version, &archive, progress).await?;
     Ok((dir, archive))
 }
