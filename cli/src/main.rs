@@ -166,25 +166,8 @@ enum Command {
     Import {
         /// The archive.
         file: PathBuf,
-        /// The new sandbox's container id (default: the exported one's).
-        #[arg(long)]
-        name: Option<SandboxId>,
-        /// containerd namespace (default: crabd's `[crabd] namespace`).
-        #[arg(long)]
-        namespace: Option<String>,
-        /// containerd's socket (default: crabd's `[crabd] containerd`).
-        #[arg(long)]
-        containerd: Option<PathBuf>,
-        /// Keep the archive's device nodes, setuid/setgid files and
-        /// security/trusted xattrs (refused by default: a sandbox's root
-        /// made them, and they would sit in this host's store).
-        #[arg(long)]
-        allow_privileged_files: bool,
-        /// Import it although no key this host trusts signed it (see
-        /// `crabctl keys`): its process images are restored as root with
-        /// the credentials and mounts they record.
-        #[arg(long)]
-        insecure_unsigned: bool,
+        #[command(flatten)]
+        options: ImportOptions,
     },
     /// Push a version to an image registry as an OCI artifact, sending only
     /// what the repository lacks (a loopback registry over HTTP, any other
@@ -202,21 +185,8 @@ enum Command {
     Pull {
         /// What to pull.
         reference: String,
-        /// The new sandbox's container id (default: the pushed one's).
-        #[arg(long)]
-        name: Option<SandboxId>,
-        /// containerd namespace (default: crabd's `[crabd] namespace`).
-        #[arg(long)]
-        namespace: Option<String>,
-        /// containerd's socket (default: crabd's `[crabd] containerd`).
-        #[arg(long)]
-        containerd: Option<PathBuf>,
-        /// As `crabctl import --allow-privileged-files`.
-        #[arg(long)]
-        allow_privileged_files: bool,
-        /// As `crabctl import --insecure-unsigned`.
-        #[arg(long)]
-        insecure_unsigned: bool,
+        #[command(flatten)]
+        options: ImportOptions,
     },
     /// Print the key this host signs its exports with, and the keys whose
     /// exports it imports (a file per key in the directory it names).
@@ -273,6 +243,42 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("crabctl: {}", crab_api::error_chain(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// How `crabctl import` and `pull` make the new sandbox.
+#[derive(Debug, clap::Args)]
+struct ImportOptions {
+    /// The new sandbox's container id (default: the exported one's).
+    #[arg(long)]
+    name: Option<SandboxId>,
+    /// containerd namespace (default: crabd's `[crabd] namespace`).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// containerd's socket (default: crabd's `[crabd] containerd`).
+    #[arg(long)]
+    containerd: Option<PathBuf>,
+    /// Keep the archive's device nodes, setuid/setgid files and
+    /// security/trusted xattrs (refused by default: a sandbox's root
+    /// made them, and they would sit in this host's store).
+    #[arg(long)]
+    allow_privileged_files: bool,
+    /// Import it although no key this host trusts signed it (see
+    /// `crabctl keys`): its process images are restored as root with
+    /// the credentials and mounts they record.
+    #[arg(long)]
+    insecure_unsigned: bool,
+}
+
+impl ImportOptions {
+    fn query(&self) -> ImportQuery {
+        ImportQuery {
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            containerd: self.containerd.clone(),
+            allow_privileged_files: self.allow_privileged_files,
+            insecure_unsigned: self.insecure_unsigned,
         }
     }
 }
@@ -711,21 +717,8 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 format!("wrote {} ({n} bytes)\n", file.display())
             });
         }
-        Command::Import {
-            file,
-            name,
-            namespace,
-            containerd,
-            allow_privileged_files,
-            insecure_unsigned,
-        } => {
-            let query = ImportQuery {
-                name: name.clone(),
-                namespace: namespace.clone(),
-                containerd: containerd.clone(),
-                allow_privileged_files: *allow_privileged_files,
-                insecure_unsigned: *insecure_unsigned,
-            };
+        Command::Import { file, options } => {
+            let query = options.query();
             let bar = progress::bar(cli.json, "import");
             let r = crabd
                 .import(file, &query, &|n, total| progress::tick(&bar, n, total))
@@ -760,22 +753,9 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 )
             });
         }
-        Command::Pull {
-            reference,
-            name,
-            namespace,
-            containerd,
-            allow_privileged_files,
-            insecure_unsigned,
-        } => {
+        Command::Pull { reference, options } => {
             let reference = registry::Reference::parse(reference)?;
-            let query = ImportQuery {
-                name: name.clone(),
-                namespace: namespace.clone(),
-                containerd: containerd.clone(),
-                allow_privileged_files: *allow_privileged_files,
-                insecure_unsigned: *insecure_unsigned,
-            };
+            let query = options.query();
             let bar = progress::bar(cli.json, "pull");
             let r = registry::pull(&crabd, &reference, &query, &|phase, n, total| {
                 progress::phase(&bar, phase, n, total)

@@ -16,31 +16,32 @@ pub const BUSYBOX: &str = "docker.io/crab/busybox:test";
 /// The OCI image layout archive of [`BUSYBOX`] (`ctr image import`, `docker load`).
 pub fn busybox_archive() -> &'static PathBuf {
     static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
-    ARCHIVE.get_or_init(|| {
-        // Named by the script's content, so a changed script rebuilds it.
-        let hash = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            include_str!("../fixtures/mkimage.sh").hash(&mut h);
-            h.finish()
-        };
-        let path = crate::bin_dir().join(format!("crab-test-busybox-{hash:016x}.tar"));
-        if !path.exists() {
-            // Concurrent test processes each build their own copy and rename
-            // it into place; rename is atomic, so readers see a whole file.
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/mkimage.sh");
-            crate::ok(
-                Command::new(script)
-                    .arg(&tmp)
-                    .arg(BUSYBOX)
-                    .output()
-                    .expect("run mkimage.sh"),
-            );
-            std::fs::rename(&tmp, &path).expect("publish image archive");
+    ARCHIVE.get_or_init(|| mkimage("busybox", BUSYBOX, None))
+}
+
+/// The archive `fixtures/mkimage.sh` builds of `reference` (with `cmd` as
+/// its Cmd, JSON), once per script content: `crab-test-<stem>-<hash>.tar`.
+fn mkimage(stem: &str, reference: &str, cmd: Option<&str>) -> PathBuf {
+    // Named by the script's content, so a changed script rebuilds it.
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        include_str!("../fixtures/mkimage.sh").hash(&mut h);
+        h.finish()
+    };
+    let path = crate::bin_dir().join(format!("crab-test-{stem}-{hash:016x}.tar"));
+    if !path.exists() {
+        // Concurrent test processes each build their own copy and rename
+        // it into place; rename is atomic, so readers see a whole file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let mut script = Command::new(fixtures_dir().join("mkimage.sh"));
+        if let Some(cmd) = cmd {
+            script.env("MKIMAGE_CMD", cmd);
         }
-        path
-    })
+        crate::ok(script.arg(&tmp).arg(reference).output().expect("run mkimage.sh"));
+        std::fs::rename(&tmp, &path).expect("publish image archive");
+    }
+    path
 }
 
 /// The image reference of busybox plus Python and the official SDKs.
@@ -122,26 +123,5 @@ pub const PAUSE: &str = "docker.io/crab/pause:test";
 /// CRI `sandbox_image`; nothing is pulled), built once.
 pub fn pause_archive() -> &'static PathBuf {
     static ARCHIVE: OnceLock<PathBuf> = OnceLock::new();
-    ARCHIVE.get_or_init(|| {
-        let hash = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            include_str!("../fixtures/mkimage.sh").hash(&mut h);
-            h.finish()
-        };
-        let path = crate::bin_dir().join(format!("crab-test-pause-{hash:016x}.tar"));
-        if !path.exists() {
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            crate::ok(
-                Command::new(fixtures_dir().join("mkimage.sh"))
-                    .env("MKIMAGE_CMD", r#"["sleep","2147483647"]"#)
-                    .arg(&tmp)
-                    .arg(PAUSE)
-                    .output()
-                    .expect("run mkimage.sh"),
-            );
-            std::fs::rename(&tmp, &path).expect("publish image archive");
-        }
-        path
-    })
+    ARCHIVE.get_or_init(|| mkimage("pause", PAUSE, Some(r#"["sleep","2147483647"]"#)))
 }

@@ -118,7 +118,24 @@ pub fn manifest(blobs: &[Blob], annotations: HashMap<String, String>) -> Vec<u8>
         .annotations(annotations)
         .build()
         .expect("every field of the manifest is set");
-    serde_json::to_vec(&manifest).expect("a manifest serializes")
+    // Keys sorted: the same version pushed twice is the same manifest (its
+    // annotations are a hash map, whose order is not).
+    let value = serde_json::to_value(&manifest).expect("a manifest serializes");
+    serde_json::to_vec(&sorted(value)).expect("a manifest serializes")
+}
+
+/// `value` with every object's keys in order.
+fn sorted(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(String, Value)> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(sorted).collect()),
+        other => other,
+    }
 }
 
 /// A member an artifact names: its name, digest and size.
