@@ -34,8 +34,6 @@ base_pkgs=(
   chromium chromium-driver
   # CRI pods' network (bridge, host-local, loopback)
   containernetworking-plugins
-  # an image registry on the loopback (crabctl push/pull's tests)
-  docker-registry
   # CRIU's build (below)
   make libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev libnl-3-dev
   libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
@@ -81,10 +79,20 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # docker.io's postinst may start services through init scripts; tests start
-# their own daemons, so nothing here needs to stay running. The registry's
-# package would serve every interface on :5000: keep it off.
-if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-  systemctl disable --now docker-registry >/dev/null 2>&1 || true
+# their own daemons, so nothing here needs to stay running.
+
+# An image registry for crabctl push/pull's tests: Debian's docker-registry
+# binary alone, in /opt/crab/registry (its package would also run a
+# registry service on every interface's :5000).
+if [ ! -x /opt/crab/registry/docker-registry ]; then
+  log "unpacking Debian's docker-registry into /opt/crab/registry"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q docker-registry 2>/dev/null) ||
+    (cd "$tmp" && chown _apt "$tmp" && apt-get download -q docker-registry)
+  dpkg-deb -x "$tmp"/docker-registry_*.deb "$tmp/x"
+  mkdir -p /opt/crab/registry
+  cp "$tmp/x/usr/bin/docker-registry" /opt/crab/registry/
+  rm -rf "$tmp"
 fi
 
 # checkpointctl (the checkpoint-archive tests read crabctl's checkpoint
@@ -101,11 +109,13 @@ if ! checkpointctl --help >/dev/null 2>&1; then
     rm -rf "$cpdir" && mkdir -p "$cpdir"
     for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/x"; done
     cp "$tmp/x/usr/bin/checkpointctl" "$cpdir/"
-    cp -a "$tmp/x/usr/lib/x86_64-linux-gnu/." "$cpdir/lib/" 2>/dev/null || cp -a "$tmp/x/lib/x86_64-linux-gnu/." "$cpdir/lib/"
+    multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
+    cp -a "$tmp/x/usr/lib/$multiarch/." "$cpdir/lib/" 2>/dev/null || cp -a "$tmp/x/lib/$multiarch/." "$cpdir/lib/"
     rm -rf "$tmp"
+    loader=$(cd "$cpdir/lib" && ls ld-linux*.so.* | head -1)
     cat >/usr/local/bin/checkpointctl <<WRAP
 #!/bin/sh
-exec $cpdir/lib/ld-linux-x86-64.so.2 --library-path $cpdir/lib $cpdir/checkpointctl "\$@"
+exec $cpdir/lib/$loader --library-path $cpdir/lib $cpdir/checkpointctl "\$@"
 WRAP
     chmod 755 /usr/local/bin/checkpointctl
   else

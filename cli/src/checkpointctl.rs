@@ -39,22 +39,29 @@ pub async fn export(
 ) -> Result<u64, TransferError> {
     let (_dir, archive) = transfer::exported(crabd, sandbox, version, progress).await?;
     let file = file.to_owned();
-    tokio::task::spawn_blocking(move || convert(&archive, &file))
-        .await
-        .expect("the conversion does not panic")
-        .map_err(|source| TransferError::Local {
-            what: "write the checkpoint archive",
-            source,
-        })
+    tokio::task::spawn_blocking(move || {
+        let out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&file)?;
+        let written = convert(&archive, out);
+        if written.is_err() {
+            // No half archive left behind (this one's own: it made it).
+            let _ = std::fs::remove_file(&file);
+        }
+        written
+    })
+    .await
+    .expect("the conversion does not panic")
+    .map_err(|source| TransferError::Local {
+        what: "write the checkpoint archive",
+        source,
+    })
 }
 
-/// Rewrites Crab's export `archive` in the checkpoint layout into `to`.
-fn convert(archive: &Path, to: &Path) -> io::Result<u64> {
-    let out = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(to)?;
+/// Rewrites Crab's export `archive` in the checkpoint layout into `out`.
+fn convert(archive: &Path, out: File) -> io::Result<u64> {
     let mut tar = tar::Builder::new(out);
     // The tools look for the directory itself.
     let mut dir = tar::Header::new_gnu();

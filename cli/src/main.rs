@@ -320,6 +320,9 @@ enum RunError {
     /// A push or a pull failed.
     #[error(transparent)]
     Transfer(#[from] transfer::TransferError),
+    /// Interrupted (SIGINT, SIGTERM); what it had written is gone.
+    #[error("interrupted: nothing of the version stays behind here")]
+    Interrupted,
     /// A local step failed.
     #[error("cannot {what}")]
     Local {
@@ -689,9 +692,13 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             format: ExportFormat::Checkpointctl,
         } => {
             let bar = progress::bar(cli.json, "export");
-            let n = checkpointctl::export(&crabd, sandbox, *version, file, &|n, total| {
-                progress::tick(&bar, n, total)
-            })
+            let n = interruptible(checkpointctl::export(
+                &crabd,
+                sandbox,
+                *version,
+                file,
+                &|n, total| progress::tick(&bar, n, total),
+            ))
             .await?;
             bar.finish_and_clear();
             let report = serde_json::json!({ "file": file, "bytes": n });
@@ -741,9 +748,13 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         } => {
             let reference = registry::Reference::parse(reference)?;
             let bar = progress::bar(cli.json, "export");
-            let r = registry::push(&crabd, sandbox, *version, &reference, &|phase, n, total| {
-                progress::phase(&bar, phase, n, total)
-            })
+            let r = interruptible(registry::push(
+                &crabd,
+                sandbox,
+                *version,
+                &reference,
+                &|phase, n, total| progress::phase(&bar, phase, n, total),
+            ))
             .await?;
             bar.finish_and_clear();
             print(cli.json, &r, || {
@@ -757,9 +768,9 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             let reference = registry::Reference::parse(reference)?;
             let query = options.query();
             let bar = progress::bar(cli.json, "pull");
-            let r = registry::pull(&crabd, &reference, &query, &|phase, n, total| {
+            let r = interruptible(registry::pull(&crabd, &reference, &query, &|phase, n, total| {
                 progress::phase(&bar, phase, n, total)
-            })
+            }))
             .await?;
             bar.finish_and_clear();
             print(cli.json, &r, || {
@@ -778,6 +789,24 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
         }
     }
     Ok(())
+}
+
+/// Runs `work` unless SIGINT or SIGTERM comes first: then `work` is
+/// dropped, and with it its private directory (the version's archive and
+/// memory images), before crabctl exits.
+async fn interruptible<T>(
+    work: impl std::future::Future<Output = Result<T, transfer::TransferError>>,
+) -> Result<T, RunError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|source| RunError::Local {
+        what: "watch for SIGTERM",
+        source,
+    })?;
+    tokio::select! {
+        r = work => Ok(r?),
+        _ = tokio::signal::ctrl_c() => Err(RunError::Interrupted),
+        _ = term.recv() => Err(RunError::Interrupted),
+    }
 }
 
 /// The versions as a tree: each under its parent (the version it

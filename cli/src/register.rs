@@ -291,7 +291,8 @@ fn containerd(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, R
                 new.push_str("version = 2\n");
             }
             new.push_str(&format!(
-                "\n{BEGIN}\n[plugins.\"{plugin}\".containerd.runtimes.{NAME}]\n  runtime_type = \"{RUNTIME_TYPE}\"\n{END}\n"
+                "\n{BEGIN}\n[plugins.\"{plugin}\".containerd.runtimes.{NAME}]\n  runtime_type = \"{RUNTIME_TYPE}\"\n  \
+                 pod_annotations = [\"io.crab.*\"]\n{END}\n"
             ));
             // A file that defines `runtimes` inline cannot take the table.
             parse(&new).map_err(|e| RegisterError::Unsupported {
@@ -443,6 +444,13 @@ mod tests {
             doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crab"]["runtime_type"]
                 .as_str(),
             Some(RUNTIME_TYPE)
+        );
+        assert_eq!(
+            doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crab"]["pod_annotations"]
+                [0]
+            .as_str(),
+            Some("io.crab.*"),
+            "a pod's io.crab.sandbox-container reaches the shim"
         );
         assert_eq!(
             doc["plugins"]["io.containerd.grpc.v1.cri"]["cni"]["bin_dir"].as_str(),

@@ -139,8 +139,16 @@ pub async fn pull(
         reason,
     })?;
     let dir = transfer::private_dir()?;
+    let total = members
+        .iter()
+        .try_fold(0u64, |sum, m| sum.checked_add(m.size))
+        .ok_or_else(|| TransferError::NotAVersion {
+            reference: reference.to_string(),
+            reason: "its members' sizes add up to more than 2^64 bytes".to_owned(),
+        })?;
+    // The members, then the archive made of them: twice the bytes.
+    transfer::room_for(dir.path(), total.saturating_mul(2))?;
     let mut files = Vec::with_capacity(members.len());
-    let total: u64 = members.iter().map(|m| m.size).sum();
     let mut done = 0;
     for (n, m) in members.iter().enumerate() {
         progress("pull", done, Some(total));

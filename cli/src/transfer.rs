@@ -1,7 +1,7 @@
 //! What moving a version off this host shares: its archive exported into
 //! a private temporary directory (0700, removed after), and the errors.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crab_api::{Crabd, Progress, SandboxSelector, VersionSel};
 
@@ -24,6 +24,16 @@ pub enum TransferError {
         /// Why not.
         reason: String,
     },
+    /// Not enough room for what is coming.
+    #[error("{needed} bytes are needed in {dir} (TMPDIR), {free} are free")]
+    NoRoom {
+        /// The directory.
+        dir: PathBuf,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes free.
+        free: u64,
+    },
     /// A local step failed.
     #[error("{what}: {source}")]
     Local {
@@ -35,7 +45,26 @@ pub enum TransferError {
     },
 }
 
-/// A new directory only root reads, removed when dropped.
+/// Refuses when `dir`'s filesystem has less than `needed` bytes free
+/// (before a registry's bytes fill it).
+pub fn room_for(dir: &Path, needed: u64) -> Result<(), TransferError> {
+    let stat = nix::sys::statvfs::statvfs(dir).map_err(|e| TransferError::Local {
+        what: "read the free space of the temporary directory",
+        source: e.into(),
+    })?;
+    let free = stat.blocks_available().saturating_mul(stat.fragment_size());
+    if free < needed {
+        return Err(TransferError::NoRoom {
+            dir: dir.to_owned(),
+            needed,
+            free,
+        });
+    }
+    Ok(())
+}
+
+/// A new directory only its owner reads, removed when dropped (or when
+/// the command is interrupted: see `main`).
 pub fn private_dir() -> Result<tempfile::TempDir, TransferError> {
     tempfile::Builder::new()
         .prefix("crabctl-transfer-")

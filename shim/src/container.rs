@@ -139,7 +139,12 @@ impl Container {
             rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
             sandbox,
-            pod: spec.annotations().as_ref().and_then(crate::pod::name),
+            // Only CRI's own containers: anyone may annotate a container.
+            pod: spec
+                .annotations()
+                .as_ref()
+                .filter(|a| matches!(crate::pod::role(a), crate::pod::Role::Member { .. }))
+                .and_then(crate::pod::name),
             proxy: None,
             proxy_plan: None,
             pending_restore: spec
@@ -769,7 +774,9 @@ fn report_pipe() -> Result<(OwnedFd, OwnedFd)> {
 /// The longest the io_uring scan before a checkpoint may take.
 const URING_SCAN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Whether `pid` is the init of its pid namespace (the last number of its
+/// Whether CRIU can dump `pid`'s tree as a container's: it is in the
+/// shim's own pid namespace (a host-pid container, dumped as any process
+/// tree), or the init of a namespace of its own (the last number of its
 /// `NSpid` is 1). A process that cannot be read counts as one: what CRIU
 /// then meets is its to report.
 fn is_pid_ns_init(pid: i32) -> bool {
@@ -777,5 +784,5 @@ fn is_pid_ns_init(pid: i32) -> bool {
         .and_then(|p| p.status())
         .ok()
         .and_then(|s| s.nspid)
-        .is_none_or(|ns| ns.last() == Some(&1))
+        .is_none_or(|ns| ns.len() == 1 || ns.last() == Some(&1))
 }

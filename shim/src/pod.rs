@@ -3,9 +3,12 @@
 //! only holds the pod's namespaces, then the app containers, which join
 //! them. A pod is one sandbox: one LLM proxy in the pod's network
 //! namespace, one registration with crabd, turns and versions of the pod's
-//! sandbox container, the first app container. The pause container is no
-//! sandbox, and a later app container (a sidecar) runs as a plain
-//! container, outside the pod's versions.
+//! sandbox container. That is the app container the pod's annotation
+//! [`SANDBOX_CONTAINER`] names (containerd passes it on when the runtime's
+//! `pod_annotations` lists it), else the first app container to run (an
+//! init container until it ends). The pause container is no sandbox, and
+//! any other app container (a sidecar) runs as a plain container, outside
+//! the pod's versions.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,6 +21,12 @@ pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// container (`sandbox`) or an app container (`container`).
 const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 
+/// The annotation with a CRI container's name in its pod.
+const CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
+
+/// The pod annotation naming the app container that is the pod's sandbox.
+pub const SANDBOX_CONTAINER: &str = "io.crab.sandbox-container";
+
 /// What a container is to its pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Role {
@@ -25,8 +34,14 @@ pub enum Role {
     Alone,
     /// A pod's pause container: the pod's namespaces and nothing else.
     Infra,
-    /// An app container of the pod whose id this is.
-    Member(String),
+    /// An app container of a pod.
+    Member {
+        /// The pod's id.
+        pod: String,
+        /// Whether the pod names its sandbox container, and this is it
+        /// (`Some(true)`) or not (`Some(false)`); `None`: the pod names none.
+        chosen: Option<bool>,
+    },
 }
 
 /// The annotations naming a CRI container's pod.
@@ -57,7 +72,12 @@ pub fn role(annotations: &HashMap<String, String>) -> Role {
         annotations.get(SANDBOX_ID),
     ) {
         (Some("sandbox"), _) => Role::Infra,
-        (Some("container"), Some(pod)) => Role::Member(pod.clone()),
+        (Some("container"), Some(pod)) => Role::Member {
+            pod: pod.clone(),
+            chosen: annotations
+                .get(SANDBOX_CONTAINER)
+                .map(|name| annotations.get(CONTAINER_NAME) == Some(name)),
+        },
         _ => Role::Alone,
     }
 }
@@ -89,13 +109,27 @@ pub struct Pods(Mutex<HashMap<String, String>>);
 
 impl Pods {
     /// Whether container `id` of role `role` is a sandbox: every container
-    /// outside pods, and the first app container of each pod (claimed
+    /// outside pods, and of each pod's app containers the one the pod names
+    /// (it takes the pod over: a restart of it), else the first (claimed
     /// here until [`Pods::release`]).
     pub fn claim(&self, role: &Role, id: &str) -> bool {
         match role {
             Role::Alone => true,
             Role::Infra => false,
-            Role::Member(pod) => {
+            Role::Member {
+                chosen: Some(false), ..
+            } => false,
+            Role::Member {
+                pod,
+                chosen: Some(true),
+            } => {
+                self.0
+                    .lock()
+                    .expect("pods lock")
+                    .insert(pod.clone(), id.to_owned());
+                true
+            }
+            Role::Member { pod, chosen: None } => {
                 let mut pods = self.0.lock().expect("pods lock");
                 pods.entry(pod.clone()).or_insert_with(|| id.to_owned()) == id
             }
@@ -123,11 +157,28 @@ mod tests {
         ])
     }
 
+    fn member(pod: &str) -> Role {
+        Role::Member {
+            pod: pod.into(),
+            chosen: None,
+        }
+    }
+
     #[test]
     fn roles_come_from_the_cri_annotations() {
         assert_eq!(role(&HashMap::new()), Role::Alone);
         assert_eq!(role(&annotations("sandbox", "p")), Role::Infra);
-        assert_eq!(role(&annotations("container", "p")), Role::Member("p".into()));
+        assert_eq!(role(&annotations("container", "p")), member("p"));
+        let mut named = annotations("container", "p");
+        named.insert(SANDBOX_CONTAINER.into(), "agent".into());
+        named.insert(CONTAINER_NAME.into(), "sidecar".into());
+        let chosen = |c| Role::Member {
+            pod: "p".into(),
+            chosen: Some(c),
+        };
+        assert_eq!(role(&named), chosen(false));
+        named.insert(CONTAINER_NAME.into(), "agent".into());
+        assert_eq!(role(&named), chosen(true));
         // An app container without its pod is no member of one.
         let lone = HashMap::from([(CONTAINER_TYPE.to_owned(), "container".to_owned())]);
         assert_eq!(role(&lone), Role::Alone);
@@ -151,16 +202,28 @@ mod tests {
     #[test]
     fn a_pod_has_one_sandbox_until_it_is_released() {
         let pods = Pods::default();
-        let p = Role::Member("p".into());
+        let p = member("p");
         assert!(!pods.claim(&Role::Infra, "pause"));
         assert!(pods.claim(&Role::Alone, "other"));
         assert!(pods.claim(&p, "agent"));
         assert!(pods.claim(&p, "agent"), "its own claim again");
         assert!(!pods.claim(&p, "sidecar"));
-        assert!(pods.claim(&Role::Member("q".into()), "agent-q"), "another pod");
+        assert!(pods.claim(&member("q"), "agent-q"), "another pod");
         pods.release("sidecar");
         assert!(!pods.claim(&p, "sidecar2"), "a sidecar's release frees nothing");
         pods.release("agent");
         assert!(pods.claim(&p, "agent2"), "a restarted agent takes the pod");
+        // A pod that names its sandbox: that container, whatever came first.
+        let named = |c| Role::Member {
+            pod: "r".into(),
+            chosen: Some(c),
+        };
+        assert!(!pods.claim(&named(false), "sidecar-r"));
+        assert!(pods.claim(&named(true), "agent-r"));
+        assert!(
+            pods.claim(&named(true), "agent-r2"),
+            "its restart takes the pod over"
+        );
+        assert!(!pods.claim(&member("r"), "other-r"), "the pod is taken");
     }
 }

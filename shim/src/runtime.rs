@@ -24,6 +24,7 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
+mod joined_ns;
 mod kdat;
 pub(crate) mod protocol;
 

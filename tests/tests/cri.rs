@@ -307,7 +307,10 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     let mut node = Node::start(&llm);
     node.ctd
         .ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
-    let config = node.pod_config("agent", false);
+    let mut config = node.pod_config("agent", false);
+    config
+        .annotations
+        .insert("io.crab.sandbox-container".into(), "agent".into());
     let pod = node.run_pod(&config);
     let fixtures = Mount {
         container_path: "/fixtures".into(),
@@ -315,6 +318,8 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         readonly: true,
         ..Default::default()
     };
+    // The sidecar comes first: the pod names its sandbox, the agent.
+    let sidecar = node.run_container(&pod, &config, "sidecar", BUSYBOX, &["sleep", "100000"], vec![]);
     let agent = node.run_container(
         &pod,
         &config,
@@ -323,7 +328,6 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         &["/opt/crab/sdk-venv/bin/python3", "/fixtures/stateful.py"],
         vec![fixtures],
     );
-    let sidecar = node.run_container(&pod, &config, "sidecar", BUSYBOX, &["sleep", "100000"], vec![]);
     let pid = |node: &Node, id: &str| node.ctd.task_pid(id).expect("the task runs");
     let agent_pid = pid(&node, &agent);
     wait_until(20, || try_ask(agent_pid, STORE, "get nothing").ok()).expect("the agent's store answers");
@@ -421,6 +425,15 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         "alive\n",
         "the sidecar runs on"
     );
+
+    // Still one sandbox, the agent, now that everything ran.
+    let ids: Vec<String> = crabctl_ok(&node.ctd, &["ps"])
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids, vec![agent.clone()]);
 
     node.remove_pod(&pod);
     wait_forgotten(&node.ctd, &agent);

@@ -1,5 +1,6 @@
 //! `crabctl push` on one containerd and `crabctl pull` on another through a
-//! real image registry on the loopback (Debian's `docker-registry`): the
+//! real image registry on the loopback (Debian's `docker-registry`, unpacked
+//! by `packaging/install-deps.sh`): the
 //! sandbox runs there with the same state; a second push sends only what
 //! the repository lacks; a registry that serves other bytes than it names
 //! is caught. Needs root: CI runs it as root.
@@ -16,6 +17,9 @@ use crab_tests::sandbox::{
 };
 use crab_tests::{unique, wait_until, Containerd};
 
+/// Debian's registry, as `packaging/install-deps.sh` unpacks it.
+const REGISTRY_BIN: &str = "/opt/crab/registry/docker-registry";
+
 /// A registry of its own, on a free loopback port, its storage in a
 /// directory of its own.
 struct Registry {
@@ -27,8 +31,8 @@ struct Registry {
 impl Registry {
     fn start() -> Self {
         assert!(
-            std::path::Path::new("/usr/bin/docker-registry").exists(),
-            "/usr/bin/docker-registry missing: run packaging/install-deps.sh"
+            std::path::Path::new(REGISTRY_BIN).exists(),
+            "{REGISTRY_BIN} missing: run packaging/install-deps.sh"
         );
         let dir = std::env::temp_dir().join(unique("crab-registry"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -44,7 +48,7 @@ impl Registry {
         )
         .unwrap();
         let log = std::fs::File::create(dir.join("registry.log")).unwrap();
-        let child = Command::new("/usr/bin/docker-registry")
+        let child = Command::new(REGISTRY_BIN)
             .arg("serve")
             .arg(&config)
             .stdin(Stdio::null())

@@ -30,6 +30,8 @@ type Body = BoxBody<Bytes, std::io::Error>;
 pub const MAX_MANIFEST: usize = 4 << 20;
 /// Redirects followed for a blob (a registry on object storage sends one).
 const MAX_REDIRECTS: usize = 3;
+/// The longest a registry may send nothing in the middle of an answer.
+const STALL: Duration = Duration::from_secs(60);
 
 /// What went wrong talking to a registry.
 #[derive(Debug, thiserror::Error)]
@@ -225,7 +227,7 @@ impl Registry {
         }
         let mut body = resp.into_body();
         let mut bytes = Vec::new();
-        while let Some(frame) = body.frame().await {
+        while let Some(frame) = next_frame(&mut body, &url).await? {
             let frame = frame.map_err(|e| RegistryError::Invalid {
                 what: format!("GET {url}"),
                 reason: e.to_string(),
@@ -267,7 +269,17 @@ impl Registry {
             else {
                 break;
             };
-            url = self.absolute(next);
+            let next = self.absolute(next);
+            // Object storage is HTTPS; a registry spoken to over HTTPS never
+            // sends the blob's bytes over plain HTTP.
+            let plain_ok = next.starts_with("http://") && self.base.starts_with("http://");
+            if !next.starts_with("https://") && !plain_ok {
+                return Err(RegistryError::Invalid {
+                    what,
+                    reason: format!("a redirect to {next}, which is not HTTPS"),
+                });
+            }
+            url = next;
             resp = self.send(request(Method::GET, &url, empty())).await?;
         }
         if resp.status() != StatusCode::OK {
@@ -282,7 +294,7 @@ impl Registry {
             .map_err(io(to))?;
         let mut body = resp.into_body();
         let (mut hasher, mut got) = (Sha256::new(), 0u64);
-        while let Some(frame) = body.frame().await {
+        while let Some(frame) = next_frame(&mut body, &what).await? {
             let frame = frame.map_err(|e| RegistryError::Invalid {
                 what: what.clone(),
                 reason: e.to_string(),
@@ -318,6 +330,19 @@ impl Registry {
             format!("{}/{}", self.base, location.trim_start_matches('/'))
         }
     }
+}
+
+/// The next frame of `body` (of `what`), unless the registry stalls.
+async fn next_frame(
+    body: &mut hyper::body::Incoming,
+    what: &str,
+) -> Result<Option<Result<Frame<Bytes>, hyper::Error>>, RegistryError> {
+    tokio::time::timeout(STALL, body.frame())
+        .await
+        .map_err(|_| RegistryError::Invalid {
+            what: what.to_owned(),
+            reason: format!("the registry sent nothing for {} s", STALL.as_secs()),
+        })
 }
 
 fn request(method: Method, url: &str, body: Body) -> Request<Body> {

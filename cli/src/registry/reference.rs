@@ -109,7 +109,8 @@ impl Reference {
                     self.registry.as_str()
                 }
             });
-        let loopback = matches!(host, "localhost" | "[::1]") || host.starts_with("127.");
+        let ip = host.trim_start_matches('[').trim_end_matches(']');
+        let loopback = host == "localhost" || ip.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
         let scheme = if loopback { "http" } else { "https" };
         format!("{scheme}://{}", self.registry)
     }

@@ -209,6 +209,16 @@ impl RuntimeClient {
     /// wins.
     fn configure_criu(&self, cmd: &mut Command, work_dir: &Path, extra: &str) -> Result<()> {
         if std::env::var_os("CRIU_CONFIG_FILE").is_some_and(|f| !f.is_empty()) {
+            if !extra.is_empty() {
+                return Err(Error::InvalidBundle {
+                    bundle: work_dir.to_owned(),
+                    reason: format!(
+                        "the restore must give CRIU `{}`, and the shim's CRIU_CONFIG_FILE stands in \
+                         for crab's configuration: add those lines to that file",
+                        extra.trim()
+                    ),
+                });
+            }
             return Ok(());
         }
         let conf = work_dir.join(CRIU_CONF);
@@ -302,7 +312,13 @@ impl RuntimeClient {
         }
         if criu_op {
             let extra = match &request.op {
-                Op::Restore(r) => super::criu::join_ns_config(r.bundle.as_deref().unwrap_or(work_dir)),
+                Op::Restore(r) => {
+                    let bundle = r.bundle.as_deref().unwrap_or(work_dir);
+                    super::joined_ns::config(bundle).map_err(|reason| Error::InvalidBundle {
+                        bundle: bundle.to_owned(),
+                        reason,
+                    })?
+                }
                 _ => String::new(),
             };
             self.configure_criu(&mut cmd, work_dir, &extra)?;

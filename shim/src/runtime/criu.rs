@@ -72,6 +72,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
     std::fs::create_dir_all(opts.image_path)
         .with_context(|| format!("create {}", opts.image_path.display()))?;
+    super::joined_ns::record(&spec, opts.image_path)?;
     // The init's stdio targets (and crab-init's report pipe), for
     // re-wiring at restore.
     let recorded = if opts.crab_init { 4 } else { 3 };
@@ -204,6 +205,7 @@ fn notify(script: &str, msg: &rust_criu::rust_criu_protobuf::rpc::Criu_notify, _
 /// restored init's pid and records it, running, in libcontainer's state.
 pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
+    super::joined_ns::check(&spec, opts.image_path)?;
     let descriptors: Vec<String> = serde_json::from_slice(
         &std::fs::read(opts.image_path.join(DESCRIPTORS)).context("read descriptors.json")?,
     )
@@ -442,43 +444,6 @@ fn external_mounts(spec: &Spec) -> Result<Vec<(String, String)>> {
 
 fn is_bind(m: &Mount) -> bool {
     m.typ().as_deref() == Some("bind") || m.options().iter().flatten().any(|o| o == "bind" || o == "rbind")
-}
-
-/// CRIU configuration lines (`join-ns`) for a restore of the spec in
-/// `bundle`: the IPC and UTS namespaces it joins by path (a pod's, a
-/// `--ipc container:` one), which the restored tree joins again, as runc
-/// has CRIU do; CRIU would make new ones, leaving the pod. (The network
-/// namespace is external instead: [`external_netns`].) A path that could
-/// break a configuration line is left out.
-pub fn join_ns_config(bundle: &Path) -> String {
-    let Ok(spec) = Spec::load(bundle.join("config.json")) else {
-        return String::new();
-    };
-    let namespaces = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().clone())
-        .unwrap_or_default();
-    let mut lines = String::new();
-    for ns in namespaces {
-        let name = match ns.typ() {
-            LinuxNamespaceType::Ipc => "ipc",
-            LinuxNamespaceType::Uts => "uts",
-            _ => continue,
-        };
-        let Some(path) = ns.path().as_ref().and_then(|p| p.to_str()) else {
-            continue;
-        };
-        if path.is_empty()
-            || path
-                .chars()
-                .any(|c| c.is_whitespace() || c.is_control() || c == '"')
-        {
-            continue;
-        }
-        lines.push_str(&format!("join-ns {name}:{path}\n"));
-    }
-    lines
 }
 
 /// The network namespace the spec joins by path, if any.

@@ -1,0 +1,203 @@
+//! Namespaces a container's spec joins by path: a pod's network, IPC and
+//! UTS namespaces, through its pause container's `/proc/<pid>/ns/…`;
+//! `docker run --ipc container:…`. A restore joins them again: the network
+//! namespace as CRIU's external one (`criu::external_netns`), IPC and UTS
+//! through CRIU's `join-ns` ([`config`]), where CRIU would make new ones.
+//!
+//! A `/proc/<pid>` path names whatever process has that pid now. The dump
+//! records the namespace each such path led to ([`record`]); a restore
+//! refuses a path that now leads to another ([`check`]): after a reboot or
+//! once the pod is gone, the pause container's pid may be a host daemon's.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
+use serde::{Deserialize, Serialize};
+
+/// The record, in the image directory.
+const RECORD: &str = "crab-joined-ns.json";
+
+/// One namespace joined through a process's path, as the dump found it.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Joined {
+    /// `net`, `ipc`, `uts`, ….
+    kind: String,
+    /// The spec's path.
+    path: PathBuf,
+    /// The namespace's inode at the dump.
+    ino: u64,
+}
+
+/// CRIU's name of a namespace type.
+fn kind(typ: LinuxNamespaceType) -> &'static str {
+    match typ {
+        LinuxNamespaceType::Network => "net",
+        LinuxNamespaceType::Ipc => "ipc",
+        LinuxNamespaceType::Uts => "uts",
+        LinuxNamespaceType::Pid => "pid",
+        LinuxNamespaceType::Mount => "mnt",
+        LinuxNamespaceType::User => "user",
+        LinuxNamespaceType::Cgroup => "cgroup",
+        LinuxNamespaceType::Time => "time",
+    }
+}
+
+/// The namespaces `spec` joins by path, as (kind, path).
+fn joined(spec: &Spec) -> Vec<(&'static str, PathBuf)> {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|ns| {
+            let path = ns.path().clone().filter(|p| !p.as_os_str().is_empty())?;
+            Some((kind(ns.typ()), path))
+        })
+        .collect()
+}
+
+/// Whether `path` names a namespace through a process (`/proc/<pid>/…`).
+fn through_a_process(path: &Path) -> bool {
+    path.starts_with("/proc") && !path.starts_with("/proc/self")
+}
+
+/// CRIU configuration lines (`join-ns`) for a restore of the spec in
+/// `bundle`: its IPC and UTS namespaces joined by path. A path that would
+/// break a configuration line is refused, not left out (the container
+/// would quietly leave its pod).
+pub fn config(bundle: &Path) -> Result<String, String> {
+    let spec = Spec::load(bundle.join("config.json")).map_err(|e| format!("read config.json: {e}"))?;
+    let mut lines = String::new();
+    for (kind, path) in joined(&spec) {
+        if !matches!(kind, "ipc" | "uts") {
+            continue;
+        }
+        let text = path
+            .to_str()
+            .filter(|p| !p.chars().any(|c| c.is_whitespace() || c.is_control() || c == '"'));
+        let Some(text) = text else {
+            return Err(format!(
+                "its {kind} namespace path {path:?} cannot be handed to CRIU"
+            ));
+        };
+        lines.push_str(&format!("join-ns {kind}:{text}\n"));
+    }
+    Ok(lines)
+}
+
+/// Records in `images` the namespaces `spec` joins through a process's
+/// path, with the inode each leads to now (or removes a stale record).
+pub fn record(spec: &Spec, images: &Path) -> Result<()> {
+    let mut found = Vec::new();
+    for (kind, path) in joined(spec) {
+        if !through_a_process(&path) {
+            continue;
+        }
+        let ino = std::fs::metadata(&path)
+            .with_context(|| format!("stat {}", path.display()))?
+            .ino();
+        found.push(Joined {
+            kind: kind.to_owned(),
+            path,
+            ino,
+        });
+    }
+    let file = images.join(RECORD);
+    if found.is_empty() {
+        return match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(e).with_context(|| format!("remove a stale {RECORD}"))
+            }
+            _ => Ok(()),
+        };
+    }
+    let bytes = serde_json::to_vec(&found).expect("the record serializes");
+    std::fs::write(&file, bytes).with_context(|| format!("write {}", file.display()))
+}
+
+/// Refuses a restore of `images` into `spec` when a namespace the dump
+/// joined through a process's path is no longer the one that path leads to.
+pub fn check(spec: &Spec, images: &Path) -> Result<()> {
+    let bytes = match std::fs::read(images.join(RECORD)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).context(format!("read {RECORD}")),
+    };
+    let recorded: Vec<Joined> = serde_json::from_slice(&bytes).with_context(|| format!("parse {RECORD}"))?;
+    let now = joined(spec);
+    for r in recorded {
+        if !now.iter().any(|(kind, path)| *kind == r.kind && *path == r.path) {
+            continue;
+        }
+        let ino = std::fs::metadata(&r.path).map(|m| m.ino()).ok();
+        if ino != Some(r.ino) {
+            bail!(
+                "the {} namespace it joins through {} is not the one it was checkpointed in \
+                 (the process that held it is gone: after a reboot, or its pod's pause container \
+                 ended): refused, the restore would join whatever process has that pid now",
+                r.kind,
+                r.path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oci_spec::runtime::{LinuxBuilder, LinuxNamespaceBuilder, SpecBuilder};
+
+    fn spec_joining(kind: LinuxNamespaceType, path: &str) -> Spec {
+        let ns = LinuxNamespaceBuilder::default()
+            .typ(kind)
+            .path(path)
+            .build()
+            .unwrap();
+        SpecBuilder::default()
+            .linux(LinuxBuilder::default().namespaces(vec![ns]).build().unwrap())
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_restore_refuses_a_process_path_that_leads_to_another_namespace() {
+        let images = tempfile::tempdir().unwrap();
+        // Our own namespace through our own pid: the same at the restore.
+        let ours = format!("/proc/{}/ns/ipc", std::process::id());
+        let spec = spec_joining(LinuxNamespaceType::Ipc, &ours);
+        record(&spec, images.path()).unwrap();
+        check(&spec, images.path()).unwrap();
+        // The record says another namespace was there.
+        let stale = vec![Joined {
+            kind: "ipc".into(),
+            path: ours.clone().into(),
+            ino: 1,
+        }];
+        std::fs::write(images.path().join(RECORD), serde_json::to_vec(&stale).unwrap()).unwrap();
+        let e = check(&spec, images.path()).unwrap_err().to_string();
+        assert!(e.contains("not the one it was checkpointed in"), "{e}");
+        // A path that is not a process's is not recorded.
+        let named = spec_joining(LinuxNamespaceType::Network, "/var/run/netns/x");
+        record(&named, images.path()).unwrap();
+        assert!(!images.path().join(RECORD).exists());
+        check(&named, images.path()).unwrap();
+    }
+
+    #[test]
+    fn join_ns_lines_name_ipc_and_uts_and_refuse_what_would_break_a_line() {
+        let bundle = tempfile::tempdir().unwrap();
+        let write = |spec: &Spec| spec.save(bundle.path().join("config.json")).unwrap();
+        write(&spec_joining(LinuxNamespaceType::Uts, "/proc/7/ns/uts"));
+        assert_eq!(config(bundle.path()).unwrap(), "join-ns uts:/proc/7/ns/uts\n");
+        write(&spec_joining(LinuxNamespaceType::Network, "/proc/7/ns/net"));
+        assert_eq!(config(bundle.path()).unwrap(), "");
+        write(&spec_joining(
+            LinuxNamespaceType::Ipc,
+            "/proc/7/ns/ipc\nlog-file /x",
+        ));
+        assert!(config(bundle.path()).is_err());
+    }
+}
