@@ -320,8 +320,12 @@ enum RunError {
     /// A push or a pull failed.
     #[error(transparent)]
     Transfer(#[from] transfer::TransferError),
-    /// Interrupted (SIGINT, SIGTERM); what it had written is gone.
-    #[error("interrupted: nothing of the version stays behind here")]
+    /// Interrupted (SIGINT, SIGTERM): crabctl's temporary copy is removed;
+    /// an import crabd had begun may still finish.
+    #[error(
+        "interrupted: crabctl's temporary copy of the version is removed; an import crabd had \
+         begun may still finish (see crabctl ps), and blobs already pushed stay in the registry"
+    )]
     Interrupted,
     /// A local step failed.
     #[error("cannot {what}")]

@@ -292,7 +292,7 @@ fn containerd(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, R
             }
             new.push_str(&format!(
                 "\n{BEGIN}\n[plugins.\"{plugin}\".containerd.runtimes.{NAME}]\n  runtime_type = \"{RUNTIME_TYPE}\"\n  \
-                 pod_annotations = [\"io.crab.*\"]\n{END}\n"
+                 pod_annotations = [\"io.crab.sandbox-container\"]\n{END}\n"
             ));
             // A file that defines `runtimes` inline cannot take the table.
             parse(&new).map_err(|e| RegisterError::Unsupported {
@@ -449,7 +449,7 @@ mod tests {
             doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crab"]["pod_annotations"]
                 [0]
             .as_str(),
-            Some("io.crab.*"),
+            Some("io.crab.sandbox-container"),
             "a pod's io.crab.sandbox-container reaches the shim"
         );
         assert_eq!(

@@ -6,7 +6,8 @@
 //! sandbox container. That is the app container the pod's annotation
 //! [`SANDBOX_CONTAINER`] names (containerd passes it on when the runtime's
 //! `pod_annotations` lists it), else the first app container to run (an
-//! init container until it ends). The pause container is no sandbox, and
+//! init container until it ends); a restart of it takes the pod over once
+//! the old one is deleted. The pause container is no sandbox, and
 //! any other app container (a sidecar) runs as a plain container, outside
 //! the pod's versions.
 
@@ -109,9 +110,9 @@ pub struct Pods(Mutex<HashMap<String, String>>);
 
 impl Pods {
     /// Whether container `id` of role `role` is a sandbox: every container
-    /// outside pods, and of each pod's app containers the one the pod names
-    /// (it takes the pod over: a restart of it), else the first (claimed
-    /// here until [`Pods::release`]).
+    /// outside pods, and of each pod's app containers the first of those
+    /// the pod names (any, when it names none), claimed here until
+    /// [`Pods::release`] (its delete: a restart of it takes the pod then).
     pub fn claim(&self, role: &Role, id: &str) -> bool {
         match role {
             Role::Alone => true,
@@ -119,17 +120,7 @@ impl Pods {
             Role::Member {
                 chosen: Some(false), ..
             } => false,
-            Role::Member {
-                pod,
-                chosen: Some(true),
-            } => {
-                self.0
-                    .lock()
-                    .expect("pods lock")
-                    .insert(pod.clone(), id.to_owned());
-                true
-            }
-            Role::Member { pod, chosen: None } => {
+            Role::Member { pod, .. } => {
                 let mut pods = self.0.lock().expect("pods lock");
                 pods.entry(pod.clone()).or_insert_with(|| id.to_owned()) == id
             }
@@ -220,10 +211,12 @@ mod tests {
         };
         assert!(!pods.claim(&named(false), "sidecar-r"));
         assert!(pods.claim(&named(true), "agent-r"));
+        assert!(!pods.claim(&named(true), "agent-r2"), "not while the first runs");
+        assert!(!pods.claim(&member("r"), "other-r"), "the pod is taken");
+        pods.release("agent-r");
         assert!(
             pods.claim(&named(true), "agent-r2"),
-            "its restart takes the pod over"
+            "its restart takes the pod once it is gone"
         );
-        assert!(!pods.claim(&member("r"), "other-r"), "the pod is taken");
     }
 }

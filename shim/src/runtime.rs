@@ -30,6 +30,7 @@ pub(crate) mod protocol;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};
+pub use joined_ns::preflight as restore_preflight;
 pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
 

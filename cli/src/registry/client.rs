@@ -120,14 +120,22 @@ impl Registry {
 
     async fn send(&self, req: Request<Body>) -> Result<Response<hyper::body::Incoming>, RegistryError> {
         let url = req.uri().to_string();
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .map_err(|source| RegistryError::Connect {
-                url: url.clone(),
-                source,
-            })?;
+        // A blob's upload is answered once all of it is sent: no limit.
+        let upload = req.method() == Method::PUT && url.contains("/blobs/uploads/");
+        let call = self.client.request(req);
+        let resp = match upload {
+            true => call.await,
+            false => tokio::time::timeout(STALL, call)
+                .await
+                .map_err(|_| RegistryError::Invalid {
+                    what: url.clone(),
+                    reason: format!("the registry did not answer in {} s", STALL.as_secs()),
+                })?,
+        }
+        .map_err(|source| RegistryError::Connect {
+            url: url.clone(),
+            source,
+        })?;
         if resp.status() == StatusCode::UNAUTHORIZED {
             let challenge = resp
                 .headers()
@@ -168,6 +176,12 @@ impl Registry {
                 reason: "the upload has no Location".to_owned(),
             })?;
         let mut upload = self.absolute(location);
+        if !self.same_scheme(&upload) {
+            return Err(RegistryError::Invalid {
+                what: format!("POST {url}"),
+                reason: format!("an upload to {upload}, not over the registry's own scheme"),
+            });
+        }
         upload.push(if upload.contains('?') { '&' } else { '?' });
         upload.push_str(&format!("digest={digest}"));
         let f = tokio::fs::File::open(file).await.map_err(io(file))?;
@@ -272,8 +286,7 @@ impl Registry {
             let next = self.absolute(next);
             // Object storage is HTTPS; a registry spoken to over HTTPS never
             // sends the blob's bytes over plain HTTP.
-            let plain_ok = next.starts_with("http://") && self.base.starts_with("http://");
-            if !next.starts_with("https://") && !plain_ok {
+            if !self.same_scheme(&next) {
                 return Err(RegistryError::Invalid {
                     what,
                     reason: format!("a redirect to {next}, which is not HTTPS"),
@@ -320,6 +333,15 @@ impl Registry {
             });
         }
         Ok(())
+    }
+
+    /// Whether `url` keeps to the registry's scheme (HTTPS for any registry
+    /// but a loopback one; a loopback one only to itself over HTTP).
+    fn same_scheme(&self, url: &str) -> bool {
+        match self.base.strip_prefix("http://") {
+            Some(_) => url.starts_with("https://") || url.starts_with(&format!("{}/", self.base)),
+            None => url.starts_with("https://"),
+        }
     }
 
     /// `location` made absolute against the registry.

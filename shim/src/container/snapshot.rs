@@ -300,6 +300,11 @@ impl Container {
                 tracing::warn!(error = %crab_api::error_chain(&e), "{}: thaw before the recovery", self.id);
             }
         }
+        // What would refuse the restore, refused while the processes live.
+        crate::runtime::restore_preflight(&self.bundle, images).map_err(|reason| Error::InvalidBundle {
+            bundle: self.bundle.clone(),
+            reason,
+        })?;
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;

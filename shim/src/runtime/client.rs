@@ -205,24 +205,19 @@ impl RuntimeClient {
     /// Points the CRIU that `cmd` will start at a configuration file with
     /// the network lock method and `extra` lines, which rust-criu has no
     /// options for (CRIU reads `CRIU_CONFIG_FILE` in RPC mode too; the RPC
-    /// request does not override them). One the shim's environment names
-    /// wins.
+    /// request does not override them). A file the shim's environment
+    /// names is read into it after the lock method (its choices win), and
+    /// `extra` last.
     fn configure_criu(&self, cmd: &mut Command, work_dir: &Path, extra: &str) -> Result<()> {
-        if std::env::var_os("CRIU_CONFIG_FILE").is_some_and(|f| !f.is_empty()) {
-            if !extra.is_empty() {
-                return Err(Error::InvalidBundle {
-                    bundle: work_dir.to_owned(),
-                    reason: format!(
-                        "the restore must give CRIU `{}`, and the shim's CRIU_CONFIG_FILE stands in \
-                         for crab's configuration: add those lines to that file",
-                        extra.trim()
-                    ),
-                });
-            }
-            return Ok(());
-        }
+        let theirs = match std::env::var_os("CRIU_CONFIG_FILE").filter(|f| !f.is_empty()) {
+            Some(f) => std::fs::read_to_string(&f).map_err(Error::io(format!(
+                "read CRIU_CONFIG_FILE {}",
+                Path::new(&f).display()
+            )))?,
+            None => String::new(),
+        };
         let conf = work_dir.join(CRIU_CONF);
-        let text = format!("network-lock {}\n{extra}", self.network_lock.as_str());
+        let text = format!("network-lock {}\n{theirs}\n{extra}", self.network_lock.as_str());
         std::fs::write(&conf, text).map_err(Error::io(format!("write {}", conf.display())))?;
         cmd.env("CRIU_CONFIG_FILE", conf);
         Ok(())

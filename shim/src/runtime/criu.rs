@@ -72,7 +72,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
     std::fs::create_dir_all(opts.image_path)
         .with_context(|| format!("create {}", opts.image_path.display()))?;
-    super::joined_ns::record(&spec, opts.image_path)?;
+    super::joined_ns::record(&spec, pid, opts.image_path)?;
     // The init's stdio targets (and crab-init's report pipe), for
     // re-wiring at restore.
     let recorded = if opts.crab_init { 4 } else { 3 };
@@ -205,7 +205,10 @@ fn notify(script: &str, msg: &rust_criu::rust_criu_protobuf::rpc::Criu_notify, _
 /// restored init's pid and records it, running, in libcontainer's state.
 pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     let spec = Spec::load(c.bundle().join("config.json")).context("read config.json")?;
-    super::joined_ns::check(&spec, opts.image_path)?;
+    if !opts.fresh {
+        // A container made for this restore has a spec of its own.
+        super::joined_ns::check(&spec, opts.image_path)?;
+    }
     let descriptors: Vec<String> = serde_json::from_slice(
         &std::fs::read(opts.image_path.join(DESCRIPTORS)).context("read descriptors.json")?,
     )

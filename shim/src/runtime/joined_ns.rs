@@ -5,9 +5,11 @@
 //! through CRIU's `join-ns` ([`config`]), where CRIU would make new ones.
 //!
 //! A `/proc/<pid>` path names whatever process has that pid now. The dump
-//! records the namespace each such path led to ([`record`]); a restore
-//! refuses a path that now leads to another ([`check`]): after a reboot or
-//! once the pod is gone, the pause container's pid may be a host daemon's.
+//! records the namespace the container's init is in for each such path,
+//! with the boot ([`record`]); a restore refuses a path that now leads to
+//! another namespace, or any after a reboot ([`check`]): the pause
+//! container's pid may then be a host daemon's. [`preflight`] runs both
+//! checks of a restore in the shim, before it kills anything.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -26,8 +28,18 @@ struct Joined {
     kind: String,
     /// The spec's path.
     path: PathBuf,
-    /// The namespace's inode at the dump.
+    /// The namespace's device and inode, as the container's init had it.
+    dev: u64,
     ino: u64,
+    /// The boot it was in (`/proc/sys/kernel/random/boot_id`).
+    boot: String,
+}
+
+fn boot_id() -> Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .context("read the boot id")?
+        .trim()
+        .to_owned())
 }
 
 /// CRIU's name of a namespace type.
@@ -88,20 +100,31 @@ pub fn config(bundle: &Path) -> Result<String, String> {
 }
 
 /// Records in `images` the namespaces `spec` joins through a process's
-/// path, with the inode each leads to now (or removes a stale record).
-pub fn record(spec: &Spec, images: &Path) -> Result<()> {
+/// path, as the container's init (`pid`) is in them (or removes a stale
+/// record). A path that no longer leads to the init's namespace (its
+/// holder is gone, the pid reused) is refused: a restore could not go back.
+pub fn record(spec: &Spec, pid: i32, images: &Path) -> Result<()> {
     let mut found = Vec::new();
     for (kind, path) in joined(spec) {
         if !through_a_process(&path) {
             continue;
         }
-        let ino = std::fs::metadata(&path)
-            .with_context(|| format!("stat {}", path.display()))?
-            .ino();
+        let own = std::fs::metadata(format!("/proc/{pid}/ns/{kind}"))
+            .with_context(|| format!("stat the init's {kind} namespace"))?;
+        let there = std::fs::metadata(&path).ok();
+        if there.as_ref().map(|m| (m.dev(), m.ino())) != Some((own.dev(), own.ino())) {
+            bail!(
+                "its {kind} namespace is no longer the one {} leads to (the process that held \
+                 it is gone): a restore could not join it again",
+                path.display()
+            );
+        }
         found.push(Joined {
             kind: kind.to_owned(),
             path,
-            ino,
+            dev: own.dev(),
+            ino: own.ino(),
+            boot: boot_id()?,
         });
     }
     let file = images.join(RECORD);
@@ -118,7 +141,8 @@ pub fn record(spec: &Spec, images: &Path) -> Result<()> {
 }
 
 /// Refuses a restore of `images` into `spec` when a namespace the dump
-/// joined through a process's path is no longer the one that path leads to.
+/// joined through a process's path is no longer the one that path leads to
+/// (another namespace there, or another boot).
 pub fn check(spec: &Spec, images: &Path) -> Result<()> {
     let bytes = match std::fs::read(images.join(RECORD)) {
         Ok(b) => b,
@@ -127,12 +151,13 @@ pub fn check(spec: &Spec, images: &Path) -> Result<()> {
     };
     let recorded: Vec<Joined> = serde_json::from_slice(&bytes).with_context(|| format!("parse {RECORD}"))?;
     let now = joined(spec);
+    let boot = boot_id()?;
     for r in recorded {
         if !now.iter().any(|(kind, path)| *kind == r.kind && *path == r.path) {
             continue;
         }
-        let ino = std::fs::metadata(&r.path).map(|m| m.ino()).ok();
-        if ino != Some(r.ino) {
+        let there = std::fs::metadata(&r.path).map(|m| (m.dev(), m.ino())).ok();
+        if r.boot != boot || there != Some((r.dev, r.ino)) {
             bail!(
                 "the {} namespace it joins through {} is not the one it was checkpointed in \
                  (the process that held it is gone: after a reboot, or its pod's pause container \
@@ -145,10 +170,29 @@ pub fn check(spec: &Spec, images: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Everything [`config`] and [`check`] would refuse in a restore of
+/// `images` into the container of `bundle`, found before the restore
+/// kills the processes it replaces.
+pub fn preflight(bundle: &Path, images: &Path) -> Result<(), String> {
+    config(bundle)?;
+    let spec = Spec::load(bundle.join("config.json")).map_err(|e| format!("read config.json: {e}"))?;
+    check(&spec, images).map_err(|e| format!("{e:#}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use oci_spec::runtime::{LinuxBuilder, LinuxNamespaceBuilder, SpecBuilder};
+
+    fn clone(j: &Joined) -> Joined {
+        Joined {
+            kind: j.kind.clone(),
+            path: j.path.clone(),
+            dev: j.dev,
+            ino: j.ino,
+            boot: j.boot.clone(),
+        }
+    }
 
     fn spec_joining(kind: LinuxNamespaceType, path: &str) -> Spec {
         let ns = LinuxNamespaceBuilder::default()
@@ -166,22 +210,53 @@ mod tests {
     fn a_restore_refuses_a_process_path_that_leads_to_another_namespace() {
         let images = tempfile::tempdir().unwrap();
         // Our own namespace through our own pid: the same at the restore.
-        let ours = format!("/proc/{}/ns/ipc", std::process::id());
+        let me = std::process::id() as i32;
+        let ours = format!("/proc/{me}/ns/ipc");
         let spec = spec_joining(LinuxNamespaceType::Ipc, &ours);
-        record(&spec, images.path()).unwrap();
+        record(&spec, me, images.path()).unwrap();
         check(&spec, images.path()).unwrap();
-        // The record says another namespace was there.
-        let stale = vec![Joined {
-            kind: "ipc".into(),
-            path: ours.clone().into(),
-            ino: 1,
-        }];
-        std::fs::write(images.path().join(RECORD), serde_json::to_vec(&stale).unwrap()).unwrap();
-        let e = check(&spec, images.path()).unwrap_err().to_string();
-        assert!(e.contains("not the one it was checkpointed in"), "{e}");
+        // The record says another namespace, or another boot.
+        let recorded: Vec<Joined> =
+            serde_json::from_slice(&std::fs::read(images.path().join(RECORD)).unwrap()).unwrap();
+        for stale in [
+            Joined {
+                ino: 1,
+                ..clone(&recorded[0])
+            },
+            Joined {
+                boot: "another boot".into(),
+                ..clone(&recorded[0])
+            },
+        ] {
+            std::fs::write(
+                images.path().join(RECORD),
+                serde_json::to_vec(&vec![stale]).unwrap(),
+            )
+            .unwrap();
+            let e = check(&spec, images.path()).unwrap_err().to_string();
+            assert!(e.contains("not the one it was checkpointed in"), "{e}");
+        }
+        // A dump whose init is not in the namespace the path leads to: a
+        // process in an IPC namespace of its own (root: CI runs it so).
+        let mut other = std::process::Command::new("unshare")
+            .args(["--ipc", "sleep", "30"])
+            .spawn()
+            .expect("run unshare (util-linux)");
+        let theirs = format!("/proc/{}/ns/ipc", other.id());
+        let moved = (0..1000).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::fs::metadata(&theirs).map(|m| m.ino()).ok() != std::fs::metadata(&ours).map(|m| m.ino()).ok()
+        });
+        let elsewhere = spec_joining(LinuxNamespaceType::Ipc, &theirs);
+        let refused = record(&elsewhere, me, images.path());
+        let _ = other.kill();
+        let _ = other.wait();
+        assert!(moved, "unshare made no IPC namespace");
+        let e = refused.unwrap_err().to_string();
+        assert!(e.contains("no longer the one"), "{e}");
         // A path that is not a process's is not recorded.
         let named = spec_joining(LinuxNamespaceType::Network, "/var/run/netns/x");
-        record(&named, images.path()).unwrap();
+        record(&named, me, images.path()).unwrap();
         assert!(!images.path().join(RECORD).exists());
         check(&named, images.path()).unwrap();
     }
