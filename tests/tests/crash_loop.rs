@@ -62,6 +62,16 @@ fn observe(pid: i32) -> Option<Observed> {
 
 /// Step `step`'s command: the store's value and a file.
 fn command(ctd: &Containerd, id: &str, pid: i32, step: u64) -> Result<(), String> {
+    run_command(ctd, id, pid, step, "")
+}
+
+/// Step `step`'s command, which stays a while after its file is written
+/// (a crash then lands in it).
+fn command_lingering(ctd: &Containerd, id: &str, pid: i32, step: u64) -> Result<(), String> {
+    run_command(ctd, id, pid, step, "; sleep 2")
+}
+
+fn run_command(ctd: &Containerd, id: &str, pid: i32, step: u64, tail: &str) -> Result<(), String> {
     let answer = try_ask(pid, STORE, &format!("set k {step}")).map_err(|e| e.to_string())?;
     if answer != "ok" {
         return Err(answer);
@@ -74,7 +84,7 @@ fn command(ctd: &Containerd, id: &str, pid: i32, step: u64) -> Result<(), String
         id,
         "sh",
         "-c",
-        &format!("echo {step} > /data/s"),
+        &format!("echo {step} > /data/s{tail}"),
     ]);
     out.status
         .success()
@@ -133,7 +143,20 @@ fn agent(ctd: &Containerd, id: &str, mut pid: i32, crashes: &[(u64, Phase, Durat
         };
         std::thread::scope(|s| match phase {
             Phase::Command => {
-                let work = s.spawn(|| command(ctd, id, pid, step));
+                // The crash lands while the command runs in this sandbox:
+                // once it wrote its file, before it ends. (Killed before it
+                // started, its exec would wait out the recovery and run in
+                // the recovered sandbox, a change after the version.)
+                let work = s.spawn(|| command_lingering(ctd, id, pid, step));
+                let file = format!("/proc/{pid}/root/data/s");
+                let wrote = wait_until(30, || {
+                    let now = std::fs::read_to_string(&file).ok()?;
+                    (now.trim() == step.to_string()).then_some(())
+                });
+                assert!(
+                    wrote.is_some(),
+                    "{id}: step {step}'s command never wrote its file"
+                );
                 std::thread::sleep(delay);
                 kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap();
                 let _ = work.join();
