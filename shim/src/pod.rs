@@ -86,22 +86,21 @@ pub fn role(annotations: &HashMap<String, String>) -> Role {
 /// The role of the container whose bundle is `bundle` (its `config.json`);
 /// a spec that cannot be read is `Alone` (its create then says why).
 pub fn role_of(bundle: &Path) -> Role {
-    let annotations = std::fs::read(bundle.join("config.json"))
-        .ok()
-        .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
-        .and_then(|spec| serde_json::from_value(spec.get("annotations")?.clone()).ok())
-        .unwrap_or_default();
-    role(&annotations)
+    role(&annotations_of(bundle))
 }
 
 /// The pod id a CRI container's shim is shared under, from its spec.
 pub fn group(bundle: &Path) -> Option<String> {
-    let text = std::fs::read(bundle.join("config.json")).ok()?;
-    let spec: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    spec.get("annotations")?
-        .get(SANDBOX_ID)?
-        .as_str()
-        .map(str::to_owned)
+    annotations_of(bundle).remove(SANDBOX_ID)
+}
+
+/// The annotations of the spec in `bundle` (none if it cannot be read).
+fn annotations_of(bundle: &Path) -> HashMap<String, String> {
+    std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
+        .and_then(|spec| serde_json::from_value(spec.get("annotations")?.clone()).ok())
+        .unwrap_or_default()
 }
 
 /// Which app container is each pod's sandbox, for the pods of one shim.
