@@ -5,7 +5,8 @@
 //! snapshotter (crab's btrfs backend, on a loop file).
 //!
 //! Measured through `crabctl`, wall clock: a files-only checkpoint, a full
-//! one (and crab's own frozen time), and a rollback to the newest version
+//! one (and crab's own frozen time and time in crabd, which a turn's
+//! checkpoint pays without crabctl's start), and a rollback to the newest version
 //! with and without the undo checkpoint. The baseline, from the same run
 //! and on the same snapshotter, is `ctr task checkpoint` of the same
 //! sandbox under runc.v2: checkpointing the whole container each turn. The
@@ -30,7 +31,9 @@ const LOOP: &str = "i=0; while true; do i=$((i+1)); echo $i > /n; sleep 0.05; do
 struct Samples {
     runc_full: Vec<Duration>,
     fs_only: Vec<Duration>,
+    fs_only_crabd: Vec<Duration>,
     full: Vec<Duration>,
+    full_crabd: Vec<Duration>,
     frozen: Vec<Duration>,
     rollback: Vec<Duration>,
     rollback_no_undo: Vec<Duration>,
@@ -60,7 +63,9 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     };
     row("baseline: runc.v2 ctr task checkpoint", "-", |s| &mut s.runc_full);
     row("crab files-only checkpoint", "59 (btrfs)", |s| &mut s.fs_only);
+    row("  in crabd (crab's own measure)", "-", |s| &mut s.fs_only_crabd);
     row("crab full checkpoint", "203", |s| &mut s.full);
+    row("  in crabd (crab's own measure)", "-", |s| &mut s.full_crabd);
     row("  of which frozen (crab's own measure)", "-", |s| &mut s.frozen);
     row("crab rollback (with undo checkpoint)", "360", |s| &mut s.rollback);
     row("crab rollback --no-undo", "-", |s| &mut s.rollback_no_undo);
@@ -91,12 +96,13 @@ fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
         ctr_task_checkpoint(&ctd, "tb-runc")?;
         s.runc_full.push(t.elapsed());
         forget_ctr_checkpoints(&ctd, "tb-runc");
-        let (took, _) = timed(&ctd, &["checkpoint", "--fs", "tb-crab"])?;
+        let (took, report) = timed(&ctd, &["checkpoint", "--fs", "tb-crab"])?;
         s.fs_only.push(took);
+        s.fs_only_crabd.push(reported(&report, "total_ms")?);
         let (took, report) = timed(&ctd, &["checkpoint", "tb-crab"])?;
         s.full.push(took);
-        let frozen = report["frozen_ms"].as_f64().context("frozen_ms")?;
-        s.frozen.push(Duration::from_secs_f64(frozen / 1e3));
+        s.full_crabd.push(reported(&report, "total_ms")?);
+        s.frozen.push(reported(&report, "frozen_ms")?);
         let (took, _) = timed(&ctd, &["rollback", "tb-crab", "latest"])?;
         s.rollback.push(took);
         let (took, _) = timed(&ctd, &["rollback", "--no-undo", "tb-crab", "latest"])?;
@@ -116,6 +122,14 @@ fn exec(ctd: &Containerd, id: &str, script: &str) -> anyhow::Result<()> {
         bail!("exec in {id}: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
+}
+
+/// The duration crabd reported as `field` (milliseconds) of a checkpoint.
+fn reported(report: &serde_json::Value, field: &str) -> anyhow::Result<Duration> {
+    let ms = report[field]
+        .as_f64()
+        .with_context(|| format!("{field} in {report}"))?;
+    Ok(Duration::from_secs_f64(ms / 1e3))
 }
 
 /// Runs `crabctl --json args…`; returns its wall time and answer.

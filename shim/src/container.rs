@@ -39,6 +39,9 @@ pub struct Container {
     pub cgroups_path: PathBuf,
     /// The unified cgroup the shim made (v1-hybrid hosts).
     unified_cgroup: Option<PathBuf>,
+    /// Its freezer, for checkpoints (a user's pause goes through
+    /// libcontainer, which records it).
+    freezer: crate::freezer::Freezer,
     /// Its rootfs: mounts, and what keeps its files.
     rootfs: Rootfs,
     /// The task publishing its OOM events; aborted at delete.
@@ -135,6 +138,7 @@ impl Container {
             init: Process::new("", stdio),
             execs: HashMap::new(),
             unified_cgroup: cgroup::unified_cgroup(&cgroups_path),
+            freezer: crate::freezer::Freezer::default(),
             cgroups_path,
             rootfs: Rootfs::new(&bundle, req.rootfs.to_vec()),
             oom_task: None,
@@ -507,31 +511,37 @@ impl Container {
             (ProcessState::Paused, ProcessState::Running, "resume")
         };
         self.expect_state(&self.init, from, op)?;
-        self.set_frozen(pause, runtime).await?;
+        self.pause_recorded(pause, runtime).await?;
         self.init.state = to;
         Ok(())
     }
 
-    /// Freezes or thaws the container's cgroup, leaving the recorded state
-    /// alone (a checkpoint freezes for a moment). A thaw happens whatever
-    /// the init's state: libcontainer refuses to resume a container whose
-    /// init is gone, and a sandbox whose init died while it was frozen (a
-    /// crash during a checkpoint) would stay frozen, with whatever a
-    /// recovery restores into its cgroup.
     /// Freezes the container's cgroup for a checkpoint. A freeze that
     /// failed is undone: the kernel may still complete it after the call
     /// gave up (a task in uninterruptible sleep), and nothing would thaw it.
-    pub(crate) async fn freeze_for_capture(&self, runtime: &RuntimeClient) -> Result<()> {
-        let frozen = self.set_frozen(true, runtime).await;
+    pub(crate) async fn freeze_for_capture(&self) -> Result<()> {
+        let frozen = self.set_frozen(true).await;
         if frozen.is_err() {
-            if let Err(e) = self.set_frozen(false, runtime).await {
+            if let Err(e) = self.set_frozen(false).await {
                 tracing::warn!(error = %crab_api::error_chain(&e), "{}: thaw after a failed freeze", self.id);
             }
         }
         frozen
     }
 
-    pub(crate) async fn set_frozen(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
+    /// Freezes or thaws the container's cgroup for a moment (a checkpoint,
+    /// a recovery), leaving the recorded state alone. A thaw happens
+    /// whatever the init's state: a sandbox whose init died while it was
+    /// frozen (a crash during a checkpoint) would stay frozen, with
+    /// whatever a recovery restores into its cgroup.
+    pub(crate) async fn set_frozen(&self, frozen: bool) -> Result<()> {
+        self.freezer.set(&self.cgroups_path, &self.id, frozen).await
+    }
+
+    /// A user's pause or resume, through libcontainer, which records it. A
+    /// resume thaws whatever the init's state: libcontainer refuses to
+    /// resume a container whose init is gone.
+    async fn pause_recorded(&self, pause: bool, runtime: &RuntimeClient) -> Result<()> {
         let op = if pause { "pause" } else { "resume" };
         let dir = runtime.root().join(&self.id);
         let id = self.id.clone();
@@ -623,7 +633,7 @@ impl Container {
         {
             // CRIU froze the cgroup itself and was stopped before it thawed
             // it: a killed init could never exit, nor the sandbox run.
-            if let Err(e) = self.set_frozen(false, runtime).await {
+            if let Err(e) = self.set_frozen(false).await {
                 tracing::warn!("{}: thaw after an abandoned dump: {e}", self.id);
             }
         }

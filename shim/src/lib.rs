@@ -23,6 +23,7 @@ mod control;
 mod error;
 mod events;
 mod exits;
+mod freezer;
 mod fsop;
 mod grant;
 mod init;

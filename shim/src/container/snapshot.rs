@@ -94,11 +94,11 @@ impl Container {
             self.refuse_undumpable().await?;
         }
         let t0 = Instant::now();
-        self.freeze_for_capture(runtime).await?;
+        self.freeze_for_capture().await?;
         let frozen_at = Instant::now();
         let made = self.checkpoint_frozen(req, runtime).await;
         let t_thaw = Instant::now();
-        let thawed = self.set_frozen(false, runtime).await;
+        let thawed = self.set_frozen(false).await;
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
         let fs = made?;
         thawed?;
@@ -154,10 +154,10 @@ impl Container {
     ) -> Result<ShimFilesRestored> {
         self.expect_state(&self.init, ProcessState::Running, "restore files")?;
         self.rootfs.check_snapshot(&req.fs, &self.fs_ctx(runtime)).await?;
-        self.freeze_for_capture(runtime).await?;
+        self.freeze_for_capture().await?;
         let frozen_at = Instant::now();
         let done = self.rootfs.restore_files(&req.fs, &self.fs_ctx(runtime)).await;
-        let thawed = self.set_frozen(false, runtime).await;
+        let thawed = self.set_frozen(false).await;
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
         let (written, removed) = done?;
         thawed?;
@@ -296,7 +296,7 @@ impl Container {
         if self.recovering {
             // A crash during a checkpoint can leave the cgroup frozen: its
             // tasks would not die, nor would restored ones run.
-            if let Err(e) = self.set_frozen(false, runtime).await {
+            if let Err(e) = self.set_frozen(false).await {
                 tracing::warn!(error = %crab_api::error_chain(&e), "{}: thaw before the recovery", self.id);
             }
         }
