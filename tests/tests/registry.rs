@@ -36,48 +36,53 @@ impl Registry {
         );
         let dir = std::env::temp_dir().join(unique("crab-registry"));
         std::fs::create_dir_all(&dir).unwrap();
-        let port = free_port();
-        let config = dir.join("config.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-                 http:\n  addr: 127.0.0.1:{port}\n",
-                dir.join("data").display()
-            ),
-        )
-        .unwrap();
-        let log = std::fs::File::create(dir.join("registry.log")).unwrap();
-        let child = Command::new(REGISTRY_BIN)
-            .arg("serve")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start docker-registry");
-        let r = Registry { child, dir, port };
-        wait_until(20, || r.get("/v2/").filter(|a| a.starts_with("HTTP/1.1 200"))).unwrap_or_else(|| {
-            panic!(
-                "the registry never answered; see {}",
-                r.dir.join("registry.log").display()
+        // A free port is only free until someone binds it: a registry that
+        // could not bind its port exits, and gets another.
+        for _ in 0..5 {
+            let port = free_port();
+            let config = dir.join("config.yml");
+            std::fs::write(
+                &config,
+                format!(
+                    "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
+                     http:\n  addr: 127.0.0.1:{port}\n",
+                    dir.join("data").display()
+                ),
             )
-        });
-        r
+            .unwrap();
+            let log = std::fs::File::create(dir.join("registry.log")).unwrap();
+            let mut child = Command::new(REGISTRY_BIN)
+                .arg("serve")
+                .arg(&config)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("start docker-registry");
+            let up = wait_until(20, || {
+                if get(port, "/v2/").is_some_and(|a| a.starts_with("HTTP/1.1 200")) {
+                    return Some(true);
+                }
+                child.try_wait().ok().flatten().map(|_| false)
+            });
+            match up {
+                Some(true) => return Registry { child, dir, port },
+                Some(false) => continue,
+                None => panic!(
+                    "the registry never answered; see {}",
+                    dir.join("registry.log").display()
+                ),
+            }
+        }
+        panic!(
+            "the registry could not bind a port; see {}",
+            dir.join("registry.log").display()
+        )
     }
 
     /// The answer to a GET of `path` (manifests as OCI's).
     fn get(&self, path: &str) -> Option<String> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: application/vnd.oci.image.manifest.v1+json\r\n\
-             connection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).ok()?;
-        Some(answer)
+        get(self.port, path)
     }
 
     fn reference(&self, repo_tag: &str) -> String {
@@ -93,6 +98,21 @@ impl Registry {
             .join(hex)
             .join("data")
     }
+}
+
+/// The answer of the registry on `port` to a GET of `path` (manifests as
+/// OCI's).
+fn get(port: u16, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: application/vnd.oci.image.manifest.v1+json\r\n\
+         connection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).ok()?;
+    Some(answer)
 }
 
 impl Drop for Registry {
