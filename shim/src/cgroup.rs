@@ -118,7 +118,7 @@ fn cgroup_error(op: &'static str, id: &str, e: impl std::error::Error + Send + S
 
 /// The path of `cgroups_path` below a hierarchy root: absolute paths are
 /// taken as is; systemd's `slice:prefix:name` becomes `slice/prefix-name.scope`.
-pub(crate) fn relative(cgroups_path: &Path) -> PathBuf {
+fn relative(cgroups_path: &Path) -> PathBuf {
     let s = cgroups_path.to_string_lossy();
     let parts: Vec<&str> = s.split(':').collect();
     if let [slice, prefix, name] = parts.as_slice() {

@@ -256,6 +256,7 @@ impl Container {
         };
         let (pid, rx) = runtime.create(&self.id, &self.bundle, launch).await?;
         self.init.pid = pid;
+        self.freezer.learn(pid);
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
         Ok(rx)
@@ -535,7 +536,7 @@ impl Container {
     /// frozen (a crash during a checkpoint) would stay frozen, with
     /// whatever a recovery restores into its cgroup.
     pub(crate) async fn set_frozen(&self, frozen: bool) -> Result<()> {
-        self.freezer.set(&self.cgroups_path, &self.id, frozen).await
+        self.freezer.set(self.init.pid, &self.id, frozen).await
     }
 
     /// A user's pause or resume, through libcontainer, which records it. A

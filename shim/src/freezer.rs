@@ -9,29 +9,32 @@
 //! It also leaves libcontainer's recorded status alone: a capture is not
 //! a user's pause, and a crash during one leaves nothing that says
 //! "paused".
+//!
+//! The cgroup is the one the init is in, as the kernel says
+//! (`/proc/<pid>/cgroup`), which is also the one CRIU is told to freeze
+//! ([`cgroup_of`]): never a path rebuilt from the spec, which the bundle's
+//! owner writes. The shim's own cgroup and a hierarchy's root are refused.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use libcgroups::common::CgroupSetup;
-
 use crate::error::{Error, Result};
 
 /// How long a freeze may take before it is given up (and thawed back).
-const FREEZE_LIMIT: Duration = Duration::from_secs(2);
+const FREEZE_LIMIT: Duration = Duration::from_secs(5);
 
 /// The first and the longest pause between two looks at a freeze.
 const POLL_FIRST: Duration = Duration::from_micros(50);
 const POLL_MAX: Duration = Duration::from_millis(2);
 
-/// A container's freezer; the cgroup is found at the first use.
+/// A container's freezer; its cgroup is learned when its init starts.
 #[derive(Default)]
 pub struct Freezer(OnceLock<Cgroup>);
 
 /// Where the freezer of one cgroup is, and which kind it is.
-#[derive(Clone, Debug)]
-enum Cgroup {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cgroup {
     /// cgroup v1's freezer hierarchy (also on v1-hybrid hosts, where
     /// libcontainer and CRIU use it): `freezer.state`.
     V1(PathBuf),
@@ -40,20 +43,33 @@ enum Cgroup {
 }
 
 impl Freezer {
-    /// Freezes (`frozen`) or thaws the cgroup at `cgroups_path` (the
-    /// spec's, as libcontainer resolves it) of container `id`, whatever
-    /// state its processes are in. A freeze that does not hold within
-    /// [`FREEZE_LIMIT`] is thawed back and reported.
-    pub async fn set(&self, cgroups_path: &Path, id: &str, frozen: bool) -> Result<()> {
+    /// Finds the cgroup of the init `pid`, just started (or restored) and
+    /// so the container's, if it is not known yet. Best effort: a freeze
+    /// looks again and says why it cannot.
+    pub fn learn(&self, pid: i32) {
+        if self.0.get().is_none() {
+            if let Ok(c) = cgroup_of(pid) {
+                let _ = self.0.set(c);
+            }
+        }
+    }
+
+    /// Freezes (`frozen`) or thaws the cgroup of container `id`, whose
+    /// init is `pid`, whatever state its processes are in. A freeze that
+    /// does not hold within [`FREEZE_LIMIT`] is thawed back and reported.
+    /// A thaw of a cgroup never learned has nothing crab froze: the pid of
+    /// an init that is gone may be another process's.
+    pub async fn set(&self, pid: i32, id: &str, frozen: bool) -> Result<()> {
+        let op = if frozen { "freeze" } else { "thaw" };
+        let failed = io_error(id, op);
         let cgroup = match self.0.get() {
             Some(c) => c.clone(),
+            None if !frozen => return Ok(()),
             None => {
-                let c = Cgroup::find(cgroups_path).map_err(io_error(id, "freezer lookup"))?;
+                let c = cgroup_of(pid).map_err(&failed)?;
                 self.0.get_or_init(|| c).clone()
             }
         };
-        let op = if frozen { "freeze" } else { "thaw" };
-        let failed = io_error(id, op);
         tokio::task::spawn_blocking(move || match frozen {
             true => cgroup.freeze(),
             false => cgroup.thaw(),
@@ -74,24 +90,71 @@ fn io_error(id: &str, op: &'static str) -> impl Fn(std::io::Error) -> Error {
     }
 }
 
+/// The freezer cgroup of process `pid`, as the kernel places it: the v1
+/// freezer hierarchy when there is one, else the unified one. Refused:
+/// the root of a hierarchy and the cgroup this process is in.
+pub fn cgroup_of(pid: i32) -> std::io::Result<Cgroup> {
+    let find = |pid: &str| -> std::io::Result<Cgroup> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+        parse(&text, mount_of)
+    };
+    let cgroup = find(&pid.to_string())?;
+    let path = match &cgroup {
+        Cgroup::V1(p) | Cgroup::V2(p) => p,
+    };
+    if path.parent().is_none() || cgroup == find("self")? || mount_of(&cgroup).as_deref() == Some(path) {
+        return Err(std::io::Error::other(format!(
+            "process {pid} is in the cgroup {} of the host or of the shim itself",
+            path.display()
+        )));
+    }
+    Ok(cgroup)
+}
+
+/// The mount point of the hierarchy `cgroup` names.
+fn mount_of(cgroup: &Cgroup) -> Option<PathBuf> {
+    match cgroup {
+        Cgroup::V1(_) => {
+            libcgroups::v1::util::get_subsystem_mount_point(&libcgroups::v1::ControllerType::Freezer).ok()
+        }
+        Cgroup::V2(_) => crate::cgroup::unified_mount(),
+    }
+}
+
+/// The freezer cgroup in `/proc/<pid>/cgroup`'s `text`, below the mount
+/// point `mount` gives for its kind.
+fn parse(text: &str, mount: impl Fn(&Cgroup) -> Option<PathBuf>) -> std::io::Result<Cgroup> {
+    let mut unified = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
+        let (Some(controllers), Some(path)) = (controllers, path) else {
+            continue;
+        };
+        let relative = path.trim_start_matches('/');
+        if relative.split('/').any(|c| c == "..") {
+            return Err(std::io::Error::other(format!("cgroup path {path:?}")));
+        }
+        if controllers.split(',').any(|c| c == "freezer") {
+            let base = mount(&Cgroup::V1(PathBuf::new()))
+                .ok_or_else(|| std::io::Error::other("no cgroup v1 freezer mount"))?;
+            return Ok(Cgroup::V1(base.join(relative)));
+        }
+        if controllers.is_empty() {
+            unified = Some(relative.to_owned());
+        }
+    }
+    let relative = unified.ok_or_else(|| std::io::Error::other("the process is in no freezer cgroup"))?;
+    let base = mount(&Cgroup::V2(PathBuf::new())).ok_or_else(|| std::io::Error::other("no cgroup2 mount"))?;
+    Ok(Cgroup::V2(base.join(relative)))
+}
+
 impl Cgroup {
-    /// The freezer of the cgroup at `cgroups_path` on this host.
-    fn find(cgroups_path: &Path) -> std::io::Result<Self> {
-        let relative = crate::cgroup::relative(cgroups_path);
-        let setup = libcgroups::common::get_cgroup_setup().map_err(std::io::Error::other)?;
-        Ok(match setup {
-            CgroupSetup::Unified => {
-                let mount = crate::cgroup::unified_mount()
-                    .ok_or_else(|| std::io::Error::other("no cgroup2 mount"))?;
-                Self::V2(mount.join(relative))
-            }
-            CgroupSetup::Legacy | CgroupSetup::Hybrid => {
-                let mount =
-                    libcgroups::v1::util::get_subsystem_mount_point(&libcgroups::v1::ControllerType::Freezer)
-                        .map_err(std::io::Error::other)?;
-                Self::V1(mount.join(relative))
-            }
-        })
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        match self {
+            Self::V1(d) | Self::V2(d) => d,
+        }
     }
 
     fn freeze(&self) -> std::io::Result<()> {
@@ -103,10 +166,11 @@ impl Cgroup {
                 Self::V1(dir) => {
                     // As runc: the write is repeated (tasks forked meanwhile
                     // are frozen too), and now and then the cgroup is thawed
-                    // and frozen again, which unsticks a freeze that a task
-                    // in vfork would otherwise hold up.
+                    // for a moment and frozen again, which lets a task that
+                    // holds the freeze up (in vfork) move on.
                     if tries % 50 == 49 {
                         std::fs::write(dir.join("freezer.state"), "THAWED")?;
+                        std::thread::sleep(Duration::from_millis(10));
                     }
                     std::fs::write(dir.join("freezer.state"), "FROZEN")?;
                     let state = std::fs::read_to_string(dir.join("freezer.state"))?;
@@ -152,49 +216,98 @@ impl Cgroup {
 mod tests {
     use super::*;
 
-    /// A shell counting into a file, in a new cgroup of `root`, stops
-    /// counting while frozen and counts again once thawed. Needs root.
-    fn freezes_and_thaws(root: &Path, make: fn(PathBuf) -> Cgroup) {
-        let dir = root.join(format!("crab-freezer-test-{}", std::process::id()));
-        std::fs::create_dir(&dir).expect("make a cgroup (needs root)");
-        let file = std::env::temp_dir().join(format!("crab-freezer-count-{}", std::process::id()));
-        let mut child = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "i=0; while :; do i=$((i+1)); echo $i > {}; done",
-                file.display()
-            ))
-            .spawn()
-            .expect("spawn sh");
-        std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).expect("join the cgroup");
-        let count = || std::fs::read_to_string(&file).unwrap_or_default();
-        let cgroup = make(dir.clone());
-        cgroup.freeze().expect("freeze");
-        let before = count();
+    /// A shell counting into a file, in a cgroup of its own; thawed,
+    /// killed, reaped and removed on drop, whatever the test did.
+    struct Counter {
+        child: std::process::Child,
+        cgroup: Cgroup,
+        file: PathBuf,
+    }
+
+    impl Counter {
+        /// Starts one in a new cgroup of hierarchy `root` (needs root).
+        fn start(root: &Path, kind: fn(PathBuf) -> Cgroup, name: &str) -> Self {
+            let unique = format!("crab-freezer-{name}-{}", std::process::id());
+            let dir = root.join(&unique);
+            std::fs::create_dir(&dir).expect("make a cgroup (needs root)");
+            let file = std::env::temp_dir().join(&unique);
+            let child = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "i=0; while :; do i=$((i+1)); echo $i > {}; done",
+                    file.display()
+                ))
+                .spawn()
+                .expect("spawn sh");
+            let counter = Counter {
+                child,
+                cgroup: kind(dir.clone()),
+                file,
+            };
+            std::fs::write(dir.join("cgroup.procs"), counter.child.id().to_string())
+                .expect("join the cgroup");
+            counter
+        }
+
+        fn count(&self) -> String {
+            std::fs::read_to_string(&self.file).unwrap_or_default()
+        }
+    }
+
+    impl Drop for Counter {
+        fn drop(&mut self) {
+            let _ = self.cgroup.thaw();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_file(&self.file);
+            let _ = std::fs::remove_dir(self.cgroup.dir());
+        }
+    }
+
+    /// The counter stops while its cgroup is frozen and counts again once
+    /// it is thawed.
+    fn freezes_and_thaws(c: &Counter) {
+        c.cgroup.freeze().expect("freeze");
+        let before = c.count();
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(count(), before, "a frozen shell went on counting");
-        cgroup.thaw().expect("thaw");
+        assert_eq!(c.count(), before, "a frozen shell went on counting");
+        c.cgroup.thaw().expect("thaw");
         let deadline = Instant::now() + Duration::from_secs(30);
-        while count() == before {
+        while c.count() == before {
             assert!(Instant::now() < deadline, "the thawed shell never counted again");
             std::thread::sleep(Duration::from_millis(10));
         }
-        child.kill().expect("kill sh");
-        child.wait().expect("reap sh");
-        let _ = std::fs::remove_file(&file);
-        std::fs::remove_dir(&dir).expect("remove the cgroup");
     }
 
     #[test]
     fn v1_freezer_holds_a_cgroup_still() {
         let root = Path::new("/sys/fs/cgroup/freezer");
         assert!(root.is_dir(), "this host has the v1 freezer (ENVIRONMENT.md)");
-        freezes_and_thaws(root, Cgroup::V1);
+        let c = Counter::start(root, Cgroup::V1, "v1");
+        // Where the kernel placed it is what the shim finds (on a hybrid
+        // host, the v1 freezer comes first).
+        assert_eq!(
+            cgroup_of(c.child.id() as i32).expect("the counter's cgroup"),
+            c.cgroup
+        );
+        freezes_and_thaws(&c);
     }
 
     #[test]
     fn v2_freezer_holds_a_cgroup_still() {
         let root = crate::cgroup::unified_mount().expect("a cgroup2 mount (ENVIRONMENT.md)");
-        freezes_and_thaws(&root, Cgroup::V2);
+        freezes_and_thaws(&Counter::start(&root, Cgroup::V2, "v2"));
+    }
+
+    #[test]
+    fn the_shims_own_cgroup_and_parent_paths_are_refused() {
+        let own = cgroup_of(std::process::id() as i32).unwrap_err();
+        assert!(own.to_string().contains("of the shim itself"), "{own}");
+        let mount = |_: &Cgroup| Some(PathBuf::from("/sys/fs/cgroup/freezer"));
+        assert!(parse("4:freezer:/a/../../x\n", mount).is_err());
+        assert_eq!(
+            parse("4:freezer:/ns/box\n0::/ns/box\n", mount).unwrap(),
+            Cgroup::V1(PathBuf::from("/sys/fs/cgroup/freezer/ns/box"))
+        );
     }
 }

@@ -34,7 +34,7 @@ impl Registry {
             std::path::Path::new(REGISTRY_BIN).exists(),
             "{REGISTRY_BIN} missing: run packaging/install-deps.sh"
         );
-        let dir = std::env::temp_dir().join(unique("crab-registry"));
+        let mut dir = std::env::temp_dir().join(unique("crab-registry"));
         std::fs::create_dir_all(&dir).unwrap();
         // A free port is only free until someone binds it: a registry that
         // could not bind its port exits, and gets another.
@@ -50,8 +50,13 @@ impl Registry {
                 ),
             )
             .unwrap();
-            let log = std::fs::File::create(dir.join("registry.log")).unwrap();
-            let mut child = Command::new(REGISTRY_BIN)
+            // Appended: each try's words stay for the one who reads them.
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("registry.log"))
+                .unwrap();
+            let child = Command::new(REGISTRY_BIN)
                 .arg("serve")
                 .arg(&config)
                 .stdin(Stdio::null())
@@ -59,23 +64,38 @@ impl Registry {
                 .stderr(log)
                 .spawn()
                 .expect("start docker-registry");
+            // Owned from here: killed and its directory removed on any panic.
+            let mut r = Registry { child, dir, port };
             let up = wait_until(20, || {
-                if get(port, "/v2/").is_some_and(|a| a.starts_with("HTTP/1.1 200")) {
-                    return Some(true);
+                let answered = r.get("/v2/").is_some_and(|a| a.starts_with("HTTP/1.1 200"));
+                // An answer counts only while ours runs: another listener
+                // may hold the port ours could not bind.
+                match r.child.try_wait() {
+                    Ok(None) if answered => Some(true),
+                    Ok(None) => None,
+                    _ => Some(false),
                 }
-                child.try_wait().ok().flatten().map(|_| false)
             });
             match up {
-                Some(true) => return Registry { child, dir, port },
-                Some(false) => continue,
+                Some(true) => return r,
+                Some(false) => {
+                    let log = std::fs::read_to_string(r.dir.join("registry.log")).unwrap_or_default();
+                    assert!(
+                        log.contains("address already in use"),
+                        "the registry exited; see {}",
+                        r.dir.join("registry.log").display()
+                    );
+                    // The next try keeps the directory (and its log).
+                    dir = std::mem::take(&mut r.dir);
+                }
                 None => panic!(
                     "the registry never answered; see {}",
-                    dir.join("registry.log").display()
+                    r.dir.join("registry.log").display()
                 ),
             }
         }
         panic!(
-            "the registry could not bind a port; see {}",
+            "the registry could not bind a port in five tries; see {}",
             dir.join("registry.log").display()
         )
     }
@@ -103,7 +123,11 @@ impl Registry {
 /// The answer of the registry on `port` to a GET of `path` (manifests as
 /// OCI's).
 fn get(port: u16, path: &str) -> Option<String> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let limit = std::time::Duration::from_secs(10);
+    let mut s = std::net::TcpStream::connect_timeout(&addr, limit).ok()?;
+    s.set_read_timeout(Some(limit)).ok()?;
+    s.set_write_timeout(Some(limit)).ok()?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: application/vnd.oci.image.manifest.v1+json\r\n\

@@ -331,6 +331,7 @@ impl Container {
         };
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
+        self.freezer.learn(pid);
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
         self.restart_proxy().await;
@@ -361,6 +362,7 @@ impl Container {
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
+        self.freezer.learn(pid);
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
         self.init.state = ProcessState::Running;

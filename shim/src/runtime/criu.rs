@@ -145,7 +145,8 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
                 .context("mark the network namespace as crab's")?;
         }
     }
-    criu.set_freeze_cgroup(freezer_cgroup(pid)?.to_string_lossy().into_owned());
+    let freezer = crate::freezer::cgroup_of(pid).context("the init's freezer cgroup")?;
+    criu.set_freeze_cgroup(freezer.dir().to_string_lossy().into_owned());
     criu.set_log_file(DUMP_LOG.to_owned());
     criu.set_log_level(4);
     criu.set_pid(pid);
@@ -459,34 +460,4 @@ fn joined_netns(spec: &Spec) -> Option<PathBuf> {
         .find(|n| n.typ() == LinuxNamespaceType::Network)?
         .path()
         .clone()
-}
-
-/// The freezer cgroup of `pid` on the host: the v1 freezer hierarchy when
-/// there is one, else the unified one.
-fn freezer_cgroup(pid: i32) -> Result<PathBuf> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).context("read the init's cgroups")?;
-    let mut unified = None;
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next(), parts.next());
-        let (Some(controllers), Some(path)) = (controllers, path) else {
-            continue;
-        };
-        let path = path.trim_start_matches('/');
-        if controllers.split(',').any(|c| c == "freezer") {
-            let mp =
-                libcgroups::v1::util::get_subsystem_mount_point(&libcgroups::v1::ControllerType::Freezer)
-                    .context("freezer mount point")?;
-            return Ok(mp.join(path));
-        }
-        if controllers.is_empty() {
-            unified = Some(path.to_owned());
-        }
-    }
-    let path = unified.context("the init is in no freezer cgroup")?;
-    let base = match libcgroups::common::get_cgroup_setup().context("cgroup setup")? {
-        CgroupSetup::Unified => PathBuf::from("/sys/fs/cgroup"),
-        _ => PathBuf::from("/sys/fs/cgroup/unified"),
-    };
-    Ok(base.join(path))
 }
