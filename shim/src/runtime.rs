@@ -26,6 +26,7 @@ mod client;
 mod criu;
 mod joined_ns;
 mod kdat;
+mod masked;
 pub(crate) mod protocol;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};

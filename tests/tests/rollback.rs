@@ -9,7 +9,8 @@ use std::path::Path;
 
 use crab_tests::leftovers::assert_clean;
 use crab_tests::sandbox::{
-    ask, crabctl_err, crabctl_ok, run_stateful, tree_digest, version_numbers, wait_registered, COUNTER, STORE,
+    ask, crabctl_err, crabctl_ok, exec_sh, run_stateful, tree_digest, version_numbers, wait_registered,
+    COUNTER, STORE,
 };
 use crab_tests::{wait_until, Containerd};
 
@@ -81,6 +82,29 @@ fn files_only_rollback_on_btrfs_keeps_the_processes() {
     assert_clean(&ctd.scope(), &[id]);
 }
 
+/// The restored sandbox's masked directories are as libcontainer made
+/// them: an empty read-only tmpfs.
+fn masks_hold(ctd: &Containerd, id: &str) {
+    let out = exec_sh(
+        ctd,
+        id,
+        "grep ' /sys/firmware ' /proc/mounts; ls -A /sys/firmware | wc -l; \
+         touch /sys/firmware/x 2>&1 || echo refused",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    let mount: Vec<&str> = lines.first().map(|l| l.split(' ').collect()).unwrap_or_default();
+    assert_eq!(mount.get(2), Some(&"tmpfs"), "{out}");
+    assert!(
+        mount.get(3).is_some_and(|o| o.split(',').any(|o| o == "ro")),
+        "{out}"
+    );
+    assert_eq!(lines.get(1).map(|l| l.trim()), Some("0"), "{out}");
+    assert!(
+        out.contains("Read-only file system") && out.ends_with("refused\n"),
+        "{out}"
+    );
+}
+
 /// Checkpoints the stateful sandbox `id` with its files on `backend`
 /// (snapshots in `store`),
 /// changes everything, rolls back twice, and checks the exit status.
@@ -109,6 +133,10 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
         assert!(!std::path::Path::new("/tmp/crab-never-written.tar").exists());
     }
     assert!(v1["frozen_ms"].as_f64().unwrap() > 0.0);
+    // The empty masks were kept out of the images (no tar of them).
+    let images = ctd.crabd_root().join("images").join(id).join("1");
+    let masked = std::fs::read_to_string(images.join("crab-masked.json")).expect("the masks' record");
+    assert!(masked.contains("crab-masked/sys/firmware"), "{masked}");
 
     // Everything changes after v1.
     assert_eq!(ask(pid, COUNTER, "hit"), "5");
@@ -152,6 +180,7 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
             files_v1,
             "round {round}: the files are v1's"
         );
+        masks_hold(ctd, id);
         // The sandbox works on: execs, writes, the servers.
         write_files(ctd, id, 2);
         assert_eq!(ask(pid, STORE, "set b 4"), "ok");

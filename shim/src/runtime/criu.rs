@@ -106,6 +106,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     for (dest, _) in external_mounts(&spec)? {
         criu.set_external_mount(dest.clone(), dest);
     }
+    super::masked::record(&spec, pid, opts.image_path, &mut criu)?;
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
@@ -226,6 +227,13 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     for (dest, source) in external_mounts(&spec)? {
         criu.set_external_mount(dest, source);
     }
+    // <state_dir>/<namespace>/<id>: the masks' source is host-wide.
+    let state_dir = c
+        .root
+        .parent()
+        .and_then(Path::parent)
+        .context("the container's state directory")?;
+    super::masked::restore(opts.image_path, state_dir, &mut criu)?;
     // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();
