@@ -134,6 +134,12 @@ pub fn may_pin(spec: &Spec) -> bool {
 /// `CAP_NET_ADMIN` or `CAP_SYS_ADMIN` in any of its capability sets, or
 /// no capability list (libcontainer then drops none).
 pub fn exec_may_configure(process: &oci_spec::runtime::Process) -> bool {
+    may_hold(process, &[Capability::NetAdmin, Capability::SysAdmin])
+}
+
+/// Whether `process` may hold one of `wanted`: in any of its capability
+/// sets, or it has no capability list (libcontainer then drops none).
+pub fn may_hold(process: &oci_spec::runtime::Process, wanted: &[Capability]) -> bool {
     let Some(caps) = process.capabilities() else {
         return true;
     };
@@ -146,7 +152,7 @@ pub fn exec_may_configure(process: &oci_spec::runtime::Process) -> bool {
     ]
     .into_iter()
     .flatten()
-    .any(|set| set.contains(&Capability::NetAdmin) || set.contains(&Capability::SysAdmin))
+    .any(|set| wanted.iter().any(|c| set.contains(c)))
 }
 
 /// Whether `pin` is a pin of `pid`'s network namespace (compared by

@@ -99,19 +99,9 @@ pub fn restore(images: &Path, state_dir: &Path, criu: &mut Criu) -> Result<()> {
 /// put something in it): `CAP_SYS_ADMIN` in any set, or no capability
 /// list (libcontainer then drops none).
 fn may_remount(spec: &Spec) -> bool {
-    let Some(caps) = spec.process().as_ref().and_then(|p| p.capabilities().as_ref()) else {
-        return true;
-    };
-    [
-        caps.bounding(),
-        caps.effective(),
-        caps.permitted(),
-        caps.inheritable(),
-        caps.ambient(),
-    ]
-    .into_iter()
-    .flatten()
-    .any(|set| set.contains(&Capability::SysAdmin))
+    spec.process()
+        .as_ref()
+        .is_none_or(|p| crate::netns::may_hold(p, &[Capability::SysAdmin]))
 }
 
 /// The empty read-only tmpfs at `dir`, mounted if it is not yet; checked
