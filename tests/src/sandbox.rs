@@ -207,7 +207,19 @@ pub fn crabctl_err(ctd: &Containerd, args: &[&str]) -> String {
 /// Waits until crabd lists sandbox `id` (its shim registers it at start).
 #[track_caller]
 pub fn wait_registered(ctd: &Containerd, id: &str) {
-    wait_until(20, || listed(ctd, id).map(drop)).unwrap_or_else(|| panic!("crabd never listed {id}"));
+    wait_until(20, || listed(ctd, id).map(drop)).unwrap_or_else(|| {
+        // The harness's directory goes with it: its words go into the panic.
+        let tail = |name: &str| {
+            let text = std::fs::read_to_string(ctd.dir.join(name)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        };
+        panic!(
+            "crabd never listed {id}\n--- crabd.log ---\n{}\n--- containerd.log ---\n{}",
+            tail("crabd.log"),
+            tail("containerd.log")
+        )
+    });
 }
 
 /// `crabctl ps`'s entry for sandbox `id`, if it lists one.

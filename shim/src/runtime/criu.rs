@@ -157,8 +157,11 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     criu.set_file_locks(opts.file_locks);
     criu.set_shell_job(false);
     criu.set_orphan_pts_master(true);
-    criu.set_manage_cgroups(true);
-    criu.cgroups_mode(rust_criu::CgMode::SOFT);
+    // A restore leaves the tree in the cgroups of its helper (see
+    // `restore`), so the values of every controller's files, which CRIU
+    // would read for the images (some milliseconds frozen), serve nothing.
+    criu.set_manage_cgroups(false);
+    criu.cgroups_mode(rust_criu::CgMode::IGNORE);
     criu.set_root(rootfs(c.bundle(), &spec).to_string_lossy().into_owned());
     let log = opts.work_path.unwrap_or(opts.image_path).join(DUMP_LOG);
     criu.dump()
