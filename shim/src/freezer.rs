@@ -54,6 +54,19 @@ impl Freezer {
         }
     }
 
+    /// The processes in the learned cgroup (`cgroup.procs`), or `None`
+    /// when none was learned.
+    pub fn pids(&self) -> Option<std::io::Result<Vec<i32>>> {
+        let dir = self.0.get()?.dir().to_owned();
+        Some(
+            std::fs::read_to_string(dir.join("cgroup.procs")).and_then(|text| {
+                text.lines()
+                    .map(|l| l.trim().parse().map_err(std::io::Error::other))
+                    .collect()
+            }),
+        )
+    }
+
     /// Freezes (`frozen`) or thaws the cgroup of container `id`, whose
     /// init is `pid`, whatever state its processes are in. A freeze that
     /// does not hold within [`FREEZE_LIMIT`] is thawed back and reported.
@@ -290,6 +303,11 @@ mod tests {
             cgroup_of(c.child.id() as i32).expect("the counter's cgroup"),
             c.cgroup
         );
+        let freezer = Freezer::default();
+        assert!(freezer.pids().is_none(), "nothing learned, nothing listed");
+        freezer.learn(c.child.id() as i32);
+        let pids = freezer.pids().expect("learned").expect("cgroup.procs");
+        assert_eq!(pids, vec![c.child.id() as i32]);
         freezes_and_thaws(&c);
     }
 

@@ -305,13 +305,16 @@ impl Container {
             bundle: self.bundle.clone(),
             reason,
         })?;
+        let t_kill = Instant::now();
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
         }
+        let t_files = Instant::now();
         if let Some(target) = fs {
             self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?;
         }
+        let t_restore = Instant::now();
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
         let (report, theirs) = Self::restore_report(images)?.unzip();
         let launch = Launch {
@@ -332,9 +335,19 @@ impl Container {
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
         self.init.pid = pid;
         self.freezer.learn(pid);
+        let t_rewire = Instant::now();
         self.init.io = Some(pending.finish().await?);
         self.follow_init(report, runtime)?;
         self.restart_proxy().await;
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        tracing::info!(
+            "{}: processes replaced (kill {:.1}, files {:.1}, restore {:.1}, rewire {:.1} ms)",
+            self.id,
+            ms(t_kill, t_files),
+            ms(t_files, t_restore),
+            ms(t_restore, t_rewire),
+            ms(t_rewire, Instant::now())
+        );
         Ok((pid, rx))
     }
 
@@ -379,8 +392,18 @@ impl Container {
     /// is empty.
     async fn kill_every_process(&self) -> Result<()> {
         let deadline = Instant::now() + KILL_LIMIT;
+        let mut pause = Duration::from_micros(500);
         loop {
-            let pids = crate::cgroup::pids(&self.cgroups_path, &self.id)?;
+            // The freezer's cgroup, learned when the init started, is one
+            // read; libcgroups' manager walks the mount table each time.
+            let pids: Vec<i32> = match self.freezer.pids() {
+                Some(Ok(pids)) => pids,
+                Some(Err(e)) => return Err(Error::io("list the sandbox's processes")(e)),
+                None => crate::cgroup::pids(&self.cgroups_path, &self.id)?
+                    .into_iter()
+                    .map(|p| p as i32)
+                    .collect(),
+            };
             if pids.is_empty() {
                 return Ok(());
             }
@@ -392,10 +415,10 @@ impl Container {
                 });
             }
             for pid in pids {
-                let _ =
-                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL);
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(5));
         }
     }
 
