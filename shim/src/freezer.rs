@@ -54,17 +54,11 @@ impl Freezer {
         }
     }
 
-    /// The processes in the learned cgroup (`cgroup.procs`), or `None`
-    /// when none was learned.
+    /// The processes in the learned cgroup and the cgroups below it (what
+    /// the sandbox may have made), or `None` when none was learned.
     pub fn pids(&self) -> Option<std::io::Result<Vec<i32>>> {
-        let dir = self.0.get()?.dir().to_owned();
-        Some(
-            std::fs::read_to_string(dir.join("cgroup.procs")).and_then(|text| {
-                text.lines()
-                    .map(|l| l.trim().parse().map_err(std::io::Error::other))
-                    .collect()
-            }),
-        )
+        let mut pids = Vec::new();
+        Some(procs_below(self.0.get()?.dir(), &mut pids).map(|()| pids))
     }
 
     /// Freezes (`frozen`) or thaws the cgroup of container `id`, whose
@@ -91,6 +85,32 @@ impl Freezer {
         .map_err(|e| failed(std::io::Error::other(e)))?
         .map_err(failed)
     }
+}
+
+/// Adds the processes of cgroup `dir` and of every cgroup below it to
+/// `pids`. A cgroup removed meanwhile has none.
+fn procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(dir.join("cgroup.procs")) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for line in text.lines() {
+        pids.push(line.trim().parse().map_err(std::io::Error::other)?);
+    }
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        // cgroupfs holds files and cgroup directories only; never a link.
+        if entry.file_type()?.is_dir() {
+            procs_below(&entry.path(), pids)?;
+        }
+    }
+    Ok(())
 }
 
 /// A freezer error about container `id`.
@@ -307,6 +327,14 @@ mod tests {
         assert!(freezer.pids().is_none(), "nothing learned, nothing listed");
         freezer.learn(c.child.id() as i32);
         let pids = freezer.pids().expect("learned").expect("cgroup.procs");
+        assert_eq!(pids, vec![c.child.id() as i32]);
+        // One moved into a cgroup below is still the sandbox's.
+        let below = c.cgroup.dir().join("below");
+        std::fs::create_dir(&below).unwrap();
+        std::fs::write(below.join("cgroup.procs"), c.child.id().to_string()).unwrap();
+        let pids = freezer.pids().expect("learned").expect("cgroup.procs");
+        std::fs::write(c.cgroup.dir().join("cgroup.procs"), c.child.id().to_string()).unwrap();
+        std::fs::remove_dir(&below).unwrap();
         assert_eq!(pids, vec![c.child.id() as i32]);
         freezes_and_thaws(&c);
     }
