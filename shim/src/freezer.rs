@@ -57,8 +57,7 @@ impl Freezer {
     /// The processes in the learned cgroup and the cgroups below it (what
     /// the sandbox may have made), or `None` when none was learned.
     pub fn pids(&self) -> Option<std::io::Result<Vec<i32>>> {
-        let mut pids = Vec::new();
-        Some(procs_below(self.0.get()?.dir(), &mut pids).map(|()| pids))
+        Some(procs_below(self.0.get()?.dir()))
     }
 
     /// Freezes (`frozen`) or thaws the cgroup of container `id`, whose
@@ -87,9 +86,15 @@ impl Freezer {
     }
 }
 
-/// Adds the processes of cgroup `dir` and of every cgroup below it to
-/// `pids`. A cgroup removed meanwhile has none.
-fn procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
+/// The processes of cgroup `dir` and of every cgroup below it. A cgroup
+/// removed meanwhile has none.
+pub fn procs_below(dir: &Path) -> std::io::Result<Vec<i32>> {
+    let mut pids = Vec::new();
+    add_procs_below(dir, &mut pids)?;
+    Ok(pids)
+}
+
+fn add_procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
     let text = match std::fs::read_to_string(dir.join("cgroup.procs")) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -107,7 +112,7 @@ fn procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
         let entry = entry?;
         // cgroupfs holds files and cgroup directories only; never a link.
         if entry.file_type()?.is_dir() {
-            procs_below(&entry.path(), pids)?;
+            add_procs_below(&entry.path(), pids)?;
         }
     }
     Ok(())

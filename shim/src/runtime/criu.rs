@@ -230,13 +230,8 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     for (dest, source) in external_mounts(&spec)? {
         criu.set_external_mount(dest, source);
     }
-    // <state_dir>/<namespace>/<id>: the masks' source is host-wide.
-    let state_dir = c
-        .root
-        .parent()
-        .and_then(Path::parent)
-        .context("the container's state directory")?;
-    super::masked::restore(opts.image_path, state_dir, &mut criu)?;
+    // Held until CRIU is done: the masks' tmpfs, unmounted on drop.
+    let _masks = super::masked::restore(opts.image_path, opts.work_path, &mut criu)?;
     // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();
