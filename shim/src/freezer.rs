@@ -98,6 +98,9 @@ fn add_procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
     let text = match std::fs::read_to_string(dir.join("cgroup.procs")) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        // A threaded cgroup lists no processes: its threads' processes are
+        // in the domain above it, listed there.
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => String::new(),
         Err(e) => return Err(e),
     };
     for line in text.lines() {

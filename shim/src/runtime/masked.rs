@@ -55,7 +55,9 @@ pub fn record(spec: &Spec, pid: i32, images: &Path, criu: &mut Criu) -> Result<(
     if masked.is_empty() || may_remount(spec) {
         return Ok(());
     }
-    if some_process_holds_sys_admin(pid)? {
+    // A sandbox whose processes cannot be read keeps its masks in the
+    // images, as before.
+    if some_process_holds_sys_admin(pid).unwrap_or(true) {
         return Ok(());
     }
     let mounts = procfs::process::Process::new(pid)
@@ -69,7 +71,14 @@ pub fn record(spec: &Spec, pid: i32, images: &Path, criu: &mut Criu) -> Result<(
         let (Some(m), None) = (at.next(), at.next()) else {
             continue;
         };
-        if m.fs_type != "tmpfs"
+        // A mask that receives mounts from outside is not libcontainer's
+        // own (and a private source could not stand in for it).
+        let slave = m
+            .opt_fields
+            .iter()
+            .any(|f| matches!(f, procfs::process::MountOptFields::Master(_)));
+        if slave
+            || m.fs_type != "tmpfs"
             || m.root != "/"
             || !m.mount_options.contains_key("ro")
             || !m.super_options.contains_key("ro")
