@@ -471,7 +471,7 @@ impl Container {
     /// finish leaves the verdict to CRIU. A ring made after the scan fails
     /// CRIU's dump, with its own error.
     async fn refuse_io_uring(&self) -> Result<()> {
-        let pids = cgroup::pids(&self.cgroups_path, &self.id)?;
+        let pids = self.pids()?;
         let scan =
             tokio::task::spawn_blocking(move || crate::uring::find(std::path::Path::new("/proc"), &pids));
         match tokio::time::timeout(URING_SCAN_LIMIT, scan).await {
@@ -489,8 +489,19 @@ impl Container {
         }
     }
 
+    /// Every process of the container: those of the cgroup its init was
+    /// placed in (learned when it started: one read) and of the cgroups
+    /// below it; libcgroups' walk of the mount table when none was learned.
+    pub(crate) fn pids(&self) -> Result<Vec<u32>> {
+        match self.freezer.pids() {
+            Some(Ok(pids)) => Ok(pids.into_iter().map(|p| p as u32).collect()),
+            Some(Err(e)) => Err(Error::io("list the sandbox's processes")(e)),
+            None => cgroup::pids(&self.cgroups_path, &self.id),
+        }
+    }
+
     async fn kill_all(&self, sig: Signal) -> Result<()> {
-        let pids = cgroup::pids(&self.cgroups_path, &self.id).unwrap_or_default();
+        let pids = self.pids().unwrap_or_default();
         for pid in pids {
             // The spec's process gets it through crab-init, which passes on
             // only what a pid 1 would get.

@@ -87,7 +87,8 @@ impl Freezer {
 }
 
 /// The processes of cgroup `dir` and of every cgroup below it. A cgroup
-/// removed meanwhile has none.
+/// removed meanwhile has none (libcgroups' `get_all_pids` fails then, and
+/// a sandbox may remove its own cgroups while it is being killed).
 pub fn procs_below(dir: &Path) -> std::io::Result<Vec<i32>> {
     let mut pids = Vec::new();
     add_procs_below(dir, &mut pids)?;

@@ -394,16 +394,7 @@ impl Container {
         let deadline = Instant::now() + KILL_LIMIT;
         let mut pause = Duration::from_micros(500);
         loop {
-            // The freezer's cgroup, learned when the init started, is one
-            // read; libcgroups' manager walks the mount table each time.
-            let pids: Vec<i32> = match self.freezer.pids() {
-                Some(Ok(pids)) => pids,
-                Some(Err(e)) => return Err(Error::io("list the sandbox's processes")(e)),
-                None => crate::cgroup::pids(&self.cgroups_path, &self.id)?
-                    .into_iter()
-                    .map(|p| p as i32)
-                    .collect(),
-            };
+            let pids = self.pids()?;
             if pids.is_empty() {
                 return Ok(());
             }
@@ -415,7 +406,8 @@ impl Container {
                 });
             }
             for pid in pids {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+                let _ =
+                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL);
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(5));

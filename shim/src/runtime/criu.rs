@@ -106,7 +106,9 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     for (dest, _) in external_mounts(&spec)? {
         criu.set_external_mount(dest.clone(), dest);
     }
-    super::masked::record(&spec, pid, opts.image_path, &mut criu)?;
+    // The cgroup CRIU freezes, and whose processes the masks' rule reads.
+    let freezer = crate::freezer::cgroup_of(pid).context("the init's freezer cgroup")?;
+    super::masked::record(&spec, pid, &freezer, opts.image_path, &mut criu)?;
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
@@ -146,7 +148,6 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
                 .context("mark the network namespace as crab's")?;
         }
     }
-    let freezer = crate::freezer::cgroup_of(pid).context("the init's freezer cgroup")?;
     criu.set_freeze_cgroup(freezer.dir().to_string_lossy().into_owned());
     criu.set_log_file(DUMP_LOG.to_owned());
     criu.set_log_level(4);

@@ -24,6 +24,8 @@ use anyhow::{bail, Context, Result};
 use oci_spec::runtime::{Capability, Spec};
 use rust_criu::Criu;
 
+use crate::freezer::Cgroup;
+
 /// The file in the images naming the masks kept out of them.
 const RECORD: &str = "crab-masked.json";
 
@@ -36,10 +38,10 @@ const CAP_SYS_ADMIN_BIT: u64 = 1 << 21;
 /// What every key starts with.
 const KEY_PREFIX: &str = "crab-masked";
 
-/// At a dump of `pid` (the init of a container of `spec`), marks its
-/// masked directories external when they may be, and records them in
-/// `images` (an earlier record there is replaced).
-pub fn record(spec: &Spec, pid: i32, images: &Path, criu: &mut Criu) -> Result<()> {
+/// At a dump of `pid` (the init of a container of `spec`, in its freezer
+/// `cgroup`), marks its masked directories external when they may be, and
+/// records them in `images` (an earlier record there is replaced).
+pub fn record(spec: &Spec, pid: i32, cgroup: &Cgroup, images: &Path, criu: &mut Criu) -> Result<()> {
     let record = images.join(RECORD);
     match std::fs::remove_file(&record) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -57,7 +59,7 @@ pub fn record(spec: &Spec, pid: i32, images: &Path, criu: &mut Criu) -> Result<(
     }
     // A sandbox whose processes cannot be read keeps its masks in the
     // images, as before.
-    if some_process_holds_sys_admin(pid).unwrap_or(true) {
+    if some_process_holds_sys_admin(cgroup).unwrap_or(true) {
         return Ok(());
     }
     let mounts = procfs::process::Process::new(pid)
@@ -160,26 +162,27 @@ fn unmount(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-/// Whether a process of the container whose init is `pid` holds
+/// Whether a process in `cgroup` (or below it) holds
 /// `CAP_SYS_ADMIN` in any set, its bounding set included (what it may
 /// gain): such a process may have remounted a mask and written in it.
-fn some_process_holds_sys_admin(pid: i32) -> Result<bool> {
-    let cgroup = crate::freezer::cgroup_of(pid).context("the init's cgroup")?;
+fn some_process_holds_sys_admin(cgroup: &Cgroup) -> Result<bool> {
     let pids = crate::freezer::procs_below(cgroup.dir()).context("the sandbox's processes")?;
     for p in pids {
-        let Ok(status) = std::fs::read_to_string(format!("/proc/{p}/status")) else {
-            continue; // Gone: it holds nothing now, and the cgroup is frozen.
+        let status = match procfs::process::Process::new(p).and_then(|p| p.status()) {
+            Ok(s) => s,
+            // Gone: it holds nothing now, and the cgroup is frozen.
+            Err(procfs::ProcError::NotFound(_)) => continue,
+            // Unreadable: it may hold anything.
+            Err(_) => return Ok(true),
         };
-        let held = status.lines().any(|l| {
-            ["CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:"]
-                .iter()
-                .any(|k| {
-                    l.strip_prefix(k).is_some_and(|hex| {
-                        u64::from_str_radix(hex.trim(), 16).map_or(true, |m| m & CAP_SYS_ADMIN_BIT != 0)
-                    })
-                })
-        });
-        if held {
+        let sets = [
+            Some(status.capinh),
+            Some(status.capprm),
+            Some(status.capeff),
+            status.capbnd,
+            status.capamb,
+        ];
+        if sets.into_iter().flatten().any(|set| set & CAP_SYS_ADMIN_BIT != 0) {
             return Ok(true);
         }
     }
@@ -234,6 +237,42 @@ mod tests {
         let mut none = spec(None);
         none.process_mut().as_mut().unwrap().set_capabilities(None);
         assert!(may_remount(&none));
+    }
+
+    /// A process with `CAP_SYS_ADMIN` in its cgroup keeps the masks in;
+    /// one whose bounding set lacks it (so no set has it) does not. Needs
+    /// root and the v1 freezer (ENVIRONMENT.md); `setpriv` is util-linux's.
+    #[test]
+    fn a_process_that_may_remount_keeps_the_masks_in_the_images() {
+        for (name, argv) in [
+            ("admin", vec!["sleep", "100"]),
+            (
+                "plain",
+                vec!["setpriv", "--bounding-set", "-sys_admin", "sleep", "100"],
+            ),
+        ] {
+            let dir = Path::new("/sys/fs/cgroup/freezer")
+                .join(format!("crab-masked-{name}-{}", std::process::id()));
+            std::fs::create_dir(&dir).expect("make a cgroup (needs root)");
+            let mut child = std::process::Command::new(argv[0])
+                .args(&argv[1..])
+                .spawn()
+                .unwrap();
+            std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+            // setpriv execs sleep: look once it has.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while std::fs::read_to_string(format!("/proc/{}/comm", child.id())).unwrap_or_default()
+                != "sleep\n"
+            {
+                assert!(std::time::Instant::now() < deadline, "{name}: never became sleep");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let held = some_process_holds_sys_admin(&Cgroup::V1(dir.clone()));
+            let _ = child.kill();
+            let _ = child.wait();
+            std::fs::remove_dir(&dir).unwrap();
+            assert_eq!(held.unwrap(), name == "admin", "{name}");
+        }
     }
 
     #[test]
