@@ -199,6 +199,18 @@ impl Cgroup {
         }
     }
 
+    /// Whether its processes are frozen now (by crab, CRIU, a user's pause
+    /// or a parent cgroup); `false` when that cannot be read.
+    pub fn is_frozen(&self) -> bool {
+        match self {
+            Self::V1(dir) => {
+                std::fs::read_to_string(dir.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
+            }
+            Self::V2(dir) => std::fs::read_to_string(dir.join("cgroup.events"))
+                .is_ok_and(|e| e.lines().any(|l| l == "frozen 1")),
+        }
+    }
+
     fn freeze(&self) -> std::io::Result<()> {
         let deadline = Instant::now() + FREEZE_LIMIT;
         let mut pause = POLL_FIRST;
@@ -309,7 +321,9 @@ mod tests {
     /// The counter stops while its cgroup is frozen and counts again once
     /// it is thawed.
     fn freezes_and_thaws(c: &Counter) {
+        assert!(!c.cgroup.is_frozen(), "a running cgroup is not frozen");
         c.cgroup.freeze().expect("freeze");
+        assert!(c.cgroup.is_frozen(), "a freeze holds once it returns");
         let before = c.count();
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(c.count(), before, "a frozen shell went on counting");

@@ -24,6 +24,7 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
+mod empty_tmpfs;
 mod joined_ns;
 mod kdat;
 mod masked;

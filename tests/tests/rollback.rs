@@ -105,6 +105,19 @@ fn masks_hold(ctd: &Containerd, id: &str) {
     );
 }
 
+/// The sandbox's `/dev/shm` and `/run` tmpfs as it sees them: their
+/// mounts, their roots' mode and owner, `/dev/shm`'s mtime (its atime
+/// moves with any read) and what is in
+/// each.
+fn tmpfs_state(ctd: &Containerd, id: &str) -> String {
+    exec_sh(
+        ctd,
+        id,
+        "grep -E ' /dev/shm | /run ' /proc/mounts; stat -c '%n %a %u %g' /dev/shm /run; \
+         stat -c '%Y' /dev/shm; ls -A /dev/shm; cat /run/crab-marker",
+    )
+}
+
 /// Checkpoints the stateful sandbox `id` with its files on `backend`
 /// (snapshots in `store`),
 /// changes everything, rolls back twice, and checks the exit status.
@@ -119,7 +132,10 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
     assert_eq!(ask(pid, COUNTER, "hit"), "4", "the readiness probe took 1");
     assert_eq!(ask(pid, STORE, "set a 1"), "ok");
     write_files(ctd, id, 1);
+    // An empty /dev/shm and a /run with a file in it.
+    exec_sh(ctd, id, "echo v1 > /run/crab-marker");
     let files_v1 = tree_digest(pid, "/data");
+    let tmpfs_v1 = tmpfs_state(ctd, id);
     let v1 = crabctl_ok(ctd, &["checkpoint", id]);
     assert_eq!(v1["version"]["version"], 1);
     assert_eq!(v1["version"]["class"], "full");
@@ -137,6 +153,10 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
     let images = ctd.crabd_root().join("images").join(id).join("1");
     let masked = std::fs::read_to_string(images.join("crab-masked.json")).expect("the masks' record");
     assert!(masked.contains("crab-masked/sys/firmware"), "{masked}");
+    // So was the empty /dev/shm; /run, which holds a file, was not.
+    let tmpfs = std::fs::read_to_string(images.join("crab-tmpfs.json")).expect("the tmpfs record");
+    assert!(tmpfs.contains("\"/dev/shm\""), "{tmpfs}");
+    assert!(!tmpfs.contains("\"/run\""), "{tmpfs}");
 
     // Everything changes after v1.
     assert_eq!(ask(pid, COUNTER, "hit"), "5");
@@ -144,6 +164,8 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
     assert_eq!(ask(pid, STORE, "set b 3"), "ok");
     write_files(ctd, id, 2);
     assert_ne!(tree_digest(pid, "/data"), files_v1);
+    exec_sh(ctd, id, "echo v2 > /run/crab-marker; echo v2 > /dev/shm/after");
+    assert_ne!(tmpfs_state(ctd, id), tmpfs_v1);
 
     // A version removed takes its file snapshot with it; v1's stays.
     let v2 = crabctl_ok(ctd, &["checkpoint", "--fs", id]);
@@ -181,7 +203,15 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
             "round {round}: the files are v1's"
         );
         masks_hold(ctd, id);
+        // /dev/shm is a fresh tmpfs as v1's was: same mount, mode, owner
+        // and times, empty; /run holds v1's file again.
+        assert_eq!(tmpfs_state(ctd, id), tmpfs_v1, "round {round}");
         // The sandbox works on: execs, writes, the servers.
+        exec_sh(
+            ctd,
+            id,
+            "echo shared > /dev/shm/after; grep -q shared /dev/shm/after",
+        );
         write_files(ctd, id, 2);
         assert_eq!(ask(pid, STORE, "set b 4"), "ok");
     }

@@ -106,9 +106,16 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     for (dest, _) in external_mounts(&spec)? {
         criu.set_external_mount(dest.clone(), dest);
     }
-    // The cgroup CRIU freezes, and whose processes the masks' rule reads.
+    // The cgroup CRIU freezes, and whose processes the tmpfs rules read.
     let freezer = crate::freezer::cgroup_of(pid).context("the init's freezer cgroup")?;
-    super::masked::record(&spec, pid, &freezer, opts.image_path, &mut criu)?;
+    let mounts = procfs::process::Process::new(pid)
+        .and_then(|p| p.mountinfo())
+        .context("read the init's mounts")?;
+    let fixed = super::masked::mounts_are_fixed(&spec, &freezer);
+    super::masked::record(&spec, &mounts, fixed, opts.image_path, &mut criu)?;
+    // Frozen before it is looked at: nothing writes into it after.
+    let frozen = freezer.is_frozen();
+    super::empty_tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
@@ -231,8 +238,10 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     for (dest, source) in external_mounts(&spec)? {
         criu.set_external_mount(dest, source);
     }
-    // Held until CRIU is done: the masks' tmpfs, unmounted on drop.
+    // Held until CRIU is done: the masks' tmpfs and the fresh empty ones,
+    // unmounted on drop.
     let _masks = super::masked::restore(opts.image_path, opts.work_path, &mut criu)?;
+    let _empty = super::empty_tmpfs::restore(opts.image_path, opts.work_path, &mut criu)?;
     // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();

@@ -24,6 +24,8 @@ use anyhow::{bail, Context, Result};
 use oci_spec::runtime::{Capability, Spec};
 use rust_criu::Criu;
 
+use procfs::process::MountInfos;
+
 use crate::freezer::Cgroup;
 
 /// The file in the images naming the masks kept out of them.
@@ -38,10 +40,20 @@ const CAP_SYS_ADMIN_BIT: u64 = 1 << 21;
 /// What every key starts with.
 const KEY_PREFIX: &str = "crab-masked";
 
-/// At a dump of `pid` (the init of a container of `spec`, in its freezer
-/// `cgroup`), marks its masked directories external when they may be, and
-/// records them in `images` (an earlier record there is replaced).
-pub fn record(spec: &Spec, pid: i32, cgroup: &Cgroup, images: &Path, criu: &mut Criu) -> Result<()> {
+/// Whether nothing in the sandbox of `spec` (its processes in its
+/// freezer `cgroup`) can have mounted, unmounted or remounted anything:
+/// its spec grants no `CAP_SYS_ADMIN`, and no process holds it in any set,
+/// its bounding set included (what it may gain). A sandbox whose
+/// processes cannot be read may have.
+pub fn mounts_are_fixed(spec: &Spec, cgroup: &Cgroup) -> bool {
+    !may_remount(spec) && !some_process_holds_sys_admin(cgroup).unwrap_or(true)
+}
+
+/// At a dump of a container of `spec`, whose init sees `mounts` and whose
+/// mounts are fixed ([`mounts_are_fixed`]) or not, marks its masked
+/// directories external when they may be, and records them in `images`
+/// (an earlier record there is replaced).
+pub fn record(spec: &Spec, mounts: &MountInfos, fixed: bool, images: &Path, criu: &mut Criu) -> Result<()> {
     let record = images.join(RECORD);
     match std::fs::remove_file(&record) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -54,17 +66,9 @@ pub fn record(spec: &Spec, pid: i32, cgroup: &Cgroup, images: &Path, criu: &mut 
         .as_ref()
         .and_then(|l| l.masked_paths().clone())
         .unwrap_or_default();
-    if masked.is_empty() || may_remount(spec) {
+    if masked.is_empty() || !fixed {
         return Ok(());
     }
-    // A sandbox whose processes cannot be read keeps its masks in the
-    // images, as before.
-    if some_process_holds_sys_admin(cgroup).unwrap_or(true) {
-        return Ok(());
-    }
-    let mounts = procfs::process::Process::new(pid)
-        .and_then(|p| p.mountinfo())
-        .context("read the init's mounts")?;
     let mut keys = Vec::new();
     for path in masked {
         // As libcontainer made it: the only mount at its path, the root of
@@ -98,9 +102,10 @@ pub fn record(spec: &Spec, pid: i32, cgroup: &Cgroup, images: &Path, criu: &mut 
     std::fs::write(&record, text).with_context(|| format!("write {}", record.display()))
 }
 
-/// The masks' tmpfs while a restore runs; unmounted (lazily, CRIU's
-/// binds keep it) and its directory removed on drop.
-pub struct Source(PathBuf);
+/// A tmpfs of the helper's, in CRIU's work directory, while a restore
+/// binds it; unmounted (lazily, CRIU's binds keep it) and its directory
+/// removed on drop.
+pub struct Source(pub(super) PathBuf);
 
 impl Drop for Source {
     fn drop(&mut self) {
@@ -156,7 +161,7 @@ fn mount_empty(dir: &Path) -> Result<Source> {
 
 /// Unmounts (lazily) whatever is mounted at `dir` and removes it; gone
 /// already is fine.
-fn unmount(dir: &Path) {
+pub(super) fn unmount(dir: &Path) {
     use nix::mount::MntFlags;
     while nix::mount::umount2(dir, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW).is_ok() {}
     let _ = std::fs::remove_dir(dir);
