@@ -24,11 +24,11 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
-mod empty_tmpfs;
 mod joined_ns;
 mod kdat;
 mod masked;
 pub(crate) mod protocol;
+mod tmpfs;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};

@@ -105,16 +105,19 @@ fn masks_hold(ctd: &Containerd, id: &str) {
     );
 }
 
-/// The sandbox's `/dev/shm` and `/run` tmpfs as it sees them: their
-/// mounts, their roots' mode and owner, `/dev/shm`'s mtime (its atime
-/// moves with any read) and what is in
-/// each.
+/// The sandbox's `/dev/shm`, `/run` and `/dev` tmpfs as it sees them:
+/// their mounts, their roots' mode and owner, `/dev/shm`'s mtime (an
+/// atime moves with any read), what is in each, and each name in `/dev`
+/// with its kind, mode, owner and device number, and the mtimes of some
+/// (devpts and mqueue are new mounts after a restore, with times of their
+/// own).
 fn tmpfs_state(ctd: &Containerd, id: &str) -> String {
     exec_sh(
         ctd,
         id,
         "grep -E ' /dev/shm | /run ' /proc/mounts; stat -c '%n %a %u %g' /dev/shm /run; \
-         stat -c '%Y' /dev/shm; ls -A /dev/shm; cat /run/crab-marker",
+         stat -c '%Y' /dev/shm; ls -A /dev/shm; cat /run/crab-marker; \
+         stat -c '%n %F %a %u %g %t:%T' /dev /dev/* /dev/pts/ptmx; stat -c '%n %Y' /dev /dev/null /dev/fd",
     )
 }
 
@@ -153,9 +156,11 @@ fn round_trip(ctd: &Containerd, id: &str, backend: &str, store: &Path) {
     let images = ctd.crabd_root().join("images").join(id).join("1");
     let masked = std::fs::read_to_string(images.join("crab-masked.json")).expect("the masks' record");
     assert!(masked.contains("crab-masked/sys/firmware"), "{masked}");
-    // So was the empty /dev/shm; /run, which holds a file, was not.
+    // So were the empty /dev/shm and /dev, which holds nothing but
+    // devices, links and mount points; /run, which holds a file, was not.
     let tmpfs = std::fs::read_to_string(images.join("crab-tmpfs.json")).expect("the tmpfs record");
     assert!(tmpfs.contains("\"/dev/shm\""), "{tmpfs}");
+    assert!(tmpfs.contains("\"/dev\""), "{tmpfs}");
     assert!(!tmpfs.contains("\"/run\""), "{tmpfs}");
 
     // Everything changes after v1.

@@ -115,7 +115,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     super::masked::record(&spec, &mounts, fixed, opts.image_path, &mut criu)?;
     // Frozen before it is looked at: nothing writes into it after.
     let frozen = freezer.is_frozen();
-    super::empty_tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
+    super::tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
@@ -241,7 +241,7 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     // Held until CRIU is done: the masks' tmpfs and the fresh empty ones,
     // unmounted on drop.
     let _masks = super::masked::restore(opts.image_path, opts.work_path, &mut criu)?;
-    let _empty = super::empty_tmpfs::restore(opts.image_path, opts.work_path, &mut criu)?;
+    let _empty = super::tmpfs::restore(&spec, opts.image_path, opts.work_path, &mut criu)?;
     // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();
