@@ -40,6 +40,9 @@ pub struct Run {
     pub error: Option<String>,
     /// Bytes the policy saved outside crabd (chat+fs's tars).
     pub saved_bytes: u64,
+    /// Bytes of the process images its sandboxes' versions hold (crab's
+    /// policies), as crabd lists them at the end.
+    pub image_bytes: u64,
     /// The container ids the task used, in order (a fresh sandbox is a new one).
     pub ids: Vec<String>,
     /// What happened when, for the timeline.
@@ -148,6 +151,14 @@ pub fn drive(setup: &Setup, task: &Task) -> anyhow::Result<Run> {
             task.steps.len(),
             setup.agents.is_some(),
         );
+    }
+    if setup.policy.checkpoints() {
+        run.image_bytes = run
+            .ids
+            .iter()
+            .flat_map(|id| versions(setup.ctd, id).unwrap_or_default())
+            .map(|v| image_bytes(&v))
+            .sum();
     }
     run.shim_peak_kb = run
         .ids
@@ -524,6 +535,14 @@ fn step_of(record: &serde_json::Value, inside: bool) -> anyhow::Result<isize> {
         .as_i64()
         .context("the restored version has a turn")?;
     Ok(turn as isize - 1 - isize::from(inside))
+}
+
+/// The bytes of the process image version `record` holds (none when it
+/// shares an earlier version's).
+fn image_bytes(record: &serde_json::Value) -> u64 {
+    record["images"]
+        .as_array()
+        .map_or(0, |files| files.iter().filter_map(|f| f["bytes"].as_u64()).sum())
 }
 
 /// The class of the version of each of `steps` steps of sandbox `id`.

@@ -196,6 +196,57 @@ fn mb(bytes: u64) -> f64 {
     bytes as f64 / 1e6
 }
 
+/// The checkpoint bytes of `p`'s tasks of `mix`: their versions' process
+/// images and the files chat+fs saved.
+pub fn mix_bytes(p: &PolicyResult, mix: Mix) -> u64 {
+    p.tasks
+        .iter()
+        .filter(|t| t.mix == mix)
+        .map(|t| t.run.image_bytes + t.run.saved_bytes)
+        .sum()
+}
+
+/// The table of checkpoint bytes by mix, each beside full-ckpt's of the
+/// same mix; empty without full-ckpt or bytes.
+fn by_mix(results: &[PolicyResult]) -> String {
+    let Some(full) = results.iter().find(|p| p.policy == Policy::FullCkpt) else {
+        return String::new();
+    };
+    let mixes: Vec<Mix> = [Mix::Swe, Mix::Terminal]
+        .into_iter()
+        .filter(|m| full.tasks.iter().any(|t| t.mix == *m))
+        .collect();
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Checkpoint bytes by mix (each sandbox's versions as crabd lists them at the end, and chat+fs's saved files):\n"
+    );
+    let head: Vec<String> = mixes
+        .iter()
+        .map(|m| format!("{} MB | vs full-ckpt", m.name()))
+        .collect();
+    let _ = writeln!(md, "| policy | {} |", head.join(" | "));
+    let _ = writeln!(md, "|---|{}", "---|---|".repeat(mixes.len()));
+    for p in results
+        .iter()
+        .filter(|p| p.tasks.iter().any(|t| t.run.image_bytes + t.run.saved_bytes > 0))
+    {
+        let cells: Vec<String> = mixes
+            .iter()
+            .map(|m| {
+                let (ours, theirs) = (mix_bytes(p, *m), mix_bytes(full, *m));
+                let ratio = match theirs {
+                    0 => "-".to_owned(),
+                    t => format!("{:.1}%", 100.0 * ours as f64 / t as f64),
+                };
+                format!("{:.1} | {ratio}", mb(ours))
+            })
+            .collect();
+        let _ = writeln!(md, "| {} | {} |", p.policy.name(), cells.join(" | "));
+    }
+    md
+}
+
 /// The report in markdown: the headline table beside the published
 /// figures, then every task's verdict.
 pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> String {
@@ -269,9 +320,10 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
             p.shim_peak_kb as f64 / 1024.0,
         );
     }
+    let _ = writeln!(md, "\n{}", by_mix(results));
     let _ = writeln!(
         md,
-        "\nThe published system (same metrics, its testbed): recovery correct 100% (chat-only 8–13%, chat+files 28–100%), \
+        "The published system (same metrics, its testbed): recovery correct 100% (chat-only 8–13%, chat+files 28–100%), \
          up to 87% less checkpoint traffic than checkpointing every turn, 75–87% of turns `none`, end-to-end within 1.9% of \
          fault-free, p95 exposed delay 0.44% of task time. Crab's targets: 100%, ≤ 10% of full-ckpt's bytes on the SWE mix, ≤ 1.01x, ≤ 0.2%.\n"
     );
@@ -370,6 +422,10 @@ pub fn json(results: &[PolicyResult]) -> serde_json::Value {
                 "correct": s.correct,
                 "crashed": s.crashed,
                 "bytes": p.bytes,
+                "bytes_by_mix": {
+                    "swe": mix_bytes(p, Mix::Swe),
+                    "terminal": mix_bytes(p, Mix::Terminal),
+                },
                 "classes": p.classes,
                 "e2e": s.e2e,
                 "share_p95": s.share[1],
@@ -469,6 +525,43 @@ mod tests {
         let mut missed = reference();
         missed.fault = fault_free.fault;
         assert!(matches!(verdict(&missed, &r), Verdict::Failed(w) if w.contains("not injected")));
+    }
+
+    #[test]
+    fn bytes_are_split_by_mix_each_against_full_ckpt() {
+        let task = |mix: Mix, bytes: u64| {
+            let mut t = result(Run {
+                image_bytes: bytes,
+                ..Run::default()
+            });
+            t.mix = mix;
+            t
+        };
+        let policy = |policy: Policy, swe: u64, terminal: u64| PolicyResult {
+            policy,
+            tasks: vec![task(Mix::Swe, swe), task(Mix::Terminal, terminal)],
+            bytes: swe + terminal,
+            classes: [0; 4],
+            crabd_peak_kb: 0,
+            shim_peak_kb: 0,
+        };
+        let results = [
+            policy(Policy::FaultFree, 0, 0),
+            policy(Policy::Crab, 1_000_000, 30_000_000),
+            policy(Policy::FullCkpt, 20_000_000, 40_000_000),
+        ];
+        assert_eq!(mix_bytes(&results[1], Mix::Terminal), 30_000_000);
+        let md = by_mix(&results);
+        assert!(
+            md.contains("| policy | swe MB | vs full-ckpt | terminal MB | vs full-ckpt |"),
+            "{md}"
+        );
+        assert!(md.contains("| crab | 1.0 | 5.0% | 30.0 | 75.0% |"), "{md}");
+        assert!(
+            md.contains("| full-ckpt | 20.0 | 100.0% | 40.0 | 100.0% |"),
+            "{md}"
+        );
+        assert!(!md.contains("fault-free"), "no bytes, no row: {md}");
     }
 
     #[test]

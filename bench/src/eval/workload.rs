@@ -17,6 +17,18 @@ pub enum Mix {
     Terminal,
 }
 
+// === impl Mix ===
+
+impl Mix {
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mix::Swe => "swe",
+            Mix::Terminal => "terminal",
+        }
+    }
+}
+
 /// What the sandbox of a task starts from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Image {
