@@ -1,5 +1,7 @@
 //! The turn-end mark: carries each live turn end's number and branch (given
-//! by the replay layer) to the layers below, and counts auxiliary requests.
+//! by the replay layer) to the layers below, marks its answer with the
+//! number (`x-crab-turn`, as a replayed one is marked `x-crab-replayed`),
+//! and counts auxiliary requests.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +22,9 @@ use crate::route::Route;
 use crate::shared::Shared;
 use crate::transcript::unix_ms;
 use crate::{Error, ProxyBody};
+
+/// The header of a live turn end's answer that gives its turn's number.
+pub(crate) const TURN_HEADER: &str = "x-crab-turn";
 
 /// A live turn end, put in the request's extensions by [`TurnMark`].
 #[derive(Debug, Clone)]
@@ -94,6 +99,13 @@ where
         req.extensions_mut().insert(ctx);
         let span =
             tracing::info_span!("turn", sandbox = %self.shared.id, turn, branch, bytes = req.body().len());
-        Box::pin(self.inner.call(req).instrument(span))
+        let answer = self.inner.call(req).instrument(span);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            response
+                .headers_mut()
+                .insert(TURN_HEADER, http::HeaderValue::from(turn));
+            Ok(response)
+        })
     }
 }

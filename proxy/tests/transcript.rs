@@ -114,16 +114,11 @@ async fn replay_answers_from_the_transcript_then_goes_live() {
     ];
     let paths = ["/v1/chat/completions", "/v1/messages", "/v1/chat/completions"];
     let mut answers = Vec::new();
-    for (path, body) in paths.iter().zip(&bodies) {
-        answers.push(
-            h.post(path, body)
-                .send()
-                .await
-                .expect("send")
-                .bytes()
-                .await
-                .expect("body"),
-        );
+    for (n, (path, body)) in paths.iter().zip(&bodies).enumerate() {
+        let resp = h.post(path, body).send().await.expect("send");
+        // A live answer says which turn it ends.
+        assert_eq!(resp.headers()["x-crab-turn"], (n + 1).to_string());
+        answers.push(resp.bytes().await.expect("body"));
     }
     h.sandbox.replay(2).await.expect("replay");
     for idx in 0..2 {
@@ -138,6 +133,7 @@ async fn replay_answers_from_the_transcript_then_goes_live() {
     );
     let resp = h.post(paths[2], &bodies[2]).send().await.expect("send");
     assert!(resp.headers().get("x-crab-replayed").is_none());
+    assert_eq!(resp.headers()["x-crab-turn"], "3");
     resp.bytes().await.expect("body");
     assert_eq!(h.upstream.seen().len(), 4, "turn 3 went live");
     assert_eq!(h.sandbox.last_turn(), 3);

@@ -64,11 +64,13 @@ impl ScriptedLlm {
 
 /// One turn of an agent outside its sandbox: a chat completion posted to
 /// `url` (a `crabctl proxy-url`, `http://127.0.0.1:PORT/s/<id>/<secret>`) that the
-/// scripted LLM answers after `think`; returns once the answer is released.
+/// scripted LLM answers after `think`; returns once the answer is released,
+/// with the turn number the proxy gave it (`x-crab-turn`; none for an
+/// answer replayed from the transcript).
 ///
 /// # Errors
 /// The connection failed, or the answer was not a 200.
-pub fn chat_turn(url: &str, think: std::time::Duration) -> std::io::Result<()> {
+pub fn chat_turn(url: &str, think: std::time::Duration) -> std::io::Result<Option<u64>> {
     let rest = url.strip_prefix("http://").unwrap_or(url);
     let (addr, path) = rest.split_once('/').unwrap_or((rest, ""));
     let body = r#"{"model":"m","messages":[{"role":"user","content":"next"}]}"#;
@@ -87,7 +89,13 @@ pub fn chat_turn(url: &str, think: std::time::Duration) -> std::io::Result<()> {
             answer.lines().next().unwrap_or("").to_owned(),
         ));
     }
-    Ok(())
+    let head = answer.split("\r\n\r\n").next().unwrap_or("");
+    Ok(head.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.eq_ignore_ascii_case("x-crab-turn")
+            .then(|| value.trim().parse().ok())
+            .flatten()
+    }))
 }
 
 /// A complete chat completion whose message says `content`.

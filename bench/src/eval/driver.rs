@@ -49,6 +49,9 @@ pub struct Run {
     pub events: Vec<Event>,
     /// The class of each step's version (crab's policies), by step.
     pub classes: Vec<Option<String>>,
+    /// The step each turn number the proxy gave a live answer belongs
+    /// to (an agent outside; a retried request takes a number too).
+    pub turns: BTreeMap<u64, usize>,
     /// Peak resident memory of the task's shims, KiB (the largest).
     pub shim_peak_kb: u64,
     /// Commands that exited non-zero (they run and fail as they would),
@@ -150,6 +153,7 @@ pub fn drive(setup: &Setup, task: &Task) -> anyhow::Result<Run> {
             run.ids.last().expect("a sandbox"),
             task.steps.len(),
             setup.agents.is_some(),
+            &run.turns,
         );
     }
     if setup.policy.checkpoints() {
@@ -259,7 +263,9 @@ impl<'a> Agent<'a> {
                     std::thread::sleep(f.after);
                     let killed = sandbox::kill_init(self.setup.ctd, &self.id);
                     // The answer may come or not: the agent has seen the step.
-                    let _ = turn.join();
+                    if let Ok(Ok(Some(n))) = turn.join() {
+                        self.run.turns.insert(n, step);
+                    }
                     killed
                 })?;
                 self.event(EventKind::Turn(step), begun);
@@ -319,11 +325,17 @@ impl<'a> Agent<'a> {
     fn turn(&mut self, step: usize) -> anyhow::Result<()> {
         let begun = self.now();
         let think = self.task.steps[step].think;
-        if let Err(e) = chat_turn(&self.url, think) {
-            // One retry: a proxy that was busy restoring may have refused it.
-            std::thread::sleep(Duration::from_secs(1));
-            chat_turn(&self.url, think)
-                .with_context(|| format!("step {step}'s LLM call (first try: {e})"))?;
+        let numbered = match chat_turn(&self.url, think) {
+            Ok(n) => n,
+            Err(e) => {
+                // One retry: a proxy that was busy restoring may have refused it.
+                std::thread::sleep(Duration::from_secs(1));
+                chat_turn(&self.url, think)
+                    .with_context(|| format!("step {step}'s LLM call (first try: {e})"))?
+            }
+        };
+        if let Some(n) = numbered {
+            self.run.turns.insert(n, step);
         }
         self.event(EventKind::Turn(step), begun);
         Ok(())
@@ -545,12 +557,24 @@ fn image_bytes(record: &serde_json::Value) -> u64 {
         .map_or(0, |files| files.iter().filter_map(|f| f["bytes"].as_u64()).sum())
 }
 
-/// The class of the version of each of `steps` steps of sandbox `id`.
-fn classes(ctd: &Containerd, id: &str, steps: usize, inside: bool) -> Vec<Option<String>> {
+/// The class of the version of each of `steps` steps of sandbox `id`:
+/// by the step its turn's answer was for (`turns`), or else (an agent
+/// inside, whose answers the driver does not see) by its turn's number.
+fn classes(
+    ctd: &Containerd,
+    id: &str,
+    steps: usize,
+    inside: bool,
+    turns: &BTreeMap<u64, usize>,
+) -> Vec<Option<String>> {
     let mut out = vec![None; steps];
     for v in versions(ctd, id).unwrap_or_default() {
-        if let (Ok(step), Some(class)) = (step_of(&v, inside), v["class"].as_str()) {
-            if let Some(slot) = usize::try_from(step).ok().and_then(|s| out.get_mut(s)) {
+        let step = match turns.is_empty() {
+            true => step_of(&v, inside).ok().and_then(|s| usize::try_from(s).ok()),
+            false => v["turn"].as_u64().and_then(|t| turns.get(&t).copied()),
+        };
+        if let (Some(step), Some(class)) = (step, v["class"].as_str()) {
+            if let Some(slot) = out.get_mut(step) {
                 *slot = Some(class.to_owned());
             }
         }
