@@ -9,7 +9,7 @@ use std::sync::Arc;
 use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use oci_spec::runtime::Spec;
+use oci_spec::runtime::{Capability, Spec};
 use tokio::sync::oneshot;
 
 use crate::cgroup;
@@ -80,6 +80,10 @@ pub struct Container {
     /// How the sandbox comes back after a crash, once registered with
     /// crabd (see `crate::recovery`).
     pub recovery: Option<crate::recovery::Recovery>,
+    /// An exec was given `CAP_SYS_ADMIN` (or no capability list): it may
+    /// have changed the sandbox's mounts even after it exited, so its
+    /// checkpoints keep every tmpfs in their images.
+    mounts_changed: bool,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -173,6 +177,7 @@ impl Container {
             recovering: false,
             netns_pin: None,
             recovery: None,
+            mounts_changed: false,
         };
         if let Some(images) = &c.pending_restore {
             if c.init.stdio.terminal {
@@ -403,6 +408,11 @@ impl Container {
                 terminal: terminal || req.terminal,
             },
         );
+        // Unreadable here: libcontainer will say why; it changes nothing.
+        let process = serde_json::from_slice::<oci_spec::runtime::Process>(&spec);
+        if process.is_ok_and(|p| crate::netns::may_hold(&p, &[Capability::SysAdmin])) {
+            self.mounts_changed = true;
+        }
         p.spec = Some(spec);
         self.execs.insert(req.exec_id.clone(), p);
         Ok(())
@@ -607,6 +617,7 @@ impl Container {
         let mut opts = CheckpointOpts {
             crab_init: self.init_is_crab_init(),
             init_pid: Some(self.init.pid),
+            mounts_changed: self.mounts_changed,
             ..Default::default()
         };
         let mut image_path = PathBuf::from(&req.path);
@@ -696,6 +707,7 @@ impl Container {
             tracing::debug!(error = %crab_api::error_chain(&e), "cleanup of {}", self.id);
         }
         self.init.io = None;
+        crate::runtime::release_sources(&self.criu_work_dir());
         self.rootfs.release(&self.id);
         if let Some(cg) = &self.unified_cgroup {
             if let Err(e) = cgroup::remove_unified(cg) {

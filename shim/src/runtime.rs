@@ -32,9 +32,34 @@ mod tmpfs;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
 pub use criu::{pinned_netns, DESCRIPTORS};
-pub use joined_ns::preflight as restore_preflight;
 pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
+
+/// Everything a restore of `images` into the container of `bundle` would
+/// refuse (namespaces it cannot rejoin, tmpfs it cannot make again),
+/// found before the restore kills the processes it replaces.
+pub fn restore_preflight(bundle: &Path, images: &Path) -> std::result::Result<(), String> {
+    joined_ns::preflight(bundle, images)?;
+    let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
+        .map_err(|e| format!("read config.json: {e}"))?;
+    tmpfs::preflight(&spec, images).map_err(|e| format!("{e:#}"))
+}
+
+/// Unmounts what a killed restore helper may have left mounted in CRIU's
+/// work directory `work` (the masks' and kept-out tmpfs's fresh mounts),
+/// so the bundle can go.
+pub fn release_sources(work: &Path) {
+    let Ok(entries) = std::fs::read_dir(work) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name == masked::SOURCE || name.starts_with(tmpfs::SOURCE_PREFIX) {
+            masked::unmount(&e.path());
+        }
+    }
+}
 
 /// First argument that selects the helper personality of the binary.
 pub const SUBCOMMAND: &str = "runtime";
@@ -156,6 +181,7 @@ fn run(req: &Request) -> Result<Reply, Failed> {
                     ext_unix_sk: dump.ext_unix_sk,
                     file_locks: dump.file_locks,
                     crab_init: dump.crab_init,
+                    mounts_changed: dump.mounts_changed,
                     own_netns: &crate::netns::pin_path(root, id),
                 },
             )

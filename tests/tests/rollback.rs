@@ -51,6 +51,36 @@ fn rollback_on_btrfs() {
     assert_clean(&ctd.scope(), &["bt"]);
 }
 
+/// A device node the sandbox made itself (it may: CAP_MKNOD), which its
+/// spec lacks, keeps `/dev` in CRIU's images, tar and all: a restore
+/// could not make it again. Rollbacks give it back.
+#[test]
+fn a_device_the_spec_lacks_keeps_dev_in_the_images() {
+    let ctd = Containerd::start();
+    let id = "mknod";
+    let pid = run_stateful(&ctd, id);
+    wait_registered(&ctd, id);
+    exec_sh(&ctd, id, "mknod /dev/crab-tun c 10 200");
+    let v1 = crabctl_ok(&ctd, &["checkpoint", id])["version"]["version"]
+        .as_u64()
+        .expect("a version");
+    let images = ctd.crabd_root().join("images").join(id).join(v1.to_string());
+    let tmpfs = std::fs::read_to_string(images.join("crab-tmpfs.json")).expect("the tmpfs record");
+    assert!(!tmpfs.contains("\"/dev\""), "{tmpfs}");
+    assert!(tmpfs.contains("\"/dev/shm\""), "{tmpfs}");
+    exec_sh(&ctd, id, "rm /dev/crab-tun");
+    for round in 0..2 {
+        let r = crabctl_ok(&ctd, &["rollback", id, &v1.to_string()]);
+        let pid = r["pid"].as_i64().expect("pid") as i32;
+        assert_ne!(pid, 0, "round {round}");
+        let out = exec_sh(&ctd, id, "stat -c '%F %t:%T' /dev/crab-tun");
+        assert_eq!(out.trim(), "character special file a:c8", "round {round}");
+    }
+    let _ = pid;
+    ctd.remove(id);
+    assert_clean(&ctd.scope(), &[id]);
+}
+
 /// A files-only rollback on btrfs: the snapshot's tree is synced onto the
 /// running subvolume; the processes (their pid, their memory) stay.
 #[test]

@@ -48,7 +48,7 @@ const KILL_LIMIT: Duration = Duration::from_secs(10);
 
 impl Container {
     /// Where CRIU works and logs during a checkpoint of this container.
-    fn criu_work_dir(&self) -> PathBuf {
+    pub(super) fn criu_work_dir(&self) -> PathBuf {
         self.bundle.join(".crab-criu")
     }
 
@@ -134,6 +134,7 @@ impl Container {
                 tcp_established: true,
                 crab_init: self.init_is_crab_init(),
                 init_pid: Some(self.init.pid),
+                mounts_changed: self.mounts_changed,
                 ..Default::default()
             };
             let t = Instant::now();

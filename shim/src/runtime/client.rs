@@ -57,6 +57,9 @@ pub struct CheckpointOpts {
     pub file_locks: bool,
     /// The init is crab-init (its report pipe is recorded).
     pub crab_init: bool,
+    /// Something may have changed the sandbox's mounts (a privileged
+    /// exec): every tmpfs stays in the images.
+    pub mounts_changed: bool,
     /// The running init's pid, when the tree is left running: if it starts
     /// dying during the dump, CRIU is stopped at once (a killed init can
     /// leave CRIU waiting forever for it to trap).
@@ -150,6 +153,7 @@ impl RuntimeClient {
             ext_unix_sk: opts.ext_unix_sk,
             file_locks: opts.file_locks,
             crab_init: opts.crab_init,
+            mounts_changed: opts.mounts_changed,
         });
         let watch = opts.init_pid.filter(|_| !opts.exit);
         match self.invoke(id, work_dir, op, Stdio::null(), None, watch).await? {

@@ -17,7 +17,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -61,6 +61,9 @@ pub struct DumpOpts<'a> {
     /// The init is crab-init: its report pipe (descriptor 3) is recorded
     /// with its stdio and re-wired at restore.
     pub crab_init: bool,
+    /// Something may have changed the sandbox's mounts (a privileged
+    /// exec, maybe gone): every tmpfs and mask stays in the images.
+    pub mounts_changed: bool,
     /// Where crab pins this container's network namespace (see
     /// `crate::netns`): a namespace pinned there is recorded as crab's own.
     pub own_netns: &'a Path,
@@ -111,7 +114,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     let mounts = procfs::process::Process::new(pid)
         .and_then(|p| p.mountinfo())
         .context("read the init's mounts")?;
-    let fixed = super::masked::mounts_are_fixed(&spec, &freezer);
+    let fixed = !opts.mounts_changed && super::masked::mounts_are_fixed(&spec, &freezer);
     super::masked::record(&spec, &mounts, fixed, opts.image_path, &mut criu)?;
     // Frozen before it is looked at: nothing writes into it after.
     let frozen = freezer.is_frozen();
@@ -233,6 +236,9 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     criu.set_images_dir_fd(images.as_raw_fd());
     std::fs::create_dir_all(opts.work_path)
         .with_context(|| format!("create {}", opts.work_path.display()))?;
+    // Root's alone: the fresh tmpfs sources are made in it.
+    std::fs::set_permissions(opts.work_path, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("close {}", opts.work_path.display()))?;
     let work = File::open(opts.work_path).with_context(|| format!("open {}", opts.work_path.display()))?;
     criu.set_work_dir_fd(work.as_raw_fd());
     for (dest, source) in external_mounts(&spec)? {

@@ -32,7 +32,7 @@ use crate::freezer::Cgroup;
 const RECORD: &str = "crab-masked.json";
 
 /// The masks' tmpfs during a restore, in CRIU's work directory.
-const SOURCE: &str = "masked";
+pub(super) const SOURCE: &str = "masked";
 
 /// `CAP_SYS_ADMIN`'s bit in `/proc/<pid>/status`'s capability masks.
 const CAP_SYS_ADMIN_BIT: u64 = 1 << 21;
@@ -167,28 +167,37 @@ pub(super) fn unmount(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-/// Whether a process in `cgroup` (or below it) holds
+/// Whether a thread of a process in `cgroup` (or below it) holds
 /// `CAP_SYS_ADMIN` in any set, its bounding set included (what it may
-/// gain): such a process may have remounted a mask and written in it.
+/// gain): such a thread may have remounted a mask and written in it.
+/// Every thread is read: a process's own status is its leader's, and
+/// another thread may have kept what the leader dropped.
 fn some_process_holds_sys_admin(cgroup: &Cgroup) -> Result<bool> {
     let pids = crate::freezer::procs_below(cgroup.dir()).context("the sandbox's processes")?;
     for p in pids {
-        let status = match procfs::process::Process::new(p).and_then(|p| p.status()) {
-            Ok(s) => s,
+        let tasks = match procfs::process::Process::new(p).and_then(|p| p.tasks()) {
+            Ok(t) => t,
             // Gone: it holds nothing now, and the cgroup is frozen.
             Err(procfs::ProcError::NotFound(_)) => continue,
             // Unreadable: it may hold anything.
             Err(_) => return Ok(true),
         };
-        let sets = [
-            Some(status.capinh),
-            Some(status.capprm),
-            Some(status.capeff),
-            status.capbnd,
-            status.capamb,
-        ];
-        if sets.into_iter().flatten().any(|set| set & CAP_SYS_ADMIN_BIT != 0) {
-            return Ok(true);
+        for task in tasks {
+            let status = match task.and_then(|t| t.status()) {
+                Ok(s) => s,
+                Err(procfs::ProcError::NotFound(_)) => continue,
+                Err(_) => return Ok(true),
+            };
+            let sets = [
+                Some(status.capinh),
+                Some(status.capprm),
+                Some(status.capeff),
+                status.capbnd,
+                status.capamb,
+            ];
+            if sets.into_iter().flatten().any(|set| set & CAP_SYS_ADMIN_BIT != 0) {
+                return Ok(true);
+            }
         }
     }
     Ok(false)

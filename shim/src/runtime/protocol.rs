@@ -114,6 +114,10 @@ pub struct Dump {
     /// The init is crab-init: record its report pipe beside its stdio.
     #[serde(default)]
     pub crab_init: bool,
+    /// Something may have changed the sandbox's mounts: every tmpfs stays
+    /// in the images.
+    #[serde(default)]
+    pub mounts_changed: bool,
 }
 
 /// A CRIU restore.

@@ -192,6 +192,16 @@ pub fn record(
     if tmpfs.is_empty() {
         return Ok(());
     }
+    let allowed = Allowed {
+        devices: devices(spec),
+        mount_points: spec
+            .mounts()
+            .iter()
+            .flatten()
+            .map(|m| m.destination().to_string_lossy().into_owned())
+            .chain(["/dev/console".to_owned()])
+            .collect(),
+    };
     let root = rustix::fs::open(
         format!("/proc/{pid}/root"),
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -199,8 +209,12 @@ pub fn record(
     )
     .context("open the init's root")?;
     let mut kept = Vec::new();
+    // No more than a restore takes.
     for path in tmpfs {
-        if let Some(k) = keepable(&root, mounts, &path) {
+        if kept.len() == MOST {
+            break;
+        }
+        if let Some(k) = keepable(&root, mounts, &path, &allowed) {
             criu.set_external_mount(path.clone(), format!("{KEY_PREFIX}{path}"));
             kept.push(k);
         }
@@ -212,10 +226,18 @@ pub fn record(
     std::fs::write(&record, text).with_context(|| format!("write {}", record.display()))
 }
 
+/// What a kept-out tmpfs may hold besides directories and links: the
+/// container's devices, and mounts where its spec (or a terminal) puts
+/// them.
+struct Allowed {
+    devices: HashSet<(bool, i64, i64)>,
+    mount_points: HashSet<String>,
+}
+
 /// The tmpfs at `path` in the sandbox whose root is `root`, if it may be
 /// kept out of the images; `None` for anything else, or anything that
 /// cannot be read.
-fn keepable(root: &OwnedFd, mounts: &MountInfos, path: &str) -> Option<Kept> {
+fn keepable(root: &OwnedFd, mounts: &MountInfos, path: &str, allowed: &Allowed) -> Option<Kept> {
     let mut at = mounts.iter().filter(|m| m.mount_point == Path::new(path));
     let (Some(m), None) = (at.next(), at.next()) else {
         return None;
@@ -256,30 +278,55 @@ fn keepable(root: &OwnedFd, mounts: &MountInfos, path: &str) -> Option<Kept> {
         return None;
     }
     let root_attrs = attrs(&stx);
-    // The mounts on it, by their path below it.
-    let below: HashSet<String> = mounts
-        .iter()
-        .filter(|c| c.pid == m.mnt_id)
-        .filter_map(|c| {
-            Some(
-                c.mount_point
-                    .strip_prefix(path)
-                    .ok()?
-                    .to_string_lossy()
-                    .into_owned(),
-            )
-        })
-        .collect();
-    let mut entries = Vec::new();
-    walk(&dir, "", m.mnt_id as u64, &below, 0, &mut entries)?;
+    // Inodes are counted (`nr_inodes` is not 0), and not more than a
+    // record holds: the walk, frozen, stays short.
+    let used = |vfs: &rustix::fs::StatVfs| vfs.f_files - vfs.f_ffree;
     let vfs = rustix::fs::fstatvfs(&dir).ok()?;
-    // Inodes are counted (`nr_inodes` is not 0): one per name found and
-    // the root's, none else (hidden, or unlinked but open).
-    let names = entries.len() as u64 + 1;
-    if vfs.f_files == 0 || vfs.f_files - vfs.f_ffree != names || rustix::fs::flistxattr_query(&dir).ok()? != 0
+    if vfs.f_files == 0
+        || used(&vfs) > MOST_ENTRIES as u64 + 1
+        || rustix::fs::flistxattr_query(&dir).ok()? != 0
     {
         return None;
     }
+    // The mounts on it, by their path below it; each where the spec puts
+    // one.
+    let mut below = HashSet::new();
+    for c in mounts.iter().filter(|c| c.pid == m.mnt_id) {
+        if !allowed
+            .mount_points
+            .contains(c.mount_point.to_string_lossy().as_ref())
+        {
+            return None;
+        }
+        below.insert(
+            c.mount_point
+                .strip_prefix(path)
+                .ok()?
+                .to_string_lossy()
+                .into_owned(),
+        );
+    }
+    let mut walk = Walk {
+        mnt_id: m.mnt_id as u64,
+        below,
+        allowed,
+        entries: Vec::new(),
+        dirs: Vec::new(),
+    };
+    walk.dir(dir, "", 0)?;
+    // One inode per name found and the root's, none else (hidden under a
+    // mount, or unlinked but open); and, against writers outside the
+    // frozen cgroup, no directory changed meanwhile.
+    let root_dir = &walk.dirs.last()?.0;
+    if used(&rustix::fs::fstatvfs(root_dir).ok()?) != walk.entries.len() as u64 + 1 {
+        return None;
+    }
+    for (dir, before) in &walk.dirs {
+        if times(&rustix::fs::fstat(dir).ok()?) != *before {
+            return None;
+        }
+    }
+    let entries = walk.entries;
     let mut data: Vec<String> = m
         .super_options
         .iter()
@@ -300,98 +347,128 @@ fn keepable(root: &OwnedFd, mounts: &MountInfos, path: &str) -> Option<Kept> {
     })
 }
 
-/// Adds what directory `dir` (at `prefix` below the mount `mnt_id`)
-/// holds to `entries`, each directory before its own; `None` when it
-/// holds anything a record cannot make again. Mount points (`below`) are
-/// noted, never entered.
-fn walk(
-    dir: &OwnedFd,
-    prefix: &str,
+/// A walk of a tmpfs that may be kept out.
+struct Walk<'a> {
+    /// The mount walked.
     mnt_id: u64,
-    below: &HashSet<String>,
-    depth: usize,
-    entries: &mut Vec<Entry>,
-) -> Option<()> {
-    if depth >= DEEPEST {
-        return None;
-    }
-    let mut names = Vec::new();
-    for e in rustix::fs::Dir::read_from(dir).ok()? {
-        let e = e.ok()?;
-        let name = e.file_name().to_str().ok()?.to_owned();
-        if name != "." && name != ".." {
-            names.push(name);
-        }
-    }
-    names.sort();
-    for name in names {
-        let path = format!("{prefix}{name}");
-        if entries.len() >= MOST_ENTRIES {
+    /// The mount points on it, by their path below it: noted, never
+    /// entered.
+    below: HashSet<String>,
+    allowed: &'a Allowed,
+    /// What it holds, each directory before what is in it.
+    entries: Vec<Entry>,
+    /// Each directory walked (the root last) and its [`times`] then.
+    dirs: Vec<(OwnedFd, Times)>,
+}
+
+/// A directory's modification and change times, which any name made or
+/// removed in it moves.
+type Times = (i64, u64, i64, u64);
+
+fn times(st: &rustix::fs::Stat) -> Times {
+    (
+        st.st_mtime,
+        st.st_mtime_nsec,
+        st.st_ctime,
+        st.st_ctime_nsec,
+    )
+}
+
+impl Walk<'_> {
+    /// Adds what directory `dir` (at `prefix` below the mount) holds;
+    /// `None` when it holds anything a record cannot make again.
+    fn dir(&mut self, dir: OwnedFd, prefix: &str, depth: usize) -> Option<()> {
+        if depth >= DEEPEST {
             return None;
         }
-        let stx = statx(dir, &name)?;
-        if below.contains(&path) {
-            // What is mounted there answers: a directory sits on one.
-            let dir = FileType::from_raw_mode(stx.stx_mode.into()) == FileType::Directory;
-            entries.push(Entry {
-                name: path,
-                kind: Kind::MountPoint { dir },
-                attrs: None,
-            });
-            continue;
-        }
-        if stx.stx_mnt_id != mnt_id {
-            return None;
-        }
-        let kind = match FileType::from_raw_mode(stx.stx_mode.into()) {
-            FileType::Directory => Kind::Dir,
-            _ if stx.stx_nlink != 1 => return None,
-            FileType::Symlink => {
-                let target = rustix::fs::readlinkat(dir, name.as_str(), Vec::new()).ok()?;
-                Kind::Symlink {
-                    target: target.into_string().ok()?,
-                }
+        let before = times(&rustix::fs::fstat(&dir).ok()?);
+        let mut names = Vec::new();
+        for e in rustix::fs::Dir::read_from(&dir).ok()? {
+            let e = e.ok()?;
+            let name = e.file_name().to_str().ok()?.to_owned();
+            if name != "." && name != ".." {
+                names.push(name);
             }
-            FileType::CharacterDevice => Kind::Char {
-                major: stx.stx_rdev_major,
-                minor: stx.stx_rdev_minor,
-            },
-            FileType::BlockDevice => Kind::Block {
-                major: stx.stx_rdev_major,
-                minor: stx.stx_rdev_minor,
-            },
-            // Data, a fifo, a socket: kept in the images.
-            _ => return None,
-        };
-        entries.push(Entry {
-            name: path.clone(),
-            kind: kind.clone(),
-            attrs: Some(attrs(&stx)),
-        });
-        if kind == Kind::Dir {
-            let sub = rustix::fs::openat2(
-                dir,
-                name.as_str(),
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV,
-            )
-            .ok()?;
-            if rustix::fs::flistxattr_query(&sub).ok()? != 0 {
+            if names.len() > MOST_ENTRIES {
                 return None;
             }
-            walk(&sub, &format!("{path}/"), mnt_id, below, depth + 1, entries)?;
         }
+        names.sort();
+        for name in names {
+            let path = format!("{prefix}{name}");
+            if self.entries.len() >= MOST_ENTRIES {
+                return None;
+            }
+            let stx = statx(&dir, &name)?;
+            if self.below.contains(&path) {
+                // What is mounted there answers: a directory sits on one.
+                let dir = FileType::from_raw_mode(stx.stx_mode.into()) == FileType::Directory;
+                self.entries.push(Entry {
+                    name: path,
+                    kind: Kind::MountPoint { dir },
+                    attrs: None,
+                });
+                continue;
+            }
+            if stx.stx_mnt_id != self.mnt_id {
+                return None;
+            }
+            // Only devices the restore may make: the container's own.
+            let (major, minor) = (stx.stx_rdev_major, stx.stx_rdev_minor);
+            let ours = |block: bool| {
+                self.allowed
+                    .devices
+                    .contains(&(block, i64::from(major), i64::from(minor)))
+            };
+            let kind = match FileType::from_raw_mode(stx.stx_mode.into()) {
+                FileType::Directory => Kind::Dir,
+                _ if stx.stx_nlink != 1 => return None,
+                FileType::Symlink => {
+                    let target = rustix::fs::readlinkat(&dir, name.as_str(), Vec::new()).ok()?;
+                    Kind::Symlink {
+                        target: target.into_string().ok()?,
+                    }
+                }
+                FileType::CharacterDevice if ours(false) => Kind::Char { major, minor },
+                FileType::BlockDevice if ours(true) => Kind::Block { major, minor },
+                // Data, a fifo, a socket, another device: kept in the images.
+                _ => return None,
+            };
+            let is_dir = kind == Kind::Dir;
+            self.entries.push(Entry {
+                name: path.clone(),
+                kind,
+                attrs: Some(attrs(&stx)),
+            });
+            if is_dir {
+                let sub = rustix::fs::openat2(
+                    &dir,
+                    name.as_str(),
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                    ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV,
+                )
+                .ok()?;
+                if rustix::fs::flistxattr_query(&sub).ok()? != 0 {
+                    return None;
+                }
+                self.dir(sub, &format!("{path}/"), depth + 1)?;
+            }
+        }
+        self.dirs.push((dir, before));
+        Some(())
     }
-    Some(())
 }
 
 /// `name` in `dir` (itself for ""), not followed if a link.
 fn statx(dir: &OwnedFd, name: &str) -> Option<rustix::fs::Statx> {
-    let flags = match name {
-        "" => AtFlags::EMPTY_PATH,
-        _ => AtFlags::SYMLINK_NOFOLLOW,
-    };
+    // Never waiting on, nor mounting, what the sandbox may have bound in.
+    let flags = AtFlags::NO_AUTOMOUNT
+        | AtFlags::STATX_DONT_SYNC
+        | match name {
+            "" => AtFlags::EMPTY_PATH,
+            _ => AtFlags::SYMLINK_NOFOLLOW,
+        };
     rustix::fs::statx(dir, name, flags, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID).ok()
 }
 
@@ -405,12 +482,10 @@ fn attrs(stx: &rustix::fs::Statx) -> Attrs {
     }
 }
 
-/// At a restore from `images` into a container of `spec`, with CRIU's
-/// work directory `work`, mounts a fresh tmpfs there for each one the
-/// dump kept out, made as it recorded, and gives it as that mount's
-/// source; the mounts are held (and unmounted on drop) until CRIU is
-/// done.
-pub fn restore(spec: &Spec, images: &Path, work: &Path, criu: &mut Criu) -> Result<Vec<Source>> {
+/// The tmpfs mounts the dump kept out of `images`, each checked against
+/// a restore into a container of `spec`, with its mount flags; none when
+/// the images keep theirs.
+fn recorded(spec: &Spec, images: &Path) -> Result<Vec<(Kept, MsFlags)>> {
     let text = match std::fs::read(images.join(RECORD)) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -420,14 +495,43 @@ pub fn restore(spec: &Spec, images: &Path, work: &Path, criu: &mut Criu) -> Resu
     // before anything is mounted.
     let kept: Vec<Kept> = serde_json::from_slice(&text).with_context(|| format!("parse {RECORD}"))?;
     ensure!(kept.len() <= MOST, "{RECORD} names {} mounts", kept.len());
+    // A fresh tmpfs belongs to the host's user namespace, not the
+    // container's.
+    let user_ns = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User));
+    ensure!(
+        kept.is_empty() || !user_ns,
+        "the images keep {} out of them, which crab cannot make again in a container with a user namespace",
+        kept[0].path
+    );
     let devices = devices(spec);
-    let made = kept
-        .iter()
-        .map(|k| check(k, &devices).with_context(|| format!("{RECORD}: the mount at {:?}", k.path)))
-        .collect::<Result<Vec<_>>>()?;
+    kept.into_iter()
+        .map(|k| {
+            let flags =
+                check(&k, &devices).with_context(|| format!("{RECORD}: the mount at {:?}", k.path))?;
+            Ok((k, flags))
+        })
+        .collect()
+}
+
+/// What [`restore`] would refuse in `images` for a container of `spec`,
+/// found before a restore kills the processes it replaces.
+pub fn preflight(spec: &Spec, images: &Path) -> Result<()> {
+    recorded(spec, images).map(drop)
+}
+
+/// At a restore from `images` into a container of `spec`, with CRIU's
+/// work directory `work`, mounts a fresh tmpfs there for each one the
+/// dump kept out, made as it recorded, and gives it as that mount's
+/// source; the mounts are held (and unmounted on drop) until CRIU is
+/// done.
+pub fn restore(spec: &Spec, images: &Path, work: &Path, criu: &mut Criu) -> Result<Vec<Source>> {
     let mut sources = Vec::new();
-    for (n, (k, flags)) in kept.iter().zip(made).enumerate() {
-        let source = mount(k, flags, &work.join(format!("tmpfs-{n}")))?;
+    for (n, (k, flags)) in recorded(spec, images)?.into_iter().enumerate() {
+        let source = mount(&k, flags, &work.join(format!("{SOURCE_PREFIX}{n}")))?;
         criu.set_external_mount(
             format!("{KEY_PREFIX}{}", k.path),
             source.0.to_string_lossy().into_owned(),
@@ -436,6 +540,10 @@ pub fn restore(spec: &Spec, images: &Path, work: &Path, criu: &mut Criu) -> Resu
     }
     Ok(sources)
 }
+
+/// What each fresh tmpfs's directory in CRIU's work directory is called,
+/// before its number.
+pub(super) const SOURCE_PREFIX: &str = "tmpfs-";
 
 /// The device nodes libcontainer makes in a container of `spec`: its own
 /// defaults and the spec's, by kind (block or not) and number.
@@ -587,6 +695,9 @@ fn mount(k: &Kept, flags: MsFlags, dir: &Path) -> Result<Source> {
         Mode::empty(),
     )
     .with_context(|| format!("open {}", dir.display()))?;
+    // Closed to all but root while it is made; its own attributes last.
+    rustix::fs::fchmod(&root, Mode::from_raw_mode(0o700))
+        .with_context(|| format!("close {} while it is made", dir.display()))?;
     for e in &k.entries {
         make(&root, e).with_context(|| format!("make {:?} in {}", e.name, dir.display()))?;
     }
@@ -806,6 +917,27 @@ mod tests {
         let mut k = dev();
         k.entries.push(entry("sda", Kind::Block { major: 8, minor: 0 }));
         assert!(check(&k, &devices(&spec)).is_ok());
+        // A restore checks it all before anything is killed: a device of
+        // another spec, a user namespace.
+        let images = tempfile::tempdir().unwrap();
+        std::fs::write(images.path().join(RECORD), serde_json::to_vec(&[k]).unwrap()).unwrap();
+        assert!(preflight(&spec, images.path()).is_ok());
+        let e = preflight(&Spec::default(), images.path()).unwrap_err();
+        assert!(format!("{e:#}").contains("is not the container's"), "{e:#}");
+        let user = oci_spec::runtime::LinuxNamespaceBuilder::default()
+            .typ(LinuxNamespaceType::User)
+            .build()
+            .unwrap();
+        let linux = spec.linux_mut().as_mut().unwrap();
+        let mut namespaces = linux.namespaces().clone().unwrap_or_default();
+        namespaces.push(user);
+        linux.set_namespaces(Some(namespaces));
+        let e = preflight(&spec, images.path()).unwrap_err();
+        assert!(e.to_string().contains("user namespace"), "{e:#}");
+        assert!(
+            preflight(&spec, Path::new("/nonexistent")).is_ok(),
+            "no record: nothing to make"
+        );
     }
 
     /// Needs root: a restore's tmpfs is made as recorded, and the dump's
@@ -824,17 +956,21 @@ mod tests {
         let sources = restore(&Spec::default(), work.path(), work.path(), &mut criu).unwrap();
         assert_eq!(sources.len(), 2);
         let (shm_dir, dev_dir) = (work.path().join("tmpfs-0"), work.path().join("tmpfs-1"));
+        let small = |at: &Path| {
+            nix::mount::mount(
+                Some("tmpfs"),
+                at,
+                Some("tmpfs"),
+                MsFlags::empty(),
+                Some("size=4k"),
+            )
+            .unwrap()
+        };
+        let mountinfo = || procfs::process::Process::myself().unwrap().mountinfo().unwrap();
         // Something on the mount point, as devpts is on /dev/pts.
         let pts = dev_dir.join("pts");
-        nix::mount::mount(
-            Some("tmpfs"),
-            &pts,
-            Some("tmpfs"),
-            MsFlags::empty(),
-            Some("size=4k"),
-        )
-        .unwrap();
-        let mounts = procfs::process::Process::myself().unwrap().mountinfo().unwrap();
+        small(&pts);
+        let mounts = mountinfo();
         let m = mounts.iter().find(|m| m.mount_point == shm_dir).expect("mounted");
         assert_eq!(m.fs_type, "tmpfs");
         assert_eq!(m.mount_source.as_deref(), Some("shm"));
@@ -844,51 +980,71 @@ mod tests {
         }
         assert_eq!(m.super_options.get("size"), Some(&Some("65536k".to_owned())));
         let root = rustix::fs::open("/", OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
-        let read = |dir: &Path| keepable(&root, &mounts, dir.to_str().unwrap());
-        let back = |k: Kept, dir: &Path| Kept {
-            path: dir.to_string_lossy().into_owned(),
+        let allowed = Allowed {
+            devices: no_devices(),
+            mount_points: [pts.to_string_lossy().into_owned()].into(),
+        };
+        let keep = |mounts: &MountInfos, dir: &Path| keepable(&root, mounts, dir.to_str().unwrap(), &allowed);
+        // As the kernel shows it (some show `inode64` on every tmpfs).
+        let plain = |k: Kept| Kept {
+            data: k
+                .data
+                .split(',')
+                .filter(|o| *o != "inode64")
+                .collect::<Vec<_>>()
+                .join(","),
             ..k
         };
+        let back = |k: Kept, dir: &Path| {
+            plain(Kept {
+                path: dir.to_string_lossy().into_owned(),
+                ..k
+            })
+        };
         // Read back as recorded (the first read: reading moves atimes).
-        assert_eq!(read(&shm_dir), Some(back(shm(), &shm_dir)));
-        assert_eq!(read(&dev_dir), Some(back(dev(), &dev_dir)));
+        assert_eq!(keep(&mounts, &shm_dir).map(plain), Some(back(shm(), &shm_dir)));
+        assert_eq!(keep(&mounts, &dev_dir).map(plain), Some(back(dev(), &dev_dir)));
         // Data, even unlinked while open, keeps it in.
         let file = shm_dir.join("x");
         let open = std::fs::File::create(&file).unwrap();
-        assert!(read(&shm_dir).is_none());
+        assert!(keep(&mounts, &shm_dir).is_none());
         std::fs::remove_file(&file).unwrap();
-        assert!(read(&shm_dir).is_none());
+        assert!(keep(&mounts, &shm_dir).is_none());
         drop(open);
-        assert!(read(&shm_dir).is_some());
+        assert!(keep(&mounts, &shm_dir).is_some());
         // So does a name hidden under a mount, and a second link to a name.
         nix::mount::umount(&pts).unwrap();
         std::fs::write(pts.join("hidden"), b"").unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &pts,
-            Some("tmpfs"),
-            MsFlags::empty(),
-            Some("size=4k"),
-        )
-        .unwrap();
-        let mounts = procfs::process::Process::myself().unwrap().mountinfo().unwrap();
-        assert!(keepable(&root, &mounts, dev_dir.to_str().unwrap()).is_none());
+        small(&pts);
+        assert!(keep(&mountinfo(), &dev_dir).is_none());
         nix::mount::umount(&pts).unwrap();
         std::fs::remove_file(pts.join("hidden")).unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            &pts,
-            Some("tmpfs"),
-            MsFlags::empty(),
-            Some("size=4k"),
+        small(&pts);
+        let mounts = mountinfo();
+        assert!(keep(&mounts, &dev_dir).is_some());
+        std::fs::hard_link(dev_dir.join("null"), dev_dir.join("null2")).unwrap();
+        assert!(keep(&mounts, &dev_dir).is_none());
+        std::fs::remove_file(dev_dir.join("null2")).unwrap();
+        assert!(keep(&mounts, &dev_dir).is_some());
+        // A device the container lacks (a restore could not make it).
+        let mem = dev_dir.join("mem");
+        nix::sys::stat::mknod(
+            &mem,
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            nix::sys::stat::makedev(1, 1),
         )
         .unwrap();
-        let mounts = procfs::process::Process::myself().unwrap().mountinfo().unwrap();
-        assert!(keepable(&root, &mounts, dev_dir.to_str().unwrap()).is_some());
-        std::fs::hard_link(dev_dir.join("null"), dev_dir.join("null2")).unwrap();
-        assert!(keepable(&root, &mounts, dev_dir.to_str().unwrap()).is_none());
+        assert!(keep(&mounts, &dev_dir).is_none());
+        std::fs::remove_file(&mem).unwrap();
+        // A mount where the spec puts none.
+        let net = dev_dir.join("net");
+        small(&net);
+        assert!(keep(&mountinfo(), &dev_dir).is_none());
+        nix::mount::umount(&net).unwrap();
+        assert!(keep(&mounts, &dev_dir).is_some());
         // Not a tmpfs's root: kept in.
-        assert!(keepable(&root, &mounts, "/").is_none());
+        assert!(keep(&mounts, Path::new("/")).is_none());
         nix::mount::umount(&pts).unwrap();
         drop(sources);
         assert!(
