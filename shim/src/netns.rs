@@ -137,6 +137,43 @@ pub fn exec_may_configure(process: &oci_spec::runtime::Process) -> bool {
     may_hold(process, &[Capability::NetAdmin, Capability::SysAdmin])
 }
 
+/// Whether a process of `pids` holds a TCP socket that is neither
+/// listening nor closed: a connection CRIU dumps in repair mode, which
+/// wants the network locked meanwhile. Anything unreadable counts as
+/// holding one.
+pub fn holds_tcp_connection(pids: &[i32]) -> bool {
+    use std::collections::{HashMap, HashSet};
+    use std::os::unix::fs::MetadataExt;
+
+    use procfs::net::TcpState;
+    use procfs::process::{FDTarget, Process};
+
+    let look = || -> procfs::ProcResult<bool> {
+        let mut sockets = HashSet::new();
+        // One process per network namespace, to read its TCP tables.
+        let mut tables = HashMap::new();
+        for &pid in pids {
+            let p = Process::new(pid)?;
+            for fd in p.fd()? {
+                if let FDTarget::Socket(inode) = fd?.target {
+                    sockets.insert(inode);
+                }
+            }
+            let net = std::fs::metadata(format!("/proc/{pid}/ns/net"))?.ino();
+            tables.entry(net).or_insert(p);
+        }
+        for p in tables.values() {
+            for e in p.tcp()?.into_iter().chain(p.tcp6()?) {
+                if sockets.contains(&e.inode) && !matches!(e.state, TcpState::Listen | TcpState::Close) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    };
+    look().unwrap_or(true)
+}
+
 /// Whether `process` may hold one of `wanted`: in any of its capability
 /// sets, or it has no capability list (libcontainer then drops none).
 pub fn may_hold(process: &oci_spec::runtime::Process, wanted: &[Capability]) -> bool {
@@ -282,6 +319,43 @@ pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process of its own (other tests of this binary open sockets of
+    /// their own meanwhile): a listener, and a connection to it if asked.
+    fn holder(connect: bool) -> std::process::Child {
+        use std::io::BufRead;
+        let script = format!(
+            "import socket, sys\n\
+             l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen()\n\
+             if {}:\n    c = socket.create_connection(l.getsockname()); a, _ = l.accept()\n\
+             print('ready', flush=True); sys.stdin.read()\n",
+            if connect { "True" } else { "False" }
+        );
+        let mut child = std::process::Command::new("/usr/bin/python3")
+            .args(["-c", &script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 (install-deps installs it)");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready");
+        child
+    }
+
+    #[test]
+    fn a_connection_wants_the_network_locked_a_listener_does_not() {
+        for connect in [false, true] {
+            let mut child = holder(connect);
+            let held = holds_tcp_connection(&[child.id() as i32]);
+            let _ = child.kill();
+            let _ = child.wait();
+            assert_eq!(held, connect, "connected: {connect}");
+        }
+        assert!(holds_tcp_connection(&[i32::MAX]), "unreadable: assumed held");
+    }
     use oci_spec::runtime::{
         LinuxBuilder, LinuxCapabilitiesBuilder, LinuxNamespaceBuilder, ProcessBuilder, SpecBuilder,
     };

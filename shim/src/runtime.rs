@@ -182,6 +182,7 @@ fn run(req: &Request) -> Result<Reply, Failed> {
                     file_locks: dump.file_locks,
                     crab_init: dump.crab_init,
                     mounts_changed: dump.mounts_changed,
+                    quiet_network: dump.quiet_network,
                     own_netns: &crate::netns::pin_path(root, id),
                 },
             )

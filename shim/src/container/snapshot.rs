@@ -129,7 +129,13 @@ impl Container {
             // An agent inside the sandbox is waiting on its connection to
             // the proxy at every turn end: CRIU refuses to dump a connected
             // TCP socket unless told to keep it.
+            // Frozen: what connections it holds stays so until the thaw.
+            let quiet_network = match self.freezer.pids() {
+                Some(Ok(pids)) => !crate::netns::holds_tcp_connection(&pids),
+                _ => false,
+            };
             let opts = CheckpointOpts {
+                quiet_network,
                 work_path: Some(self.criu_work_dir()),
                 tcp_established: true,
                 crab_init: self.init_is_crab_init(),

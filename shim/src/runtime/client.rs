@@ -60,6 +60,9 @@ pub struct CheckpointOpts {
     /// Something may have changed the sandbox's mounts (a privileged
     /// exec): every tmpfs stays in the images.
     pub mounts_changed: bool,
+    /// The tree holds no TCP connection (seen while it is frozen): CRIU
+    /// need not lock the network, at this dump nor at a restore of it.
+    pub quiet_network: bool,
     /// The running init's pid, when the tree is left running: if it starts
     /// dying during the dump, CRIU is stopped at once (a killed init can
     /// leave CRIU waiting forever for it to trap).
@@ -154,6 +157,7 @@ impl RuntimeClient {
             file_locks: opts.file_locks,
             crab_init: opts.crab_init,
             mounts_changed: opts.mounts_changed,
+            quiet_network: opts.quiet_network,
         });
         let watch = opts.init_pid.filter(|_| !opts.exit);
         match self.invoke(id, work_dir, op, Stdio::null(), None, watch).await? {
@@ -212,7 +216,13 @@ impl RuntimeClient {
     /// request does not override them). A file the shim's environment
     /// names is read into it after the lock method (its choices win), and
     /// `extra` last.
-    fn configure_criu(&self, cmd: &mut Command, work_dir: &Path, extra: &str) -> Result<()> {
+    fn configure_criu(
+        &self,
+        cmd: &mut Command,
+        work_dir: &Path,
+        lock: NetworkLock,
+        extra: &str,
+    ) -> Result<()> {
         let theirs = match std::env::var_os("CRIU_CONFIG_FILE").filter(|f| !f.is_empty()) {
             Some(f) => std::fs::read_to_string(&f).map_err(Error::io(format!(
                 "read CRIU_CONFIG_FILE {}",
@@ -221,7 +231,7 @@ impl RuntimeClient {
             None => String::new(),
         };
         let conf = work_dir.join(CRIU_CONF);
-        let text = format!("network-lock {}\n{theirs}\n{extra}", self.network_lock.as_str());
+        let text = format!("network-lock {}\n{theirs}\n{extra}", lock.as_str());
         std::fs::write(&conf, text).map_err(Error::io(format!("write {}", conf.display())))?;
         cmd.env("CRIU_CONFIG_FILE", conf);
         Ok(())
@@ -320,7 +330,19 @@ impl RuntimeClient {
                 }
                 _ => String::new(),
             };
-            self.configure_criu(&mut cmd, work_dir, &extra)?;
+            // A tree without TCP connections (as its dump saw it) needs
+            // no lock: locking and unlocking cost CRIU some milliseconds.
+            let quiet = match &request.op {
+                Op::Checkpoint(d) => d.quiet_network,
+                Op::Restore(r) => r.image_path.join(super::criu::QUIET_NETWORK).exists(),
+                _ => false,
+            };
+            let lock = if quiet {
+                NetworkLock::Skip
+            } else {
+                self.network_lock
+            };
+            self.configure_criu(&mut cmd, work_dir, lock, &extra)?;
         }
         match stdio {
             Stdio::Fds {

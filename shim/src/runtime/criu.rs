@@ -30,6 +30,10 @@ use rust_criu::Criu;
 /// File in the image directory recording where the init's stdio pointed.
 pub const DESCRIPTORS: &str = "descriptors.json";
 
+/// A file in the images saying the dumped tree held no TCP connection:
+/// its restore need not lock the network either.
+pub const QUIET_NETWORK: &str = "crab-quiet-network";
+
 /// CRIU's log files, in the work directory.
 const DUMP_LOG: &str = "dump.log";
 const RESTORE_LOG: &str = "restore.log";
@@ -64,6 +68,9 @@ pub struct DumpOpts<'a> {
     /// Something may have changed the sandbox's mounts (a privileged
     /// exec, maybe gone): every tmpfs and mask stays in the images.
     pub mounts_changed: bool,
+    /// The tree holds no TCP connection (CRIU was told not to lock the
+    /// network): recorded in the images for the restore.
+    pub quiet_network: bool,
     /// Where crab pins this container's network namespace (see
     /// `crate::netns`): a namespace pinned there is recorded as crab's own.
     pub own_netns: &'a Path,
@@ -119,6 +126,16 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     // Frozen before it is looked at: nothing writes into it after.
     let frozen = freezer.is_frozen();
     super::tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
+    let quiet = opts.image_path.join(QUIET_NETWORK);
+    match opts.quiet_network {
+        true => std::fs::write(&quiet, b"").context("mark the images' network quiet")?,
+        false => match std::fs::remove_file(&quiet) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("remove a stale {QUIET_NETWORK}"))
+            }
+            _ => {}
+        },
+    }
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.

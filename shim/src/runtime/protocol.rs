@@ -118,6 +118,10 @@ pub struct Dump {
     /// in the images.
     #[serde(default)]
     pub mounts_changed: bool,
+    /// The tree holds no TCP connection: the network is not locked, and
+    /// the images say so for a restore.
+    #[serde(default)]
+    pub quiet_network: bool,
 }
 
 /// A CRIU restore.

@@ -366,12 +366,7 @@ struct Walk<'a> {
 type Times = (i64, u64, i64, u64);
 
 fn times(st: &rustix::fs::Stat) -> Times {
-    (
-        st.st_mtime,
-        st.st_mtime_nsec,
-        st.st_ctime,
-        st.st_ctime_nsec,
-    )
+    (st.st_mtime, st.st_mtime_nsec, st.st_ctime, st.st_ctime_nsec)
 }
 
 impl Walk<'_> {
