@@ -137,39 +137,42 @@ pub fn exec_may_configure(process: &oci_spec::runtime::Process) -> bool {
     may_hold(process, &[Capability::NetAdmin, Capability::SysAdmin])
 }
 
-/// Whether a process of `pids` holds a TCP socket that is neither
-/// listening nor closed: a connection CRIU dumps in repair mode, which
-/// wants the network locked meanwhile. Anything unreadable counts as
-/// holding one.
-pub fn holds_tcp_connection(pids: &[i32]) -> bool {
-    use std::collections::{HashMap, HashSet};
+/// Whether CRIU's network lock protects anything at a dump of the tree
+/// of init `pid` (frozen), whose network namespace is kept outside the
+/// image or not (`outside`).
+///
+/// CRIU locks a connection in its own network namespace unless it dumps
+/// the tree's: for a namespace outside the image (crab's pin, docker's, a
+/// pod's) the lock would drop the host's packets with the sandbox's
+/// addresses and protect none of the sandbox's. In a private namespace
+/// CRIU dumps, the lock matters only while a TCP socket there is
+/// connected (any socket: one in flight in a unix socket's queue has no
+/// descriptor to find it by). In the host's it is always kept.
+/// Anything unreadable counts as needing it.
+pub fn needs_lock(pid: i32, outside: bool) -> bool {
     use std::os::unix::fs::MetadataExt;
 
     use procfs::net::TcpState;
-    use procfs::process::{FDTarget, Process};
+    use procfs::process::Process;
 
+    if outside {
+        return false;
+    }
     let look = || -> procfs::ProcResult<bool> {
-        let mut sockets = HashSet::new();
-        // One process per network namespace, to read its TCP tables.
-        let mut tables = HashMap::new();
-        for &pid in pids {
-            let p = Process::new(pid)?;
-            for fd in p.fd()? {
-                if let FDTarget::Socket(inode) = fd?.target {
-                    sockets.insert(inode);
-                }
-            }
-            let net = std::fs::metadata(format!("/proc/{pid}/ns/net"))?.ino();
-            tables.entry(net).or_insert(p);
+        let ns = |p: &str| std::fs::metadata(format!("/proc/{p}/ns/net")).map(|m| m.ino());
+        if ns(&pid.to_string())? == ns("self")? {
+            return Ok(true);
         }
-        for p in tables.values() {
-            for e in p.tcp()?.into_iter().chain(p.tcp6()?) {
-                if sockets.contains(&e.inode) && !matches!(e.state, TcpState::Listen | TcpState::Close) {
-                    return Ok(true);
-                }
-            }
-        }
-        Ok(false)
+        let p = Process::new(pid)?;
+        // A host without IPv6 has no tcp6 table.
+        let v6 = match p.tcp6() {
+            Err(procfs::ProcError::NotFound(_)) => Vec::new(),
+            other => other?,
+        };
+        Ok(p.tcp()?
+            .into_iter()
+            .chain(v6)
+            .any(|e| e.inode != 0 && !matches!(e.state, TcpState::Listen | TcpState::Close)))
     };
     look().unwrap_or(true)
 }
@@ -320,8 +323,9 @@ pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
 mod tests {
     use super::*;
 
-    /// A process of its own (other tests of this binary open sockets of
-    /// their own meanwhile): a listener, and a connection to it if asked.
+    /// A process in a network namespace of its own (`unshare -rn`: a user
+    /// namespace too, so no root is needed), with a listener and, if
+    /// asked, a connection to it.
     fn holder(connect: bool) -> std::process::Child {
         use std::io::BufRead;
         let script = format!(
@@ -331,12 +335,18 @@ mod tests {
              print('ready', flush=True); sys.stdin.read()\n",
             if connect { "True" } else { "False" }
         );
-        let mut child = std::process::Command::new("/usr/bin/python3")
-            .args(["-c", &script])
+        let mut child = std::process::Command::new("unshare")
+            .args([
+                "-rn",
+                "sh",
+                "-c",
+                "ip link set lo up && exec /usr/bin/python3 -c \"$0\"",
+                &script,
+            ])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()
-            .expect("python3 (install-deps installs it)");
+            .expect("unshare (util-linux) and python3 (install-deps installs them)");
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.as_mut().unwrap())
             .read_line(&mut line)
@@ -346,15 +356,19 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_wants_the_network_locked_a_listener_does_not() {
+    fn only_a_connection_in_a_namespace_criu_dumps_wants_the_network_locked() {
         for connect in [false, true] {
             let mut child = holder(connect);
-            let held = holds_tcp_connection(&[child.id() as i32]);
+            let pid = child.id() as i32;
+            let (inside, outside) = (needs_lock(pid, false), needs_lock(pid, true));
             let _ = child.kill();
             let _ = child.wait();
-            assert_eq!(held, connect, "connected: {connect}");
+            assert_eq!(inside, connect, "connected: {connect}");
+            assert!(!outside, "a namespace outside the image is never locked by CRIU");
         }
-        assert!(holds_tcp_connection(&[i32::MAX]), "unreadable: assumed held");
+        // The host's own namespace is always locked; the unreadable too.
+        assert!(needs_lock(std::process::id() as i32, false));
+        assert!(needs_lock(i32::MAX, false));
     }
     use oci_spec::runtime::{
         LinuxBuilder, LinuxCapabilitiesBuilder, LinuxNamespaceBuilder, ProcessBuilder, SpecBuilder,

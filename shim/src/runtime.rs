@@ -31,7 +31,7 @@ pub(crate) mod protocol;
 mod tmpfs;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
-pub use criu::{pinned_netns, DESCRIPTORS};
+pub use criu::{netns_outside, pinned_netns, DESCRIPTORS};
 pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
 

@@ -116,6 +116,8 @@ impl Shim for Service {
         // First what the dead shim was running on the container (a dump
         // left alone can hold the killed container forever).
         crate::runtime::kill_orphaned_helpers(&bundle).await;
+        // What a killed restore helper left mounted, so the bundle can go.
+        crate::runtime::release_sources(&bundle.join(".crab-criu"));
         if let Err(e) = runtime.delete(&self.id, &bundle, true).await {
             tracing::warn!(error = %crab_api::error_chain(&e), "delete {} in {}", self.id, self.namespace);
         }

@@ -567,14 +567,23 @@ fn classes(
     inside: bool,
     turns: &BTreeMap<u64, usize>,
 ) -> Vec<Option<String>> {
-    let mut out = vec![None; steps];
-    for v in versions(ctd, id).unwrap_or_default() {
-        let step = match turns.is_empty() {
-            true => step_of(&v, inside).ok().and_then(|s| usize::try_from(s).ok()),
-            false => v["turn"].as_u64().and_then(|t| turns.get(&t).copied()),
-        };
-        if let (Some(step), Some(class)) = (step, v["class"].as_str()) {
+    let mut out: Vec<Option<String>> = vec![None; steps];
+    let versions = versions(ctd, id).unwrap_or_default();
+    let by_number = |v: &serde_json::Value| step_of(v, inside).ok().and_then(|s| usize::try_from(s).ok());
+    let by_answer = |v: &serde_json::Value| v["turn"].as_u64().and_then(|t| turns.get(&t).copied());
+    // By the answers first; then, for a step none answered (its sandbox
+    // was killed during the LLM's wait, or the agent is inside), by the
+    // turn's number.
+    for v in &versions {
+        if let (Some(step), Some(class)) = (by_answer(v), v["class"].as_str()) {
             if let Some(slot) = out.get_mut(step) {
+                *slot = Some(class.to_owned());
+            }
+        }
+    }
+    for v in &versions {
+        if let (Some(step), Some(class)) = (by_number(v), v["class"].as_str()) {
+            if let Some(slot) = out.get_mut(step).filter(|s| s.is_none()) {
                 *slot = Some(class.to_owned());
             }
         }

@@ -129,11 +129,13 @@ impl Container {
             // An agent inside the sandbox is waiting on its connection to
             // the proxy at every turn end: CRIU refuses to dump a connected
             // TCP socket unless told to keep it.
-            // Frozen: what connections it holds stays so until the thaw.
-            let quiet_network = match self.freezer.pids() {
-                Some(Ok(pids)) => !crate::netns::holds_tcp_connection(&pids),
-                _ => false,
-            };
+            // Frozen: its connections stay as they are until the thaw.
+            let pin = crate::netns::pin_path(runtime.root(), &self.id);
+            let outside = oci_spec::runtime::Spec::load(self.bundle.join("config.json"))
+                .ok()
+                .and_then(|spec| crate::runtime::netns_outside(&spec, self.init.pid, &pin))
+                .is_some();
+            let quiet_network = !crate::netns::needs_lock(self.init.pid, outside);
             let opts = CheckpointOpts {
                 quiet_network,
                 work_path: Some(self.criu_work_dir()),
@@ -193,6 +195,14 @@ impl Container {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
         check_images(&req.images_dir)?;
+        // What the restore would refuse, refused before the undo, the
+        // proxy's rewind or any kill.
+        crate::runtime::restore_preflight(&self.bundle, &req.images_dir).map_err(|reason| {
+            Error::InvalidBundle {
+                bundle: self.bundle.clone(),
+                reason,
+            }
+        })?;
         if let Some(target) = &req.fs {
             self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
         }

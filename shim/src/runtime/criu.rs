@@ -30,8 +30,8 @@ use rust_criu::Criu;
 /// File in the image directory recording where the init's stdio pointed.
 pub const DESCRIPTORS: &str = "descriptors.json";
 
-/// A file in the images saying the dumped tree held no TCP connection:
-/// its restore need not lock the network either.
+/// A file in the images saying their dump did not lock the network (see
+/// `crate::netns::needs_lock`): their restore need not either.
 pub const QUIET_NETWORK: &str = "crab-quiet-network";
 
 /// CRIU's log files, in the work directory.
@@ -68,8 +68,8 @@ pub struct DumpOpts<'a> {
     /// Something may have changed the sandbox's mounts (a privileged
     /// exec, maybe gone): every tmpfs and mask stays in the images.
     pub mounts_changed: bool,
-    /// The tree holds no TCP connection (CRIU was told not to lock the
-    /// network): recorded in the images for the restore.
+    /// CRIU was told not to lock the network (`crate::netns::needs_lock`):
+    /// recorded in the images for the restore.
     pub quiet_network: bool,
     /// Where crab pins this container's network namespace (see
     /// `crate::netns`): a namespace pinned there is recorded as crab's own.
@@ -122,7 +122,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
         .and_then(|p| p.mountinfo())
         .context("read the init's mounts")?;
     let fixed = !opts.mounts_changed && super::masked::mounts_are_fixed(&spec, &freezer);
-    super::masked::record(&spec, &mounts, fixed, opts.image_path, &mut criu)?;
+    super::masked::record(&spec, pid, &mounts, fixed, opts.image_path, &mut criu)?;
     // Frozen before it is looked at: nothing writes into it after.
     let frozen = freezer.is_frozen();
     super::tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
@@ -148,19 +148,7 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
             _ => {}
         }
     }
-    // crab's pin counts as crab's only while the namespace holds nothing
-    // but what a fresh one has (something outside may have added more).
-    let ours = crate::netns::pins(opts.own_netns, pid);
-    let own = ours && crate::netns::only_loopback(pid);
-    let outside = match joined_netns(&spec) {
-        Some(joined) => Some((joined, false)),
-        None if own => Some((opts.own_netns.to_owned(), true)),
-        // Ours, but something outside gave it interfaces (`ctr run --cni`):
-        // kept and gone back into, as docker's.
-        None if ours => Some((opts.own_netns.to_owned(), false)),
-        None => pinned_netns(pid).map(|docker| (docker, false)),
-    };
-    if let Some((path, own)) = outside {
+    if let Some((path, own)) = netns_outside(&spec, pid, opts.own_netns) {
         let ino = std::fs::metadata(&path)
             .with_context(|| format!("stat {}", path.display()))?
             .ino();
@@ -371,6 +359,25 @@ const NETNS_FILE: &str = "netns";
 
 /// An empty file in the images: the namespace outside was crab's pin.
 const NETNS_OWN: &str = "netns.own";
+
+/// The network namespace a dump of init `pid` (of a container of `spec`,
+/// whose namespace crab pins at `own_netns`) keeps outside its image, and
+/// whether it is crab's own; `None` when CRIU dumps the namespace itself
+/// (or the tree is in the host's).
+pub fn netns_outside(spec: &Spec, pid: i32, own_netns: &Path) -> Option<(PathBuf, bool)> {
+    // crab's pin counts as crab's only while the namespace holds nothing
+    // but what a fresh one has (something outside may have added more).
+    let ours = crate::netns::pins(own_netns, pid);
+    let own = ours && crate::netns::only_loopback(pid);
+    match joined_netns(spec) {
+        Some(joined) => Some((joined, false)),
+        None if own => Some((own_netns.to_owned(), true)),
+        // Ours, but something outside gave it interfaces (`ctr run --cni`):
+        // kept and gone back into, as docker's.
+        None if ours => Some((own_netns.to_owned(), false)),
+        None => pinned_netns(pid).map(|docker| (docker, false)),
+    }
+}
 
 /// A bind mount that keeps `pid`'s network namespace alive outside the
 /// container (docker's `…/netns/<key>`, made by its prestart hook).

@@ -53,7 +53,14 @@ pub fn mounts_are_fixed(spec: &Spec, cgroup: &Cgroup) -> bool {
 /// mounts are fixed ([`mounts_are_fixed`]) or not, marks its masked
 /// directories external when they may be, and records them in `images`
 /// (an earlier record there is replaced).
-pub fn record(spec: &Spec, mounts: &MountInfos, fixed: bool, images: &Path, criu: &mut Criu) -> Result<()> {
+pub fn record(
+    spec: &Spec,
+    pid: i32,
+    mounts: &MountInfos,
+    fixed: bool,
+    images: &Path,
+    criu: &mut Criu,
+) -> Result<()> {
     let record = images.join(RECORD);
     match std::fs::remove_file(&record) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -69,6 +76,12 @@ pub fn record(spec: &Spec, mounts: &MountInfos, fixed: bool, images: &Path, criu
     if masked.is_empty() || !fixed {
         return Ok(());
     }
+    let root = rustix::fs::open(
+        format!("/proc/{pid}/root"),
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .context("open the init's root")?;
     let mut keys = Vec::new();
     for path in masked {
         // As libcontainer made it: the only mount at its path, the root of
@@ -88,6 +101,9 @@ pub fn record(spec: &Spec, mounts: &MountInfos, fixed: bool, images: &Path, criu
             || m.root != "/"
             || !m.mount_options.contains_key("ro")
             || !m.super_options.contains_key("ro")
+            // And empty, whatever was done to it before (by a privileged
+            // exec since gone, in another shim of this sandbox).
+            || !super::tmpfs::holds_nothing(&root, &path, m.mnt_id as u64)
         {
             continue;
         }

@@ -34,7 +34,6 @@
 //! namespace, keeps its tmpfs in the images as before.
 
 use std::collections::HashSet;
-use std::os::fd::OwnedFd;
 use std::path::{Component, Path};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -42,12 +41,16 @@ use nix::mount::MsFlags;
 use oci_spec::runtime::{LinuxDeviceType, LinuxNamespaceType, Spec};
 use procfs::process::MountInfos;
 use rust_criu::Criu;
-use rustix::fs::{
-    AtFlags, FileType, Mode, OFlags, ResolveFlags, StatxAttributes, StatxFlags, Timespec, Timestamps,
-};
+use rustix::fs::{Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
-use super::masked::{unmount, Source};
+use super::masked::Source;
+use make::mount;
+pub(super) use walk::holds_nothing;
+use walk::{keepable, Allowed};
+
+mod make;
+mod walk;
 
 /// The file in the images naming the tmpfs mounts kept out of them.
 const RECORD: &str = "crab-tmpfs.json";
@@ -96,6 +99,7 @@ const OPTIONS: [&str; 10] = [
 
 /// One tmpfs kept out of the images, as the dump found it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Kept {
     /// Where it is mounted, in the sandbox.
     path: String,
@@ -113,6 +117,7 @@ struct Kept {
 
 /// A name's mode bits, owner and times (seconds and nanoseconds).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Attrs {
     mode: u32,
     uid: u32,
@@ -123,6 +128,7 @@ struct Attrs {
 
 /// One name in a kept-out tmpfs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Entry {
     /// Its path below the mount's root.
     name: String,
@@ -224,257 +230,6 @@ pub fn record(
     }
     let text = serde_json::to_vec(&kept).expect("a record encodes");
     std::fs::write(&record, text).with_context(|| format!("write {}", record.display()))
-}
-
-/// What a kept-out tmpfs may hold besides directories and links: the
-/// container's devices, and mounts where its spec (or a terminal) puts
-/// them.
-struct Allowed {
-    devices: HashSet<(bool, i64, i64)>,
-    mount_points: HashSet<String>,
-}
-
-/// The tmpfs at `path` in the sandbox whose root is `root`, if it may be
-/// kept out of the images; `None` for anything else, or anything that
-/// cannot be read.
-fn keepable(root: &OwnedFd, mounts: &MountInfos, path: &str, allowed: &Allowed) -> Option<Kept> {
-    let mut at = mounts.iter().filter(|m| m.mount_point == Path::new(path));
-    let (Some(m), None) = (at.next(), at.next()) else {
-        return None;
-    };
-    // Sorted: the same mount makes the same record.
-    let mut flags: Vec<String> = m.mount_options.keys().cloned().collect();
-    flags.sort();
-    let known_flags = flags.iter().all(|f| FLAGS.iter().any(|(name, _)| name == f));
-    let required = REQUIRED.iter().all(|r| m.mount_options.contains_key(*r));
-    let known_options = m.super_options.keys().all(|o| OPTIONS.contains(&o.as_str()));
-    if m.fs_type != "tmpfs"
-        || m.root != "/"
-        || !m.opt_fields.is_empty()
-        || !known_flags
-        || !required
-        || !known_options
-        || !m.super_options.contains_key("rw")
-        || !plain_name(m.mount_source.as_deref().unwrap_or(""))
-    {
-        return None;
-    }
-    // The mount itself, reached inside the sandbox's root without
-    // following any link the sandbox may have put on the way.
-    let relative = path.trim_start_matches('/');
-    let dir = rustix::fs::openat2(
-        root,
-        if relative.is_empty() { "." } else { relative },
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-    )
-    .ok()?;
-    let stx = statx(&dir, "")?;
-    if stx.stx_mnt_id != m.mnt_id as u64
-        || !stx.stx_attributes_mask.contains(StatxAttributes::MOUNT_ROOT)
-        || !stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT)
-    {
-        return None;
-    }
-    let root_attrs = attrs(&stx);
-    // Inodes are counted (`nr_inodes` is not 0), and not more than a
-    // record holds: the walk, frozen, stays short.
-    let used = |vfs: &rustix::fs::StatVfs| vfs.f_files - vfs.f_ffree;
-    let vfs = rustix::fs::fstatvfs(&dir).ok()?;
-    if vfs.f_files == 0
-        || used(&vfs) > MOST_ENTRIES as u64 + 1
-        || rustix::fs::flistxattr_query(&dir).ok()? != 0
-    {
-        return None;
-    }
-    // The mounts on it, by their path below it; each where the spec puts
-    // one.
-    let mut below = HashSet::new();
-    for c in mounts.iter().filter(|c| c.pid == m.mnt_id) {
-        if !allowed
-            .mount_points
-            .contains(c.mount_point.to_string_lossy().as_ref())
-        {
-            return None;
-        }
-        below.insert(
-            c.mount_point
-                .strip_prefix(path)
-                .ok()?
-                .to_string_lossy()
-                .into_owned(),
-        );
-    }
-    let mut walk = Walk {
-        mnt_id: m.mnt_id as u64,
-        below,
-        allowed,
-        entries: Vec::new(),
-        dirs: Vec::new(),
-    };
-    walk.dir(dir, "", 0)?;
-    // One inode per name found and the root's, none else (hidden under a
-    // mount, or unlinked but open); and, against writers outside the
-    // frozen cgroup, no directory changed meanwhile.
-    let root_dir = &walk.dirs.last()?.0;
-    if used(&rustix::fs::fstatvfs(root_dir).ok()?) != walk.entries.len() as u64 + 1 {
-        return None;
-    }
-    for (dir, before) in &walk.dirs {
-        if times(&rustix::fs::fstat(dir).ok()?) != *before {
-            return None;
-        }
-    }
-    let entries = walk.entries;
-    let mut data: Vec<String> = m
-        .super_options
-        .iter()
-        .filter(|(k, _)| *k != "rw")
-        .map(|(k, v)| match v {
-            Some(v) => format!("{k}={v}"),
-            None => k.clone(),
-        })
-        .collect();
-    data.sort();
-    Some(Kept {
-        path: path.to_owned(),
-        source: m.mount_source.clone().unwrap_or_default(),
-        flags,
-        data: data.join(","),
-        root: root_attrs,
-        entries,
-    })
-}
-
-/// A walk of a tmpfs that may be kept out.
-struct Walk<'a> {
-    /// The mount walked.
-    mnt_id: u64,
-    /// The mount points on it, by their path below it: noted, never
-    /// entered.
-    below: HashSet<String>,
-    allowed: &'a Allowed,
-    /// What it holds, each directory before what is in it.
-    entries: Vec<Entry>,
-    /// Each directory walked (the root last) and its [`times`] then.
-    dirs: Vec<(OwnedFd, Times)>,
-}
-
-/// A directory's modification and change times, which any name made or
-/// removed in it moves.
-type Times = (i64, u64, i64, u64);
-
-fn times(st: &rustix::fs::Stat) -> Times {
-    (st.st_mtime, st.st_mtime_nsec, st.st_ctime, st.st_ctime_nsec)
-}
-
-impl Walk<'_> {
-    /// Adds what directory `dir` (at `prefix` below the mount) holds;
-    /// `None` when it holds anything a record cannot make again.
-    fn dir(&mut self, dir: OwnedFd, prefix: &str, depth: usize) -> Option<()> {
-        if depth >= DEEPEST {
-            return None;
-        }
-        let before = times(&rustix::fs::fstat(&dir).ok()?);
-        let mut names = Vec::new();
-        for e in rustix::fs::Dir::read_from(&dir).ok()? {
-            let e = e.ok()?;
-            let name = e.file_name().to_str().ok()?.to_owned();
-            if name != "." && name != ".." {
-                names.push(name);
-            }
-            if names.len() > MOST_ENTRIES {
-                return None;
-            }
-        }
-        names.sort();
-        for name in names {
-            let path = format!("{prefix}{name}");
-            if self.entries.len() >= MOST_ENTRIES {
-                return None;
-            }
-            let stx = statx(&dir, &name)?;
-            if self.below.contains(&path) {
-                // What is mounted there answers: a directory sits on one.
-                let dir = FileType::from_raw_mode(stx.stx_mode.into()) == FileType::Directory;
-                self.entries.push(Entry {
-                    name: path,
-                    kind: Kind::MountPoint { dir },
-                    attrs: None,
-                });
-                continue;
-            }
-            if stx.stx_mnt_id != self.mnt_id {
-                return None;
-            }
-            // Only devices the restore may make: the container's own.
-            let (major, minor) = (stx.stx_rdev_major, stx.stx_rdev_minor);
-            let ours = |block: bool| {
-                self.allowed
-                    .devices
-                    .contains(&(block, i64::from(major), i64::from(minor)))
-            };
-            let kind = match FileType::from_raw_mode(stx.stx_mode.into()) {
-                FileType::Directory => Kind::Dir,
-                _ if stx.stx_nlink != 1 => return None,
-                FileType::Symlink => {
-                    let target = rustix::fs::readlinkat(&dir, name.as_str(), Vec::new()).ok()?;
-                    Kind::Symlink {
-                        target: target.into_string().ok()?,
-                    }
-                }
-                FileType::CharacterDevice if ours(false) => Kind::Char { major, minor },
-                FileType::BlockDevice if ours(true) => Kind::Block { major, minor },
-                // Data, a fifo, a socket, another device: kept in the images.
-                _ => return None,
-            };
-            let is_dir = kind == Kind::Dir;
-            self.entries.push(Entry {
-                name: path.clone(),
-                kind,
-                attrs: Some(attrs(&stx)),
-            });
-            if is_dir {
-                let sub = rustix::fs::openat2(
-                    &dir,
-                    name.as_str(),
-                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                    Mode::empty(),
-                    ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV,
-                )
-                .ok()?;
-                if rustix::fs::flistxattr_query(&sub).ok()? != 0 {
-                    return None;
-                }
-                self.dir(sub, &format!("{path}/"), depth + 1)?;
-            }
-        }
-        self.dirs.push((dir, before));
-        Some(())
-    }
-}
-
-/// `name` in `dir` (itself for ""), not followed if a link.
-fn statx(dir: &OwnedFd, name: &str) -> Option<rustix::fs::Statx> {
-    // Never waiting on, nor mounting, what the sandbox may have bound in.
-    let flags = AtFlags::NO_AUTOMOUNT
-        | AtFlags::STATX_DONT_SYNC
-        | match name {
-            "" => AtFlags::EMPTY_PATH,
-            _ => AtFlags::SYMLINK_NOFOLLOW,
-        };
-    rustix::fs::statx(dir, name, flags, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID).ok()
-}
-
-fn attrs(stx: &rustix::fs::Statx) -> Attrs {
-    Attrs {
-        mode: u32::from(stx.stx_mode) & 0o7777,
-        uid: stx.stx_uid,
-        gid: stx.stx_gid,
-        atime: (stx.stx_atime.tv_sec, stx.stx_atime.tv_nsec),
-        mtime: (stx.stx_mtime.tv_sec, stx.stx_mtime.tv_nsec),
-    }
 }
 
 /// The tmpfs mounts the dump kept out of `images`, each checked against
@@ -663,132 +418,6 @@ fn plain_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-}
-
-/// Mounts a fresh tmpfs at `dir` (in the shim's own work directory; what
-/// an earlier, killed helper left there goes first) as `k` records it,
-/// with mount flags `flags`, private (it propagates nowhere), and makes
-/// what it held again.
-fn mount(k: &Kept, flags: MsFlags, dir: &Path) -> Result<Source> {
-    unmount(dir);
-    std::fs::create_dir(dir).with_context(|| format!("create {}", dir.display()))?;
-    // From here on, dropped on any failure.
-    let source = Source(dir.to_owned());
-    nix::mount::mount(
-        Some(k.source.as_str()),
-        dir,
-        Some("tmpfs"),
-        flags,
-        Some(k.data.as_str()),
-    )
-    .with_context(|| format!("mount a tmpfs ({}) at {}", k.data, dir.display()))?;
-    nix::mount::mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>)
-        .with_context(|| format!("make {} private", dir.display()))?;
-    let root = rustix::fs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .with_context(|| format!("open {}", dir.display()))?;
-    // Closed to all but root while it is made; its own attributes last.
-    rustix::fs::fchmod(&root, Mode::from_raw_mode(0o700))
-        .with_context(|| format!("close {} while it is made", dir.display()))?;
-    for e in &k.entries {
-        make(&root, e).with_context(|| format!("make {:?} in {}", e.name, dir.display()))?;
-    }
-    // Owners, modes and times last, the deepest first: making a name
-    // changes its directory's times.
-    for e in k.entries.iter().rev() {
-        if let Some(a) = &e.attrs {
-            let (parent, leaf) = split(&root, &e.name)?;
-            let symlink = matches!(e.kind, Kind::Symlink { .. });
-            set_attrs(&parent, leaf, a, symlink).with_context(|| format!("set {:?}'s attributes", e.name))?;
-        }
-    }
-    set_attrs(&root, "", &k.root, false)
-        .with_context(|| format!("give {} the recorded owner, mode and times", dir.display()))?;
-    Ok(source)
-}
-
-/// The directory `name` is in (below `root`, never through a link), and
-/// its last component.
-fn split<'a>(root: &OwnedFd, name: &'a str) -> Result<(OwnedFd, &'a str)> {
-    let (parent, leaf) = name.rsplit_once('/').unwrap_or((".", name));
-    let dir = rustix::fs::openat2(
-        root,
-        parent,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::BENEATH
-            | ResolveFlags::NO_SYMLINKS
-            | ResolveFlags::NO_MAGICLINKS
-            | ResolveFlags::NO_XDEV,
-    )?;
-    Ok((dir, leaf))
-}
-
-/// Makes entry `e` below `root`, owned by root and closed to others
-/// until its attributes are set.
-fn make(root: &OwnedFd, e: &Entry) -> Result<()> {
-    let (parent, leaf) = split(root, &e.name)?;
-    match &e.kind {
-        Kind::Dir | Kind::MountPoint { dir: true } => {
-            rustix::fs::mkdirat(&parent, leaf, Mode::from_raw_mode(0o755))?
-        }
-        Kind::MountPoint { dir: false } => {
-            rustix::fs::openat(
-                &parent,
-                leaf,
-                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o644),
-            )?;
-        }
-        Kind::Symlink { target } => rustix::fs::symlinkat(target.as_str(), &parent, leaf)?,
-        Kind::Char { major, minor } | Kind::Block { major, minor } => {
-            let kind = match e.kind {
-                Kind::Block { .. } => FileType::BlockDevice,
-                _ => FileType::CharacterDevice,
-            };
-            let dev = rustix::fs::makedev(*major, *minor);
-            rustix::fs::mknodat(&parent, leaf, kind, Mode::from_raw_mode(0o600), dev)?;
-        }
-    }
-    Ok(())
-}
-
-/// Gives `leaf` in `dir` (`dir` itself for "") owner, mode and times `a`;
-/// a link's mode is its own, never its target's.
-fn set_attrs(dir: &OwnedFd, leaf: &str, a: &Attrs, symlink: bool) -> rustix::io::Result<()> {
-    let at = match leaf {
-        "" => AtFlags::EMPTY_PATH,
-        _ => AtFlags::SYMLINK_NOFOLLOW,
-    };
-    rustix::fs::chownat(
-        dir,
-        leaf,
-        Some(rustix::fs::Uid::from_raw(a.uid)),
-        Some(rustix::fs::Gid::from_raw(a.gid)),
-        at,
-    )?;
-    // After the owner: a change of owner may clear set-id bits.
-    if !symlink {
-        match leaf {
-            "" => rustix::fs::fchmod(dir, Mode::from_raw_mode(a.mode))?,
-            _ => rustix::fs::chmodat(dir, leaf, Mode::from_raw_mode(a.mode), AtFlags::empty())?,
-        }
-    }
-    let time = |(tv_sec, tv_nsec): (i64, u32)| Timespec {
-        tv_sec,
-        tv_nsec: tv_nsec.into(),
-    };
-    let times = Timestamps {
-        last_access: time(a.atime),
-        last_modification: time(a.mtime),
-    };
-    match leaf {
-        "" => rustix::fs::futimens(dir, &times),
-        _ => rustix::fs::utimensat(dir, leaf, &times, AtFlags::SYMLINK_NOFOLLOW),
-    }
 }
 
 #[cfg(test)]
@@ -1000,9 +629,14 @@ mod tests {
         assert_eq!(keep(&mounts, &shm_dir).map(plain), Some(back(shm(), &shm_dir)));
         assert_eq!(keep(&mounts, &dev_dir).map(plain), Some(back(dev(), &dev_dir)));
         // Data, even unlinked while open, keeps it in.
+        let shm_id = m.mnt_id as u64;
+        let shm_path = shm_dir.to_str().unwrap();
+        assert!(holds_nothing(&root, shm_path, shm_id));
+        assert!(!holds_nothing(&root, shm_path, shm_id + 1), "another mount");
         let file = shm_dir.join("x");
         let open = std::fs::File::create(&file).unwrap();
         assert!(keep(&mounts, &shm_dir).is_none());
+        assert!(!holds_nothing(&root, shm_path, shm_id));
         std::fs::remove_file(&file).unwrap();
         assert!(keep(&mounts, &shm_dir).is_none());
         drop(open);
