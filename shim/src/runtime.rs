@@ -45,6 +45,17 @@ pub fn restore_preflight(bundle: &Path, images: &Path) -> std::result::Result<()
     tmpfs::preflight(&spec, images).map_err(|e| format!("{e:#}"))
 }
 
+/// Removes `path`, what an earlier dump into the same images left, if it
+/// is there.
+fn remove_stale(path: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(anyhow::Error::new(e).context(format!("remove a stale {}", path.display())))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Unmounts what a killed restore helper may have left mounted in CRIU's
 /// work directory `work` (the masks' and kept-out tmpfs's fresh mounts),
 /// so the bundle can go.

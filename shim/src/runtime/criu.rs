@@ -121,32 +121,28 @@ pub fn dump(c: &Container, opts: &DumpOpts<'_>) -> Result<()> {
     let mounts = procfs::process::Process::new(pid)
         .and_then(|p| p.mountinfo())
         .context("read the init's mounts")?;
+    let root = rustix::fs::open(
+        format!("/proc/{pid}/root"),
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .context("open the init's root")?;
     let fixed = !opts.mounts_changed && super::masked::mounts_are_fixed(&spec, &freezer);
-    super::masked::record(&spec, pid, &mounts, fixed, opts.image_path, &mut criu)?;
+    super::masked::record(&spec, &root, &mounts, fixed, opts.image_path, &mut criu)?;
     // Frozen before it is looked at: nothing writes into it after.
     let frozen = freezer.is_frozen();
-    super::tmpfs::record(&spec, pid, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
+    super::tmpfs::record(&spec, &root, &mounts, fixed && frozen, opts.image_path, &mut criu)?;
     let quiet = opts.image_path.join(QUIET_NETWORK);
     match opts.quiet_network {
         true => std::fs::write(&quiet, b"").context("mark the images' network quiet")?,
-        false => match std::fs::remove_file(&quiet) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("remove a stale {QUIET_NETWORK}"))
-            }
-            _ => {}
-        },
+        false => super::remove_stale(&quiet)?,
     }
     // A network namespace that someone else made or set up (the spec joins
     // it by path, or docker pinned it for its bridge) stays outside the
     // image: the restore goes back into it, with its links and addresses.
     // Whatever an earlier dump into this directory said no longer holds.
     for stale in [NETNS_FILE, NETNS_OWN] {
-        match std::fs::remove_file(opts.image_path.join(stale)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("remove a stale {stale}"))
-            }
-            _ => {}
-        }
+        super::remove_stale(&opts.image_path.join(stale))?;
     }
     if let Some((path, own)) = netns_outside(&spec, pid, opts.own_netns) {
         let ino = std::fs::metadata(&path)

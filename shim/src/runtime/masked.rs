@@ -18,6 +18,7 @@
 //! libcontainer made: empty, read-only, tmpfs; no two sandboxes share one.
 //! Images without the record restore as before.
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -55,19 +56,14 @@ pub fn mounts_are_fixed(spec: &Spec, cgroup: &Cgroup) -> bool {
 /// (an earlier record there is replaced).
 pub fn record(
     spec: &Spec,
-    pid: i32,
+    root: &OwnedFd,
     mounts: &MountInfos,
     fixed: bool,
     images: &Path,
     criu: &mut Criu,
 ) -> Result<()> {
     let record = images.join(RECORD);
-    match std::fs::remove_file(&record) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("remove a stale {RECORD}"))
-        }
-        _ => {}
-    }
+    super::remove_stale(&record)?;
     let masked: Vec<String> = spec
         .linux()
         .as_ref()
@@ -76,12 +72,6 @@ pub fn record(
     if masked.is_empty() || !fixed {
         return Ok(());
     }
-    let root = rustix::fs::open(
-        format!("/proc/{pid}/root"),
-        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .context("open the init's root")?;
     let mut keys = Vec::new();
     for path in masked {
         // As libcontainer made it: the only mount at its path, the root of
@@ -103,7 +93,7 @@ pub fn record(
             || !m.super_options.contains_key("ro")
             // And empty, whatever was done to it before (by a privileged
             // exec since gone, in another shim of this sandbox).
-            || !super::tmpfs::holds_nothing(&root, &path, m.mnt_id as u64)
+            || !super::tmpfs::holds_nothing(root, &path, m.mnt_id as u64)
         {
             continue;
         }

@@ -34,6 +34,7 @@
 //! namespace, keeps its tmpfs in the images as before.
 
 use std::collections::HashSet;
+use std::os::fd::OwnedFd;
 use std::path::{Component, Path};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -41,7 +42,6 @@ use nix::mount::MsFlags;
 use oci_spec::runtime::{LinuxDeviceType, LinuxNamespaceType, Spec};
 use procfs::process::MountInfos;
 use rust_criu::Criu;
-use rustix::fs::{Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
 use super::masked::Source;
@@ -161,25 +161,20 @@ enum Kind {
     },
 }
 
-/// At a dump of `pid` (the init of a container of `spec`, whose init sees
-/// `mounts`), marks each tmpfs of the spec that holds no data external
+/// At a dump of a container of `spec` whose init's root is `root` and
+/// whose init sees `mounts`, marks each tmpfs of the spec that holds no data external
 /// when `safe` (the sandbox is frozen and its mounts are fixed), and
 /// records them in `images` (an earlier record there is replaced).
 pub fn record(
     spec: &Spec,
-    pid: i32,
+    root: &OwnedFd,
     mounts: &MountInfos,
     safe: bool,
     images: &Path,
     criu: &mut Criu,
 ) -> Result<()> {
     let record = images.join(RECORD);
-    match std::fs::remove_file(&record) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("remove a stale {RECORD}"))
-        }
-        _ => {}
-    }
+    super::remove_stale(&record)?;
     let user_ns = spec
         .linux()
         .as_ref()
@@ -208,19 +203,13 @@ pub fn record(
             .chain(["/dev/console".to_owned()])
             .collect(),
     };
-    let root = rustix::fs::open(
-        format!("/proc/{pid}/root"),
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .context("open the init's root")?;
     let mut kept = Vec::new();
     // No more than a restore takes.
     for path in tmpfs {
         if kept.len() == MOST {
             break;
         }
-        if let Some(k) = keepable(&root, mounts, &path, &allowed) {
+        if let Some(k) = keepable(root, mounts, &path, &allowed) {
             criu.set_external_mount(path.clone(), format!("{KEY_PREFIX}{path}"));
             kept.push(k);
         }
@@ -422,6 +411,8 @@ fn plain_name(name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use rustix::fs::{Mode, OFlags};
+
     use super::*;
 
     fn attrs(mode: u32) -> Attrs {
