@@ -126,16 +126,18 @@ impl Container {
             fs = Some(self.rootfs.snapshot(target, &self.fs_ctx(runtime)).await?);
         }
         if let Some(images) = &req.images_dir {
-            // An agent inside the sandbox is waiting on its connection to
-            // the proxy at every turn end: CRIU refuses to dump a connected
-            // TCP socket unless told to keep it.
-            // Frozen: its connections stay as they are until the thaw.
+            // Whether CRIU's network lock protects anything here (see
+            // `netns::needs_lock`); frozen, the sandbox's connections stay
+            // as they are until the thaw.
             let pin = crate::netns::pin_path(runtime.root(), &self.id);
             let outside = oci_spec::runtime::Spec::load(self.bundle.join("config.json"))
                 .ok()
                 .and_then(|spec| crate::runtime::netns_outside(&spec, self.init.pid, &pin))
                 .is_some();
             let quiet_network = !crate::netns::needs_lock(self.init.pid, outside);
+            // An agent inside the sandbox is waiting on its connection to
+            // the proxy at every turn end: CRIU refuses to dump a connected
+            // TCP socket unless told to keep it.
             let opts = CheckpointOpts {
                 quiet_network,
                 work_path: Some(self.criu_work_dir()),

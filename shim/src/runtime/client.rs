@@ -60,8 +60,9 @@ pub struct CheckpointOpts {
     /// Something may have changed the sandbox's mounts (a privileged
     /// exec): every tmpfs stays in the images.
     pub mounts_changed: bool,
-    /// The tree holds no TCP connection (seen while it is frozen): CRIU
-    /// need not lock the network, at this dump nor at a restore of it.
+    /// CRIU's network lock would protect nothing (`netns::needs_lock`,
+    /// seen while the tree is frozen): not at this dump, nor at a restore
+    /// of it.
     pub quiet_network: bool,
     /// The running init's pid, when the tree is left running: if it starts
     /// dying during the dump, CRIU is stopped at once (a killed init can
@@ -330,8 +331,8 @@ impl RuntimeClient {
                 }
                 _ => String::new(),
             };
-            // A tree without TCP connections (as its dump saw it) needs
-            // no lock: locking and unlocking cost CRIU some milliseconds.
+            // No lock where it protects nothing (as the dump saw it):
+            // locking and unlocking cost CRIU some milliseconds.
             let quiet = match &request.op {
                 Op::Checkpoint(d) => d.quiet_network,
                 Op::Restore(r) => r.image_path.join(super::criu::QUIET_NETWORK).exists(),

@@ -245,10 +245,10 @@ pub fn restore(c: &mut Container, opts: &RestoreOpts<'_>) -> Result<i32> {
     for (dest, source) in external_mounts(&spec)? {
         criu.set_external_mount(dest, source);
     }
-    // Held until CRIU is done: the masks' tmpfs and the fresh empty ones,
-    // unmounted on drop.
+    // Held until CRIU is done: the masks' tmpfs and the kept-out tmpfs
+    // made again, unmounted on drop.
     let _masks = super::masked::restore(opts.image_path, opts.work_path, &mut criu)?;
-    let _empty = super::tmpfs::restore(&spec, opts.image_path, opts.work_path, &mut criu)?;
+    let _tmpfs = super::tmpfs::restore(&spec, opts.image_path, opts.work_path, &mut criu)?;
     // Inherited descriptors must survive into CRIU: no CLOEXEC, numbers
     // above stdio. They are closed when this helper exits.
     let mut keep: Vec<OwnedFd> = Vec::new();

@@ -118,8 +118,8 @@ pub struct Dump {
     /// in the images.
     #[serde(default)]
     pub mounts_changed: bool,
-    /// The tree holds no TCP connection: the network is not locked, and
-    /// the images say so for a restore.
+    /// CRIU's network lock would protect nothing: it is not taken, and the
+    /// images say so for a restore.
     #[serde(default)]
     pub quiet_network: bool,
 }
