@@ -175,12 +175,7 @@ pub fn record(
 ) -> Result<()> {
     let record = images.join(RECORD);
     super::remove_stale(&record)?;
-    let user_ns = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User));
-    if !safe || user_ns {
+    if !safe || in_user_namespace(spec) {
         return Ok(());
     }
     let tmpfs: Vec<String> = spec
@@ -221,6 +216,15 @@ pub fn record(
     std::fs::write(&record, text).with_context(|| format!("write {}", record.display()))
 }
 
+/// Whether a container of `spec` runs in a user namespace of its own: its
+/// tmpfs belong to it, and a fresh one of the helper's would not.
+fn in_user_namespace(spec: &Spec) -> bool {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User))
+}
+
 /// The tmpfs mounts the dump kept out of `images`, each checked against
 /// a restore into a container of `spec`, with its mount flags; none when
 /// the images keep theirs.
@@ -234,15 +238,8 @@ fn recorded(spec: &Spec, images: &Path) -> Result<Vec<(Kept, MsFlags)>> {
     // before anything is mounted.
     let kept: Vec<Kept> = serde_json::from_slice(&text).with_context(|| format!("parse {RECORD}"))?;
     ensure!(kept.len() <= MOST, "{RECORD} names {} mounts", kept.len());
-    // A fresh tmpfs belongs to the host's user namespace, not the
-    // container's.
-    let user_ns = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User));
     ensure!(
-        kept.is_empty() || !user_ns,
+        kept.is_empty() || !in_user_namespace(spec),
         "the images keep {} out of them, which crab cannot make again in a container with a user namespace",
         kept[0].path
     );
