@@ -142,27 +142,35 @@ pub fn restore(images: &Path, work: &Path, criu: &mut Criu) -> Result<Option<Sou
     Ok(Some(source))
 }
 
-/// Mounts a fresh empty read-only tmpfs at `dir` (in the shim's own work
-/// directory; what an earlier, killed helper left there goes first), with
-/// room for no file even if remounted writable, and private: it
-/// propagates nowhere.
+/// Mounts a fresh empty read-only tmpfs at `dir`, with room for no file
+/// even if remounted writable.
 fn mount_empty(dir: &Path) -> Result<Source> {
+    use nix::mount::MsFlags;
+    let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount_fresh(dir, "tmpfs", flags, "size=4k,nr_inodes=1,mode=0555")
+}
+
+/// Mounts a fresh tmpfs named `source` at `dir` (in the shim's own work
+/// directory; what an earlier, killed helper left there goes first), with
+/// mount flags `flags` and options `data`, private: it propagates
+/// nowhere. Unmounted and removed if anything fails, or when the answer
+/// is dropped.
+pub(super) fn mount_fresh(
+    dir: &Path,
+    source: &str,
+    flags: nix::mount::MsFlags,
+    data: &str,
+) -> Result<Source> {
     use nix::mount::MsFlags;
     unmount(dir);
     std::fs::create_dir(dir).with_context(|| format!("create {}", dir.display()))?;
     // From here on, dropped on any failure.
-    let source = Source(dir.to_owned());
-    nix::mount::mount(
-        Some("tmpfs"),
-        dir,
-        Some("tmpfs"),
-        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("size=4k,nr_inodes=1,mode=0555"),
-    )
-    .with_context(|| format!("mount an empty tmpfs at {}", dir.display()))?;
+    let guard = Source(dir.to_owned());
+    nix::mount::mount(Some(source), dir, Some("tmpfs"), flags, Some(data))
+        .with_context(|| format!("mount a tmpfs ({data}) at {}", dir.display()))?;
     nix::mount::mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>)
         .with_context(|| format!("make {} private", dir.display()))?;
-    Ok(source)
+    Ok(guard)
 }
 
 /// Unmounts (lazily) whatever is mounted at `dir` and removes it; gone

@@ -8,27 +8,14 @@ use nix::mount::MsFlags;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Timespec, Timestamps};
 
 use super::{Attrs, Entry, Kept, Kind};
-use crate::runtime::masked::{unmount, Source};
+use crate::runtime::masked::{mount_fresh, Source};
 
 /// Mounts a fresh tmpfs at `dir` (in the shim's own work directory; what
 /// an earlier, killed helper left there goes first) as `k` records it,
 /// with mount flags `flags`, private (it propagates nowhere), and makes
 /// what it held again.
 pub(super) fn mount(k: &Kept, flags: MsFlags, dir: &Path) -> Result<Source> {
-    unmount(dir);
-    std::fs::create_dir(dir).with_context(|| format!("create {}", dir.display()))?;
-    // From here on, dropped on any failure.
-    let source = Source(dir.to_owned());
-    nix::mount::mount(
-        Some(k.source.as_str()),
-        dir,
-        Some("tmpfs"),
-        flags,
-        Some(k.data.as_str()),
-    )
-    .with_context(|| format!("mount a tmpfs ({}) at {}", k.data, dir.display()))?;
-    nix::mount::mount(None::<&str>, dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>)
-        .with_context(|| format!("make {} private", dir.display()))?;
+    let source = mount_fresh(dir, &k.source, flags, &k.data)?;
     let root = rustix::fs::open(
         dir,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
