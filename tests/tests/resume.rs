@@ -93,13 +93,15 @@ fn a_sandbox_whose_host_died_resumes_from_its_head() {
     let spec = ctd.ctr_ok(&["container", "info", id]);
     assert!(!spec.contains("io.crab.restore"), "{spec}");
 
-    // The whole host: crabd dies too, and resumes the sandbox at its first
-    // start after the boot (a boot id other than the one it kept).
-    crash(&ctd, id);
-    ctd.stop_crabd();
+    // The whole host: crabd dies with the sandbox (first, so that its gc
+    // never sees the shim gone and marks the sandbox stopped, as a crabd
+    // that outlived it would), and resumes the sandbox at its first start
+    // after the boot (a boot id other than the one it kept).
     if let Some(crabd) = ctd.crabd_pid() {
         let _ = kill(Pid::from_raw(crabd), SIGKILL);
     }
+    ctd.reap_crabd();
+    crash(&ctd, id);
     std::fs::write(ctd.crabd_root().join("boot_id"), "an earlier boot\n").unwrap();
     ctd.start_crabd();
     let pid = wait_until(60, || {
