@@ -54,7 +54,9 @@ fn tiny_eval(out: &std::path::Path, policies: &str, seed: &str, extra: &[&str]) 
 #[test]
 fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
     let out = tempfile::tempdir().expect("a report directory");
-    let report = tiny_eval(out.path(), "crab,crab-broken", "3", &[]);
+    // And the density study with three sandboxes at once: the two tasks
+    // and a copy of the first, under its own name and crash.
+    let report = tiny_eval(out.path(), "crab,crab-broken", "3", &["--density", "3"]);
 
     let crab = policy(&report, "crab");
     assert_eq!(
@@ -103,6 +105,33 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
     assert!(
         out.path().join("logs/crab/crabd.log").exists(),
         "the run's logs are kept"
+    );
+
+    let density = report["density"].as_array().expect("density rows");
+    let at = |name: &str| {
+        density
+            .iter()
+            .find(|r| r["policy"] == name && r["sandboxes"] == 3)
+            .unwrap_or_else(|| panic!("no {name} at 3 sandboxes in {density:#?}"))
+    };
+    assert_eq!(density.len(), 3, "fault-free, crab, crab-broken: {density:#?}");
+    assert_eq!(at("fault-free")["e2e"].as_f64(), Some(1.0));
+    let (crab, broken) = (at("crab"), at("crab-broken"));
+    assert_eq!(
+        (crab["correct"].as_u64(), crab["crashed"].as_u64()),
+        (Some(3), Some(3)),
+        "{crab:#}"
+    );
+    assert_eq!(
+        (broken["correct"].as_u64(), broken["crashed"].as_u64()),
+        (Some(0), Some(3)),
+        "{broken:#}"
+    );
+    assert!(crab["e2e"].as_f64().is_some_and(f64::is_finite), "{crab:#}");
+    assert!(md.contains("## Density"), "{md}");
+    assert!(
+        out.path().join("logs/crab@3/crabd.log").exists(),
+        "the density runs' logs are kept apart"
     );
 }
 

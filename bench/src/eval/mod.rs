@@ -8,6 +8,7 @@
 //! records the state after every step, which the others are held to.
 
 mod agent_llm;
+mod density;
 mod driver;
 mod fault;
 mod plot;
@@ -69,6 +70,11 @@ pub struct Args {
     /// Sandboxes at once.
     #[arg(long, default_value_t = 4)]
     pub parallel: usize,
+    /// After the main run, the density study: for each N given
+    /// (e.g. `8,16,32`), the tasks copied until N sandboxes run at once,
+    /// under the fault-free run, crab and full-ckpt (those of --policies).
+    #[arg(long, value_delimiter = ',')]
+    pub density: Vec<usize>,
     /// Where the report goes.
     #[arg(long, default_value = "eval-report")]
     pub out: PathBuf,
@@ -127,10 +133,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         args.scale,
     )?);
     anyhow::ensure!(!tasks.is_empty(), "no tasks: give --swe or --terminal");
-    let faults: Vec<Option<Fault>> = tasks
-        .iter()
-        .map(|t| Fault::plan(args.seed, &t.name, t.steps.len(), |i| t.steps[i].think))
-        .collect();
+    let faults = plan(&tasks, args.seed);
     let mut policies = vec![Policy::FaultFree];
     policies.extend(args.policies.iter().copied().filter(|p| *p != Policy::FaultFree));
     std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
@@ -151,12 +154,42 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let upstream = agents.as_ref().map_or(llm.port, |a| a.port);
     let bars = MultiProgress::new();
     let mut results = Vec::new();
-    for policy in policies {
-        let result = run_policy(policy, &tasks, &faults, upstream, agents.as_ref(), args, &bars)
+    let main = Stage {
+        tasks: &tasks,
+        faults: &faults,
+        parallel: args.parallel,
+        label: "",
+    };
+    for policy in &policies {
+        let result = run_policy(*policy, &main, upstream, agents.as_ref(), args, &bars)
             .with_context(|| format!("policy {}", policy.name()))?;
         results.push(result);
     }
-    let pictures = plot::draw(&results, &args.out)?;
+    let mut points = Vec::new();
+    for &n in args.density.iter().filter(|n| **n > 0) {
+        let copies = density::replicate(&tasks, n);
+        let faults = plan(&copies, args.seed);
+        let label = format!("@{n}");
+        let stage = Stage {
+            tasks: &copies,
+            faults: &faults,
+            parallel: n,
+            label: &label,
+        };
+        let mut at_n = Vec::new();
+        for policy in density::policies(&policies) {
+            let result = run_policy(policy, &stage, upstream, agents.as_ref(), args, &bars)
+                .with_context(|| format!("policy {} with {n} sandboxes", policy.name()))?;
+            at_n.push(result);
+        }
+        points.push(density::Point {
+            sandboxes: n,
+            results: at_n,
+        });
+    }
+    let mut pictures = plot::draw(&results, &args.out)?;
+    let density_picture = plot::density(&density::rows(&points), &args.out)?;
+    pictures.extend(density_picture.clone());
     let meta = Meta {
         seed: args.seed,
         scale: args.scale,
@@ -164,22 +197,40 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         agent_inside: args.agent_inside,
         wall: started.elapsed(),
     };
-    let md = report::markdown(&results, &meta, &pictures);
+    let mut md = report::markdown(&results, &meta, &pictures);
+    md.push_str(&density::markdown(&points, density_picture.as_deref()));
     std::fs::write(args.out.join("report.md"), &md)?;
-    std::fs::write(
-        args.out.join("report.json"),
-        serde_json::to_string_pretty(&report::json(&results))?,
-    )?;
+    let mut json = report::json(&results);
+    json["density"] = density::json(&points);
+    std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&json)?)?;
     println!("{md}");
     println!("eval: report in {}", args.out.join("report.md").display());
     Ok(())
 }
 
-/// Every task under `policy`, on a containerd of its own.
+/// Each task's crash, planned from `seed` and its name.
+fn plan(tasks: &[Task], seed: u64) -> Vec<Option<Fault>> {
+    tasks
+        .iter()
+        .map(|t| Fault::plan(seed, &t.name, t.steps.len(), |i| t.steps[i].think))
+        .collect()
+}
+
+/// Tasks run together under each policy: the main run's, or a density's.
+struct Stage<'a> {
+    tasks: &'a [Task],
+    faults: &'a [Option<Fault>],
+    /// Sandboxes at once.
+    parallel: usize,
+    /// Beside the policy's name in the progress bar and the logs'
+    /// directory ("" for the main run).
+    label: &'a str,
+}
+
+/// Every task of `stage` under `policy`, on a containerd of its own.
 fn run_policy(
     policy: Policy,
-    tasks: &[Task],
-    faults: &[Option<Fault>],
+    stage: &Stage,
     upstream: u16,
     agents: Option<&agent_llm::AgentLlm>,
     args: &Args,
@@ -189,6 +240,7 @@ fn run_policy(
     let base_dir = tempfile::Builder::new().prefix("crab-eval").tempdir()?;
     let base = base_dir.path().to_owned();
     let transcripts = base.join("transcripts");
+    let (tasks, faults) = (stage.tasks, stage.faults);
     let config = base.join("crab.toml");
     std::fs::write(&config, policy.config(upstream, &transcripts))?;
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
@@ -203,14 +255,14 @@ fn run_policy(
         ProgressStyle::with_template("{prefix:>12} {bar:40} {pos}/{len} steps {elapsed}")
             .expect("a template"),
     );
-    bar.set_prefix(policy.name());
+    bar.set_prefix(format!("{}{}", policy.name(), stage.label));
     let tick = || bar.inc(1);
     let namespace_transcripts = transcripts.join(&ctd.namespace);
     let next = AtomicUsize::new(0);
     let done = Mutex::new(Vec::new());
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
     std::thread::scope(|s| {
-        for _ in 0..args.parallel.max(1) {
+        for _ in 0..stage.parallel.max(1) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(task) = tasks.get(i) else {
@@ -267,7 +319,10 @@ fn run_policy(
     let tasks: Vec<TaskResult> = done.into_iter().map(|(_, r)| r).collect();
     // The logs of the run (the shims log through containerd's), for
     // whoever reads a verdict.
-    let logs = args.out.join("logs").join(policy.name().replace('+', "-"));
+    let logs = args
+        .out
+        .join("logs")
+        .join(format!("{}{}", policy.name().replace('+', "-"), stage.label));
     std::fs::create_dir_all(&logs)?;
     for (from, to) in [
         (ctd.dir.join("containerd.log"), "containerd.log"),

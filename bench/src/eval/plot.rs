@@ -1,6 +1,6 @@
 //! The evaluation's pictures (PNG, drawn with plotters): checkpoint bytes
-//! and end-to-end time per policy, the class mix, the holds, and a
-//! timeline per sandbox of crab's run.
+//! and end-to-end time per policy, the class mix, the holds, a timeline
+//! per sandbox of crab's run, and the density study's end-to-end lines.
 
 use std::path::Path;
 use std::time::Duration;
@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context};
 use plotters::prelude::*;
 
+use super::density;
 use super::driver::EventKind;
 use super::policy::Policy;
 use super::report::{summarize, PolicyResult};
@@ -172,6 +173,67 @@ fn holds(path: &Path, results: &[PolicyResult]) -> Result<()> {
         .map_err(err)?;
     root.present().map_err(err)?;
     Ok(())
+}
+
+/// The density study's end-to-end figure per policy over the number of
+/// sandboxes (`density.png`); none without two densities. Call after
+/// [`draw`] (which registers the font).
+pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
+    let series: Vec<(&str, Vec<(f64, f64)>)> = density::policies_in(rows)
+        .into_iter()
+        .filter(|p| *p != Policy::FaultFree)
+        .map(|p| {
+            let points = density::series(rows, p, |r| r.e2e);
+            (
+                p.name(),
+                points.into_iter().filter(|(_, y)| y.is_finite()).collect(),
+            )
+        })
+        .filter(|(_, points): &(&str, Vec<(f64, f64)>)| points.len() >= 2)
+        .collect();
+    if series.is_empty() {
+        return Ok(None);
+    }
+    let all = series.iter().flat_map(|s| s.1.iter());
+    let right = all.clone().map(|p| p.0).fold(1.0, f64::max) * 1.05;
+    let top = all.map(|p| p.1).fold(1.1, f64::max) * 1.02;
+    let name = "density.png";
+    let path = dir.join(name);
+    let root = BitMapBackend::new(&path, (720, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("task time / fault-free at the same density", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..right, 0.95..top)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("sandboxes at once")
+        .y_desc("e2e")
+        .label_style(("sans-serif", 13))
+        .draw()
+        .map_err(err)?;
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+            .map_err(err)?
+            .label(*label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart
+            .draw_series(points.iter().map(|p| Circle::new(*p, 4, color.filled())))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(Some(name.to_owned()))
 }
 
 /// One row per sandbox: its commands, its turns (coloured by the class of

@@ -1,0 +1,298 @@
+//! The density study of `crab-bench eval --density 8,16,32`: the run's
+//! tasks copied until there are N, all N sandboxes at once on one host,
+//! under the fault-free run and each policy that checkpoints (crab,
+//! full-ckpt), one seeded crash per copy as in the main run. A policy's
+//! end-to-end figure at N is against the fault-free run at the same N, so
+//! it shows what checkpointing adds on a loaded host, not the load itself;
+//! the fault-free task time says what the load is. The scaling law is a
+//! least-squares line through each policy's figures over N.
+
+use std::fmt::Write as _;
+
+use serde_json::json;
+
+use super::policy::Policy;
+use super::report::{summarize, PolicyResult};
+use super::workload::Task;
+
+/// Every policy's run with `sandboxes` at once.
+#[derive(Debug)]
+pub struct Point {
+    /// Sandboxes at once.
+    pub sandboxes: usize,
+    /// The fault-free run first, then each policy's.
+    pub results: Vec<PolicyResult>,
+}
+
+/// One policy's figures at one density.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// Sandboxes at once.
+    pub sandboxes: usize,
+    /// The policy.
+    pub policy: Policy,
+    /// Mean of each task's time over its fault-free time at this density.
+    pub e2e: f64,
+    /// p95 over tasks of holds as a share of task time.
+    pub share_p95: f64,
+    /// Mean task time, seconds.
+    pub task_secs: f64,
+    /// Crashed tasks recovered correctly, and crashed tasks.
+    pub correct: usize,
+    /// See `correct`.
+    pub crashed: usize,
+    /// Checkpoint bytes written.
+    pub bytes: u64,
+}
+
+/// `tasks` copied, in turn, until there are `n`; the copies of a task are
+/// named `<name>-2`, `<name>-3`, … (so each has its own sandbox and its
+/// own seeded crash).
+pub fn replicate(tasks: &[Task], n: usize) -> Vec<Task> {
+    if tasks.is_empty() {
+        return Vec::new();
+    }
+    (0..n)
+        .map(|i| {
+            let mut t = tasks[i % tasks.len()].clone();
+            let copy = i / tasks.len() + 1;
+            if copy > 1 {
+                t.name = format!("{}-{copy}", t.name);
+            }
+            t
+        })
+        .collect()
+}
+
+/// The policies of the density study among `asked`: fault-free first,
+/// then those that checkpoint (what density can slow down).
+pub fn policies(asked: &[Policy]) -> Vec<Policy> {
+    let mut out = vec![Policy::FaultFree];
+    out.extend(
+        asked
+            .iter()
+            .copied()
+            .filter(|p| p.checkpoints() && *p != Policy::FaultFree),
+    );
+    out
+}
+
+/// Every policy's figures at every density, in order.
+pub fn rows(points: &[Point]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for point in points {
+        let Some(reference) = point.results.iter().find(|p| p.policy == Policy::FaultFree) else {
+            continue;
+        };
+        for p in &point.results {
+            let s = summarize(p, reference);
+            let times: Vec<f64> = p.tasks.iter().map(|t| t.run.time.as_secs_f64()).collect();
+            rows.push(Row {
+                sandboxes: point.sandboxes,
+                policy: p.policy,
+                e2e: s.e2e,
+                share_p95: s.share[1],
+                task_secs: mean(&times),
+                correct: s.correct,
+                crashed: s.crashed,
+                bytes: p.bytes,
+            });
+        }
+    }
+    rows
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    match xs.len() {
+        0 => f64::NAN,
+        n => xs.iter().sum::<f64>() / n as f64,
+    }
+}
+
+/// The least-squares line `y = a + b·x` through `points` (finite ones
+/// only): `(a, b)`, or none for fewer than two distinct x.
+pub fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let pts: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .collect();
+    let n = pts.len() as f64;
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if pts.len() < 2 || sxx <= f64::EPSILON {
+        return None;
+    }
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let b = sxy / sxx;
+    Some((my - b * mx, b))
+}
+
+/// Each policy's figure `of` over the densities: `(sandboxes, figure)`.
+pub fn series(rows: &[Row], policy: Policy, of: impl Fn(&Row) -> f64) -> Vec<(f64, f64)> {
+    rows.iter()
+        .filter(|r| r.policy == policy)
+        .map(|r| (r.sandboxes as f64, of(r)))
+        .collect()
+}
+
+/// The policies in `rows`, in first-seen order.
+pub fn policies_in(rows: &[Row]) -> Vec<Policy> {
+    let mut out: Vec<Policy> = Vec::new();
+    for r in rows {
+        if !out.contains(&r.policy) {
+            out.push(r.policy);
+        }
+    }
+    out
+}
+
+/// The density section of the report; empty without points.
+pub fn markdown(points: &[Point], picture: Option<&str>) -> String {
+    let rows = rows(points);
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut md = String::new();
+    let _ = writeln!(md, "## Density\n");
+    let _ = writeln!(
+        md,
+        "The run's tasks copied until N sandboxes run at once, one seeded crash per copy; each policy's end-to-end \
+         figure is against the fault-free run at the same N (what checkpointing adds on that load), the fault-free \
+         task time shows the load itself. Target: crab ≤ 1.05x at 32 sandboxes.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | checkpoint MB |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let correct = match r.crashed {
+            0 => "-".to_owned(),
+            n => format!("{}/{n}", r.correct),
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {correct} | {:.3}x | {:.3}% | {:.1} | {:.1} |",
+            r.sandboxes,
+            r.policy.name(),
+            r.e2e,
+            r.share_p95 * 100.0,
+            r.task_secs,
+            r.bytes as f64 / 1e6
+        );
+    }
+    let _ = writeln!(md, "\nScaling (least squares over N):\n");
+    for p in policies_in(&rows) {
+        let (what, line) = match p {
+            Policy::FaultFree => ("mean task time", fit(&series(&rows, p, |r| r.task_secs))),
+            _ => ("e2e vs fault-free", fit(&series(&rows, p, |r| r.e2e))),
+        };
+        let text = match (p, line) {
+            (_, None) => "fewer than two densities: no line".to_owned(),
+            (Policy::FaultFree, Some((a, b))) => format!("{a:.2} s + {b:.3} s per sandbox"),
+            (_, Some((a, b))) => format!(
+                "{a:.3}x + {:.4}x per sandbox ({:+.2}% per 8 sandboxes)",
+                b,
+                b * 800.0
+            ),
+        };
+        let _ = writeln!(md, "- {} ({what}): {text}", p.name());
+    }
+    let _ = writeln!(md);
+    if let Some(pic) = picture {
+        let _ = writeln!(md, "![{pic}]({pic})\n");
+    }
+    md
+}
+
+/// The density study as JSON.
+pub fn json(points: &[Point]) -> serde_json::Value {
+    let rows: Vec<_> = rows(points)
+        .iter()
+        .map(|r| {
+            json!({
+                "sandboxes": r.sandboxes,
+                "policy": r.policy.name(),
+                "e2e": r.e2e,
+                "share_p95": r.share_p95,
+                "task_seconds": r.task_secs,
+                "correct": r.correct,
+                "crashed": r.crashed,
+                "bytes": r.bytes,
+            })
+        })
+        .collect();
+    json!(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::eval::workload::{Image, Mix, Step};
+
+    fn task(name: &str) -> Task {
+        Task {
+            name: name.into(),
+            mix: Mix::Terminal,
+            image: Image::Terminal,
+            cwd: "/work".into(),
+            dirs: vec!["/work".into()],
+            ignore: Vec::new(),
+            probes: Vec::new(),
+            steps: vec![Step {
+                commands: vec!["true".into()],
+                think: Duration::from_millis(10),
+            }],
+        }
+    }
+
+    #[test]
+    fn copies_cycle_through_the_tasks_each_under_a_name_of_its_own() {
+        let tasks = [task("kv-server"), task("python-repl")];
+        let copies = replicate(&tasks, 5);
+        let names: Vec<&str> = copies.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "kv-server",
+                "python-repl",
+                "kv-server-2",
+                "python-repl-2",
+                "kv-server-3"
+            ]
+        );
+        assert!(copies.iter().all(|t| t.steps == tasks[0].steps));
+        assert!(replicate(&tasks, 0).is_empty());
+        assert!(replicate(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn only_policies_that_checkpoint_are_studied_after_the_fault_free_run() {
+        let asked = [
+            Policy::Crab,
+            Policy::FullCkpt,
+            Policy::ChatOnly,
+            Policy::ChatFs,
+            Policy::Restart,
+        ];
+        assert_eq!(
+            policies(&asked),
+            [Policy::FaultFree, Policy::Crab, Policy::FullCkpt]
+        );
+    }
+
+    #[test]
+    fn the_line_through_exact_points_is_found_and_too_few_give_none() {
+        let (a, b) = fit(&[(8.0, 1.02), (16.0, 1.04), (32.0, 1.08)]).unwrap();
+        assert!((a - 1.0).abs() < 1e-9 && (b - 0.0025).abs() < 1e-9, "{a} {b}");
+        assert_eq!(fit(&[(8.0, 1.0)]), None);
+        assert_eq!(fit(&[(8.0, 1.0), (8.0, 2.0)]), None);
+        // A density whose figure is unknown does not spoil the line.
+        let (_, b) = fit(&[(8.0, 1.0), (16.0, f64::NAN), (32.0, 2.0)]).unwrap();
+        assert!((b - 1.0 / 24.0).abs() < 1e-9);
+    }
+}
