@@ -75,7 +75,11 @@ impl Recovery {
 }
 
 /// How long crab-init's word on how the spec's process ended may take.
-const HOW_IT_ENDED: Duration = Duration::from_secs(1);
+/// Its report ends at the latest when the pid namespace's last process
+/// is gone (nothing else holds the pipe), so this bounds only a shim
+/// starved on a loaded host: generous, as a wrong guess turns an
+/// `exit 139` into a crash.
+const HOW_IT_ENDED: Duration = Duration::from_secs(5);
 
 /// Whether the init `pid` of `container`, which exited with `exit`, was
 /// recovered (its exit is then not the task's: a restored init runs, and

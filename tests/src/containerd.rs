@@ -518,8 +518,23 @@ fn with_own_crabd(toml: &str, dir: &Path) -> String {
     }
 }
 
-/// A port on 127.0.0.1 that nothing listened on a moment ago.
+/// A port on 127.0.0.1 that nothing listened on a moment ago, below the
+/// kernel's ephemeral range (32768 and up by default): a port given out
+/// for a later bind must not be one that anything binding port 0 (another
+/// test's containerd, LLM or browser driver) can be handed meanwhile.
+/// Each call of a test process tries a port of its own first.
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static N: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(131);
+    loop {
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let port = (FIRST + start.wrapping_add(n.wrapping_mul(7)) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+        assert!(n < 100_000, "no free port in {FIRST}..{}", FIRST + SPAN);
+    }
 }

@@ -93,6 +93,17 @@ pub fn wait_until<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     }
 }
 
+/// Whether `n`, read from a counter that ticks at most once per 50 ms (a
+/// shell loop with `sleep 0.05`), counts on from a checkpoint taken
+/// between the reads `before` and `after` and restored after
+/// `restore_began`: the checkpoint froze a value of at least `before`, and
+/// since the restore it ticked at most once per 50 ms. Bounds by what the
+/// loop can do, not by how fast a loaded host runs the test.
+pub fn counts_on_from(n: u64, before: u64, after: u64, restore_began: std::time::Instant) -> bool {
+    let ticks = restore_began.elapsed().as_millis() / 50 + 1;
+    n >= before && n <= after + ticks as u64
+}
+
 /// A unique short name for this test process's resources.
 pub fn unique(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};

@@ -203,17 +203,17 @@ fn kill_ps_pause_metrics_delete() {
         &[
             "sh",
             "-c",
-            "trap 'echo usr1 > /tmp/got' USR1; while true; do sleep 0.05; done",
+            "trap 'echo usr1 > /tmp/got' USR1; touch /tmp/ready; while true; do sleep 0.05; done",
         ],
     );
     let pid = ctd.task_pid("k").expect("task listed");
-    // Let the shell install its trap before the signal.
-    wait_until(10, || {
-        ctd.ctr(&["task", "exec", "--exec-id", "p0", "k", "true"])
-            .status
-            .success()
+    // The shell's trap is in place before the signal.
+    wait_until(30, || {
+        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
+            .exists()
             .then_some(())
-    });
+    })
+    .expect("the shell set its trap");
 
     ctd.ctr_ok(&["task", "kill", "-s", "SIGUSR1", "k"]);
     let got = wait_until(10, || {

@@ -679,7 +679,12 @@ fn crabd_killed_with_turns_queued_loses_none_and_makes_none_twice() {
             .join("transcripts")
             .join(&ctd.namespace)
             .join(format!("{id}.jsonl"));
-        let records = turn_records(&path);
+        // The last turn's record is written after its answer came.
+        let records = crab_tests::wait_until(30, || {
+            let records = turn_records(&path);
+            (records.last()?["turn"].as_u64() == turns.last().copied()).then_some(records)
+        })
+        .unwrap_or_else(|| panic!("{id}: no record of its last turn {turns:?}"));
         let last = records.last().expect("turns recorded");
         assert_eq!(last["gate"], "opened", "{id}: {last}");
         assert_eq!(

@@ -138,8 +138,8 @@ fn a_turn_that_breaks_a_rule_is_rolled_back_and_the_agent_told() {
     exec_sh(
         &ctd,
         id,
-        "printf '#!/bin/sh\\nwhile :; do sleep 1; done\\n' > /tmp/nc; chmod +x /tmp/nc; \
-         (/tmp/nc > /dev/null 2>&1 &); sleep 0.2",
+        "rm -f /tmp/nc.up; printf '#!/bin/sh\\ntouch /tmp/nc.up\\nwhile :; do sleep 1; done\\n' > /tmp/nc; \
+         chmod +x /tmp/nc; (/tmp/nc > /dev/null 2>&1 &); until [ -e /tmp/nc.up ]; do sleep 0.02; done",
     );
     let told = ask();
     assert!(told.contains("nc"), "{told}");
@@ -300,8 +300,8 @@ fn a_turn_that_cannot_be_captured_is_withheld() {
     exec_sh(
         &ctd,
         id,
-        "printf '#!/bin/sh\\nwhile :; do sleep 1; done\\n' > /tmp/nc; chmod +x /tmp/nc; \
-         (/tmp/nc > /dev/null 2>&1 &); sleep 0.2",
+        "rm -f /tmp/nc.up; printf '#!/bin/sh\\ntouch /tmp/nc.up\\nwhile :; do sleep 1; done\\n' > /tmp/nc; \
+         chmod +x /tmp/nc; (/tmp/nc > /dev/null 2>&1 &); until [ -e /tmp/nc.up ]; do sleep 0.02; done",
     );
     let told = ask(3);
     assert!(told.contains("rolled back") && told.contains("nc"), "{told}");
