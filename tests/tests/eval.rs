@@ -107,7 +107,7 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
         "the run's logs are kept"
     );
 
-    let density = report["density"].as_array().expect("density rows");
+    let density = report["density"]["rows"].as_array().expect("density rows");
     let at = |name: &str| {
         density
             .iter()
@@ -128,6 +128,16 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
         "{broken:#}"
     );
     assert!(crab["e2e"].as_f64().is_some_and(f64::is_finite), "{crab:#}");
+    // Each wrong recovery is named with what differed.
+    let wrong = report["density"]["not_correct"].as_array().expect("not_correct");
+    assert_eq!(wrong.len(), 3, "{wrong:#?}");
+    assert!(
+        wrong.iter().all(|w| w["policy"] == "crab-broken"
+            && w["why"]
+                .as_str()
+                .is_some_and(|y| y.contains("after the recovery"))),
+        "{wrong:#?}"
+    );
     assert!(md.contains("## Density"), "{md}");
     assert!(
         out.path().join("logs/crab@3/crabd.log").exists(),

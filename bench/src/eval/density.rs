@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use serde_json::json;
 
 use super::policy::Policy;
-use super::report::{summarize, PolicyResult};
+use super::report::{summarize, verdict, PolicyResult, Verdict};
 use super::workload::Task;
 
 /// Every policy's run with `sandboxes` at once.
@@ -183,6 +183,19 @@ pub fn markdown(points: &[Point], picture: Option<&str>) -> String {
             r.bytes as f64 / 1e6
         );
     }
+    let wrong = not_correct(points);
+    if !wrong.is_empty() {
+        let _ = writeln!(md, "\nRecoveries not state-correct:\n");
+        for (n, policy, task, v) in &wrong {
+            let _ = writeln!(
+                md,
+                "- {n} sandboxes, {}, {task}: {}: {}",
+                policy.name(),
+                v.word(),
+                v.why()
+            );
+        }
+    }
     let _ = writeln!(md, "\nScaling (least squares over N):\n");
     for p in policies_in(&rows) {
         let (what, line) = match p {
@@ -207,6 +220,29 @@ pub fn markdown(points: &[Point], picture: Option<&str>) -> String {
     md
 }
 
+/// Every crashed task whose recovery was not state-correct: sandboxes at
+/// once, policy, task, verdict.
+pub fn not_correct(points: &[Point]) -> Vec<(usize, Policy, String, Verdict)> {
+    let mut out = Vec::new();
+    for point in points {
+        let Some(reference) = point.results.iter().find(|p| p.policy == Policy::FaultFree) else {
+            continue;
+        };
+        for p in &point.results {
+            for t in &p.tasks {
+                let Some(r) = reference.tasks.iter().find(|r| r.task == t.task) else {
+                    continue;
+                };
+                let v = verdict(t, r);
+                if matches!(v, Verdict::Incorrect(_) | Verdict::Failed(_)) {
+                    out.push((point.sandboxes, p.policy, t.task.clone(), v));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The density study as JSON.
 pub fn json(points: &[Point]) -> serde_json::Value {
     let rows: Vec<_> = rows(points)
@@ -224,7 +260,13 @@ pub fn json(points: &[Point]) -> serde_json::Value {
             })
         })
         .collect();
-    json!(rows)
+    let wrong: Vec<_> = not_correct(points)
+        .into_iter()
+        .map(|(n, p, task, v)| {
+            json!({"sandboxes": n, "policy": p.name(), "task": task, "verdict": v.word(), "why": v.why()})
+        })
+        .collect();
+    json!({ "rows": rows, "not_correct": wrong })
 }
 
 #[cfg(test)]
