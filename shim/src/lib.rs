@@ -28,6 +28,7 @@ mod fsop;
 mod grant;
 mod init;
 mod io;
+mod last_state;
 mod logging;
 mod metrics;
 mod netns;

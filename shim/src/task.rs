@@ -21,6 +21,10 @@ use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
 
+/// How long State waits for a container a checkpoint or restore holds
+/// before the last answer stands in.
+const STATE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 #[async_trait]
 impl Task for TaskService {
     #[tracing::instrument(skip_all, fields(call = "create", sandbox = %req.id))]
@@ -140,9 +144,21 @@ impl Task for TaskService {
     #[tracing::instrument(skip_all, fields(call = "state", sandbox = %req.id))]
     async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
         let container = self.container(&req.id)?;
-        let c = container.lock().await;
-        let p = c.process(&req.exec_id)?;
-        Ok(p.state_response(&c.id, &c.bundle.to_string_lossy()))
+        // A checkpoint or restore holds the container for its length (its
+        // processes' state is then what it was, or what the restore makes
+        // it): past a short wait, the last answer stands in.
+        let c = match tokio::time::timeout(STATE_WAIT, container.lock()).await {
+            Ok(c) => c,
+            Err(_) => match self.last_states.get(&req.id, &req.exec_id) {
+                Some(last) => return Ok(last),
+                None => container.lock().await,
+            },
+        };
+        let answer = c
+            .process(&req.exec_id)?
+            .state_response(&c.id, &c.bundle.to_string_lossy());
+        self.last_states.put(&req.id, &req.exec_id, &answer);
+        Ok(answer)
     }
 
     #[tracing::instrument(skip_all, fields(call = "wait", sandbox = %req.id))]
@@ -192,6 +208,7 @@ impl Task for TaskService {
             }
         }
         let mut c = container.lock().await;
+        self.last_states.forget(&req.id, &req.exec_id);
         let (pid, exit) = if req.exec_id.is_empty() {
             c.delete(&self.runtime).await?;
             self.containers.lock().expect("containers lock").remove(&req.id);
