@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest};
+use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest, StateResponse};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use oci_spec::runtime::{Capability, Spec};
@@ -84,6 +84,9 @@ pub struct Container {
     /// have changed the sandbox's mounts even after it exited, so its
     /// checkpoints keep every tmpfs in their images.
     mounts_changed: bool,
+    /// What State answers while a checkpoint holds the container (shared
+    /// with the task service, which reads it without the lock).
+    pub held: Arc<crate::held_state::HeldStates>,
 }
 
 /// Where and how the sandbox's LLM proxy runs.
@@ -100,6 +103,16 @@ pub type ExitReceiver = oneshot::Receiver<Exit>;
 // === impl Container ===
 
 impl Container {
+    /// What State answers for each of its processes now, by exec id (""
+    /// for the init).
+    pub fn state_answers(&self) -> HashMap<String, StateResponse> {
+        let bundle = self.bundle.to_string_lossy();
+        std::iter::once(("", &self.init))
+            .chain(self.execs.iter().map(|(id, p)| (id.as_str(), p)))
+            .map(|(id, p)| (id.to_owned(), p.state_response(&self.id, &bundle)))
+            .collect()
+    }
+
     /// Creates the container of `req`: rootfs, stdio, cgroups, init (waiting
     /// for Start), and when it is a `sandbox` its LLM proxy. Nothing is left
     /// behind if it fails.
@@ -173,6 +186,7 @@ impl Container {
                 }),
             init_mounted: false,
             adopted: None,
+            held: Arc::default(),
             asked: Vec::new(),
             recovering: false,
             netns_pin: None,

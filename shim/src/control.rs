@@ -208,6 +208,7 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
     let done = tokio::spawn(
         async move {
             let c = ctx.container.lock().await;
+            let _held = c.held.hold(c.state_answers());
             c.engine_checkpoint(&req, &ctx.runtime).await
         }
         .instrument(span),
@@ -276,6 +277,7 @@ async fn restore_files(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Respo
     let done = tokio::spawn(
         async move {
             let c = ctx.container.lock().await;
+            let _held = c.held.hold(c.state_answers());
             c.engine_restore_files(&req, &ctx.runtime).await
         }
         .instrument(span),

@@ -83,8 +83,8 @@ pub struct TaskService {
     pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
     /// Which container is each pod's sandbox (CRI pods share one shim).
     pub pods: crate::pod::Pods,
-    /// What State last answered, for while a container is held.
-    pub last_states: crate::last_state::LastStates,
+    /// Each container's State answers while a checkpoint holds it.
+    pub held: Mutex<HashMap<String, Arc<crate::held_state::HeldStates>>>,
 }
 
 // === impl Service ===
@@ -163,7 +163,7 @@ impl Shim for Service {
             containerd: self.containerd.clone(),
             controls: tokio::sync::Mutex::new(HashMap::new()),
             pods: crate::pod::Pods::default(),
-            last_states: crate::last_state::LastStates::default(),
+            held: Mutex::new(HashMap::new()),
         }
     }
 }

@@ -21,8 +21,8 @@ use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
 
-/// How long State waits for a container a checkpoint or restore holds
-/// before the last answer stands in.
+/// How long State waits for a container a checkpoint holds before the
+/// state the checkpoint found answers.
 const STATE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 #[async_trait]
@@ -62,6 +62,10 @@ impl Task for TaskService {
         };
         self.watch_oom(&mut container);
         let pid = container.init.pid;
+        self.held
+            .lock()
+            .expect("held lock")
+            .insert(req.id.clone(), container.held.clone());
         let container = Arc::new(tokio::sync::Mutex::new(container));
         self.containers
             .lock()
@@ -144,21 +148,20 @@ impl Task for TaskService {
     #[tracing::instrument(skip_all, fields(call = "state", sandbox = %req.id))]
     async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
         let container = self.container(&req.id)?;
-        // A checkpoint or restore holds the container for its length (its
-        // processes' state is then what it was, or what the restore makes
-        // it): past a short wait, the last answer stands in.
+        // A checkpoint holds the container for its length: past a short
+        // wait, the state it found answers (see `crate::held_state`).
         let c = match tokio::time::timeout(STATE_WAIT, container.lock()).await {
             Ok(c) => c,
-            Err(_) => match self.last_states.get(&req.id, &req.exec_id) {
-                Some(last) => return Ok(last),
-                None => container.lock().await,
-            },
+            Err(_) => {
+                let held = self.held.lock().expect("held lock").get(&req.id).cloned();
+                match held.and_then(|h| h.answer(&req.exec_id)) {
+                    Some(answer) => return Ok(answer),
+                    None => container.lock().await,
+                }
+            }
         };
-        let answer = c
-            .process(&req.exec_id)?
-            .state_response(&c.id, &c.bundle.to_string_lossy());
-        self.last_states.put(&req.id, &req.exec_id, &answer);
-        Ok(answer)
+        let p = c.process(&req.exec_id)?;
+        Ok(p.state_response(&c.id, &c.bundle.to_string_lossy()))
     }
 
     #[tracing::instrument(skip_all, fields(call = "wait", sandbox = %req.id))]
@@ -208,10 +211,10 @@ impl Task for TaskService {
             }
         }
         let mut c = container.lock().await;
-        self.last_states.forget(&req.id, &req.exec_id);
         let (pid, exit) = if req.exec_id.is_empty() {
             c.delete(&self.runtime).await?;
             self.containers.lock().expect("containers lock").remove(&req.id);
+            self.held.lock().expect("held lock").remove(&req.id);
             self.pods.release(&req.id);
             (c.init.pid, c.init.exit())
         } else {

@@ -55,3 +55,69 @@ fn ctr_task_checkpoint_makes_an_image() {
     ctd.remove("ck");
     assert_clean(&ctd.scope(), &["ck"]);
 }
+
+/// containerd asks State of every task for `ctr task ls` (and `docker
+/// ps`, the kubelet) within a deadline (`io.containerd.timeout.task.state`,
+/// 1 s here): a crabd checkpoint that holds the container longer (60 MB of
+/// random data in `/dev/shm`, which CRIU saves with tar and gzip) must
+/// leave the task listed, and running, all along.
+#[test]
+fn a_long_checkpoint_leaves_the_task_listed_running() {
+    use crab_tests::sandbox::{crabctl_ok, wait_registered};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    let ctd = Containerd::start_with("[timeouts]\n  \"io.containerd.timeout.task.state\" = \"1s\"\n");
+    ctd.run_detached(
+        CRAB,
+        "slow",
+        &[
+            "sh",
+            "-c",
+            "head -c 60000000 /dev/urandom > /dev/shm/blob && touch /tmp/ready; exec sleep 100000",
+        ],
+    );
+    wait_registered(&ctd, "slow");
+    let pid = ctd.task_pid("slow").expect("the task runs");
+    wait_until(60, || {
+        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
+            .exists()
+            .then_some(())
+    })
+    .expect("the blob is written");
+
+    let done = AtomicBool::new(false);
+    let (seen, began, ended) = std::thread::scope(|s| {
+        let lister = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let out = ctd.ctr_ok(&["task", "ls"]);
+                let status = out
+                    .lines()
+                    .find(|l| l.split_whitespace().next() == Some("slow"))
+                    .and_then(|l| l.split_whitespace().last())
+                    .unwrap_or("missing")
+                    .to_owned();
+                seen.push((asked, Instant::now(), status));
+            }
+            seen
+        });
+        let began = Instant::now();
+        crabctl_ok(&ctd, &["checkpoint", "slow"]);
+        let ended = Instant::now();
+        done.store(true, Ordering::SeqCst);
+        (lister.join().expect("the lister"), began, ended)
+    });
+    let within = seen.iter().filter(|(a, b, _)| *a >= began && *b <= ended).count();
+    assert!(
+        within > 0,
+        "no listing began and ended within the checkpoint ({:?})",
+        ended - began
+    );
+    let statuses: Vec<&str> = seen.iter().map(|(_, _, s)| s.as_str()).collect();
+    assert!(statuses.iter().all(|s| *s == "RUNNING"), "{statuses:?}");
+
+    ctd.remove("slow");
+    assert_clean(&ctd.scope(), &["slow"]);
+}

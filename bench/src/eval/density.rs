@@ -13,7 +13,7 @@ use serde_json::json;
 
 use super::policy::Policy;
 use super::report::{summarize, verdict, PolicyResult, Verdict};
-use super::workload::Task;
+use super::workload::{Mix, Task};
 
 /// Every policy's run with `sandboxes` at once.
 #[derive(Debug)]
@@ -45,16 +45,18 @@ pub struct Row {
     pub bytes: u64,
 }
 
-/// `tasks` copied, in turn, until there are `n`; the copies of a task are
-/// named `<name>-2`, `<name>-3`, … (so each has its own sandbox and its
-/// own seeded crash).
+/// `tasks` copied, in turn, until there are `n`, the mixes taken in turn
+/// (so that a density below the number of tasks is not one mix only); the
+/// copies of a task are named `<name>-2`, `<name>-3`, … (so each has its
+/// own sandbox and its own seeded crash).
 pub fn replicate(tasks: &[Task], n: usize) -> Vec<Task> {
     if tasks.is_empty() {
         return Vec::new();
     }
+    let tasks = interleave(tasks);
     (0..n)
         .map(|i| {
-            let mut t = tasks[i % tasks.len()].clone();
+            let mut t = (*tasks[i % tasks.len()]).clone();
             let copy = i / tasks.len() + 1;
             if copy > 1 {
                 t.name = format!("{}-{copy}", t.name);
@@ -62,6 +64,19 @@ pub fn replicate(tasks: &[Task], n: usize) -> Vec<Task> {
             t
         })
         .collect()
+}
+
+/// `tasks` reordered to take one of each mix in turn, each mix in its own
+/// order.
+fn interleave(tasks: &[Task]) -> Vec<&Task> {
+    let swe: Vec<&Task> = tasks.iter().filter(|t| t.mix == Mix::Swe).collect();
+    let other: Vec<&Task> = tasks.iter().filter(|t| t.mix != Mix::Swe).collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for i in 0..swe.len().max(other.len()) {
+        out.extend(swe.get(i));
+        out.extend(other.get(i));
+    }
+    out
 }
 
 /// The policies of the density study among `asked`: fault-free first,
@@ -148,14 +163,22 @@ pub fn policies_in(rows: &[Row]) -> Vec<Policy> {
     out
 }
 
-/// The density section of the report; empty without points.
-pub fn markdown(points: &[Point], picture: Option<&str>) -> String {
+/// The density section of the report, with the densities whose run
+/// failed (`errors`: sandboxes, why).
+pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, String)]) -> String {
     let rows = rows(points);
-    if rows.is_empty() {
-        return String::new();
-    }
     let mut md = String::new();
     let _ = writeln!(md, "## Density\n");
+    for (n, why) in errors {
+        let _ = writeln!(
+            md,
+            "The run with {n} sandboxes failed: {}\n",
+            why.replace('\n', " ")
+        );
+    }
+    if rows.is_empty() {
+        return md;
+    }
     let _ = writeln!(
         md,
         "The run's tasks copied until N sandboxes run at once, one seeded crash per copy; each policy's end-to-end \
@@ -195,6 +218,32 @@ pub fn markdown(points: &[Point], picture: Option<&str>) -> String {
                 v.why()
             );
         }
+    }
+    let failing: Vec<String> = points
+        .iter()
+        .flat_map(|point| {
+            point
+                .results
+                .iter()
+                .filter(|p| p.policy == Policy::FaultFree)
+                .flat_map(|p| &p.tasks)
+                .filter(|t| t.run.failed_commands > 0)
+                .map(move |t| {
+                    let first = t.run.first_failure.as_deref().unwrap_or("").replace('\n', " ");
+                    format!(
+                        "- {} sandboxes, {}: {} commands; first: {first}",
+                        point.sandboxes, t.task, t.run.failed_commands
+                    )
+                })
+        })
+        .collect();
+    if !failing.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nCommands that failed in a fault-free run (a state the others are held to; on a loaded host a command can \
+             outlive its limit):\n\n{}",
+            failing.join("\n")
+        );
     }
     let _ = writeln!(md, "\nScaling (least squares over N):\n");
     for p in policies_in(&rows) {
@@ -243,8 +292,8 @@ pub fn not_correct(points: &[Point]) -> Vec<(usize, Policy, String, Verdict)> {
     out
 }
 
-/// The density study as JSON.
-pub fn json(points: &[Point]) -> serde_json::Value {
+/// The density study as JSON, with the densities whose run failed.
+pub fn json(points: &[Point], errors: &[(usize, String)]) -> serde_json::Value {
     let rows: Vec<_> = rows(points)
         .iter()
         .map(|r| {
@@ -266,7 +315,11 @@ pub fn json(points: &[Point]) -> serde_json::Value {
             json!({"sandboxes": n, "policy": p.name(), "task": task, "verdict": v.word(), "why": v.why()})
         })
         .collect();
-    json!({ "rows": rows, "not_correct": wrong })
+    let errors: Vec<_> = errors
+        .iter()
+        .map(|(n, why)| json!({"sandboxes": n, "error": why}))
+        .collect();
+    json!({ "rows": rows, "not_correct": wrong, "errors": errors })
 }
 
 #[cfg(test)]
@@ -274,12 +327,16 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::eval::workload::{Image, Mix, Step};
+    use crate::eval::workload::{Image, Step};
 
     fn task(name: &str) -> Task {
+        task_of(name, Mix::Terminal)
+    }
+
+    fn task_of(name: &str, mix: Mix) -> Task {
         Task {
             name: name.into(),
-            mix: Mix::Terminal,
+            mix,
             image: Image::Terminal,
             cwd: "/work".into(),
             dirs: vec!["/work".into()],
@@ -309,6 +366,16 @@ mod tests {
         );
         assert!(copies.iter().all(|t| t.steps == tasks[0].steps));
         assert!(replicate(&tasks, 0).is_empty());
+        // The mixes in turn: 3 SWE tasks and 2 terminal ones, 4 sandboxes.
+        let mixed = [
+            task_of("s1", Mix::Swe),
+            task_of("s2", Mix::Swe),
+            task_of("s3", Mix::Swe),
+            task("t1"),
+            task("t2"),
+        ];
+        let names: Vec<String> = replicate(&mixed, 7).into_iter().map(|t| t.name).collect();
+        assert_eq!(names, ["s1", "t1", "s2", "t2", "s3", "s1-2", "t1-2"]);
         assert!(replicate(&[], 8).is_empty());
     }
 

@@ -125,4 +125,23 @@ mod tests {
         assert_eq!(f(Phase::Checkpoint).agent_at(), 4);
         assert_eq!(f(Phase::LlmWait).agent_at(), 4);
     }
+
+    /// The tiny eval test's density run (tests/tests/eval.rs) relies on
+    /// these: every crash at step 2 or later.
+    #[test]
+    fn seed_9_crashes_the_tiny_evals_tasks_late_enough() {
+        let step = |name, steps| {
+            Fault::plan(9, name, steps, |_| Duration::from_millis(100))
+                .map(|f| f.step)
+                .unwrap()
+        };
+        assert_eq!(
+            (
+                step("kv-server", 10),
+                step("python-repl", 9),
+                step("kv-server-2", 10)
+            ),
+            (6, 5, 4)
+        );
+    }
 }

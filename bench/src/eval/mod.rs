@@ -165,7 +165,21 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .with_context(|| format!("policy {}", policy.name()))?;
         results.push(result);
     }
+    let pictures = plot::draw(&results, &args.out)?;
+    let meta = Meta {
+        seed: args.seed,
+        scale: args.scale,
+        parallel: args.parallel,
+        agent_inside: args.agent_inside,
+        wall: started.elapsed(),
+    };
+    let main_md = report::markdown(&results, &meta, &pictures);
+    let mut json = report::json(&results);
+    // The main run's report stands before the density study begins: a
+    // density that fails loses only itself.
+    write_report(&args.out, &main_md, &json)?;
     let mut points = Vec::new();
+    let mut density_errors = Vec::new();
     for &n in args.density.iter().filter(|n| **n > 0) {
         let copies = density::replicate(&tasks, n);
         let faults = plan(&copies, args.seed);
@@ -176,35 +190,40 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             parallel: n,
             label: &label,
         };
-        let mut at_n = Vec::new();
-        for policy in density::policies(&policies) {
-            let result = run_policy(policy, &stage, upstream, agents.as_ref(), args, &bars)
-                .with_context(|| format!("policy {} with {n} sandboxes", policy.name()))?;
-            at_n.push(result);
+        let at_n: anyhow::Result<Vec<PolicyResult>> = density::policies(&policies)
+            .into_iter()
+            .map(|policy| {
+                run_policy(policy, &stage, upstream, agents.as_ref(), args, &bars)
+                    .with_context(|| format!("policy {} with {n} sandboxes", policy.name()))
+            })
+            .collect();
+        match at_n {
+            Ok(results) => points.push(density::Point {
+                sandboxes: n,
+                results,
+            }),
+            Err(e) => {
+                eprintln!("eval: density {n}: {e:#}");
+                density_errors.push((n, format!("{e:#}")));
+            }
         }
-        points.push(density::Point {
-            sandboxes: n,
-            results: at_n,
-        });
     }
-    let mut pictures = plot::draw(&results, &args.out)?;
-    let density_picture = plot::density(&density::rows(&points), &args.out)?;
-    pictures.extend(density_picture.clone());
-    let meta = Meta {
-        seed: args.seed,
-        scale: args.scale,
-        parallel: args.parallel,
-        agent_inside: args.agent_inside,
-        wall: started.elapsed(),
-    };
-    let mut md = report::markdown(&results, &meta, &pictures);
-    md.push_str(&density::markdown(&points, density_picture.as_deref()));
-    std::fs::write(args.out.join("report.md"), &md)?;
-    let mut json = report::json(&results);
-    json["density"] = density::json(&points);
-    std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&json)?)?;
+    let mut md = main_md;
+    if !args.density.is_empty() {
+        let picture = plot::density(&density::rows(&points), &args.out)?;
+        md.push_str(&density::markdown(&points, picture.as_deref(), &density_errors));
+        json["density"] = density::json(&points, &density_errors);
+        write_report(&args.out, &md, &json)?;
+    }
     println!("{md}");
     println!("eval: report in {}", args.out.join("report.md").display());
+    Ok(())
+}
+
+/// Writes `report.md` and `report.json` into `out`.
+fn write_report(out: &std::path::Path, md: &str, json: &serde_json::Value) -> anyhow::Result<()> {
+    std::fs::write(out.join("report.md"), md)?;
+    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(json)?)?;
     Ok(())
 }
 

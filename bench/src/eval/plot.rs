@@ -196,7 +196,8 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
     }
     let all = series.iter().flat_map(|s| s.1.iter());
     let right = all.clone().map(|p| p.0).fold(1.0, f64::max) * 1.05;
-    let top = all.map(|p| p.1).fold(1.1, f64::max) * 1.02;
+    let top = all.clone().map(|p| p.1).fold(1.1, f64::max) * 1.02;
+    let bottom = all.map(|p| p.1).fold(0.95, f64::min) * 0.98;
     let name = "density.png";
     let path = dir.join(name);
     let root = BitMapBackend::new(&path, (720, 420)).into_drawing_area();
@@ -206,7 +207,7 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..right, 0.95..top)
+        .build_cartesian_2d(0.0..right, bottom..top)
         .map_err(err)?;
     chart
         .configure_mesh()
