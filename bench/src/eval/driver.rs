@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -124,6 +125,10 @@ pub struct Setup<'a> {
 /// The longest a recovery may take before the run counts it failed.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(180);
 
+/// How long a crash during a command waits for the command to start in
+/// the sandbox (then it comes anyway).
+const COMMAND_START_SECS: u64 = 60;
+
 /// Runs `task` as `setup` says. Errors only for the harness's own
 /// failures; what went wrong in the sandbox is in [`Run::error`].
 pub fn drive(setup: &Setup, task: &Task) -> anyhow::Result<Run> {
@@ -238,16 +243,31 @@ impl<'a> Agent<'a> {
         while step < self.task.steps.len() {
             let due = fault.filter(|f| !crashed && f.step == step);
             if let Some(f) = due.filter(|f| f.phase == Phase::Command) {
-                std::thread::scope(|s| {
-                    let commands = s.spawn(|| self.commands(step));
+                let stop = AtomicBool::new(false);
+                let mark = format!("{}.{step}", self.id);
+                let seen = std::thread::scope(|s| {
+                    let commands = s.spawn(|| self.commands_until(step, &stop, Some(&mark)));
+                    // The crash comes `f.after` into a command that runs in
+                    // the sandbox: on a loaded host `ctr task exec` can take
+                    // longer than that to start it, and a command that
+                    // only starts after the recovery is no crash's victim.
+                    let _ = crab_tests::wait_until(COMMAND_START_SECS, || {
+                        (commands.is_finished() || sandbox::marked_runs(&mark)).then_some(())
+                    });
                     std::thread::sleep(f.after);
+                    stop.store(true, Ordering::SeqCst);
                     let killed = sandbox::kill_init(self.setup.ctd, &self.id);
-                    // The command dies with the sandbox: its outcome is moot.
-                    let _ = commands.join();
-                    killed
+                    // Every command of the step ended well before the kill:
+                    // the agent has seen the step (its effects die with the
+                    // sandbox, to be run again); else it has not.
+                    let seen = match commands.join() {
+                        Ok(Ok(true)) => step as isize,
+                        _ => f.agent_at(),
+                    };
+                    killed.map(|_| seen)
                 })?;
                 crashed = true;
-                step = self.recover(f)?;
+                step = self.recover(seen)?;
                 continue;
             }
             let begun = self.now();
@@ -270,7 +290,7 @@ impl<'a> Agent<'a> {
                 })?;
                 self.event(EventKind::Turn(step), begun);
                 crashed = true;
-                step = self.recover(f)?;
+                step = self.recover(f.agent_at())?;
                 continue;
             }
             self.turn(step)?;
@@ -294,8 +314,19 @@ impl<'a> Agent<'a> {
     /// Runs step `step`'s commands (their failures are the task's, and
     /// counted).
     fn commands(&self, step: usize) -> anyhow::Result<()> {
+        self.commands_until(step, &AtomicBool::new(false), None).map(drop)
+    }
+
+    /// Step `step`'s commands, each marked `mark` (see
+    /// [`sandbox::exec_marked`]), none started once `stop` is set; answers
+    /// whether all ran and succeeded.
+    fn commands_until(&self, step: usize, stop: &AtomicBool, mark: Option<&str>) -> anyhow::Result<bool> {
+        let mut all = true;
         for command in &self.task.steps[step].commands {
-            let out = sandbox::exec(self.setup.ctd, &self.id, &self.task.cwd, command, None)?;
+            if stop.load(Ordering::SeqCst) {
+                return Ok(false);
+            }
+            let out = sandbox::exec_marked(self.setup.ctd, &self.id, &self.task.cwd, command, None, mark)?;
             if self.setup.verbose {
                 eprintln!(
                     "{} step {step}: {command:?} -> {}\n{}{}",
@@ -306,6 +337,7 @@ impl<'a> Agent<'a> {
                 );
             }
             if !out.status.success() {
+                all = false;
                 let mut failed = self.failed.lock().expect("failed commands");
                 failed.0 += 1;
                 failed.1.get_or_insert_with(|| {
@@ -318,7 +350,7 @@ impl<'a> Agent<'a> {
                 });
             }
         }
-        Ok(())
+        Ok(all)
     }
 
     /// Step `step`'s LLM call, through the sandbox's proxy.
@@ -381,10 +413,9 @@ impl<'a> Agent<'a> {
     /// After the kill of `fault`: the policy's recovery, the state check
     /// of where it claims to be, the commands the conversation has seen
     /// run again; answers the next step to run.
-    fn recover(&mut self, fault: Fault) -> anyhow::Result<usize> {
+    fn recover(&mut self, seen: isize) -> anyhow::Result<usize> {
         let killed = self.now();
         let killed_at = Instant::now();
-        let seen = fault.agent_at();
         let (at, version) = match self.setup.policy.recovery() {
             Recovery::Automatic { wrong } => self.recovered_by_crabd(wrong)?,
             Recovery::Fresh(fresh) => (self.fresh_sandbox(fresh, seen)?, None),

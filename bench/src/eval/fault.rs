@@ -126,22 +126,22 @@ mod tests {
         assert_eq!(f(Phase::LlmWait).agent_at(), 4);
     }
 
-    /// The tiny eval test's density run (tests/tests/eval.rs) relies on
-    /// these: every crash at step 2 or later.
+    /// The tiny eval test (tests/tests/eval.rs) relies on these: every
+    /// crash in a command, at step 2 or later.
     #[test]
-    fn seed_9_crashes_the_tiny_evals_tasks_late_enough() {
-        let step = |name, steps| {
-            Fault::plan(9, name, steps, |_| Duration::from_millis(100))
-                .map(|f| f.step)
+    fn seed_2_crashes_the_tiny_evals_tasks_in_late_commands() {
+        let plan = |name, steps| {
+            Fault::plan(2, name, steps, |_| Duration::from_millis(100))
+                .map(|f| (f.step, f.phase))
                 .unwrap()
         };
         assert_eq!(
-            (
-                step("kv-server", 10),
-                step("python-repl", 9),
-                step("kv-server-2", 10)
-            ),
-            (6, 5, 4)
+            [
+                plan("kv-server", 10),
+                plan("python-repl", 9),
+                plan("kv-server-2", 10)
+            ],
+            [(4, Phase::Command), (2, Phase::Command), (8, Phase::Command)]
         );
     }
 }

@@ -107,12 +107,30 @@ pub fn exec(
     script: &str,
     stdin: Option<&Path>,
 ) -> anyhow::Result<Output> {
+    exec_marked(ctd, id, cwd, script, stdin, None)
+}
+
+/// The variable whose value [`exec_marked`] gives a command's processes.
+const MARK: &str = "CRAB_EVAL_MARK";
+
+/// [`exec`], its processes marked with `mark` in their environment (see
+/// [`marked_runs`]).
+pub fn exec_marked(
+    ctd: &Containerd,
+    id: &str,
+    cwd: &str,
+    script: &str,
+    stdin: Option<&Path>,
+    mark: Option<&str>,
+) -> anyhow::Result<Output> {
     static N: AtomicU64 = AtomicU64::new(0);
     let exec_id = format!("e{}", N.fetch_add(1, Ordering::Relaxed));
     let limit = COMMAND_LIMIT.as_secs().to_string();
+    let mark = mark.map(|m| format!("{MARK}={m}"));
     // (ctr 1.6's exec takes no environment: env(1) sets it.)
     let mut args = vec!["task", "exec", "--exec-id", &exec_id, "--cwd", cwd, id, "env"];
     args.extend(ENV);
+    args.extend(mark.as_deref());
     args.extend(["timeout", "-s", "KILL", &limit, "bash", "-lc", script]);
     let mut cmd = ctd.ctr_cmd(&args);
     match stdin {
@@ -216,4 +234,22 @@ fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Field 22; the fields after the command's closing parenthesis start at 3.
     stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether a process marked `mark` by [`exec_marked`] runs on this host
+/// (a command of the sandbox has started, not only been asked for).
+pub fn marked_runs(mark: &str) -> bool {
+    let want = format!("{MARK}={mark}");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|e| std::fs::read(e.path().join("environ")).ok())
+        .any(|env| env.split(|b| *b == 0).any(|var| var == want.as_bytes()))
 }
