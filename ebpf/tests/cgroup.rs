@@ -82,7 +82,15 @@ fn basic_signals() {
         Class::Proc,
     );
     step("true", Class::None);
-    step(&format!("kill $(cat {pidfile}); rm {pidfile}"), Class::Proc);
+    // Until it has exited (a zombie, or reaped): a signal is delivered
+    // after kill(1) returns, and its exit would be the next turn's.
+    step(
+        &format!(
+            "p=$(cat {pidfile}); kill $p; rm {pidfile}; \
+             while [ -e /proc/$p ] && [ \"$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)\" != Z ]; do :; done"
+        ),
+        Class::Proc,
+    );
     step("true", Class::None);
 
     insp.unregister("basic").expect("unregister");
