@@ -119,9 +119,7 @@ fn bars(path: &Path, title: &str, rows: &[(String, f64)]) -> Result<()> {
 
 /// The distribution of holds per policy that makes versions (a CDF).
 fn holds(path: &Path, results: &[PolicyResult]) -> Result<()> {
-    let root = BitMapBackend::new(path, (720, 420)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let series: Vec<(&str, Vec<f64>)> = results
+    let series: Vec<(&str, Vec<(f64, f64)>)> = results
         .iter()
         .filter(|p| p.policy.checkpoints())
         .map(|p| {
@@ -131,48 +129,26 @@ fn holds(path: &Path, results: &[PolicyResult]) -> Result<()> {
                 .flat_map(|t| t.holds.iter().map(|h| h.as_secs_f64() * 1e3))
                 .collect();
             ms.sort_by(f64::total_cmp);
-            (p.policy.name(), ms)
+            let n = ms.len().max(1) as f64;
+            let cdf = ms
+                .iter()
+                .enumerate()
+                .map(|(k, v)| (*v, (k + 1) as f64 / n))
+                .collect();
+            (p.policy.name(), cdf)
         })
         .collect();
     let top = series
         .iter()
         .flat_map(|s| s.1.last())
-        .copied()
+        .map(|p| p.0)
         .fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption("answer held for its version (CDF)", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..top, 0.0..1.0)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("ms")
-        .y_desc("share of turns")
-        .label_style(("sans-serif", 13))
-        .draw()
-        .map_err(err)?;
-    for (i, (name, ms)) in series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        let n = ms.len().max(1) as f64;
-        chart
-            .draw_series(LineSeries::new(
-                ms.iter().enumerate().map(|(k, v)| (*v, (k + 1) as f64 / n)),
-                color.stroke_width(2),
-            ))
-            .map_err(err)?
-            .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)?;
-    Ok(())
+    let axes = Axes {
+        title: "answer held for its version (CDF)",
+        x: ("ms", 0.0..top),
+        y: ("share of turns", 0.0..1.0),
+    };
+    lines(path, &axes, &series, false)
 }
 
 /// The density study's end-to-end figure per policy over the number of
@@ -199,20 +175,38 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
     let top = all.clone().map(|p| p.1).fold(1.1, f64::max) * 1.02;
     let bottom = all.map(|p| p.1).fold(0.95, f64::min) * 0.98;
     let name = "density.png";
-    let path = dir.join(name);
-    let root = BitMapBackend::new(&path, (720, 420)).into_drawing_area();
+    let axes = Axes {
+        title: "task time / fault-free at the same density",
+        x: ("sandboxes at once", 0.0..right),
+        y: ("e2e", bottom..top),
+    };
+    lines(&dir.join(name), &axes, &series, true)?;
+    Ok(Some(name.to_owned()))
+}
+
+/// A line chart's title, and each axis's name and range.
+struct Axes<'a> {
+    title: &'a str,
+    x: (&'a str, std::ops::Range<f64>),
+    y: (&'a str, std::ops::Range<f64>),
+}
+
+/// One line per named series (with a dot at each point if `dots`), and a
+/// legend.
+fn lines(path: &Path, axes: &Axes, series: &[(&str, Vec<(f64, f64)>)], dots: bool) -> Result<()> {
+    let root = BitMapBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("task time / fault-free at the same density", ("sans-serif", 22))
+        .caption(axes.title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..right, bottom..top)
+        .build_cartesian_2d(axes.x.1.clone(), axes.y.1.clone())
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc("sandboxes at once")
-        .y_desc("e2e")
+        .x_desc(axes.x.0)
+        .y_desc(axes.y.0)
         .label_style(("sans-serif", 13))
         .draw()
         .map_err(err)?;
@@ -223,9 +217,11 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
             .map_err(err)?
             .label(*label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-        chart
-            .draw_series(points.iter().map(|p| Circle::new(*p, 4, color.filled())))
-            .map_err(err)?;
+        if dots {
+            chart
+                .draw_series(points.iter().map(|p| Circle::new(*p, 4, color.filled())))
+                .map_err(err)?;
+        }
     }
     chart
         .configure_series_labels()
@@ -234,7 +230,7 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
         .draw()
         .map_err(err)?;
     root.present().map_err(err)?;
-    Ok(Some(name.to_owned()))
+    Ok(())
 }
 
 /// One row per sandbox: its commands, its turns (coloured by the class of
