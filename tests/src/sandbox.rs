@@ -204,6 +204,15 @@ pub fn crabctl_err(ctd: &Containerd, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Waits (at most `secs`) until `path` exists in the root of process
+/// `pid` (a sandbox's init): how a sandbox's script says it is ready.
+#[track_caller]
+pub fn wait_for_file(pid: i32, path: &str, secs: u64) {
+    let file = format!("/proc/{pid}/root/{}", path.trim_start_matches('/'));
+    crate::wait_until(secs, || std::path::Path::new(&file).exists().then_some(()))
+        .unwrap_or_else(|| panic!("{file} never appeared"));
+}
+
 /// Waits until crabd lists sandbox `id` (its shim registers it at start).
 #[track_caller]
 pub fn wait_registered(ctd: &Containerd, id: &str) {

@@ -79,12 +79,8 @@ fn a_long_checkpoint_leaves_the_task_listed_running() {
     );
     wait_registered(&ctd, "slow");
     let pid = ctd.task_pid("slow").expect("the task runs");
-    wait_until(60, || {
-        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
-            .exists()
-            .then_some(())
-    })
-    .expect("the blob is written");
+    // The blob is written.
+    crab_tests::sandbox::wait_for_file(pid, "/tmp/ready", 60);
 
     let done = AtomicBool::new(false);
     let (seen, began, ended) = std::thread::scope(|s| {

@@ -208,12 +208,7 @@ fn kill_ps_pause_metrics_delete() {
     );
     let pid = ctd.task_pid("k").expect("task listed");
     // The shell's trap is in place before the signal.
-    wait_until(30, || {
-        std::path::Path::new(&format!("/proc/{pid}/root/tmp/ready"))
-            .exists()
-            .then_some(())
-    })
-    .expect("the shell set its trap");
+    crab_tests::sandbox::wait_for_file(pid, "/tmp/ready", 30);
 
     ctd.ctr_ok(&["task", "kill", "-s", "SIGUSR1", "k"]);
     let got = wait_until(10, || {

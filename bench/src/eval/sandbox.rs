@@ -240,16 +240,7 @@ fn start_time(pid: i32) -> Option<u64> {
 /// (a command of the sandbox has started, not only been asked for).
 pub fn marked_runs(mark: &str) -> bool {
     let want = format!("{MARK}={mark}");
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    dir.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|e| std::fs::read(e.path().join("environ")).ok())
+    crate::eval::state::process_dirs("/proc")
+        .filter_map(|dir| std::fs::read(dir.join("environ")).ok())
         .any(|env| env.split(|b| *b == 0).any(|var| var == want.as_bytes()))
 }

@@ -175,8 +175,9 @@ fn hash_file(path: &Path) -> String {
 
 /// The command lines under a procfs mount, crab-init's and kernel
 /// threads' aside, sorted.
-fn procs(proc_dir: &str) -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(proc_dir)
+/// The directories of the processes under `proc_dir` (a `/proc`).
+pub fn process_dirs(proc_dir: &str) -> impl Iterator<Item = std::path::PathBuf> {
+    std::fs::read_dir(proc_dir)
         .into_iter()
         .flatten()
         .flatten()
@@ -186,7 +187,12 @@ fn procs(proc_dir: &str) -> Vec<String> {
                 .bytes()
                 .all(|b| b.is_ascii_digit())
         })
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|e| e.path())
+}
+
+fn procs(proc_dir: &str) -> Vec<String> {
+    let mut out: Vec<String> = process_dirs(proc_dir)
+        .filter_map(|dir| std::fs::read(dir.join("cmdline")).ok())
         .filter(|c| !c.is_empty())
         .map(|c| {
             String::from_utf8_lossy(&c)
