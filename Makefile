@@ -32,7 +32,7 @@ test: deps lint build
 bench: deps release
 	target/release/crab-bench runtime
 	target/release/crab-bench fs
-	target/release/crab-bench checkpoint
+	target/release/crab-bench checkpoint --mb 100,500,1000 --runs 5
 	target/release/crab-bench recovery
 	target/release/crab-bench fastforward
 	target/release/crab-bench turn

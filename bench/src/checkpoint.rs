@@ -1,7 +1,8 @@
 //! `crab-bench checkpoint`: issue 4's numbers. A sandbox whose process holds
 //! `mb` MB of resident memory is checkpointed (files and processes) by crab
 //! through crabd, and restored; the baseline is `ctr task checkpoint` of the
-//! same workload under runc.v2 with the same CRIU, runs interleaved.
+//! same workload under runc.v2 with the same CRIU, runs interleaved. Given
+//! several sizes, it also prints how frozen time grows with memory.
 //!
 //! Frozen time is sampled the same way for both: a thread reads the
 //! container's `freezer.state` every 0.2 ms while the checkpoint runs (crab
@@ -17,31 +18,54 @@ use crab_tests::image::{python_sdk_archive, PYTHON_SDK};
 use crab_tests::sandbox::crabctl;
 use crab_tests::{wait_until, Containerd, CRAB, RUNC};
 
-use crate::stats::{ms, percentile};
+use crate::stats::{fit, ms, percentile};
 
-/// Runs the benchmark and prints its table.
-pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
+/// Runs the benchmark for each size in `sizes` (MB), printing its table;
+/// with several sizes, then how frozen time grows with resident memory.
+pub fn run(sizes: &[usize], runs: usize) -> anyhow::Result<()> {
     let ctd = Containerd::start();
     ctd.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
+    let mut scaling = Vec::new();
+    for &mb in sizes {
+        scaling.push(one_size(&ctd, mb, runs)?);
+    }
+    if scaling.len() > 1 {
+        print_scaling(&scaling);
+    }
+    Ok(())
+}
+
+/// One size's p50 figures, for the scaling summary.
+struct Scaled {
+    /// The crab sandbox's resident memory, MiB.
+    rss: f64,
+    runc_frozen: Duration,
+    crab_frozen: Duration,
+    crab_wall: Duration,
+    crab_restore: Duration,
+}
+
+/// The table of one size, in containers started for it and removed after.
+fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> {
     for (rt, id) in [(RUNC, "ck-runc"), (CRAB, "ck-crab")] {
-        start_holding(&ctd, rt, id, mb)?;
+        start_holding(ctd, rt, id, mb)?;
     }
     let rss = rss_mib(ctd.task_pid("ck-crab").context("crab pid")?);
-    wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
+    wait_until(30, || crabctl(ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
 
     // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore,
     //  restore in the shim, of which the undo checkpoint, restore with --no-undo]
     let mut s: [Vec<Duration>; 9] = Default::default();
     for i in 0..runs {
-        let (total, frozen, _) = timed_frozen(&freezer_state(&ctd, "ck-runc"), || {
-            ctr_task_checkpoint(&ctd, "ck-runc")?;
+        let (total, frozen, _) = timed_frozen(&freezer_state(ctd, "ck-runc"), || {
+            ctr_task_checkpoint(ctd, "ck-runc")?;
             Ok(serde_json::Value::Null)
         })?;
         s[0].push(total);
         s[1].push(frozen);
-        forget_ctr_checkpoints(&ctd, "ck-runc");
-        let (total, frozen, report) = timed_frozen(&freezer_state(&ctd, "ck-crab"), || {
-            crabctl_json(&ctd, &["checkpoint", "ck-crab"])
+        forget_ctr_checkpoints(ctd, "ck-runc");
+        let (total, frozen, report) = timed_frozen(&freezer_state(ctd, "ck-crab"), || {
+            crabctl_json(ctd, &["checkpoint", "ck-crab"])
         })?;
         s[2].push(total);
         s[3].push(frozen);
@@ -50,13 +74,13 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
             .context("frozen_ms in crabctl's report")?;
         s[4].push(Duration::from_secs_f64(own / 1e3));
         let t = Instant::now();
-        let r = crabctl_json(&ctd, &["rollback", "ck-crab", "latest"])?;
+        let r = crabctl_json(ctd, &["rollback", "ck-crab", "latest"])?;
         s[5].push(t.elapsed());
         let ms_of = |k: &str| Duration::from_secs_f64(r[k].as_f64().unwrap_or(0.0) / 1e3);
         s[6].push(ms_of("restore_ms"));
         s[7].push(ms_of("undo_ms"));
         let t = Instant::now();
-        crabctl_json(&ctd, &["rollback", "--no-undo", "ck-crab", "latest"])?;
+        crabctl_json(ctd, &["rollback", "--no-undo", "ck-crab", "latest"])?;
         s[8].push(t.elapsed());
         eprintln!("run {}/{runs} done", i + 1);
     }
@@ -127,10 +151,52 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
          shim) is the time its processes could not run. runc's is containerd's pause window."
     );
     println!("targets: frozen crab/runc <= 1.2; restore < 1000 ms (runc: containerd 1.6 has no restore of a running task to compare)");
+    let scaled = Scaled {
+        rss,
+        runc_frozen: percentile(&mut rf, 50.0),
+        crab_frozen: percentile(&mut co, 50.0),
+        crab_wall: percentile(&mut ct, 50.0),
+        crab_restore: percentile(&mut cn, 50.0),
+    };
     for id in ["ck-runc", "ck-crab"] {
         ctd.remove(id);
     }
-    Ok(())
+    Ok(scaled)
+}
+
+/// Frozen time against resident memory, and the rate each runtime's
+/// frozen time grows at (a least-squares line over the sizes).
+fn print_scaling(sizes: &[Scaled]) {
+    println!("\nfrozen time against resident memory (p50, ms)");
+    println!(
+        "{:>10} {:>14} {:>14} {:>14} {:>16}",
+        "RSS MiB", "runc frozen", "crab frozen", "crab wall", "crab restore*"
+    );
+    for s in sizes {
+        println!(
+            "{:>10.0} {:>14} {:>14} {:>14} {:>16}",
+            s.rss,
+            ms(s.runc_frozen),
+            ms(s.crab_frozen),
+            ms(s.crab_wall),
+            ms(s.crab_restore)
+        );
+    }
+    let rate = |of: fn(&Scaled) -> Duration| {
+        let points: Vec<(f64, f64)> = sizes
+            .iter()
+            .map(|s| (s.rss / 1024.0, of(s).as_secs_f64()))
+            .collect();
+        match fit(&points) {
+            // Seconds per GiB → GiB per second.
+            Some((_, b)) if b > 0.0 => format!("{:.2} GiB/s ({:.0} ms per GiB)", 1.0 / b, b * 1e3),
+            _ => "-".to_owned(),
+        }
+    };
+    println!("runc frozen grows at   {}", rate(|s| s.runc_frozen));
+    println!("crab frozen grows at   {}", rate(|s| s.crab_frozen));
+    println!("crab restore grows at  {}", rate(|s| s.crab_restore));
+    println!("(* rollback --no-undo, wall) target: frozen grows at >= 1 GiB/s; 1 GiB frozen <= 1 s");
 }
 
 /// `ctr run -d` on `runtime` of a Python process holding `mb` MB of

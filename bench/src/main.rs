@@ -54,9 +54,10 @@ enum Bench {
     /// process holds `mb` MB, crab through crabd vs `ctr task checkpoint`
     /// with runc.v2.
     Checkpoint {
-        /// Resident memory of the sandbox's process, MB.
-        #[arg(long, default_value_t = 100)]
-        mb: usize,
+        /// Resident memory of the sandbox's process, MB; several
+        /// (comma-separated) also print how frozen time grows with it.
+        #[arg(long, value_delimiter = ',', default_value = "100")]
+        mb: Vec<usize>,
         /// Checkpoints (and restores) per runtime.
         #[arg(long, default_value_t = 10)]
         runs: usize,
@@ -159,7 +160,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Runtime { runs } => runtime::run(runs),
         Bench::Fs { mb, files, turns } => fs::run(mb, files, turns),
-        Bench::Checkpoint { mb, runs } => checkpoint::run(mb, runs),
+        Bench::Checkpoint { mb, runs } => checkpoint::run(&mb, runs),
         Bench::Recovery { mb, runs } => recovery::run(mb, runs),
         Bench::Turn { runs } => turn::run(runs),
         Bench::Density {

@@ -26,3 +26,39 @@ pub fn percentile_f64(samples: &mut [f64], p: f64) -> f64 {
 pub fn ms(d: Duration) -> String {
     format!("{:.2}", d.as_secs_f64() * 1000.0)
 }
+
+/// The least-squares line `y = a + b·x` through `points` (finite ones
+/// only): `(a, b)`, or none for fewer than two distinct x.
+pub fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let pts: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .collect();
+    let n = pts.len() as f64;
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if pts.len() < 2 || sxx <= f64::EPSILON {
+        return None;
+    }
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let b = sxy / sxx;
+    Some((my - b * mx, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_through_exact_points_is_found_and_too_few_give_none() {
+        let (a, b) = fit(&[(8.0, 1.02), (16.0, 1.04), (32.0, 1.08)]).unwrap();
+        assert!((a - 1.0).abs() < 1e-9 && (b - 0.0025).abs() < 1e-9, "{a} {b}");
+        assert_eq!(fit(&[(8.0, 1.0)]), None);
+        assert_eq!(fit(&[(8.0, 1.0), (8.0, 2.0)]), None);
+        // A density whose figure is unknown does not spoil the line.
+        let (_, b) = fit(&[(8.0, 1.0), (16.0, f64::NAN), (32.0, 2.0)]).unwrap();
+        assert!((b - 1.0 / 24.0).abs() < 1e-9);
+    }
+}

@@ -14,6 +14,7 @@ use serde_json::json;
 use super::policy::Policy;
 use super::report::{summarize, verdict, PolicyResult, Verdict};
 use super::workload::{Mix, Task};
+use crate::stats::fit;
 
 /// Every policy's run with `sandboxes` at once.
 #[derive(Debug)]
@@ -80,14 +81,14 @@ fn interleave(tasks: &[Task]) -> Vec<&Task> {
 }
 
 /// The policies of the density study among `asked`: fault-free first,
-/// then those that checkpoint (what density can slow down).
+/// then those that checkpoint or trace (what density can slow down).
 pub fn policies(asked: &[Policy]) -> Vec<Policy> {
     let mut out = vec![Policy::FaultFree];
     out.extend(
         asked
             .iter()
             .copied()
-            .filter(|p| p.checkpoints() && *p != Policy::FaultFree),
+            .filter(|p| p.checkpoints() || *p == Policy::Traced),
     );
     out
 }
@@ -122,26 +123,6 @@ fn mean(xs: &[f64]) -> f64 {
         0 => f64::NAN,
         n => xs.iter().sum::<f64>() / n as f64,
     }
-}
-
-/// The least-squares line `y = a + b·x` through `points` (finite ones
-/// only): `(a, b)`, or none for fewer than two distinct x.
-pub fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
-    let pts: Vec<(f64, f64)> = points
-        .iter()
-        .copied()
-        .filter(|(x, y)| x.is_finite() && y.is_finite())
-        .collect();
-    let n = pts.len() as f64;
-    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
-    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
-    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    if pts.len() < 2 || sxx <= f64::EPSILON {
-        return None;
-    }
-    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    let b = sxy / sxx;
-    Some((my - b * mx, b))
 }
 
 /// Each policy's figure `of` over the densities: `(sandboxes, figure)`.
@@ -380,8 +361,10 @@ mod tests {
     }
 
     #[test]
-    fn only_policies_that_checkpoint_are_studied_after_the_fault_free_run() {
+    fn only_policies_that_checkpoint_or_trace_are_studied_after_the_fault_free_run() {
         let asked = [
+            Policy::FaultFree,
+            Policy::Traced,
             Policy::Crab,
             Policy::FullCkpt,
             Policy::ChatOnly,
@@ -390,18 +373,7 @@ mod tests {
         ];
         assert_eq!(
             policies(&asked),
-            [Policy::FaultFree, Policy::Crab, Policy::FullCkpt]
+            [Policy::FaultFree, Policy::Traced, Policy::Crab, Policy::FullCkpt]
         );
-    }
-
-    #[test]
-    fn the_line_through_exact_points_is_found_and_too_few_give_none() {
-        let (a, b) = fit(&[(8.0, 1.02), (16.0, 1.04), (32.0, 1.08)]).unwrap();
-        assert!((a - 1.0).abs() < 1e-9 && (b - 0.0025).abs() < 1e-9, "{a} {b}");
-        assert_eq!(fit(&[(8.0, 1.0)]), None);
-        assert_eq!(fit(&[(8.0, 1.0), (8.0, 2.0)]), None);
-        // A density whose figure is unknown does not spoil the line.
-        let (_, b) = fit(&[(8.0, 1.0), (16.0, f64::NAN), (32.0, 2.0)]).unwrap();
-        assert!((b - 1.0 / 24.0).abs() < 1e-9);
     }
 }

@@ -65,14 +65,14 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Policies, comma-separated (fault-free always runs first; also: crab-broken).
-    #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "crab,full-ckpt,chat-only,chat+fs,restart")]
+    #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "traced,crab,full-ckpt,chat-only,chat+fs,restart")]
     pub policies: Vec<Policy>,
     /// Sandboxes at once.
     #[arg(long, default_value_t = 4)]
     pub parallel: usize,
     /// After the main run, the density study: for each N given
     /// (e.g. `8,16,32`), the tasks copied until N sandboxes run at once,
-    /// under the fault-free run, crab and full-ckpt (those of --policies).
+    /// under the fault-free run, traced, crab and full-ckpt (those of --policies).
     #[arg(long, value_delimiter = ',')]
     pub density: Vec<usize>,
     /// Where the report goes.

@@ -8,6 +8,10 @@ use std::path::Path;
 pub enum Policy {
     /// No checkpoints, no crash: the optimum every other policy is held to.
     FaultFree,
+    /// Fault-free with the inspector following every sandbox (no
+    /// checkpoints, no crash): what its system-call programs alone cost,
+    /// crab's end-to-end figure without the checkpoints and the recovery.
+    Traced,
     /// Crab as shipped: the inspector's class per turn, the host's queue,
     /// the head version restored into the same container on a crash.
     Crab,
@@ -52,8 +56,9 @@ pub enum Fresh {
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 7] = [
+    pub const ALL: [Policy; 8] = [
         Policy::FaultFree,
+        Policy::Traced,
         Policy::Crab,
         Policy::FullCkpt,
         Policy::ChatOnly,
@@ -66,6 +71,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::FaultFree => "fault-free",
+            Policy::Traced => "traced",
             Policy::Crab => "crab",
             Policy::FullCkpt => "full-ckpt",
             Policy::ChatOnly => "chat-only",
@@ -90,7 +96,7 @@ impl Policy {
 
     /// Whether a crash is injected.
     pub fn crashes(self) -> bool {
-        self != Policy::FaultFree
+        !matches!(self, Policy::FaultFree | Policy::Traced)
     }
 
     /// What it does after the crash.
@@ -98,7 +104,7 @@ impl Policy {
         match self {
             Policy::Crab | Policy::FullCkpt => Recovery::Automatic { wrong: false },
             Policy::CrabBroken => Recovery::Automatic { wrong: true },
-            Policy::ChatOnly | Policy::FaultFree => Recovery::Fresh(Fresh::Nothing),
+            Policy::ChatOnly | Policy::FaultFree | Policy::Traced => Recovery::Fresh(Fresh::Nothing),
             Policy::ChatFs => Recovery::Fresh(Fresh::Files),
             Policy::Restart => Recovery::Fresh(Fresh::FromScratch),
         }
@@ -116,6 +122,7 @@ impl Policy {
         toml += match self {
             Policy::Crab | Policy::CrabBroken => "inspector = true\nrecover = \"on-crash\"\n",
             Policy::FullCkpt => "inspector = false\nrecover = \"on-crash\"\n",
+            Policy::Traced => "inspector = true\nrecover = \"off\"\n",
             _ => "inspector = false\nrecover = \"off\"\n",
         };
         toml
@@ -149,5 +156,9 @@ mod tests {
         }
         assert!(Policy::FullCkpt.config(9, dir).contains("inspector = false"));
         assert!(!Policy::FaultFree.crashes());
+        // Traced: the inspector attached, and nothing else of crab's.
+        let traced = Policy::Traced.config(9, dir);
+        assert!(traced.contains("inspector = true"), "{traced}");
+        assert!(!Policy::Traced.crashes() && !Policy::Traced.checkpoints());
     }
 }

@@ -321,6 +321,19 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
         );
     }
     let _ = writeln!(md, "\n{}", by_mix(results));
+    let e2e_of = |policy| {
+        results
+            .iter()
+            .find(|p| p.policy == policy)
+            .map(|p| summarize(p, reference).e2e)
+    };
+    if let (Some(traced), Some(crab)) = (e2e_of(Policy::Traced), e2e_of(Policy::Crab)) {
+        let _ = writeln!(
+            md,
+            "Crab's end to end, taken apart: {crab:.3}x = {traced:.3}x for the inspector's system-call programs alone              (`traced`: attached, no checkpoint, no crash) × {:.3}x for its checkpoints, turn ends and recovery.\n",
+            crab / traced
+        );
+    }
     let _ = writeln!(
         md,
         "The published system (same metrics, its testbed): recovery correct 100% (chat-only 8–13%, chat+files 28–100%), \
