@@ -50,7 +50,7 @@ fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> 
     for (rt, id) in [(RUNC, "ck-runc"), (CRAB, "ck-crab")] {
         start_holding(ctd, rt, id, mb)?;
     }
-    let rss = rss_mib(ctd.task_pid("ck-crab").context("crab pid")?);
+    let rss = sandbox_rss_mib(ctd, "ck-crab");
     wait_until(30, || crabctl(ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
 
     // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore,
@@ -86,7 +86,7 @@ fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> 
     }
 
     println!(
-        "checkpoint benchmark: a process holding {mb} MB (crab's RSS {rss:.0} MiB), {runs} runs each, interleaved"
+        "checkpoint benchmark: a process holding {mb} MB (crab's sandbox: RSS {rss:.0} MiB), {runs} runs each, interleaved"
     );
     println!(
         "{:<40} {:>12} {:>12} {:>10}",
@@ -274,6 +274,18 @@ fn freezer_state(ctd: &Containerd, id: &str) -> PathBuf {
         .join(&ctd.namespace)
         .join(id)
         .join("freezer.state")
+}
+
+/// The resident memory of every process of `ctr run` container `id` (its
+/// init is crab-init, the memory its child's), MiB.
+fn sandbox_rss_mib(ctd: &Containerd, id: &str) -> f64 {
+    let procs = freezer_state(ctd, id).with_file_name("cgroup.procs");
+    std::fs::read_to_string(procs)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .map(rss_mib)
+        .sum()
 }
 
 fn rss_mib(pid: i32) -> f64 {
