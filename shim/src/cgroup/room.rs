@@ -102,10 +102,11 @@ mod tests {
 
     /// A `sleep` born in a new v1 memory cgroup (so its pages are charged
     /// there), and how much it is charged.
+    #[allow(clippy::zombie_processes, reason = "the caller kills and waits for it")]
     fn sleeper(name: &str) -> (std::process::Child, PathBuf, u64) {
         let dir = Path::new("/sys/fs/cgroup/memory").join(format!("crab-room-{name}-{}", std::process::id()));
         std::fs::create_dir(&dir).expect("make a memory cgroup (needs root)");
-        let child = std::process::Command::new("sh")
+        let mut child = std::process::Command::new("sh")
             .arg("-c")
             .arg(format!(
                 "echo $$ > {}/cgroup.procs && exec sleep 100",
@@ -123,7 +124,11 @@ mod tests {
             if joined && exec && used > 0 {
                 return (child, dir, used);
             }
-            assert!(std::time::Instant::now() < deadline, "the sleeper never settled");
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the sleeper never settled");
+            }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
