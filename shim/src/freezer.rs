@@ -493,11 +493,14 @@ mod tests {
         std::fs::remove_dir(&below).unwrap();
         assert!(counts(&c), "refused, it runs on where it was");
 
-        // Left aside by a shim that died: the next take (or a delete)
-        // kills it first.
+        // Left aside by a shim that died (its sandbox frozen too): a take
+        // refuses, a delete kills it.
         c.cgroup.freeze().expect("freeze");
         let left = Aside::take(&c.cgroup).expect("take aside");
         std::mem::forget(left);
+        c.cgroup.freeze().expect("freeze");
+        let refused = Aside::take(&c.cgroup).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::Unsupported, "{refused}");
         let pid = c.child.id() as i32;
         // libcontainer records the cgroups path it made, here the counter's.
         let recorded = Path::new("/").join(c.cgroup.dir().strip_prefix(root).unwrap());

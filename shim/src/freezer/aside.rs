@@ -47,15 +47,14 @@ impl Cgroup {
 
 impl Aside {
     /// Moves every process of `parent`, which the caller froze, into a
-    /// frozen child cgroup, then thaws `parent`, empty now. What a crashed
-    /// shim left aside there before is killed first.
+    /// frozen child cgroup, then thaws `parent`, empty now.
     ///
     /// # Errors
     /// `Unsupported` when a cgroup below `parent` holds processes (they
-    /// would not go back where they were); I/O errors of cgroupfs. Either
-    /// way `parent` is as it was: its processes in it, frozen.
+    /// would not go back where they were, and what an earlier kill left
+    /// aside is among them); I/O errors of cgroupfs. Either way `parent`
+    /// is as it was: its processes in it, frozen.
     pub fn take(parent: &Cgroup) -> io::Result<Aside> {
-        release(parent)?;
         for entry in std::fs::read_dir(parent.dir())? {
             let entry = entry?;
             if entry.file_type()?.is_dir() && !super::procs_below(&entry.path())?.is_empty() {
@@ -152,7 +151,9 @@ impl Aside {
 }
 
 /// Kills what a crashed shim left aside below `parent` and removes the
-/// child cgroup; nothing there is no error.
+/// child cgroup; nothing there is no error. `parent` is thawed too (a
+/// shim killed during its freeze left it frozen, and the child with it):
+/// this is for a sandbox being deleted.
 pub fn release(parent: &Cgroup) -> io::Result<()> {
     let held = parent.child(ASIDE);
     match held.dir().try_exists() {
@@ -162,6 +163,10 @@ pub fn release(parent: &Cgroup) -> io::Result<()> {
                 "{}: killing processes a crashed shim left aside",
                 held.dir().display()
             );
+            for pid in super::procs_below(held.dir())? {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+            }
+            parent.thaw()?;
             kill_held(&held)
         }
         Err(e) => Err(e),
