@@ -10,6 +10,15 @@
 //! itself, and room under its memory and pids limits for both trees at
 //! once. Elsewhere the undo is a checkpoint of the sandbox (a dump), as
 //! before.
+//!
+//! Nor may the restore roll the files back: that rewrites the writable
+//! layer in place under the overlay the old tree still has mounted (or
+//! swaps a btrfs subvolume from under it), and a file it deletes and the
+//! undo makes again is a new inode, which the old tree's open files and
+//! cached names would not see. Processes kept aside are put back
+//! faithfully only if their files never changed; so a restore with files
+//! makes the dump, until the files of a rollback go to a writable layer
+//! of their own while the old one waits aside with its processes.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -77,7 +86,7 @@ impl Container {
                 .expect("a valid snapshot name"),
             store: t.store.clone(),
         });
-        match self.may_keep_aside(images) {
+        match self.may_keep_aside(images, fs.is_some()) {
             Ok(()) => match self.keep_aside(fs.clone(), runtime).await {
                 Ok(kept) => {
                     let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -107,8 +116,11 @@ impl Container {
     }
 
     /// Why the processes of this sandbox cannot wait aside while `images`
-    /// are restored, if they cannot.
-    fn may_keep_aside(&self, images: &Path) -> std::result::Result<(), String> {
+    /// are restored (and its files rolled back, `files`), if they cannot.
+    fn may_keep_aside(&self, images: &Path, files: bool) -> std::result::Result<(), String> {
+        if files {
+            return Err("its files are rolled back in place under the old processes".into());
+        }
         let spec = oci_spec::runtime::Spec::load(self.bundle.join("config.json"))
             .map_err(|e| format!("read config.json: {e}"))?;
         let namespaces = spec
