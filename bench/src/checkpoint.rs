@@ -54,7 +54,7 @@ fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> 
     wait_until(30, || crabctl(ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
 
     // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore,
-    //  restore in the shim, of which the undo, restore with --no-undo]
+    //  restore in the shim, of which the undo checkpoint, restore with --no-undo]
     let mut s: [Vec<Duration>; 9] = Default::default();
     for i in 0..runs {
         let (total, frozen, _) = timed_frozen(&freezer_state(ctd, "ck-runc"), || {
@@ -133,7 +133,7 @@ fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> 
     );
     println!(
         "{:<40} {:>12} {:>12}",
-        "  of which the undo p50",
+        "  of which the undo checkpoint p50",
         "-",
         ms(percentile(&mut cu, 50.0))
     );

@@ -7,7 +7,7 @@
 //! Measured through `crabctl`, wall clock: a files-only checkpoint, a full
 //! one (and crab's own frozen time and time in crabd, which a turn's
 //! checkpoint pays without crabctl's start), and a rollback to the newest version
-//! with and without its undo (processes kept aside, or a checkpoint). The baseline, from the same run
+//! with and without the undo checkpoint. The baseline, from the same run
 //! and on the same snapshotter, is `ctr task checkpoint` of the same
 //! sandbox under runc.v2: checkpointing the whole container each turn. The
 //! published Python implementation's figures on this machine kind are
@@ -67,7 +67,7 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     row("crab full checkpoint", "203", |s| &mut s.full);
     row("  in crabd (crab's own measure)", "-", |s| &mut s.full_crabd);
     row("  of which frozen (crab's own measure)", "-", |s| &mut s.frozen);
-    row("crab rollback (with its undo)", "360", |s| &mut s.rollback);
+    row("crab rollback (with undo checkpoint)", "360", |s| &mut s.rollback);
     row("crab rollback --no-undo", "-", |s| &mut s.rollback_no_undo);
     println!(
         "published: the Python implementation of the research result, on this machine kind\n\

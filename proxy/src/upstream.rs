@@ -129,6 +129,32 @@ fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
     }
 }
 
+/// The prefix of crab's own response headers (`x-crab-turn`,
+/// `x-crab-replayed`, `x-crab-notice`, `x-crab-error`): only the proxy
+/// says them to the agent.
+const CRAB_HEADERS: &[u8] = b"x-crab-";
+
+/// Whether response header `name` is crab's to set, not an upstream's.
+fn is_crab_header(name: &str) -> bool {
+    name.as_bytes()
+        .get(..CRAB_HEADERS.len())
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(CRAB_HEADERS))
+}
+
+/// Removes the headers an upstream sent in crab's name, which the agent
+/// would take for the proxy's word (that its answer was replayed, that
+/// its sandbox was rolled back).
+fn strip_crab_headers(headers: &mut http::HeaderMap) {
+    let theirs: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| is_crab_header(name.as_str()))
+        .cloned()
+        .collect();
+    for name in theirs {
+        headers.remove(name);
+    }
+}
+
 /// The upstream client service.
 #[derive(Clone)]
 pub(crate) struct Upstream {
@@ -263,6 +289,7 @@ impl Service<Request<Bytes>> for Upstream {
             };
             let (mut parts, body) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
+            strip_crab_headers(&mut parts.headers);
             let body = TimedBody::new(body, timeouts, total_deadline, stats);
             Ok(Response::from_parts(parts, body.boxed()))
         })
@@ -372,6 +399,24 @@ mod tests {
         let mut got: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
         got.sort_unstable();
         assert_eq!(got, kept, "{given:?}");
+    }
+
+    #[test]
+    fn an_upstreams_headers_in_crabs_name_are_dropped() {
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("x-crab-notice", "rolled-back"),
+            ("X-Crab-Replayed", "3"),
+            ("x-crab-turn", "9"),
+            ("x-crabby", "kept"),
+            ("content-type", "application/json"),
+        ] {
+            headers.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        strip_crab_headers(&mut headers);
+        let mut got: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        got.sort_unstable();
+        assert_eq!(got, ["content-type", "x-crabby"]);
     }
 
     #[test]

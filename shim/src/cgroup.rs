@@ -15,8 +15,6 @@ use oci_spec::runtime::LinuxResources;
 
 use crate::error::{Error, Result};
 
-pub mod room;
-
 /// The unified cgroup the container gets on a v1-hybrid host, or `None`
 /// when the host is pure v2 (libcontainer handles it) or pure v1.
 pub fn unified_cgroup(cgroups_path: &Path) -> Option<PathBuf> {

@@ -24,7 +24,6 @@ use crate::runtime::{CheckpointOpts, Launch, Personality, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
 mod snapshot;
-mod undo;
 
 /// One container of the shim.
 pub struct Container {
@@ -518,13 +517,7 @@ impl Container {
     /// placed in (learned when it started: one read) and of the cgroups
     /// below it; libcgroups' walk of the mount table when none was learned.
     pub(crate) fn pids(&self) -> Result<Vec<u32>> {
-        self.pids_except(None)
-    }
-
-    /// [`Container::pids`] but those of the cgroup `except` below (the
-    /// processes a rollback keeps aside).
-    pub(crate) fn pids_except(&self, except: Option<&Path>) -> Result<Vec<u32>> {
-        match self.freezer.pids(except) {
+        match self.freezer.pids() {
             Some(Ok(pids)) => Ok(pids.into_iter().map(|p| p as u32).collect()),
             Some(Err(e)) => Err(Error::io("list the sandbox's processes")(e)),
             None => cgroup::pids(&self.cgroups_path, &self.id),

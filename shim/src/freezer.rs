@@ -21,10 +21,6 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-mod aside;
-
-pub use aside::{Aside, ASIDE};
-
 /// How long a freeze may take before it is given up (and thawed back).
 const FREEZE_LIMIT: Duration = Duration::from_secs(5);
 
@@ -59,16 +55,9 @@ impl Freezer {
     }
 
     /// The processes in the learned cgroup and the cgroups below it (what
-    /// the sandbox may have made), or `None` when none was learned; those
-    /// in `except` (a cgroup below it) left out.
-    pub fn pids(&self, except: Option<&Path>) -> Option<std::io::Result<Vec<i32>>> {
-        let mut pids = Vec::new();
-        Some(add_procs_below(self.0.get()?.dir(), except, &mut pids).map(|()| pids))
-    }
-
-    /// The learned cgroup.
-    pub fn cgroup(&self) -> Option<&Cgroup> {
-        self.0.get()
+    /// the sandbox may have made), or `None` when none was learned.
+    pub fn pids(&self) -> Option<std::io::Result<Vec<i32>>> {
+        Some(procs_below(self.0.get()?.dir()))
     }
 
     /// Freezes (`frozen`) or thaws the cgroup of container `id`, whose
@@ -102,14 +91,11 @@ impl Freezer {
 /// a sandbox may remove its own cgroups while it is being killed).
 pub fn procs_below(dir: &Path) -> std::io::Result<Vec<i32>> {
     let mut pids = Vec::new();
-    add_procs_below(dir, None, &mut pids)?;
+    add_procs_below(dir, &mut pids)?;
     Ok(pids)
 }
 
-fn add_procs_below(dir: &Path, except: Option<&Path>, pids: &mut Vec<i32>) -> std::io::Result<()> {
-    if except == Some(dir) {
-        return Ok(());
-    }
+fn add_procs_below(dir: &Path, pids: &mut Vec<i32>) -> std::io::Result<()> {
     let text = match std::fs::read_to_string(dir.join("cgroup.procs")) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -130,29 +116,10 @@ fn add_procs_below(dir: &Path, except: Option<&Path>, pids: &mut Vec<i32>) -> st
         let entry = entry?;
         // cgroupfs holds files and cgroup directories only; never a link.
         if entry.file_type()?.is_dir() {
-            add_procs_below(&entry.path(), except, pids)?;
+            add_procs_below(&entry.path(), pids)?;
         }
     }
     Ok(())
-}
-
-/// Kills what a crashed shim left aside (see [`Aside`]) in the freezer
-/// cgroup of container init `pid`, whose cgroups path libcontainer
-/// recorded as `recorded`; a pid whose cgroup is not that one (another
-/// process's now) is left alone.
-pub fn release_aside(pid: i32, recorded: &Path) -> std::io::Result<()> {
-    let Ok(mut cgroup) = cgroup_of(pid) else {
-        return Ok(());
-    };
-    // The init itself may be the one aside.
-    if cgroup.dir().file_name() == Some(std::ffi::OsStr::new(ASIDE)) {
-        cgroup = cgroup.parent();
-    }
-    let relative = recorded.strip_prefix("/").unwrap_or(recorded);
-    if relative.as_os_str().is_empty() || !cgroup.dir().ends_with(relative) {
-        return Ok(());
-    }
-    aside::release(&cgroup)
 }
 
 /// A freezer error about container `id`.
@@ -225,23 +192,6 @@ fn parse(text: &str, mount: impl Fn(&Cgroup) -> Option<PathBuf>) -> std::io::Res
 }
 
 impl Cgroup {
-    /// The cgroup above it.
-    fn parent(&self) -> Cgroup {
-        let up = |d: &Path| d.parent().unwrap_or(d).to_owned();
-        match self {
-            Self::V1(d) => Self::V1(up(d)),
-            Self::V2(d) => Self::V2(up(d)),
-        }
-    }
-
-    /// Its processes and those below it, but those in `except`.
-    #[cfg(test)]
-    fn pids_except(&self, except: &Path) -> Vec<i32> {
-        let mut pids = Vec::new();
-        add_procs_below(self.dir(), Some(except), &mut pids).expect("cgroup.procs");
-        pids
-    }
-
     /// Its directory.
     pub fn dir(&self) -> &Path {
         match self {
@@ -397,15 +347,15 @@ mod tests {
             c.cgroup
         );
         let freezer = Freezer::default();
-        assert!(freezer.pids(None).is_none(), "nothing learned, nothing listed");
+        assert!(freezer.pids().is_none(), "nothing learned, nothing listed");
         freezer.learn(c.child.id() as i32);
-        let pids = freezer.pids(None).expect("learned").expect("cgroup.procs");
+        let pids = freezer.pids().expect("learned").expect("cgroup.procs");
         assert_eq!(pids, vec![c.child.id() as i32]);
         // One moved into a cgroup below is still the sandbox's.
         let below = c.cgroup.dir().join("below");
         std::fs::create_dir(&below).unwrap();
         std::fs::write(below.join("cgroup.procs"), c.child.id().to_string()).unwrap();
-        let pids = freezer.pids(None).expect("learned").expect("cgroup.procs");
+        let pids = freezer.pids().expect("learned").expect("cgroup.procs");
         std::fs::write(c.cgroup.dir().join("cgroup.procs"), c.child.id().to_string()).unwrap();
         std::fs::remove_dir(&below).unwrap();
         assert_eq!(pids, vec![c.child.id() as i32]);
@@ -416,101 +366,6 @@ mod tests {
     fn v2_freezer_holds_a_cgroup_still() {
         let root = crate::cgroup::unified_mount().expect("a cgroup2 mount (ENVIRONMENT.md)");
         freezes_and_thaws(&Counter::start(&root, Cgroup::V2, "v2"));
-    }
-
-    /// Whether the counter counts within a moment.
-    fn counts(c: &Counter) -> bool {
-        let before = c.count();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-            if c.count() != before {
-                return true;
-            }
-        }
-        false
-    }
-
-    /// Aside, the counter stays still while its own cgroup runs again;
-    /// put back, it counts; aside again and killed, it is gone with the
-    /// cgroup that held it.
-    fn kept_aside_then_put_back_then_killed(c: &Counter) {
-        let pid = c.child.id() as i32;
-        c.cgroup.freeze().expect("freeze");
-        let aside = Aside::take(&c.cgroup).expect("take aside");
-        assert_eq!(aside.pids(), [pid]);
-        assert!(
-            !c.cgroup.is_frozen(),
-            "the sandbox's cgroup is thawed for the restore"
-        );
-        assert!(procs_below(c.cgroup.dir()).unwrap() == [pid], "held below it");
-        assert_eq!(
-            c.cgroup.pids_except(aside.dir()),
-            Vec::<i32>::new(),
-            "nothing else in it"
-        );
-        assert!(!counts(c), "a process aside ran");
-        aside.put_back().expect("put back");
-        assert!(!c.cgroup.dir().join(ASIDE).exists(), "the aside cgroup is gone");
-        assert!(counts(c), "put back, it does not run");
-
-        c.cgroup.freeze().expect("freeze");
-        let aside = Aside::take(&c.cgroup).expect("take aside");
-        let held = aside.dir().to_owned();
-        aside.kill().expect("kill");
-        assert!(!held.exists(), "the aside cgroup is gone");
-        assert!(
-            !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z ")),
-            "killed aside, it still runs"
-        );
-    }
-
-    #[test]
-    fn v1_processes_kept_aside_stay_frozen_and_go_back_or_die() {
-        let root = Path::new("/sys/fs/cgroup/freezer");
-        kept_aside_then_put_back_then_killed(&Counter::start(root, Cgroup::V1, "aside-v1"));
-    }
-
-    #[test]
-    fn v2_processes_kept_aside_stay_frozen_and_go_back_or_die() {
-        let root = crate::cgroup::unified_mount().expect("a cgroup2 mount (ENVIRONMENT.md)");
-        kept_aside_then_put_back_then_killed(&Counter::start(&root, Cgroup::V2, "aside-v2"));
-    }
-
-    #[test]
-    fn a_process_in_a_cgroup_below_is_not_taken_aside_and_a_leftover_is_released() {
-        let root = Path::new("/sys/fs/cgroup/freezer");
-        let c = Counter::start(root, Cgroup::V1, "below");
-        let below = c.cgroup.dir().join("below");
-        std::fs::create_dir(&below).unwrap();
-        std::fs::write(below.join("cgroup.procs"), c.child.id().to_string()).unwrap();
-        c.cgroup.freeze().expect("freeze");
-        let refused = Aside::take(&c.cgroup).unwrap_err();
-        assert_eq!(refused.kind(), std::io::ErrorKind::Unsupported, "{refused}");
-        assert!(!c.cgroup.dir().join(ASIDE).exists());
-        c.cgroup.thaw().unwrap();
-        std::fs::write(c.cgroup.dir().join("cgroup.procs"), c.child.id().to_string()).unwrap();
-        std::fs::remove_dir(&below).unwrap();
-        assert!(counts(&c), "refused, it runs on where it was");
-
-        // Left aside by a shim that died (its sandbox frozen too): a take
-        // refuses, a delete kills it.
-        c.cgroup.freeze().expect("freeze");
-        let left = Aside::take(&c.cgroup).expect("take aside");
-        std::mem::forget(left);
-        c.cgroup.freeze().expect("freeze");
-        let refused = Aside::take(&c.cgroup).unwrap_err();
-        assert_eq!(refused.kind(), std::io::ErrorKind::Unsupported, "{refused}");
-        let pid = c.child.id() as i32;
-        // libcontainer records the cgroups path it made, here the counter's.
-        let recorded = Path::new("/").join(c.cgroup.dir().strip_prefix(root).unwrap());
-        release_aside(pid, Path::new("/somewhere/else")).unwrap();
-        assert!(
-            c.cgroup.dir().join(ASIDE).exists(),
-            "another sandbox's path: left alone"
-        );
-        release_aside(pid, &recorded).unwrap();
-        assert!(!c.cgroup.dir().join(ASIDE).exists(), "released");
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub(crate) mod protocol;
 mod tmpfs;
 
 pub use client::{kill_orphaned_helpers, CheckpointOpts, Launch, RestoreOpts, RuntimeClient};
-pub use criu::{netns_outside, pinned_netns, restores_own_netns, DESCRIPTORS};
+pub use criu::{netns_outside, pinned_netns, DESCRIPTORS};
 pub use protocol::Personality;
 use protocol::{Failure, FailureKind, Launch as LaunchSpec, Op, Reply, Request};
 
@@ -221,16 +221,7 @@ fn run(req: &Request) -> Result<Reply, Failed> {
                 .context("unpin the network namespace")
                 .map_err(failed(FailureKind::Container))?;
             match load(root, id) {
-                Ok(mut c) => {
-                    // What a shim that died mid-rollback kept aside: frozen,
-                    // it would outlive libcontainer's kill.
-                    if let (Some(pid), Ok(config)) = (c.pid(), c.spec()) {
-                        crate::freezer::release_aside(pid.as_raw(), &config.cgroup_path)
-                            .context("kill the processes kept aside")
-                            .map_err(failed(FailureKind::Container))?;
-                    }
-                    c.delete(*force).map_err(|e| container(e.into()))?
-                }
+                Ok(mut c) => c.delete(*force).map_err(|e| container(e.into()))?,
                 // Nothing was created, or a create failed before libcontainer
                 // saved any state: what is left of its directory goes.
                 Err(e) if e.downcast_ref::<NoSuchContainer>().is_some() => {

@@ -11,7 +11,6 @@ use crab_api::shim::{
 use crab_api::FsSnapshot;
 use crab_api::{BackendKind, Location, SnapshotName};
 
-use super::undo::Undo;
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
 use crate::io;
@@ -35,7 +34,7 @@ pub struct Restored {
 }
 
 /// Milliseconds since the Unix epoch.
-pub(super) fn unix_ms() -> u128 {
+fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
@@ -188,13 +187,12 @@ impl Container {
     /// Replaces the container's processes (and files) with a checkpoint's.
     ///
     /// Everything that can be checked is checked before anything changes.
-    /// Then the undo is made (the processes kept aside, frozen, or a
-    /// checkpoint of the sandbox: see `undo`), the current processes are
-    /// killed, the rootfs rolled back and the checkpoint restored with
-    /// CRIU; stdio and the proxy are re-wired. If the restore fails, the
-    /// undo puts the sandbox back, so a failed restore does not cost it;
-    /// [`Restored::failure`] then says why. The caller watches the exit
-    /// of [`Restored::pid`].
+    /// Then the sandbox as it is now is saved aside (an undo checkpoint),
+    /// the current processes are killed, the rootfs rolled back and the
+    /// checkpoint restored with CRIU; stdio and the proxy are re-wired. If
+    /// the restore fails, the undo checkpoint is restored instead, so a
+    /// failed restore does not cost the sandbox; [`Restored::failure`] then
+    /// says why. The caller watches the exit of [`Restored::pid`].
     pub async fn engine_restore(&mut self, req: &ShimRestore, runtime: &RuntimeClient) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
@@ -211,59 +209,45 @@ impl Container {
             self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
         }
 
-        let (undo, undo_ms) = self
-            .make_undo(req.undo, &req.images_dir, req.fs.as_ref(), runtime)
-            .await?;
-        let replaced = self
+        let undo_dir = self.bundle.join(".crab-undo");
+        let _ = std::fs::remove_dir_all(&undo_dir);
+        let undo_fs = req.fs.as_ref().filter(|_| req.undo).map(|t| FsTarget {
+            name: SnapshotName::new(&format!("undo-{}", unix_ms())).expect("a valid snapshot name"),
+            store: t.store.clone(),
+        });
+        let mut undo_ms = 0.0;
+        if req.undo {
+            let undo_started = Instant::now();
+            let undo = ShimCheckpoint {
+                images_dir: Some(undo_dir.clone()),
+                fs: undo_fs.clone(),
+            };
+            self.engine_checkpoint(&undo, runtime).await?;
+            undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
+        }
+        let (pid, rx, failure) = match self
             .replace_processes(
                 &req.images_dir,
                 req.fs.as_ref(),
                 (req.conversation, req.notice.as_deref()),
                 runtime,
-                undo.aside_dir(),
             )
-            .await;
-        let (pid, rx, failure) = match (replaced, undo) {
-            (Ok((pid, rx)), undo) => {
-                match undo {
-                    Undo::Nothing => {}
-                    Undo::Aside(kept) => self.drop_kept(*kept, runtime).await,
-                    Undo::Dump { images, fs } => {
-                        let _ = std::fs::remove_dir_all(&images);
-                        if let Some(target) = &fs {
-                            self.forget_undo_files(target, runtime).await;
-                        }
-                    }
-                }
-                (pid, rx, None)
-            }
-            (Err(failed), Undo::Nothing) => {
+            .await
+        {
+            Ok((pid, rx)) => (pid, rx, None),
+            Err(failed) if !req.undo => {
                 return Err(Error::RestoreLost {
                     id: self.id.clone(),
                     restore: crab_api::error_chain(&failed),
                     undo: "no undo checkpoint was asked for".to_owned(),
                 })
             }
-            (Err(failed), undo) => {
+            Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                let back = match undo {
-                    Undo::Aside(kept) => self
-                        .put_back(*kept, runtime)
-                        .await
-                        .map(|pid| (pid, runtime.exits().watch(pid))),
-                    Undo::Dump { images, fs } => {
-                        let back = self
-                            .replace_processes(&images, fs.as_ref(), (None, None), runtime, None)
-                            .await;
-                        let _ = std::fs::remove_dir_all(&images);
-                        if let Some(target) = &fs {
-                            self.forget_undo_files(target, runtime).await;
-                        }
-                        back
-                    }
-                    Undo::Nothing => unreachable!("matched above"),
-                };
-                match back {
+                match self
+                    .replace_processes(&undo_dir, undo_fs.as_ref(), (None, None), runtime)
+                    .await
+                {
                     Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
@@ -275,6 +259,12 @@ impl Container {
                 }
             }
         };
+        let _ = std::fs::remove_dir_all(&undo_dir);
+        if let Some(undo) = &undo_fs {
+            if let Err(e) = self.rootfs.destroy(undo, &self.fs_ctx(runtime)).await {
+                tracing::warn!(error = %crab_api::error_chain(&e), "{}: remove the undo snapshot", self.id);
+            }
+        }
         let restore_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
         Ok(Restored {
@@ -297,7 +287,6 @@ impl Container {
         fs: Option<&FsTarget>,
         (conversation, notice): (Option<ConversationAt>, Option<&str>),
         runtime: &RuntimeClient,
-        aside: Option<&Path>,
     ) -> Result<(i32, ExitReceiver)> {
         // Docker's pin of its namespace: found now while the init lives,
         // else when it last did (a dead init's pid may be another's).
@@ -336,7 +325,7 @@ impl Container {
             reason,
         })?;
         let t_kill = Instant::now();
-        self.kill_every_process(aside).await?;
+        self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
         }
@@ -418,13 +407,13 @@ impl Container {
         Ok((pid, rx))
     }
 
-    /// SIGKILLs every process of the container (but those kept `aside`)
-    /// and waits until its cgroup is empty.
-    pub(super) async fn kill_every_process(&self, aside: Option<&Path>) -> Result<()> {
+    /// SIGKILLs every process of the container and waits until its cgroup
+    /// is empty.
+    async fn kill_every_process(&self) -> Result<()> {
         let deadline = Instant::now() + KILL_LIMIT;
         let mut pause = Duration::from_micros(500);
         loop {
-            let pids = self.pids_except(aside)?;
+            let pids = self.pids()?;
             if pids.is_empty() {
                 return Ok(());
             }

@@ -356,16 +356,6 @@ const NETNS_FILE: &str = "netns";
 /// An empty file in the images: the namespace outside was crab's pin.
 const NETNS_OWN: &str = "netns.own";
 
-/// Whether a restore of `images` goes into a network namespace of its
-/// own (CRIU makes it again, or crab pins a fresh one) rather than back
-/// into one kept outside them (docker's): none of the sockets of the
-/// processes it replaces is then in its way. A tree in the host's
-/// network namespace (no namespace in its spec) is the caller's to rule
-/// out.
-pub fn restores_own_netns(images: &Path) -> bool {
-    !images.join(NETNS_FILE).exists() || images.join(NETNS_OWN).exists()
-}
-
 /// The network namespace a dump of init `pid` (of a container of `spec`,
 /// whose namespace crab pins at `own_netns`) keeps outside its image, and
 /// whether it is crab's own; `None` when CRIU dumps the namespace itself
