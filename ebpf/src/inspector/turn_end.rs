@@ -344,10 +344,10 @@ impl Inspector {
     /// the files in them do not count. Running seen before the capture,
     /// file changes and processes started, exited or execed still count.
     ///
-    /// It first waits (at most [`SETTLE`]) until every task blocked in the
-    /// kernel has made its system call again since the capture began, so
-    /// that the thaw's restarts are in. A task that runs and then blocks
-    /// within that window is forgiven too: the one change it can hide.
+    /// It first waits (at most [`SETTLE`]) until every task the capture
+    /// woke from a system call has made it again, so that the thaw's
+    /// restarts are in. A task that runs and then blocks within that
+    /// window is forgiven too: the one change it can hide.
     ///
     /// # Errors
     /// [`Error::UnknownSandbox`], or a map failure.
@@ -399,9 +399,17 @@ impl Inspector {
         Ok(())
     }
 
-    /// Waits (at most [`SETTLE`]) until every thread of cgroup `cg` that
-    /// sleeps in the kernel has entered a system call in the open
-    /// generation (a thawed task restarts the one it was in).
+    /// Waits (at most [`SETTLE`]) until no thread of cgroup `cg` that the
+    /// capture woke from a system call still owes its restart.
+    ///
+    /// Such a thread slept in the kernel when the capture began, has not
+    /// entered a system call in the open generation, and is runnable: a
+    /// freeze interrupts most sleeps (the call restarts after the thaw),
+    /// and CRIU's seizure interrupts every one. Since Linux 6.1 the
+    /// freezer leaves a freezable sleep (`nanosleep`, a futex wait) as it
+    /// is, and such a thread sleeps on after the thaw without a call to
+    /// restart: waiting for it would only wait out the deadline. A thread
+    /// that was running in user space counts when it next calls.
     fn settle(&self, cg: u64) {
         let deadline = Instant::now() + SETTLE;
         loop {
@@ -411,19 +419,17 @@ impl Inspector {
                     return;
                 };
                 let gen = sb.gen;
+                let ran_before = sb.before_capture.as_ref();
                 procs::members(&sb.cgroup_dir, "cgroup.threads")
                     .into_iter()
                     .any(|tid| {
-                        // Only a followed task asleep in the kernel owes a
-                        // restarted call: one running in user space counts
-                        // when it next calls; a zombie or a stopped one
-                        // never calls.
                         let behind = state
                             .maps
                             .tasks
                             .get(&tid, 0)
                             .is_ok_and(|t| t.born_gen < gen && t.active_gen < gen);
-                        behind && matches!(procs::task_state(tid), Some(('S' | 'D', _)))
+                        let ran = ran_before.is_some_and(|r| r.contains(&tid));
+                        behind && owes_restart(ran, procs::task_state(tid).map(|s| s.0))
                     })
             };
             if !pending || Instant::now() > deadline {
@@ -431,5 +437,36 @@ impl Inspector {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+}
+
+/// Whether a thread with no system call in the open generation still owes
+/// the restart of the call a capture woke it from: it was asleep in the
+/// kernel when the capture began (it had not `ran`) and is runnable now
+/// (`state`, as `/proc/<tid>/stat` says). One asleep again was left in
+/// its sleep (or never woken); a zombie or a stopped one never calls.
+fn owes_restart(ran: bool, state: Option<char>) -> bool {
+    !ran && state == Some('R')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owes_restart;
+
+    #[test]
+    fn only_a_woken_sleeper_owes_a_restarted_call() {
+        assert!(owes_restart(false, Some('R')), "woken by the freeze or CRIU");
+        assert!(
+            !owes_restart(false, Some('S')),
+            "a freezable sleep, left as it was"
+        );
+        assert!(!owes_restart(false, Some('D')));
+        assert!(!owes_restart(false, Some('Z')));
+        assert!(!owes_restart(false, Some('T')));
+        assert!(!owes_restart(false, None), "gone");
+        assert!(
+            !owes_restart(true, Some('R')),
+            "it ran in user space: its next call counts"
+        );
     }
 }
