@@ -1,7 +1,8 @@
 //! The density study of `crab-bench eval --density 8,16,32`: the run's
 //! tasks copied until there are N, all N sandboxes at once on one host,
-//! under the fault-free run and each policy that checkpoints (crab,
-//! full-ckpt), one seeded crash per copy as in the main run. A policy's
+//! under the fault-free run, `traced` (the inspector attached, nothing
+//! else) and each policy that checkpoints (crab, full-ckpt), one seeded
+//! crash per copy as in the main run for those. A policy's
 //! end-to-end figure at N is against the fault-free run at the same N, so
 //! it shows what checkpointing adds on a loaded host, not the load itself;
 //! the fault-free task time says what the load is. The scaling law is a

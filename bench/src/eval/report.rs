@@ -330,7 +330,9 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
     if let (Some(traced), Some(crab)) = (e2e_of(Policy::Traced), e2e_of(Policy::Crab)) {
         let _ = writeln!(
             md,
-            "Crab's end to end, taken apart: {crab:.3}x = {traced:.3}x for the inspector's system-call programs alone (`traced`: attached, no checkpoint, no crash) × {:.3}x for its checkpoints, turn ends and recovery.\n",
+            "Crab's end to end, taken apart (separate runs, so roughly): {crab:.3}x ≈ {traced:.3}x for the inspector's \
+             system-call programs alone (`traced`: attached, no checkpoint, no turn end, no crash) × {:.3}x for its \
+             checkpoints, turn ends and recovery.\n",
             crab / traced
         );
     }
