@@ -93,6 +93,15 @@ struct crab_task {
 	__s64 nr;		/* the tracked call in flight, or -1 */
 	__u64 args[6];
 	__u64 compat_gen;	/* last generation it made a 32-bit call in */
+	/* Where the task resumes a call without running code of its own: a
+	 * call interrupted by a freeze, a tracer's stop or a signal (it
+	 * returned -ERESTART*), or a sigreturn onto a system-call instruction
+	 * (a restored task). Its next call, when made from resume_ip (the
+	 * user ip at the call's entry) and resume_sp with resume_nr (or
+	 * restart_syscall), is that resumption, not running. 0 = none. */
+	__u64 resume_ip;
+	__u64 resume_sp;
+	__s64 resume_nr;
 };
 
 /* Key of the per-inode dedupe map. */
@@ -139,7 +148,7 @@ struct crab_event {
 /* The loader's Rust mirrors assert the same sizes. */
 _Static_assert(sizeof(struct crab_ctl) == 16, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
-_Static_assert(sizeof(struct crab_task) == 96, "crab_task");
+_Static_assert(sizeof(struct crab_task) == 120, "crab_task");
 _Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

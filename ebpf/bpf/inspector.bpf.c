@@ -46,6 +46,10 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define FS_IOC_ENABLE_VERITY 0x40806685
 #define FMODE_WRITE 0x2
 #define AF_UNIX 1
+#define ERESTARTSYS 512		/* .. ERESTART_RESTARTBLOCK: the kernel's own */
+#define ERESTART_RESTARTBLOCK 516
+#define SIG_IGN 1
+#define SYSCALL_INSN_LEN 2	/* x86_64 `syscall` */
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
@@ -119,6 +123,8 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define NR_io_uring_setup 425
 #define NR_io_uring_enter 426
 #define NR_io_uring_register 427
+#define NR_rt_sigreturn 15
+#define NR_restart_syscall 219
 #define NR_openat2 437
 #define NR_fchmodat2 452
 #define NR_file_setattr 469
@@ -238,6 +244,16 @@ struct cgroup_attach_args {
 	int dst_level;
 	__u64 dst_id;
 	int pid;
+};
+
+/* The record of tracepoint signal/signal_deliver. */
+struct signal_deliver_args {
+	__u64 common;
+	int sig;
+	int errno_;
+	int code;
+	unsigned long sa_handler;
+	unsigned long sa_flags;
 };
 
 /* The sandbox the current task is in, or NULL. */
@@ -671,6 +687,52 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 
 /* Raw tracepoints: no perf record is built for the call, which makes the
  * host-wide cost of a filtered-out syscall one helper call and one lookup. */
+/* Whether the current call is the task's own: not one a tracer outside
+ * the sandbox (CRIU dumping it) injected while the task was stopped. A
+ * tracer in the sandbox is the sandbox's own running. */
+static __always_inline int own_call(struct task_struct *task, __u64 cg)
+{
+	if (!task->ptrace)
+		return 1;
+	return BPF_CORE_READ(task, parent, cgroups, dfl_cgrp, kn, id) == cg;
+}
+
+/* Whether the current call resumes one the task was interrupted in (or a
+ * sigreturn left it at) without running code of its own in between: made
+ * from the very ip and stack that the mark recorded, with its number. The
+ * mark goes with the task's first own call, whatever it is. */
+static __always_inline int resumes(struct crab_task *t, struct pt_regs *regs, long nr)
+{
+	if (!t->resume_ip)
+		return 0;
+	int same = BPF_CORE_READ(regs, ip) == t->resume_ip &&
+		   BPF_CORE_READ(regs, sp) == t->resume_sp &&
+		   (nr == t->resume_nr || nr == NR_restart_syscall);
+	t->resume_ip = 0;
+	return same;
+}
+
+/* Marks where the current task resumes a call without running code of its
+ * own (see struct crab_task): at ip, on stack sp, with call nr. A call a
+ * tracer outside the sandbox made it make (CRIU's parasite, interrupted
+ * in turn) does not replace the mark of the task's own call. */
+static __noinline void mark_resume(__u64 ip, __u64 sp, long nr)
+{
+	__u64 cg;
+	if (!current_sandbox(&cg))
+		return;
+	/* A task asleep since before its sandbox was registered has no entry
+	 * yet. */
+	struct crab_task *t = task_entry(cg, bpf_get_current_pid_tgid());
+	if (!t)
+		return;
+	if (t->resume_ip && !own_call(bpf_get_current_task_btf(), cg))
+		return;
+	t->resume_ip = ip;
+	t->resume_sp = sp;
+	t->resume_nr = nr;
+}
+
 SEC("raw_tracepoint/sys_enter")
 int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 {
@@ -687,7 +749,14 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	struct crab_task *t = task_entry(cg, pt);
 	if (!t)
 		return 0;
-	if (t->active_gen != gen) {
+	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
+	__u64 *raw = (__u64 *)ctx;
+	long nr = raw[1];
+	struct pt_regs *regs = (struct pt_regs *)raw[0];
+	/* The task is read with a direct (BTF) load: this runs for every call
+	 * in a sandbox. */
+	struct task_struct *task = bpf_get_current_task_btf();
+	if (own_call(task, cg) && !resumes(t, regs, nr) && t->active_gen != gen) {
 		t->active_gen = gen;
 		if (t->born_gen != gen) {
 			/* Noisy tasks are reported too, marked: their running is
@@ -700,17 +769,11 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 			}
 		}
 	}
-	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
-	__u64 *raw = (__u64 *)ctx;
-	long nr = raw[1];
 	if (t->nr >= 0)
 		inflight_done(); /* an exit that never came: keep the count true */
 	t->nr = -1;
 	/* A 32-bit call (int 0x80, or the x32 ABI) numbers its calls another
-	 * way: the inspector follows none of them, once a turn per task. The
-	 * task is read with a direct (BTF) load: this runs for every call in a
-	 * sandbox. */
-	struct task_struct *task = bpf_get_current_task_btf();
+	 * way: the inspector follows none of them, once a turn per task. */
 	if ((nr & X32_SYSCALL_BIT) || (task->thread_info.status & TS_COMPAT)) {
 		if (t->compat_gen != gen) {
 			t->compat_gen = gen;
@@ -718,9 +781,18 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 		}
 		return 0;
 	}
+	if (nr == NR_rt_sigreturn) {
+		/* Followed to its exit: where it resumes the task. */
+		t->cgroup = cg;
+		t->nr = nr;
+		__u32 zero = 0;
+		__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+		if (inflight)
+			__sync_fetch_and_add(inflight, 1);
+		return 0;
+	}
 	if (!tracked_nr(nr))
 		return 0;
-	struct pt_regs *regs = (struct pt_regs *)raw[0];
 	if (nr == NR_ioctl && !clone_ioctl(BPF_CORE_READ(regs, si)))
 		return 0; /* a terminal's or a device's: the common case */
 	unsigned long args[6];
@@ -1052,12 +1124,24 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	/* This runs for every syscall of every task on the host: return at
 	 * once while no followed call is in flight, and tell the others by
 	 * number before any hash lookup. */
+	long ret = (long)((__u64 *)ctx)[1];
+	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
+	/* A call interrupted by a freeze, a tracer's stop or a signal: the
+	 * kernel restarts it from where it was made, unless a handler runs
+	 * first (signal_deliver then clears the mark). Rare: a lookup only
+	 * then, for any task on the host. */
+	if (ret >= -ERESTART_RESTARTBLOCK && ret <= -ERESTARTSYS) {
+		long was = BPF_CORE_READ(regs, orig_ax);
+		if (was != -1) /* not a sigreturn's restored ax */
+			mark_resume(BPF_CORE_READ(regs, ip), BPF_CORE_READ(regs, sp), was);
+	}
 	__u32 zero = 0;
 	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
 	if (!inflight || *inflight == 0)
 		return 0;
-	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
-	if (!tracked_nr(BPF_CORE_READ(regs, orig_ax)))
+	long nr = BPF_CORE_READ(regs, orig_ax);
+	/* A sigreturn sets orig_ax to -1. */
+	if (nr != -1 && !tracked_nr(nr))
 		return 0;
 	/* Only tasks of registered sandboxes have entries. */
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
@@ -1067,7 +1151,18 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	struct crab_task s = *t;
 	t->nr = -1;
 	__sync_fetch_and_add(inflight, -1);
-	long ret = (long)((__u64 *)ctx)[1];
+	if (s.nr == NR_rt_sigreturn) {
+		/* Onto a system-call instruction (a restored task's interrupted
+		 * call, an SA_RESTART handler's): a call from just past it, on
+		 * the same stack, with the number the frame left in ax, is
+		 * that call resumed. Not for a sigreturn a tracer outside the
+		 * sandbox made the task do (CRIU ending its parasite): the
+		 * task's own mark stands. */
+		if (own_call(bpf_get_current_task_btf(), s.cgroup))
+			mark_resume(BPF_CORE_READ(regs, ip) + SYSCALL_INSN_LEN,
+				    BPF_CORE_READ(regs, sp), ret);
+		return 0;
+	}
 	if (ret < 0)
 		return 0;
 	__u64 cg = s.cgroup, gen = s.gen;
@@ -1260,5 +1355,20 @@ int crab_exit(void *ctx)
 	if (left && left->nr >= 0)
 		inflight_done();
 	bpf_map_delete_elem(&crab_tasks, &tid);
+	return 0;
+}
+
+/* A signal is delivered to the current task: when a handler of its own
+ * runs, its code runs before any restart of the interrupted call, so the
+ * resume mark no longer holds. Signals are rare: a lookup for each. */
+SEC("tracepoint/signal/signal_deliver")
+int crab_signal(struct signal_deliver_args *ctx)
+{
+	if (ctx->sa_handler <= SIG_IGN)
+		return 0; /* SIG_DFL or SIG_IGN: no code of the task's */
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
+	if (t)
+		t->resume_ip = 0;
 	return 0;
 }

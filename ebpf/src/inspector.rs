@@ -91,11 +91,6 @@ struct Sandbox {
     /// Generation and turn number of the open turn.
     gen: u64,
     turn: u64,
-    /// The generation the open turn started in: `gen` moves past it when
-    /// a checkpoint's own activity is forgiven.
-    turn_gen: u64,
-    /// The tasks that had run when a checkpoint began (theirs, not its).
-    before_capture: Option<HashSet<u32>>,
     /// Records of the open turn, and of the next one while a turn end
     /// drains past its boundary.
     current: Ledger,
@@ -279,8 +274,6 @@ impl Inspector {
                 cgroup_dir: cgroup_dir.to_owned(),
                 gen: ctl.gen,
                 turn: ctl.turn,
-                turn_gen: ctl.gen,
-                before_capture: None,
                 current: Ledger::default(),
                 next: Ledger::default(),
                 base_seq: stats.seq,

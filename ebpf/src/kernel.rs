@@ -43,6 +43,9 @@ pub(crate) struct Task {
     pub nr: i64,
     pub args: [u64; 6],
     pub compat_gen: u64,
+    pub resume_ip: u64,
+    pub resume_sp: u64,
+    pub resume_nr: i64,
 }
 
 /// `struct crab_event`: one ring-buffer record.
@@ -73,7 +76,7 @@ pub(crate) struct Event {
 
 const _: () = assert!(size_of::<Ctl>() == 16);
 const _: () = assert!(size_of::<Stats>() == 32);
-const _: () = assert!(size_of::<Task>() == 96);
+const _: () = assert!(size_of::<Task>() == 120);
 const _: () = assert!(size_of::<Event>() == 632);
 const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
 const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);

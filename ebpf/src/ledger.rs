@@ -267,30 +267,10 @@ impl Ledger {
         }
     }
 
-    /// The tasks whose running is recorded (long-lived ones that ran,
-    /// noisy ones included).
-    pub(crate) fn ran(&self) -> HashSet<u32> {
-        self.procs
-            .iter()
-            .filter_map(|r| match r {
-                Reason::Ran { pid, .. } => Some(*pid),
-                _ => None,
-            })
-            .chain(self.noisy_ran.iter().copied())
-            .collect()
-    }
-
-    /// Forgets what a checkpoint made the sandbox's tasks do: which
-    /// long-lived tasks ran, but those in `keep` (they ran before it), and
-    /// every change to the files in `own` (the checkpoint's own
+    /// Forgets every change to the files in `own` (a checkpoint's own
     /// directories and files, as (user-space dev, ino): CRIU's helpers
     /// that run in the sandbox write its log there).
-    pub(crate) fn forget_checkpoint(&mut self, own: &HashSet<(u64, u64)>, keep: &HashSet<u32>) {
-        self.procs
-            .retain(|r| !matches!(r, Reason::Ran { pid, .. } if !keep.contains(pid)));
-        self.proc_seen
-            .retain(|(pid, k)| *k != kind::ACTIVE || keep.contains(pid));
-        self.noisy_ran.retain(|pid| keep.contains(pid));
+    pub(crate) fn forget_files(&mut self, own: &HashSet<(u64, u64)>) {
         let outside = |k: &PathKey| !own.contains(&(k.dev, k.ino));
         self.paths.retain(|k, _| outside(k));
         self.aliases.retain(|k, _| outside(k));

@@ -37,11 +37,12 @@ const SYSCALL_PROGRAMS: [(&str, &str); 2] = [("crab_sys_enter", "sys_enter"), ("
 
 /// (program, tracepoint category, tracepoint name) of the programs
 /// attached for as long as they are pinned.
-const PROGRAMS: [(&str, &str, &str); 4] = [
+const PROGRAMS: [(&str, &str, &str); 5] = [
     ("crab_fork", "sched", "sched_process_fork"),
     ("crab_exec", "sched", "sched_process_exec"),
     ("crab_exit", "sched", "sched_process_exit"),
     ("crab_attach", "cgroup", "cgroup_attach_task"),
+    ("crab_signal", "signal", "signal_deliver"),
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;

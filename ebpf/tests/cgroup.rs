@@ -369,3 +369,93 @@ fn processes_in_a_child_cgroup_make_turns_full() {
     crab_tests::wait_until(10, || std::fs::remove_dir(&child).ok());
     insp.unregister("child").expect("unregister");
 }
+
+/// Whether the task sleeps in read(2): `/proc/PID/syscall` names the
+/// call (it names it still when the call was interrupted and the task
+/// frozen on its way out) and the task waits in the pipe, not frozen.
+fn asleep_in_read(pid: u32) -> bool {
+    let call = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+    call.split_whitespace().next() == Some("0") && !frozen(pid)
+}
+
+/// Whether the task waits in the freezer (`/proc/PID/wchan`).
+fn frozen(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).is_ok_and(|w| w == "__refrigerator")
+}
+
+/// What the task has read so far (`rchar` of `/proc/PID/io`).
+fn bytes_read(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("rchar: "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("rchar")
+}
+
+/// A checkpoint's freeze wakes a task asleep in a read: the read it
+/// resumes after the thaw is no running of the task's, but what it does
+/// with data that arrived while it was frozen is, and counts even though
+/// it ran only in the moments after the thaw.
+#[test]
+fn a_freeze_counts_what_a_task_does_after_it_not_its_resumed_call() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::with_freezer();
+    let work = work_dir();
+    let w = &work.0;
+    let fifo = w.join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    // Read-write, so that it never sees the end; each line is counted in
+    // the reader's memory only.
+    let out = cg.run(
+        w,
+        "sh -c 'exec 3<>fifo; n=0; while read -r l <&3; do n=$((n+1)); done' \
+         >/dev/null 2>&1 & echo $!",
+    );
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the reader's pid");
+    let asleep = || asleep_in_read(pid).then_some(());
+    crab_tests::wait_until(10, asleep).expect("the reader blocks in read(2)");
+    insp.register("freeze", &cg.dir).expect("register");
+    assert_eq!(insp.turn_end("freeze").expect("turn").class, Class::None);
+
+    // A freeze with nothing to read: the read is interrupted (the task is
+    // frozen outside it) and resumed after the thaw.
+    cg.set_frozen(true);
+    assert!(frozen(pid), "frozen outside its read");
+    cg.set_frozen(false);
+    crab_tests::wait_until(10, asleep).expect("the read resumes");
+    insp.forget_own_files("freeze", &[]).expect("forget");
+    let r = insp.turn_end("freeze").expect("turn");
+    assert_eq!(r.class, Class::None, "a resumed read is no running: {r:#?}");
+
+    // A line arrives while it is frozen: after the thaw it reads it,
+    // counts it and blocks in its next read, all in a moment.
+    let before = bytes_read(pid);
+    cg.set_frozen(true);
+    assert!(frozen(pid), "frozen outside its read");
+    let mut writer = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&fifo)
+        .expect("open the fifo");
+    std::io::Write::write_all(&mut writer, b"x\n").expect("write a line");
+    cg.set_frozen(false);
+    crab_tests::wait_until(10, || {
+        (bytes_read(pid) >= before + 2 && asleep_in_read(pid)).then_some(())
+    })
+    .expect("the reader reads the line and blocks again");
+    insp.forget_own_files("freeze", &[]).expect("forget");
+    let r = insp.turn_end("freeze").expect("turn");
+    assert_eq!(r.class, Class::Proc, "it ran after the thaw: {r:#?}");
+    assert!(
+        r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Ran { pid: p, .. } if *p == pid)),
+        "{r:#?}"
+    );
+    assert_eq!(insp.turn_end("freeze").expect("turn").class, Class::None);
+
+    insp.unregister("freeze").expect("unregister");
+}

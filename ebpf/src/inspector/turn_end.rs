@@ -11,9 +11,6 @@ use crate::ledger::Ignore;
 use crate::report::{Class, Reason, TurnReport};
 use crate::{loader, procs};
 
-/// The longest [`Inspector::forgive_activity`] waits for thawed tasks.
-const SETTLE: Duration = Duration::from_millis(250);
-
 // === impl Inspector ===
 
 impl Inspector {
@@ -38,9 +35,9 @@ impl Inspector {
         let mut unsure: Vec<String> = Vec::new();
 
         // The boundary: bump the generation, then read the sequence number.
-        let (gen, turn_gen, turn) = {
+        let (gen, turn) = {
             let sb = &state.sandboxes[&cg];
-            (sb.gen, sb.turn_gen, sb.turn + 1)
+            (sb.gen, sb.turn + 1)
         };
         state
             .maps
@@ -102,7 +99,7 @@ impl Inspector {
         let noisy = |comm: &str| config.noisy_comms.iter().any(|n| n == comm);
         for &pid in &pids {
             if let Ok(t) = state.maps.tasks.get(&pid, 0) {
-                if t.born_gen >= turn_gen {
+                if t.born_gen >= gen {
                     let comm = procs::task_state(pid).map(|s| s.1).unwrap_or_default();
                     proc_reasons.push(Reason::Started { pid, comm });
                 }
@@ -293,7 +290,6 @@ impl Inspector {
         sb.base_unsure = stats.n_unsure;
         sb.restarted = false;
         sb.gen = gen + 1;
-        sb.turn_gen = gen + 1;
         sb.turn = turn;
         let n_reasons = reasons.len();
         let mut reasons = reasons;
@@ -307,51 +303,21 @@ impl Inspector {
         })
     }
 
-    /// A checkpoint of the sandbox starts: what its tasks ran so far is
-    /// theirs (kept by [`Inspector::forgive_activity`] after it).
+    /// Forgets the changes a checkpoint's helpers made to the directories
+    /// `own` (its output, e.g. CRIU's images and log) and the files in
+    /// them: they are not the sandbox's.
+    ///
+    /// What the checkpoint made the sandbox's tasks do needs no
+    /// forgiving: the kernel side never counts a call that a tracer
+    /// outside the sandbox (CRIU's parasite) injected, nor a call that
+    /// only resumes one a freeze, CRIU's seizure or a restore interrupted
+    /// (made from where it was interrupted, with no code of the task's
+    /// own run in between). Everything else a task does, before, during
+    /// or after the capture, counts.
     ///
     /// # Errors
     /// [`Error::UnknownSandbox`].
-    pub fn begin_capture(&self, sandbox: &str) -> Result<()> {
-        let mut guard = self.shared.state.lock();
-        let state = &mut *guard;
-        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
-            sandbox: sandbox.to_owned(),
-        })?;
-        drain(state);
-        let sb = state
-            .sandboxes
-            .get_mut(&cg)
-            .expect("named sandboxes are registered");
-        // Also every thread not asleep in the kernel: what it does until
-        // the freeze is its own work, and its next call counts.
-        let mut keep = sb.current.ran();
-        for tid in procs::members(&sb.cgroup_dir, "cgroup.threads") {
-            if !matches!(procs::task_state(tid), Some(('S' | 'D', _))) {
-                keep.insert(tid);
-            }
-        }
-        sb.before_capture = Some(keep);
-        Ok(())
-    }
-
-    /// Forgives what the sandbox's tasks did only because a checkpoint
-    /// froze, dumped and thawed them since [`Inspector::begin_capture`]
-    /// (CRIU's code runs in each task; a thawed task restarts its system
-    /// call): that running no longer counts, and each task is watched
-    /// afresh, so its next system call counts again; changes to the
-    /// directories `own` (the checkpoint's output, e.g. CRIU's log) and
-    /// the files in them do not count. Running seen before the capture,
-    /// file changes and processes started, exited or execed still count.
-    ///
-    /// It first waits (at most [`SETTLE`]) until every task the capture
-    /// woke from a system call has made it again, so that the thaw's
-    /// restarts are in. A task that runs and then blocks within that
-    /// window is forgiven too: the one change it can hide.
-    ///
-    /// # Errors
-    /// [`Error::UnknownSandbox`], or a map failure.
-    pub fn forgive_activity(&self, sandbox: &str, own: &[std::path::PathBuf]) -> Result<()> {
+    pub fn forget_own_files(&self, sandbox: &str, own: &[std::path::PathBuf]) -> Result<()> {
         use std::os::unix::fs::MetadataExt;
         let mut inodes = HashSet::new();
         for dir in own {
@@ -365,108 +331,15 @@ impl Inspector {
                 }
             }
         }
-        let cg = *self
-            .shared
-            .state
-            .lock()
-            .names
-            .get(sandbox)
-            .ok_or_else(|| Error::UnknownSandbox {
-                sandbox: sandbox.to_owned(),
-            })?;
-        self.settle(cg);
         let mut guard = self.shared.state.lock();
         let state = &mut *guard;
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
         drain(state);
-        let sb = state
-            .sandboxes
-            .get_mut(&cg)
-            .ok_or_else(|| Error::UnknownSandbox {
-                sandbox: sandbox.to_owned(),
-            })?;
-        let keep = sb.before_capture.take().unwrap_or_default();
-        sb.current.forget_checkpoint(&inodes, &keep);
-        let gen = sb.gen + 1;
-        state
-            .maps
-            .ctl
-            .insert(cg, Ctl { gen, turn: sb.turn }, 0)
-            .map_err(|source| Error::Map {
-                name: "crab_ctl",
-                source,
-            })?;
-        sb.gen = gen;
-        Ok(())
-    }
-
-    /// Waits (at most [`SETTLE`]) until no thread of cgroup `cg` that the
-    /// capture woke from a system call still owes its restart.
-    ///
-    /// Such a thread slept in the kernel when the capture began, has not
-    /// entered a system call in the open generation, and is runnable: a
-    /// freeze interrupts most sleeps (the call restarts after the thaw),
-    /// and CRIU's seizure interrupts every one. Since Linux 6.1 the
-    /// freezer leaves a freezable sleep (`nanosleep`, a futex wait) as it
-    /// is, and such a thread sleeps on after the thaw without a call to
-    /// restart: waiting for it would only wait out the deadline. A thread
-    /// that was running in user space counts when it next calls.
-    fn settle(&self, cg: u64) {
-        let deadline = Instant::now() + SETTLE;
-        loop {
-            let pending = {
-                let state = self.shared.state.lock();
-                let Some(sb) = state.sandboxes.get(&cg) else {
-                    return;
-                };
-                let gen = sb.gen;
-                let ran_before = sb.before_capture.as_ref();
-                procs::members(&sb.cgroup_dir, "cgroup.threads")
-                    .into_iter()
-                    .any(|tid| {
-                        let behind = state
-                            .maps
-                            .tasks
-                            .get(&tid, 0)
-                            .is_ok_and(|t| t.born_gen < gen && t.active_gen < gen);
-                        let ran = ran_before.is_some_and(|r| r.contains(&tid));
-                        behind && owes_restart(ran, procs::task_state(tid).map(|s| s.0))
-                    })
-            };
-            if !pending || Instant::now() > deadline {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if let Some(sb) = state.sandboxes.get_mut(&cg) {
+            sb.current.forget_files(&inodes);
         }
-    }
-}
-
-/// Whether a thread with no system call in the open generation still owes
-/// the restart of the call a capture woke it from: it was asleep in the
-/// kernel when the capture began (it had not `ran`) and is runnable now
-/// (`state`, as `/proc/<tid>/stat` says). One asleep again was left in
-/// its sleep (or never woken); a zombie or a stopped one never calls.
-fn owes_restart(ran: bool, state: Option<char>) -> bool {
-    !ran && state == Some('R')
-}
-
-#[cfg(test)]
-mod tests {
-    use super::owes_restart;
-
-    #[test]
-    fn only_a_woken_sleeper_owes_a_restarted_call() {
-        assert!(owes_restart(false, Some('R')), "woken by the freeze or CRIU");
-        assert!(
-            !owes_restart(false, Some('S')),
-            "a freezable sleep, left as it was"
-        );
-        assert!(!owes_restart(false, Some('D')));
-        assert!(!owes_restart(false, Some('Z')));
-        assert!(!owes_restart(false, Some('T')));
-        assert!(!owes_restart(false, None), "gone");
-        assert!(
-            !owes_restart(true, Some('R')),
-            "it ran in user space: its next call counts"
-        );
+        Ok(())
     }
 }

@@ -8,9 +8,12 @@ use std::process::{Child, Command, Stdio};
 
 use crab_inspector::unified_mount;
 
-/// A unified cgroup of its own, removed on drop (after its processes die).
+/// A unified cgroup of its own, removed on drop (after its processes die),
+/// and optionally a v1 freezer cgroup beside it (the shim's freezer on
+/// this host: ENVIRONMENT.md).
 pub struct TestCgroup {
     pub dir: PathBuf,
+    freezer: Option<PathBuf>,
 }
 
 impl TestCgroup {
@@ -19,12 +22,39 @@ impl TestCgroup {
             .expect("cgroup2 mounted")
             .join(crab_tests::unique("crab-insp-"));
         std::fs::create_dir(&dir).expect("create cgroup");
-        TestCgroup { dir }
+        TestCgroup { dir, freezer: None }
+    }
+
+    /// A cgroup whose processes also join a v1 freezer cgroup of their own.
+    pub fn with_freezer() -> TestCgroup {
+        let mut cg = TestCgroup::new();
+        let freezer = Path::new("/sys/fs/cgroup/freezer").join(crab_tests::unique("crab-insp-"));
+        std::fs::create_dir(&freezer).expect("create freezer cgroup (v1 freezer: ENVIRONMENT.md)");
+        cg.freezer = Some(freezer);
+        cg
+    }
+
+    /// Freezes (`true`) or thaws the freezer cgroup, and waits until it is.
+    pub fn set_frozen(&self, frozen: bool) {
+        let freezer = self.freezer.as_ref().expect("a cgroup with a freezer");
+        let want = if frozen { "FROZEN" } else { "THAWED" };
+        std::fs::write(freezer.join("freezer.state"), want).expect("write freezer.state");
+        crab_tests::wait_until(10, || {
+            let now = std::fs::read_to_string(freezer.join("freezer.state")).ok()?;
+            (now.trim() == want).then_some(())
+        })
+        .unwrap_or_else(|| panic!("the freezer cgroup did not become {want}"));
+    }
+
+    fn procs(&self) -> Vec<PathBuf> {
+        std::iter::once(self.dir.join("cgroup.procs"))
+            .chain(self.freezer.iter().map(|f| f.join("cgroup.procs")))
+            .collect()
     }
 
     /// Runs `sh -c script` inside the cgroup, in `cwd`, and waits for it.
     pub fn run(&self, cwd: &Path, script: &str) -> std::process::Output {
-        let procs = self.dir.join("cgroup.procs");
+        let procs = self.procs();
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c").arg(script).current_dir(cwd);
         // SAFETY: the closure only makes system calls (open, write, close,
@@ -37,7 +67,7 @@ impl TestCgroup {
 
     /// Starts a long-lived `sh` reading commands from stdin, in the cgroup.
     pub fn shell(&self, cwd: &Path) -> Shell {
-        let procs = self.dir.join("cgroup.procs");
+        let procs = self.procs();
         let mut cmd = Command::new("/bin/sh");
         cmd.current_dir(cwd)
             .stdin(Stdio::piped())
@@ -53,17 +83,23 @@ impl TestCgroup {
     }
 }
 
-/// Joins the cgroup and a mount namespace of its own, like a sandbox's
+/// Joins the cgroups and a mount namespace of its own, like a sandbox's
 /// process (the inspector ignores file records from the host's mount
 /// namespace: they come from runtime helpers, not from the sandbox).
-fn enter(procs: &Path) -> std::io::Result<()> {
-    std::fs::write(procs, b"0")?;
+fn enter(procs: &[PathBuf]) -> std::io::Result<()> {
+    for p in procs {
+        std::fs::write(p, b"0")?;
+    }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
     Ok(())
 }
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
+        if let Some(freezer) = &self.freezer {
+            // A frozen task dies only when thawed.
+            let _ = std::fs::write(freezer.join("freezer.state"), "THAWED");
+        }
         for pid in std::fs::read_to_string(self.dir.join("cgroup.procs"))
             .unwrap_or_default()
             .lines()
@@ -76,6 +112,9 @@ impl Drop for TestCgroup {
             }
         }
         crab_tests::wait_until(10, || std::fs::remove_dir(&self.dir).ok());
+        if let Some(freezer) = &self.freezer {
+            crab_tests::wait_until(10, || std::fs::remove_dir(freezer).ok());
+        }
     }
 }
 

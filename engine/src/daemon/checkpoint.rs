@@ -142,7 +142,7 @@ impl Daemon {
             // inherits nothing would restore nothing.
             return Err(ApiError::HeadMoved { id: reg.id.clone() });
         }
-        let mut forgive = None;
+        let mut own = None;
         let frozen_ms = if class == Class::None {
             0.0
         } else {
@@ -153,31 +153,28 @@ impl Daemon {
                     store: self.files.store_dir(&reg.id),
                 }),
             };
-            let d = self.clone();
-            let sid = reg.id.clone();
-            tokio::task::spawn_blocking(move || d.inspection.begin_capture(&sid)).await?;
             let done: ShimCheckpointed = self.call_shim(reg, routes::shim::CHECKPOINT, &call).await?;
-            let own: Vec<PathBuf> = pending
-                .images_dir()
-                .map(ToOwned::to_owned)
-                .into_iter()
-                .chain(done.work_dir)
-                .collect();
-            forgive = Some(own);
+            own = Some(
+                pending
+                    .images_dir()
+                    .map(ToOwned::to_owned)
+                    .into_iter()
+                    .chain(done.work_dir)
+                    .collect::<Vec<PathBuf>>(),
+            );
             done.frozen_ms
         };
         // The sandbox runs again: hashing and fsyncs happen after the thaw,
-        // beside the inspector's forgiveness of the capture (soon after the
-        // thaw: what the sandbox does after it counts).
+        // beside the inspector's forgetting of the capture's own files.
         let d = self.clone();
         let sid = reg.id.clone();
-        let forgiven = tokio::task::spawn_blocking(move || {
-            if let Some(own) = forgive {
-                d.inspection.forgive(&sid, &own);
+        let forgotten = tokio::task::spawn_blocking(move || {
+            if let Some(own) = own {
+                d.inspection.forget_own_files(&sid, &own);
             }
         });
         let published = blocking(move || pending.publish()).await;
-        forgiven.await?;
+        forgotten.await?;
         let version = published?;
         let bytes: u64 = version.images.iter().map(|f| f.bytes).sum();
         if let Some(slot) = slot {

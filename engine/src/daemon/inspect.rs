@@ -31,13 +31,10 @@ pub trait TurnInspector: Send + Sync {
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
     fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError>;
-    /// A checkpoint of the sandbox begins: what its tasks ran so far stays
-    /// theirs.
-    fn begin_capture(&self, sandbox: &SandboxId) -> Result<(), InspectorError>;
-    /// Forgets what a checkpoint just made the sandbox's tasks do (it
-    /// froze, dumped and thawed them; its helpers wrote into `own`, its
-    /// output directories); their later running counts again.
-    fn forgive_activity(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError>;
+    /// Forgets the changes a checkpoint's helpers made in `own`, its
+    /// output directories (what it made the sandbox's tasks do never
+    /// counts: see `crab_inspector::Inspector::forget_own_files`).
+    fn forget_own_files(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError>;
 }
 
 /// The inspector (if one is loaded) and the watchers of its reports.
@@ -108,22 +105,13 @@ impl Inspection {
         }
     }
 
-    /// A checkpoint of the sandbox begins (see [`Inspection::forgive`]).
-    pub fn begin_capture(&self, sandbox: &SandboxId) {
+    /// A checkpoint of the sandbox wrote into `own`, its output
+    /// directories: not the sandbox's change (logged when it cannot be
+    /// forgotten: the next turn is then only bigger).
+    pub fn forget_own_files(&self, sandbox: &SandboxId, own: &[PathBuf]) {
         if let Some(i) = &self.inspector {
-            if let Err(e) = i.begin_capture(sandbox) {
-                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector begin capture");
-            }
-        }
-    }
-
-    /// A checkpoint of the sandbox just thawed it: what the checkpoint made
-    /// its tasks do is not the next turn's change (logged when it cannot:
-    /// the next turn is then only bigger).
-    pub fn forgive(&self, sandbox: &SandboxId, own: &[PathBuf]) {
-        if let Some(i) = &self.inspector {
-            if let Err(e) = i.forgive_activity(sandbox, own) {
-                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector forgive");
+            if let Err(e) = i.forget_own_files(sandbox, own) {
+                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector forget own files");
             }
         }
     }
@@ -158,12 +146,8 @@ impl TurnInspector for crab_inspector::Inspector {
         }
     }
 
-    fn begin_capture(&self, sandbox: &SandboxId) -> Result<(), InspectorError> {
-        Ok(crab_inspector::Inspector::begin_capture(self, sandbox.as_str())?)
-    }
-
-    fn forgive_activity(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError> {
-        Ok(crab_inspector::Inspector::forgive_activity(
+    fn forget_own_files(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::forget_own_files(
             self,
             sandbox.as_str(),
             own,

@@ -180,14 +180,9 @@ impl Daemon {
         }
         let d2 = d.clone();
         let sid = reg.id.clone();
-        // The restored state is the next turn's start; the restored tasks
-        // resuming their calls are the restore's doing.
-        tokio::task::spawn_blocking(move || {
-            d2.inspection.reset(&sid);
-            d2.inspection.begin_capture(&sid);
-            d2.inspection.forgive(&sid, &[]);
-        })
-        .await?;
+        // The restored state is the next turn's start (the restored tasks
+        // resuming their calls is no running: the inspector knows them).
+        tokio::task::spawn_blocking(move || d2.inspection.reset(&sid)).await?;
         d.metrics.restore.observe(done.restore_ms / 1e3);
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
