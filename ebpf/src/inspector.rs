@@ -108,6 +108,9 @@ struct Sandbox {
     /// The sandbox's init is crab-init, whose running is no change.
     quiet_init: bool,
     ignore: Option<Ignore>,
+    /// The mount namespace `ignore` and `prints` were learned in (that of
+    /// the sandbox's first process).
+    mount_ns: Option<u64>,
     /// Deleted-file mappings already seen, (dev, ino).
     deleted_maps: HashSet<(u64, u64)>,
     /// Processes known to hold shared writable file mappings → the files.
@@ -284,6 +287,7 @@ impl Inspector {
                 restarted: existing.is_some(),
                 quiet_init: false,
                 ignore: None,
+                mount_ns: members.first().and_then(|&pid| procs::mount_ns(pid)),
                 deleted_maps: HashSet::new(),
                 shared_maps: shared_writable_maps(&members, &Ignore::default()),
                 prints: members

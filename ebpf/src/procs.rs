@@ -65,6 +65,14 @@ fn parse_stat(stat: &str) -> Option<(char, String)> {
     Some((state, comm))
 }
 
+/// The mount namespace of `pid` (the inode of `/proc/<pid>/ns/mnt`).
+pub(crate) fn mount_ns(pid: u32) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/mnt"))
+        .ok()
+        .map(|m| m.ino())
+}
+
 /// Whether `pid` is the init of the sandbox's pid namespace: pid 1 there,
 /// with a parent outside the sandbox (`members`). A pid 1 of a namespace
 /// the sandbox made has its parent inside.

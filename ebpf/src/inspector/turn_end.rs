@@ -126,6 +126,18 @@ impl Inspector {
                 .retain(|r| !matches!(r, Reason::Ran { pid, .. } if procs::is_namespace_init(*pid, &pids)));
         }
 
+        // The sandbox's mounts are learned from its first process. A
+        // restore brings new ones, with new device numbers (an old one's
+        // may even be reused for another kind of mount): learn them again
+        // when that process's mount namespace is another.
+        if let Some(ns) = pids.first().and_then(|&pid| procs::mount_ns(pid)) {
+            if sb.mount_ns != Some(ns) {
+                sb.ignore = None;
+                sb.prints.clear();
+                sb.mount_ns = Some(ns);
+            }
+        }
+
         // Files: the net change, outside the kernel's interfaces.
         if sb.ignore.is_none() {
             if let Some(&pid) = pids.first() {

@@ -423,6 +423,7 @@ impl Daemon {
             .get_or_create(&Metrics::class(report.class))
             .inc();
         tracing::info!(class = %report.class, reasons = report.reasons.len(), "turn classified");
+        tracing::debug!(reasons = ?report.reasons, "turn classified: why");
         Ok(report)
     }
 
