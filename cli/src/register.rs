@@ -12,8 +12,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-use serde_json::{json, Value};
+use indexmap::IndexMap;
+use serde::{Deserialize, Serialize};
 
 /// The runtime type both engines name Crab by.
 const RUNTIME_TYPE: &str = "io.containerd.crab.v2";
@@ -162,6 +162,19 @@ fn resolve(path: &Path) -> Result<PathBuf, RegisterError> {
     }
 }
 
+/// A JSON document whose objects keep their keys' order (serde_json's
+/// `Value` sorts them): `daemon.json` is the administrator's file.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+enum Json {
+    Null,
+    Bool(bool),
+    Number(serde_json::Number),
+    String(String),
+    Array(Vec<Json>),
+    Object(IndexMap<String, Json>),
+}
+
 /// docker's `daemon.json`: `runtimes.crab = {"runtimeType": …}`.
 fn docker(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, RegisterError> {
     let unreadable = |reason: String| RegisterError::Unreadable {
@@ -169,37 +182,42 @@ fn docker(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, Regis
         format: "JSON",
         reason,
     };
-    let mut doc: Value = match text {
+    let doc = match text {
         Some(t) if !t.trim().is_empty() => serde_json::from_str(t).map_err(|e| unreadable(e.to_string()))?,
-        _ => json!({}),
+        _ => Json::Object(IndexMap::new()),
     };
-    let ours = json!({ "runtimeType": RUNTIME_TYPE });
-    if remove && doc.get("default-runtime").and_then(Value::as_str) == Some(NAME) {
+    let Json::Object(mut top) = doc else {
+        return Err(unreadable("the document is not an object".into()));
+    };
+    let ours = Json::Object(IndexMap::from([(
+        "runtimeType".to_owned(),
+        Json::String(RUNTIME_TYPE.to_owned()),
+    )]));
+    if remove && top.get("default-runtime") == Some(&Json::String(NAME.to_owned())) {
         return Err(RegisterError::Unsupported {
             path: path.to_owned(),
             reason: "\"crab\" is docker's default-runtime: dockerd would not start without it; change default-runtime first".into(),
         });
     }
-    let top = doc
-        .as_object_mut()
-        .ok_or_else(|| unreadable("the document is not an object".into()))?;
-    let runtimes = top.entry("runtimes").or_insert_with(|| json!({}));
-    let runtimes = runtimes
-        .as_object_mut()
-        .ok_or_else(|| unreadable("\"runtimes\" is not an object".into()))?;
+    let runtimes = top
+        .entry("runtimes".to_owned())
+        .or_insert_with(|| Json::Object(IndexMap::new()));
+    let Json::Object(runtimes) = runtimes else {
+        return Err(unreadable("\"runtimes\" is not an object".into()));
+    };
     let outcome = match (runtimes.get(NAME), remove) {
         (Some(found), _) if *found != ours => {
             return Err(RegisterError::Conflict {
                 path: path.to_owned(),
-                found: found.to_string(),
+                found: serde_json::to_string(found).expect("a JSON value serializes"),
             })
         }
         (Some(_), false) => return Ok(Change::Keep(Outcome::AlreadyThere)),
         (None, true) => return Ok(Change::Keep(Outcome::NotThere)),
         (Some(_), true) => {
-            runtimes.remove(NAME);
+            runtimes.shift_remove(NAME);
             if runtimes.is_empty() {
-                top.remove("runtimes");
+                top.shift_remove("runtimes");
             }
             Outcome::Removed
         }
@@ -208,7 +226,7 @@ fn docker(path: &Path, text: Option<&str>, remove: bool) -> Result<Change, Regis
             Outcome::Added
         }
     };
-    let mut new = serde_json::to_string_pretty(&doc).expect("a JSON value serializes");
+    let mut new = serde_json::to_string_pretty(&top).expect("a JSON value serializes");
     new.push('\n');
     Ok(Change::Write(outcome, new))
 }
@@ -361,6 +379,7 @@ fn replace(path: &Path, text: &str) -> Result<(), RegisterError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{json, Value};
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
         let p = dir.join(name);
@@ -370,6 +389,30 @@ mod tests {
 
     fn tempdir() -> tempfile::TempDir {
         tempfile::tempdir().unwrap()
+    }
+
+    #[test]
+    fn docker_keeps_the_order_of_the_administrators_keys() {
+        let tmp = tempdir();
+        let p = write(
+            tmp.path(),
+            "daemon.json",
+            r#"{"zeta": 1, "runtimes": {"runsc": {"path": "/usr/bin/runsc"}}, "alpha": {"z": null, "a": [true, 1.5]}}"#,
+        );
+        assert_eq!(register(Engine::Docker, &p, false).unwrap(), Outcome::Added);
+        let text = std::fs::read_to_string(&p).unwrap();
+        let at = |key: &str| text.find(key).unwrap_or_else(|| panic!("{key} in {text}"));
+        assert!(
+            at("zeta") < at("runtimes") && at("runtimes") < at("alpha"),
+            "{text}"
+        );
+        assert!(at("runsc") < at("crab") && at("\"z\"") < at("\"a\""), "{text}");
+        assert_eq!(register(Engine::Docker, &p, true).unwrap(), Outcome::Removed);
+        let back: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        assert_eq!(
+            back,
+            json!({"zeta": 1, "runtimes": {"runsc": {"path": "/usr/bin/runsc"}}, "alpha": {"z": null, "a": [true, 1.5]}})
+        );
     }
 
     #[test]
