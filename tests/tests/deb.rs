@@ -108,18 +108,7 @@ fn deb_installs_registers_with_docker_runs_and_purges_clean() {
     assert!(deb.is_file(), "{} is no file", deb.display());
 
     // Asked to register with docker (and not with containerd).
-    let mut preseed = Command::new("debconf-set-selections")
-        .stdin(Stdio::piped())
-        .spawn()
-        .expect("run debconf-set-selections");
-    use std::io::Write;
-    preseed
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"crab crab/register-docker boolean true\ncrab crab/register-containerd boolean false\n")
-        .unwrap();
-    assert!(preseed.wait().unwrap().success());
+    preseed("crab crab/register-docker boolean true\ncrab crab/register-containerd boolean false\n");
     ok(run(Command::new("dpkg").arg("-i").arg(&deb)));
     assert_eq!(status(), "install ok installed");
 
@@ -156,6 +145,24 @@ fn deb_installs_registers_with_docker_runs_and_purges_clean() {
         containerd_before,
         "containerd's config changed though not asked"
     );
+
+    // Reconfigured to no: the registration the package made goes; to yes
+    // again: it is back.
+    let docker_runtime = || {
+        let now: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(DAEMON_JSON).unwrap_or_else(|_| b"{}".to_vec())).unwrap();
+        now.get("runtimes").and_then(|r| r.get("crab")).cloned()
+    };
+    preseed("crab crab/register-docker boolean false\n");
+    ok(run(
+        Command::new("dpkg-reconfigure").args(["-fnoninteractive", "crab"])
+    ));
+    assert_eq!(docker_runtime(), None, "answered no, still registered");
+    preseed("crab crab/register-docker boolean true\n");
+    ok(run(
+        Command::new("dpkg-reconfigure").args(["-fnoninteractive", "crab"])
+    ));
+    assert_eq!(docker_runtime(), Some(registered["runtimes"]["crab"].clone()));
 
     // Installed again (an upgrade's steps): the administrator's edit of the
     // conffile and docker's registration stay.
@@ -241,6 +248,17 @@ fn deb_installs_registers_with_docker_runs_and_purges_clean() {
     );
     let answers = ok(run(Command::new("debconf-show").arg("crab")));
     assert!(answers.trim().is_empty(), "debconf still has {answers}");
+}
+
+/// Sets debconf answers (`debconf-set-selections` lines).
+fn preseed(lines: &str) {
+    use std::io::Write;
+    let mut set = Command::new("debconf-set-selections")
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("run debconf-set-selections");
+    set.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
+    assert!(set.wait().unwrap().success(), "debconf-set-selections {lines}");
 }
 
 /// The executable of the shim serving container `id`.
