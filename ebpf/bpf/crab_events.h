@@ -37,6 +37,8 @@ enum crab_kind {
 #define CRAB_UNSURE_COMPAT 1	/* op is a 32-bit (int 0x80) or x32 call number */
 #define CRAB_UNSURE_PROC_MEM 2	/* op wrote a /proc/<pid>/mem */
 #define CRAB_UNSURE_CGROUP 3	/* task op was moved to a cgroup no sandbox is */
+#define CRAB_UNSURE_TRACED 4	/* a tracer outside the sandbox stopped the task
+				 * while no checkpoint ran */
 
 /* A record's marks: a name it could not carry whole (longer than
  * CRAB_NAME_LEN - 1 bytes, or unreadable at the call's exit), and for a
@@ -72,6 +74,8 @@ struct crab_ctl {
 	__u64 gen;	/* current turn generation, starts at 1 */
 	__u64 turn;	/* turns ended so far (user space's counter; kept here so
 			 * a restarted owner numbers on) */
+	__u64 capturing; /* non-zero while a checkpoint of the sandbox runs:
+			  * a tracer outside the sandbox is then its CRIU */
 };
 
 /* Per-sandbox counters, written by the kernel only; monotonic. */
@@ -102,6 +106,8 @@ struct crab_task {
 	__u64 resume_ip;
 	__u64 resume_sp;
 	__s64 resume_nr;
+	__u64 traced_gen;	/* last generation a tracer outside the sandbox
+				 * was found stopping it (UNSURE once a turn) */
 };
 
 /* Key of the per-inode dedupe map. */
@@ -146,9 +152,9 @@ struct crab_event {
 };
 
 /* The loader's Rust mirrors assert the same sizes. */
-_Static_assert(sizeof(struct crab_ctl) == 16, "crab_ctl");
+_Static_assert(sizeof(struct crab_ctl) == 24, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
-_Static_assert(sizeof(struct crab_task) == 120, "crab_task");
+_Static_assert(sizeof(struct crab_task) == 128, "crab_task");
 _Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

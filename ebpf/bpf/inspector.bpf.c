@@ -201,6 +201,14 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_inflight SEC(".maps");
 
+static __always_inline void inflight_begin(void)
+{
+	__u32 zero = 0;
+	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
+	if (inflight)
+		__sync_fetch_and_add(inflight, 1);
+}
+
 static __always_inline void inflight_done(void)
 {
 	__u32 zero = 0;
@@ -244,16 +252,6 @@ struct cgroup_attach_args {
 	int dst_level;
 	__u64 dst_id;
 	int pid;
-};
-
-/* The record of tracepoint signal/signal_deliver. */
-struct signal_deliver_args {
-	__u64 common;
-	int sig;
-	int errno_;
-	int code;
-	unsigned long sa_handler;
-	unsigned long sa_flags;
 };
 
 /* The sandbox the current task is in, or NULL. */
@@ -687,14 +685,39 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 
 /* Raw tracepoints: no perf record is built for the call, which makes the
  * host-wide cost of a filtered-out syscall one helper call and one lookup. */
-/* Whether the current call is the task's own: not one a tracer outside
- * the sandbox (CRIU dumping it) injected while the task was stopped. A
- * tracer in the sandbox is the sandbox's own running. */
-static __always_inline int own_call(struct task_struct *task, __u64 cg)
+/* Whether a tracer outside the sandbox (its unified cgroup is another)
+ * has the task. A tracer in the sandbox is the sandbox's own running. */
+static __always_inline int traced_from_outside(struct task_struct *task, __u64 cg)
 {
 	if (!task->ptrace)
-		return 1;
-	return BPF_CORE_READ(task, parent, cgroups, dfl_cgrp, kn, id) == cg;
+		return 0;
+	return BPF_CORE_READ(task, parent, cgroups, dfl_cgrp, kn, id) != cg;
+}
+
+/* Whether the current call is one a checkpoint made the task make: CRIU's
+ * parasite, while crabd says a capture runs (ctl->capturing) and a tracer
+ * outside the sandbox has the task. */
+static __always_inline int injected(struct task_struct *task, __u64 cg, struct crab_ctl *ctl)
+{
+	return ctl->capturing && traced_from_outside(task, cg);
+}
+
+/* Whether the task is inside an rseq critical section (its registered
+ * `struct rseq` names one): on the way back to user space the kernel may
+ * move it to the section's abort handler, whose code runs before any
+ * resumption. */
+static __always_inline int in_rseq_section(struct task_struct *task)
+{
+	if (!bpf_core_field_exists(task->rseq))
+		return 0;
+	void *area = BPF_CORE_READ(task, rseq);
+	if (!area)
+		return 0;
+	__u64 cs = 0;
+	/* struct rseq { u32 cpu_id_start; u32 cpu_id; u64 rseq_cs; ... } */
+	if (bpf_probe_read_user(&cs, sizeof(cs), area + 8))
+		return 1; /* unreadable: the safe side */
+	return cs != 0;
 }
 
 /* Whether the current call resumes one the task was interrupted in (or a
@@ -706,28 +729,33 @@ static __always_inline int resumes(struct crab_task *t, struct pt_regs *regs, lo
 	if (!t->resume_ip)
 		return 0;
 	int same = BPF_CORE_READ(regs, ip) == t->resume_ip &&
-		   BPF_CORE_READ(regs, sp) == t->resume_sp &&
-		   (nr == t->resume_nr || nr == NR_restart_syscall);
+		   BPF_CORE_READ(regs, sp) == t->resume_sp && nr == t->resume_nr;
 	t->resume_ip = 0;
 	return same;
 }
 
 /* Marks where the current task resumes a call without running code of its
  * own (see struct crab_task): at ip, on stack sp, with call nr. A call a
- * tracer outside the sandbox made it make (CRIU's parasite, interrupted
- * in turn) does not replace the mark of the task's own call. */
+ * checkpoint made it make (CRIU's parasite, interrupted in turn) does not
+ * replace the mark of the task's own call. */
 static __noinline void mark_resume(__u64 ip, __u64 sp, long nr)
 {
 	__u64 cg;
-	if (!current_sandbox(&cg))
+	struct crab_ctl *ctl = current_sandbox(&cg);
+	if (!ctl)
 		return;
 	/* A task asleep since before its sandbox was registered has no entry
 	 * yet. */
 	struct crab_task *t = task_entry(cg, bpf_get_current_pid_tgid());
 	if (!t)
 		return;
-	if (t->resume_ip && !own_call(bpf_get_current_task_btf(), cg))
+	struct task_struct *task = bpf_get_current_task_btf();
+	if (t->resume_ip && injected(task, cg, ctl))
 		return;
+	if (in_rseq_section(task)) {
+		t->resume_ip = 0;
+		return;
+	}
 	t->resume_ip = ip;
 	t->resume_sp = sp;
 	t->resume_nr = nr;
@@ -756,7 +784,18 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	/* The task is read with a direct (BTF) load: this runs for every call
 	 * in a sandbox. */
 	struct task_struct *task = bpf_get_current_task_btf();
-	if (own_call(task, cg) && !resumes(t, regs, nr) && t->active_gen != gen) {
+	int own = 1;
+	if (traced_from_outside(task, cg)) {
+		if (ctl->capturing) {
+			own = 0; /* CRIU's parasite */
+		} else if (t->traced_gen != gen) {
+			/* Someone else's tracer may run the task's code (gdb's
+			 * `call`) or hide its calls: not followed. */
+			t->traced_gen = gen;
+			unsure(cg, gen, (__u32)pt, CRAB_UNSURE_TRACED);
+		}
+	}
+	if (own && !resumes(t, regs, nr) && t->active_gen != gen) {
 		t->active_gen = gen;
 		if (t->born_gen != gen) {
 			/* Noisy tasks are reported too, marked: their running is
@@ -785,10 +824,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 		/* Followed to its exit: where it resumes the task. */
 		t->cgroup = cg;
 		t->nr = nr;
-		__u32 zero = 0;
-		__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
-		if (inflight)
-			__sync_fetch_and_add(inflight, 1);
+		inflight_begin();
 		return 0;
 	}
 	if (!tracked_nr(nr))
@@ -830,10 +866,7 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	t->args[4] = args[4];
 	t->args[5] = args[5];
 	t->nr = nr;
-	__u32 zero = 0;
-	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
-	if (inflight)
-		__sync_fetch_and_add(inflight, 1);
+	inflight_begin();
 	return 0;
 }
 
@@ -1132,8 +1165,12 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	 * then, for any task on the host. */
 	if (ret >= -ERESTART_RESTARTBLOCK && ret <= -ERESTARTSYS) {
 		long was = BPF_CORE_READ(regs, orig_ax);
+		/* -ERESTART_RESTARTBLOCK is restarted only as restart_syscall;
+		 * the call made again under its own number means the task got
+		 * -EINTR (CRIU's seizure does that) and its code ran. */
 		if (was != -1) /* not a sigreturn's restored ax */
-			mark_resume(BPF_CORE_READ(regs, ip), BPF_CORE_READ(regs, sp), was);
+			mark_resume(BPF_CORE_READ(regs, ip), BPF_CORE_READ(regs, sp),
+				    ret == -ERESTART_RESTARTBLOCK ? NR_restart_syscall : was);
 	}
 	__u32 zero = 0;
 	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
@@ -1153,14 +1190,18 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	__sync_fetch_and_add(inflight, -1);
 	if (s.nr == NR_rt_sigreturn) {
 		/* Onto a system-call instruction (a restored task's interrupted
-		 * call, an SA_RESTART handler's): a call from just past it, on
-		 * the same stack, with the number the frame left in ax, is
-		 * that call resumed. Not for a sigreturn a tracer outside the
-		 * sandbox made the task do (CRIU ending its parasite): the
+		 * call): a call from just past it, on the same stack, with the
+		 * number the frame left in ax, is that instruction run first,
+		 * with no code of the task's before it. Not for a sigreturn a
+		 * checkpoint made the task do (CRIU ending its parasite): the
 		 * task's own mark stands. */
-		if (own_call(bpf_get_current_task_btf(), s.cgroup))
-			mark_resume(BPF_CORE_READ(regs, ip) + SYSCALL_INSN_LEN,
-				    BPF_CORE_READ(regs, sp), ret);
+		__u64 ip = BPF_CORE_READ(regs, ip);
+		__u8 insn[SYSCALL_INSN_LEN] = {};
+		struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &s.cgroup);
+		if (ctl && !injected(bpf_get_current_task_btf(), s.cgroup, ctl) &&
+		    !bpf_probe_read_user(insn, sizeof(insn), (void *)ip) &&
+		    insn[0] == 0x0f && insn[1] == 0x05)
+			mark_resume(ip + SYSCALL_INSN_LEN, BPF_CORE_READ(regs, sp), ret);
 		return 0;
 	}
 	if (ret < 0)
@@ -1362,7 +1403,7 @@ int crab_exit(void *ctx)
  * runs, its code runs before any restart of the interrupted call, so the
  * resume mark no longer holds. Signals are rare: a lookup for each. */
 SEC("tracepoint/signal/signal_deliver")
-int crab_signal(struct signal_deliver_args *ctx)
+int crab_signal(struct trace_event_raw_signal_deliver *ctx)
 {
 	if (ctx->sa_handler <= SIG_IGN)
 		return 0; /* SIG_DFL or SIG_IGN: no code of the task's */

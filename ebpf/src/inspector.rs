@@ -107,6 +107,8 @@ struct Sandbox {
     restarted: bool,
     /// The sandbox's init is crab-init, whose running is no change.
     quiet_init: bool,
+    /// A checkpoint runs (`crab_ctl.capturing`).
+    capturing: bool,
     ignore: Option<Ignore>,
     /// The mount namespace `ignore` and `prints` were learned in (that of
     /// the sandbox's first process).
@@ -248,10 +250,15 @@ impl Inspector {
         let ctl = existing.unwrap_or(Ctl {
             gen: first_gen(),
             turn: 0,
+            capturing: 0,
         });
         // The programs first: the turn starts once ctl names the cgroup.
         state.syscalls.attach()?;
         if existing.is_none() {
+            state.maps.ctl.insert(cg, ctl, 0).map_err(map_err("crab_ctl"))?;
+        } else if ctl.capturing != 0 {
+            // An owner that died mid-capture: no capture runs now.
+            let ctl = Ctl { capturing: 0, ..ctl };
             state.maps.ctl.insert(cg, ctl, 0).map_err(map_err("crab_ctl"))?;
         }
         if let Err(e) = sync_slot(&mut state.maps, cg) {
@@ -286,6 +293,7 @@ impl Inspector {
                 base_unsure: stats.n_unsure,
                 restarted: existing.is_some(),
                 quiet_init: false,
+                capturing: false,
                 ignore: None,
                 mount_ns: members.first().and_then(|&pid| procs::mount_ns(pid)),
                 deleted_maps: HashSet::new(),

@@ -19,6 +19,7 @@ pub(crate) const COMM_LEN: usize = 16;
 pub(crate) struct Ctl {
     pub gen: u64,
     pub turn: u64,
+    pub capturing: u64,
 }
 
 /// `struct crab_stats`: per-sandbox counters, written by the kernel only.
@@ -46,6 +47,7 @@ pub(crate) struct Task {
     pub resume_ip: u64,
     pub resume_sp: u64,
     pub resume_nr: i64,
+    pub traced_gen: u64,
 }
 
 /// `struct crab_event`: one ring-buffer record.
@@ -74,9 +76,9 @@ pub(crate) struct Event {
     pub name2: [u8; NAME_LEN],
 }
 
-const _: () = assert!(size_of::<Ctl>() == 16);
+const _: () = assert!(size_of::<Ctl>() == 24);
 const _: () = assert!(size_of::<Stats>() == 32);
-const _: () = assert!(size_of::<Task>() == 120);
+const _: () = assert!(size_of::<Task>() == 128);
 const _: () = assert!(size_of::<Event>() == 632);
 const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
 const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);
@@ -108,6 +110,7 @@ pub(crate) mod unsure {
     pub const COMPAT: u32 = 1;
     pub const PROC_MEM: u32 = 2;
     pub const CGROUP: u32 = 3;
+    pub const TRACED: u32 = 4;
 }
 
 /// `CRAB_MARK_*`: a record's `marks`.

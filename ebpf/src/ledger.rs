@@ -213,6 +213,12 @@ impl Ledger {
                     ev.pid,
                     ev.op & 0x3fff_ffff
                 ),
+                unsure::TRACED => format!(
+                    "{} (pid {}): task {} is stopped by a tracer outside the sandbox while no checkpoint runs, which may run or hide its code",
+                    ev.comm(),
+                    ev.pid,
+                    ev.op
+                ),
                 unsure::CGROUP => format!(
                     "{} (pid {}) moved task {} into a cgroup outside the sandbox, where it is not followed",
                     ev.comm(),

@@ -15,7 +15,11 @@ fn crabctl_turn_and_watch_report_what_turns_changed() {
     std::fs::write(&config, "[crabd]\ninspector = true\n").unwrap();
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let id = "inspected";
-    ctd.run_detached(CRAB, id, &["sleep", "600"]);
+    // The init waits in an open(2) of a FIFO, a call a checkpoint's
+    // seizure interrupts and the kernel resumes. (A timed sleep would not
+    // do: CRIU hands an interrupted `nanosleep` -EINTR, its code runs, and
+    // its turn after each process checkpoint is `proc`.)
+    ctd.run_detached(CRAB, id, &["sh", "-c", "mkfifo /waiting && exec cat /waiting"]);
     wait_registered(&ctd, id);
     let exec = |script: &str| {
         crab_tests::sandbox::exec_sh(&ctd, id, script);

@@ -42,7 +42,15 @@ impl Inspector {
         state
             .maps
             .ctl
-            .insert(cg, Ctl { gen: gen + 1, turn }, 0)
+            .insert(
+                cg,
+                Ctl {
+                    gen: gen + 1,
+                    turn,
+                    capturing: u64::from(state.sandboxes[&cg].capturing),
+                },
+                0,
+            )
             .map_err(map_err("crab_ctl"))?;
         let stats = state.maps.stats.get(&cg, 0).map_err(map_err("crab_stats"))?;
         let boundary = stats.seq;
@@ -313,6 +321,59 @@ impl Inspector {
             reasons,
             n_reasons,
         })
+    }
+
+    /// Says whether a checkpoint of the sandbox runs (`on`) or has ended:
+    /// while one runs, a tracer outside the sandbox is its CRIU, and the
+    /// calls it makes the sandbox's tasks make are not their running;
+    /// otherwise such a tracer makes the turn `full`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSandbox`], or a map failure.
+    pub fn capturing(&self, sandbox: &str, on: bool) -> Result<()> {
+        let mut guard = self.shared.state.lock();
+        let state = &mut *guard;
+        let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+            sandbox: sandbox.to_owned(),
+        })?;
+        let sb = state
+            .sandboxes
+            .get_mut(&cg)
+            .expect("named sandboxes are registered");
+        let ctl = Ctl {
+            gen: sb.gen,
+            turn: sb.turn,
+            capturing: u64::from(on),
+        };
+        state.maps.ctl.insert(cg, ctl, 0).map_err(|source| Error::Map {
+            name: "crab_ctl",
+            source,
+        })?;
+        sb.capturing = on;
+        Ok(())
+    }
+
+    /// The sandbox's processes were replaced by a restore: its mounts are
+    /// new (device numbers, perhaps even the mount namespace's number), so
+    /// they are learned again, and its turn starts afresh (what the
+    /// restore did is not counted).
+    ///
+    /// # Errors
+    /// As [`Inspector::turn_end`].
+    pub fn restored(&self, sandbox: &str) -> Result<()> {
+        {
+            let mut guard = self.shared.state.lock();
+            let state = &mut *guard;
+            let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
+                sandbox: sandbox.to_owned(),
+            })?;
+            if let Some(sb) = state.sandboxes.get_mut(&cg) {
+                sb.ignore = None;
+                sb.prints.clear();
+                sb.mount_ns = None;
+            }
+        }
+        self.turn_end(sandbox).map(drop)
     }
 
     /// Forgets the changes a checkpoint's helpers made to the directories

@@ -153,7 +153,17 @@ impl Daemon {
                     store: self.files.store_dir(&reg.id),
                 }),
             };
-            let done: ShimCheckpointed = self.call_shim(reg, routes::shim::CHECKPOINT, &call).await?;
+            // While the shim freezes, dumps and thaws, CRIU's calls in
+            // the sandbox's tasks are the capture's, not their running.
+            let window = |on: bool| {
+                let d = self.clone();
+                let sid = reg.id.clone();
+                tokio::task::spawn_blocking(move || d.inspection.capturing(&sid, on))
+            };
+            window(true).await?;
+            let done = self.call_shim(reg, routes::shim::CHECKPOINT, &call).await;
+            window(false).await?;
+            let done: ShimCheckpointed = done?;
             own = Some(
                 pending
                     .images_dir()

@@ -31,6 +31,13 @@ pub trait TurnInspector: Send + Sync {
     fn unregister(&self, sandbox: &SandboxId);
     /// Ends the sandbox's current turn: what it changed, and a reset.
     fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError>;
+    /// A checkpoint of the sandbox runs (`on`) or has ended: while one
+    /// runs, a tracer outside the sandbox is its CRIU (see
+    /// `crab_inspector::Inspector::capturing`).
+    fn capturing(&self, sandbox: &SandboxId, on: bool) -> Result<(), InspectorError>;
+    /// The sandbox's processes were just restored: its mounts are learned
+    /// again and its turn starts afresh.
+    fn restored(&self, sandbox: &SandboxId) -> Result<(), InspectorError>;
     /// Forgets the changes a checkpoint's helpers made in `own`, its
     /// output directories (what it made the sandbox's tasks do never
     /// counts: see `crab_inspector::Inspector::forget_own_files`).
@@ -99,8 +106,19 @@ impl Inspection {
     /// what it did before no longer counts. Watchers are not told.
     pub fn reset(&self, sandbox: &SandboxId) {
         if let Some(i) = &self.inspector {
-            if let Err(e) = i.turn_end(sandbox) {
+            if let Err(e) = i.restored(sandbox) {
                 tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector reset");
+            }
+        }
+    }
+
+    /// A checkpoint of the sandbox runs (`on`) or has ended (logged when
+    /// the inspector cannot be told: a tracer outside the sandbox then
+    /// makes turns `full`, or is taken for CRIU until the next capture).
+    pub fn capturing(&self, sandbox: &SandboxId, on: bool) {
+        if let Some(i) = &self.inspector {
+            if let Err(e) = i.capturing(sandbox, on) {
+                tracing::warn!(%sandbox, on, error = %crab_api::error_chain(e.as_ref()), "inspector capture window");
             }
         }
     }
@@ -144,6 +162,14 @@ impl TurnInspector for crab_inspector::Inspector {
         if let Err(e) = crab_inspector::Inspector::unregister(self, sandbox.as_str()) {
             tracing::debug!(%sandbox, error = %crab_api::error_chain(&e), "inspector unregister");
         }
+    }
+
+    fn capturing(&self, sandbox: &SandboxId, on: bool) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::capturing(self, sandbox.as_str(), on)?)
+    }
+
+    fn restored(&self, sandbox: &SandboxId) -> Result<(), InspectorError> {
+        Ok(crab_inspector::Inspector::restored(self, sandbox.as_str())?)
     }
 
     fn forget_own_files(&self, sandbox: &SandboxId, own: &[PathBuf]) -> Result<(), InspectorError> {
