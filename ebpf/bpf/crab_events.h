@@ -106,6 +106,10 @@ struct crab_task {
 	__u64 resume_ip;
 	__u64 resume_sp;
 	__s64 resume_nr;
+	__s64 resume_alt;	/* another number that resumes it, or -1: the
+				 * interrupted call's own, after a capture's CRIU
+				 * turned -ERESTART_RESTARTBLOCK into -EINTR (the
+				 * version's image holds the task at that -EINTR) */
 	__u64 traced_gen;	/* last generation a tracer outside the sandbox
 				 * was found stopping it (UNSURE once a turn) */
 };
@@ -154,7 +158,7 @@ struct crab_event {
 /* The loader's Rust mirrors assert the same sizes. */
 _Static_assert(sizeof(struct crab_ctl) == 24, "crab_ctl");
 _Static_assert(sizeof(struct crab_stats) == 32, "crab_stats");
-_Static_assert(sizeof(struct crab_task) == 128, "crab_task");
+_Static_assert(sizeof(struct crab_task) == 136, "crab_task");
 _Static_assert(sizeof(struct crab_event) == 632, "crab_event");
 
 #endif

@@ -50,6 +50,8 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define ERESTART_RESTARTBLOCK 516
 #define SIG_IGN 1
 #define SYSCALL_INSN_LEN 2	/* x86_64 `syscall` */
+#define USER_CS 0x33		/* the 64-bit user code segment */
+#define CGROUP_DEPTH 8		/* levels below a sandbox a tracer is looked for */
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
@@ -685,13 +687,22 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 
 /* Raw tracepoints: no perf record is built for the call, which makes the
  * host-wide cost of a filtered-out syscall one helper call and one lookup. */
-/* Whether a tracer outside the sandbox (its unified cgroup is another)
- * has the task. A tracer in the sandbox is the sandbox's own running. */
+/* Whether a tracer outside the sandbox (its unified cgroup is neither the
+ * sandbox's nor below it) has the task. A tracer in the sandbox is the
+ * sandbox's own running. */
 static __always_inline int traced_from_outside(struct task_struct *task, __u64 cg)
 {
 	if (!task->ptrace)
 		return 0;
-	return BPF_CORE_READ(task, parent, cgroups, dfl_cgrp, kn, id) != cg;
+	struct cgroup *c = BPF_CORE_READ(task, parent, cgroups, dfl_cgrp);
+	for (int i = 0; i < CGROUP_DEPTH; i++) { /* a bounded loop */
+		if (!c)
+			return 1;
+		if (BPF_CORE_READ(c, kn, id) == cg)
+			return 0;
+		c = BPF_CORE_READ(c, self.parent, cgroup);
+	}
+	return 1;
 }
 
 /* Whether the current call is one a checkpoint made the task make: CRIU's
@@ -702,22 +713,47 @@ static __always_inline int injected(struct task_struct *task, __u64 cg, struct c
 	return ctl->capturing && traced_from_outside(task, cg);
 }
 
-/* Whether the task is inside an rseq critical section (its registered
+/* task_struct's rseq area: a pointer until Linux 6.18, `rseq.usrptr`
+ * since the rseq rework (CO-RE flavours, matched by name). */
+struct task_struct___rseq_ptr {
+	void *rseq;
+} __attribute__((preserve_access_index));
+struct rseq_data___crab {
+	void *usrptr;
+} __attribute__((preserve_access_index));
+struct task_struct___rseq_data {
+	struct rseq_data___crab rseq;
+} __attribute__((preserve_access_index));
+
+/* Whether the task may be inside an rseq critical section (its registered
  * `struct rseq` names one): on the way back to user space the kernel may
  * move it to the section's abort handler, whose code runs before any
- * resumption. */
+ * resumption. Unknown (no rseq in this kernel's layout, unreadable): yes. */
 static __always_inline int in_rseq_section(struct task_struct *task)
 {
-	if (!bpf_core_field_exists(task->rseq))
-		return 0;
-	void *area = BPF_CORE_READ(task, rseq);
+	void *area;
+	if (bpf_core_field_exists(((struct task_struct___rseq_ptr *)task)->rseq))
+		area = BPF_CORE_READ((struct task_struct___rseq_ptr *)task, rseq);
+	else if (bpf_core_field_exists(((struct task_struct___rseq_data *)task)->rseq))
+		area = BPF_CORE_READ((struct task_struct___rseq_data *)task, rseq.usrptr);
+	else
+		return 1;
 	if (!area)
 		return 0;
 	__u64 cs = 0;
 	/* struct rseq { u32 cpu_id_start; u32 cpu_id; u64 rseq_cs; ... } */
 	if (bpf_probe_read_user(&cs, sizeof(cs), area + 8))
-		return 1; /* unreadable: the safe side */
+		return 1;
 	return cs != 0;
+}
+
+/* Whether the two bytes before `after` in the task's memory are a `syscall`
+ * instruction. */
+static __always_inline int syscall_insn_before(__u64 after)
+{
+	__u8 insn[SYSCALL_INSN_LEN] = {};
+	return !bpf_probe_read_user(insn, sizeof(insn), (void *)(after - SYSCALL_INSN_LEN)) &&
+	       insn[0] == 0x0f && insn[1] == 0x05;
 }
 
 /* Whether the current call resumes one the task was interrupted in (or a
@@ -729,36 +765,53 @@ static __always_inline int resumes(struct crab_task *t, struct pt_regs *regs, lo
 	if (!t->resume_ip)
 		return 0;
 	int same = BPF_CORE_READ(regs, ip) == t->resume_ip &&
-		   BPF_CORE_READ(regs, sp) == t->resume_sp && nr == t->resume_nr;
+		   BPF_CORE_READ(regs, sp) == t->resume_sp &&
+		   (nr == t->resume_nr || (t->resume_alt >= 0 && nr == t->resume_alt)) &&
+		   syscall_insn_before(t->resume_ip);
 	t->resume_ip = 0;
 	return same;
 }
 
 /* Marks where the current task resumes a call without running code of its
- * own (see struct crab_task): at ip, on stack sp, with call nr. A call a
- * checkpoint made it make (CRIU's parasite, interrupted in turn) does not
- * replace the mark of the task's own call. */
-static __noinline void mark_resume(__u64 ip, __u64 sp, long nr)
+ * own (see struct crab_task): the call made from `ip` (just past a
+ * `syscall` instruction, in the 64-bit code segment `cs`), on stack sp,
+ * with call nr. A call a checkpoint made it make (CRIU's parasite,
+ * interrupted in turn) does not replace the mark of the task's own call;
+ * a tracer outside the sandbox while no checkpoint runs may run the
+ * task's code before it resumes: no mark, and the turn is full. */
+static __noinline void mark_resume(__u64 ip, __u64 sp, long nr, long alt, __u64 cs)
 {
 	__u64 cg;
 	struct crab_ctl *ctl = current_sandbox(&cg);
 	if (!ctl)
 		return;
+	__u64 pt = bpf_get_current_pid_tgid();
 	/* A task asleep since before its sandbox was registered has no entry
 	 * yet. */
-	struct crab_task *t = task_entry(cg, bpf_get_current_pid_tgid());
+	struct crab_task *t = task_entry(cg, pt);
 	if (!t)
 		return;
 	struct task_struct *task = bpf_get_current_task_btf();
-	if (t->resume_ip && injected(task, cg, ctl))
-		return;
-	if (in_rseq_section(task)) {
+	if (traced_from_outside(task, cg)) {
+		if (!ctl->capturing) {
+			t->resume_ip = 0;
+			if (t->traced_gen != ctl->gen) {
+				t->traced_gen = ctl->gen;
+				unsure(cg, ctl->gen, (__u32)pt, CRAB_UNSURE_TRACED);
+			}
+			return;
+		}
+		if (t->resume_ip)
+			return;
+	}
+	if (cs != USER_CS || in_rseq_section(task) || !syscall_insn_before(ip)) {
 		t->resume_ip = 0;
 		return;
 	}
 	t->resume_ip = ip;
 	t->resume_sp = sp;
 	t->resume_nr = nr;
+	t->resume_alt = ctl->capturing ? alt : -1;
 }
 
 SEC("raw_tracepoint/sys_enter")
@@ -1165,12 +1218,19 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	 * then, for any task on the host. */
 	if (ret >= -ERESTART_RESTARTBLOCK && ret <= -ERESTARTSYS) {
 		long was = BPF_CORE_READ(regs, orig_ax);
-		/* -ERESTART_RESTARTBLOCK is restarted only as restart_syscall;
-		 * the call made again under its own number means the task got
-		 * -EINTR (CRIU's seizure does that) and its code ran. */
-		if (was != -1) /* not a sigreturn's restored ax */
+		/* -ERESTART_RESTARTBLOCK is restarted only as restart_syscall.
+		 * CRIU's seizure instead hands the task -EINTR, and saves it so
+		 * in the version's image: the code that then runs until the
+		 * task makes the call again from the same place is what a
+		 * restore of that image runs too, so during a capture the
+		 * call's own number resumes it as well. Outside a capture the
+		 * call made again under its own number is the task's running. */
+		if (was != -1) { /* not a sigreturn's restored ax */
+			int block = ret == -ERESTART_RESTARTBLOCK;
 			mark_resume(BPF_CORE_READ(regs, ip), BPF_CORE_READ(regs, sp),
-				    ret == -ERESTART_RESTARTBLOCK ? NR_restart_syscall : was);
+				    block ? NR_restart_syscall : was, block ? was : -1,
+				    BPF_CORE_READ(regs, cs));
+		}
 	}
 	__u32 zero = 0;
 	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
@@ -1195,13 +1255,10 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 		 * with no code of the task's before it. Not for a sigreturn a
 		 * checkpoint made the task do (CRIU ending its parasite): the
 		 * task's own mark stands. */
-		__u64 ip = BPF_CORE_READ(regs, ip);
-		__u8 insn[SYSCALL_INSN_LEN] = {};
 		struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &s.cgroup);
-		if (ctl && !injected(bpf_get_current_task_btf(), s.cgroup, ctl) &&
-		    !bpf_probe_read_user(insn, sizeof(insn), (void *)ip) &&
-		    insn[0] == 0x0f && insn[1] == 0x05)
-			mark_resume(ip + SYSCALL_INSN_LEN, BPF_CORE_READ(regs, sp), ret);
+		if (ctl && !injected(bpf_get_current_task_btf(), s.cgroup, ctl))
+			mark_resume(BPF_CORE_READ(regs, ip) + SYSCALL_INSN_LEN,
+				    BPF_CORE_READ(regs, sp), ret, -1, BPF_CORE_READ(regs, cs));
 		return 0;
 	}
 	if (ret < 0)

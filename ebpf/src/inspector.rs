@@ -107,8 +107,6 @@ struct Sandbox {
     restarted: bool,
     /// The sandbox's init is crab-init, whose running is no change.
     quiet_init: bool,
-    /// A checkpoint runs (`crab_ctl.capturing`).
-    capturing: bool,
     ignore: Option<Ignore>,
     /// The mount namespace `ignore` and `prints` were learned in (that of
     /// the sandbox's first process).
@@ -293,7 +291,6 @@ impl Inspector {
                 base_unsure: stats.n_unsure,
                 restarted: existing.is_some(),
                 quiet_init: false,
-                capturing: false,
                 ignore: None,
                 mount_ns: members.first().and_then(|&pid| procs::mount_ns(pid)),
                 deleted_maps: HashSet::new(),

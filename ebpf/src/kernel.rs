@@ -47,6 +47,7 @@ pub(crate) struct Task {
     pub resume_ip: u64,
     pub resume_sp: u64,
     pub resume_nr: i64,
+    pub resume_alt: i64,
     pub traced_gen: u64,
 }
 
@@ -78,7 +79,7 @@ pub(crate) struct Event {
 
 const _: () = assert!(size_of::<Ctl>() == 24);
 const _: () = assert!(size_of::<Stats>() == 32);
-const _: () = assert!(size_of::<Task>() == 128);
+const _: () = assert!(size_of::<Task>() == 136);
 const _: () = assert!(size_of::<Event>() == 632);
 const _: () = assert!(std::mem::offset_of!(Event, comm) == 104);
 const _: () = assert!(std::mem::offset_of!(Event, name2) == 376);

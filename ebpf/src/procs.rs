@@ -65,6 +65,16 @@ fn parse_stat(stat: &str) -> Option<(char, String)> {
     Some((state, comm))
 }
 
+/// Whether task `tid` is stopped or asleep outside a system call, or
+/// running (`/proc/<tid>/syscall` says `-1` or `running`): it was in its
+/// own code when it stopped (a page fault, a stop signal).
+pub(crate) fn outside_call(tid: u32) -> bool {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{tid}/syscall")) else {
+        return false;
+    };
+    matches!(text.split_whitespace().next(), Some("-1" | "running"))
+}
+
 /// The mount namespace of `pid` (the inode of `/proc/<pid>/ns/mnt`).
 pub(crate) fn mount_ns(pid: u32) -> Option<u64> {
     use std::os::unix::fs::MetadataExt;

@@ -459,3 +459,39 @@ fn a_freeze_counts_what_a_task_does_after_it_not_its_resumed_call() {
 
     insp.unregister("freeze").expect("unregister");
 }
+
+/// A long-lived task that ran its own code and was then stopped outside
+/// any system call (a stop signal, a fault) made no call this turn and is
+/// not running at its end: it still counts as ran.
+#[test]
+fn a_task_stopped_in_its_own_code_ran() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let out = cg.run(&work.0, "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!");
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the loop's pid");
+    insp.register("stopped", &cg.dir).expect("register");
+    insp.turn_end("stopped").expect("turn");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("stop the loop");
+    let stopped = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        (stat.rsplit(')').next()?.trim_start().starts_with('T')).then_some(())
+    };
+    crab_tests::wait_until(10, stopped).expect("the loop stops");
+    let r = insp.turn_end("stopped").expect("turn");
+    assert_eq!(r.class, Class::Proc, "{r:#?}");
+    assert!(
+        r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Ran { pid: p, .. } if *p == pid)),
+        "{r:#?}"
+    );
+    insp.unregister("stopped").expect("unregister");
+}

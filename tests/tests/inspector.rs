@@ -15,11 +15,10 @@ fn crabctl_turn_and_watch_report_what_turns_changed() {
     std::fs::write(&config, "[crabd]\ninspector = true\n").unwrap();
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let id = "inspected";
-    // The init waits in an open(2) of a FIFO, a call a checkpoint's
-    // seizure interrupts and the kernel resumes. (A timed sleep would not
-    // do: CRIU hands an interrupted `nanosleep` -EINTR, its code runs, and
-    // its turn after each process checkpoint is `proc`.)
-    ctd.run_detached(CRAB, id, &["sh", "-c", "mkfifo /waiting && exec cat /waiting"]);
+    // A timed sleep: the first turn's process checkpoint hands its
+    // `nanosleep` -EINTR (CRIU), which its image holds too; the call made
+    // again from the same place is no running.
+    ctd.run_detached(CRAB, id, &["sleep", "600"]);
     wait_registered(&ctd, id);
     let exec = |script: &str| {
         crab_tests::sandbox::exec_sh(&ctd, id, script);

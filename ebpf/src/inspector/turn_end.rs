@@ -47,7 +47,9 @@ impl Inspector {
                 Ctl {
                     gen: gen + 1,
                     turn,
-                    capturing: u64::from(state.sandboxes[&cg].capturing),
+                    // No capture overlaps a turn end (crabd's busy lock);
+                    // one left open by a failure closes here.
+                    capturing: 0,
                 },
                 0,
             )
@@ -122,10 +124,16 @@ impl Inspector {
             if seen {
                 continue;
             }
-            if let Some(('R', comm)) = procs::task_state(tid) {
-                if !noisy(&comm) {
-                    proc_reasons.push(Reason::Ran { pid: tid, comm });
-                }
+            // Running now, or stopped outside any system call (a fault, a
+            // stop signal taken in its own code): it ran code of its own
+            // since its last call, perhaps in this turn.
+            let ran = match procs::task_state(tid) {
+                Some(('R', comm)) => Some(comm),
+                Some((_, comm)) if procs::outside_call(tid) => Some(comm),
+                _ => None,
+            };
+            if let Some(comm) = ran.filter(|c| !noisy(c)) {
+                proc_reasons.push(Reason::Ran { pid: tid, comm });
             }
         }
 
@@ -336,10 +344,7 @@ impl Inspector {
         let cg = *state.names.get(sandbox).ok_or_else(|| Error::UnknownSandbox {
             sandbox: sandbox.to_owned(),
         })?;
-        let sb = state
-            .sandboxes
-            .get_mut(&cg)
-            .expect("named sandboxes are registered");
+        let sb = &state.sandboxes[&cg];
         let ctl = Ctl {
             gen: sb.gen,
             turn: sb.turn,
@@ -348,9 +353,7 @@ impl Inspector {
         state.maps.ctl.insert(cg, ctl, 0).map_err(|source| Error::Map {
             name: "crab_ctl",
             source,
-        })?;
-        sb.capturing = on;
-        Ok(())
+        })
     }
 
     /// The sandbox's processes were replaced by a restore: its mounts are
