@@ -473,6 +473,22 @@ fn a_task_stopped_in_its_own_code_ran() {
         .trim()
         .parse()
         .expect("the loop's pid");
+    // Past the shell's start (its exec and setup calls) and in the loop,
+    // which makes no call: 20 ticks of user time are far more than a
+    // shell's start takes. A stop that came at a call's exit would find
+    // it in that call, which ran before the turn.
+    let looping = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let utime: u64 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(11)?
+            .parse()
+            .ok()?;
+        (utime >= 20).then_some(())
+    };
+    crab_tests::wait_until(60, looping).expect("the loop runs");
     insp.register("stopped", &cg.dir).expect("register");
     insp.turn_end("stopped").expect("turn");
     nix::sys::signal::kill(
