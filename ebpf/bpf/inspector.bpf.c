@@ -193,30 +193,50 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_slots SEC(".maps");
 
-/* Followed calls in flight on the host: while none is, sys_exit returns at
- * once for every task. */
+/* Host-wide counts that let sys_exit return at once for every task while
+ * both are 0: followed calls in flight, and tasks holding a resume mark. */
+struct crab_counts {
+	__u64 inflight;
+	__u64 marks;
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, __u64);
+	__type(value, struct crab_counts);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } crab_inflight SEC(".maps");
 
-static __always_inline void inflight_begin(void)
+static __always_inline struct crab_counts *counts(void)
 {
 	__u32 zero = 0;
-	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
-	if (inflight)
-		__sync_fetch_and_add(inflight, 1);
+	return bpf_map_lookup_elem(&crab_inflight, &zero);
+}
+
+static __always_inline void inflight_begin(void)
+{
+	struct crab_counts *c = counts();
+	if (c)
+		__sync_fetch_and_add(&c->inflight, 1);
 }
 
 static __always_inline void inflight_done(void)
 {
-	__u32 zero = 0;
-	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
-	if (inflight)
-		__sync_fetch_and_add(inflight, -1);
+	struct crab_counts *c = counts();
+	if (c)
+		__sync_fetch_and_add(&c->inflight, -1);
+}
+
+/* Takes task t's resume mark away, keeping the count of marks true. */
+static __always_inline void clear_mark(struct crab_task *t)
+{
+	if (!t->resume_ip)
+		return;
+	t->resume_ip = 0;
+	struct crab_counts *c = counts();
+	if (c)
+		__sync_fetch_and_add(&c->marks, -1);
 }
 
 /* Commands (task comm) whose own running is not a process change. */
@@ -687,22 +707,27 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 
 /* Raw tracepoints: no perf record is built for the call, which makes the
  * host-wide cost of a filtered-out syscall one helper call and one lookup. */
-/* Whether a tracer outside the sandbox (its unified cgroup is neither the
- * sandbox's nor below it) has the task. A tracer in the sandbox is the
- * sandbox's own running. */
-static __always_inline int traced_from_outside(struct task_struct *task, __u64 cg)
+#define TRACER_NONE 0    /* not traced, or by a task of the sandbox's cgroup */
+#define TRACER_OUTSIDE 1 /* by a task outside the sandbox: CRIU during a capture */
+#define TRACER_BELOW 2   /* by a task in a cgroup below the sandbox's: never CRIU */
+
+/* Where the task's tracer is. A tracer in the sandbox's own cgroup is its
+ * own running, followed call by call; one below it is not followed (the
+ * programs match the sandbox's cgroup only) and may write the task's
+ * memory, so it counts as a stranger that is never CRIU. */
+static __always_inline int tracer_place(struct task_struct *task, __u64 cg)
 {
 	if (!task->ptrace)
-		return 0;
+		return TRACER_NONE;
 	struct cgroup *c = BPF_CORE_READ(task, parent, cgroups, dfl_cgrp);
 	for (int i = 0; i < CGROUP_DEPTH; i++) { /* a bounded loop */
 		if (!c)
-			return 1;
+			return TRACER_OUTSIDE;
 		if (BPF_CORE_READ(c, kn, id) == cg)
-			return 0;
+			return i == 0 ? TRACER_NONE : TRACER_BELOW;
 		c = BPF_CORE_READ(c, self.parent, cgroup);
 	}
-	return 1;
+	return TRACER_OUTSIDE;
 }
 
 /* Whether the current call is one a checkpoint made the task make: CRIU's
@@ -710,7 +735,7 @@ static __always_inline int traced_from_outside(struct task_struct *task, __u64 c
  * outside the sandbox has the task. */
 static __always_inline int injected(struct task_struct *task, __u64 cg, struct crab_ctl *ctl)
 {
-	return ctl->capturing && traced_from_outside(task, cg);
+	return ctl->capturing && tracer_place(task, cg) == TRACER_OUTSIDE;
 }
 
 /* task_struct's rseq area: a pointer until Linux 6.18, `rseq.usrptr`
@@ -756,6 +781,24 @@ static __always_inline int syscall_insn_before(__u64 after)
 	       insn[0] == 0x0f && insn[1] == 0x05;
 }
 
+/* The current task t ran code of its own in turn gen: reported once a
+ * turn, unless it was born in it (then its process is new). Noisy tasks
+ * are reported too, marked: their running is no process change, but it
+ * may store into a shared file mapping. */
+static __always_inline void ran(__u64 cg, __u64 gen, struct crab_task *t)
+{
+	if (t->active_gen == gen)
+		return;
+	t->active_gen = gen;
+	if (t->born_gen == gen)
+		return;
+	struct crab_event *e = reserve(cg, gen, CRAB_EV_ACTIVE);
+	if (e) {
+		e->op = current_is_noisy();
+		submit(e);
+	}
+}
+
 /* Whether the current call resumes one the task was interrupted in (or a
  * sigreturn left it at) without running code of its own in between: made
  * from the very ip and stack that the mark recorded, with its number. The
@@ -768,7 +811,7 @@ static __always_inline int resumes(struct crab_task *t, struct pt_regs *regs, lo
 		   BPF_CORE_READ(regs, sp) == t->resume_sp &&
 		   (nr == t->resume_nr || (t->resume_alt >= 0 && nr == t->resume_alt)) &&
 		   syscall_insn_before(t->resume_ip);
-	t->resume_ip = 0;
+	clear_mark(t);
 	return same;
 }
 
@@ -792,9 +835,10 @@ static __noinline void mark_resume(__u64 ip, __u64 sp, long nr, long alt, __u64 
 	if (!t)
 		return;
 	struct task_struct *task = bpf_get_current_task_btf();
-	if (traced_from_outside(task, cg)) {
-		if (!ctl->capturing) {
-			t->resume_ip = 0;
+	int tracer = tracer_place(task, cg);
+	if (tracer != TRACER_NONE) {
+		if (!ctl->capturing || tracer == TRACER_BELOW) {
+			clear_mark(t);
 			if (t->traced_gen != ctl->gen) {
 				t->traced_gen = ctl->gen;
 				unsure(cg, ctl->gen, (__u32)pt, CRAB_UNSURE_TRACED);
@@ -805,8 +849,13 @@ static __noinline void mark_resume(__u64 ip, __u64 sp, long nr, long alt, __u64 
 			return;
 	}
 	if (cs != USER_CS || in_rseq_section(task) || !syscall_insn_before(ip)) {
-		t->resume_ip = 0;
+		clear_mark(t);
 		return;
+	}
+	if (!t->resume_ip) {
+		struct crab_counts *c = counts();
+		if (c)
+			__sync_fetch_and_add(&c->marks, 1);
 	}
 	t->resume_ip = ip;
 	t->resume_sp = sp;
@@ -838,8 +887,9 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 	 * in a sandbox. */
 	struct task_struct *task = bpf_get_current_task_btf();
 	int own = 1;
-	if (traced_from_outside(task, cg)) {
-		if (ctl->capturing) {
+	int tracer = tracer_place(task, cg);
+	if (tracer != TRACER_NONE) {
+		if (ctl->capturing && tracer == TRACER_OUTSIDE) {
 			own = 0; /* CRIU's parasite */
 		} else if (t->traced_gen != gen) {
 			/* Someone else's tracer may run the task's code (gdb's
@@ -848,19 +898,8 @@ int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 			unsure(cg, gen, (__u32)pt, CRAB_UNSURE_TRACED);
 		}
 	}
-	if (own && !resumes(t, regs, nr) && t->active_gen != gen) {
-		t->active_gen = gen;
-		if (t->born_gen != gen) {
-			/* Noisy tasks are reported too, marked: their running is
-			 * no process change, but it may store into a shared file
-			 * mapping. */
-			struct crab_event *e = reserve(cg, gen, CRAB_EV_ACTIVE);
-			if (e) {
-				e->op = current_is_noisy();
-				submit(e);
-			}
-		}
-	}
+	if (own && !resumes(t, regs, nr))
+		ran(cg, gen, t);
 	if (t->nr >= 0)
 		inflight_done(); /* an exit that never came: keep the count true */
 	t->nr = -1;
@@ -1212,6 +1251,23 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 	 * number before any hash lookup. */
 	long ret = (long)((__u64 *)ctx)[1];
 	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
+	struct crab_counts *c = counts();
+	if (!c)
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	/* A marked task's own call takes its mark at sys_enter: one that
+	 * exits still marked made a call that never entered (skipped by a
+	 * seccomp filter or a tracer), and runs its code after it. Not for
+	 * CRIU's parasite, whose calls leave the task's own mark. */
+	if (c->marks) {
+		struct crab_task *m = bpf_map_lookup_elem(&crab_tasks, &tid);
+		if (m && m->resume_ip) {
+			__u64 mcg;
+			struct crab_ctl *mctl = current_sandbox(&mcg);
+			if (!mctl || !injected(bpf_get_current_task_btf(), mcg, mctl))
+				clear_mark(m);
+		}
+	}
 	/* A call interrupted by a freeze, a tracer's stop or a signal: the
 	 * kernel restarts it from where it was made, unless a handler runs
 	 * first (signal_deliver then clears the mark). Rare: a lookup only
@@ -1232,22 +1288,19 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 				    BPF_CORE_READ(regs, cs));
 		}
 	}
-	__u32 zero = 0;
-	__u64 *inflight = bpf_map_lookup_elem(&crab_inflight, &zero);
-	if (!inflight || *inflight == 0)
+	if (c->inflight == 0)
 		return 0;
 	long nr = BPF_CORE_READ(regs, orig_ax);
 	/* A sigreturn sets orig_ax to -1. */
 	if (nr != -1 && !tracked_nr(nr))
 		return 0;
 	/* Only tasks of registered sandboxes have entries. */
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
 	if (!t || t->nr < 0)
 		return 0;
 	struct crab_task s = *t;
 	t->nr = -1;
-	__sync_fetch_and_add(inflight, -1);
+	__sync_fetch_and_add(&c->inflight, -1);
 	if (s.nr == NR_rt_sigreturn) {
 		/* Onto a system-call instruction (a restored task's interrupted
 		 * call): a call from just past it, on the same stack, with the
@@ -1397,6 +1450,12 @@ int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
 	if (!ctl)
 		return 0;
 	follow_task(cg, ctl, ctx->child_pid);
+	/* The new task runs, and is reported only through its process (a
+	 * thread's running is its parent's): the parent ran, even when its
+	 * clone resumed one a freeze interrupted. */
+	struct crab_task *parent = task_entry(cg, bpf_get_current_pid_tgid());
+	if (parent && !injected(bpf_get_current_task_btf(), cg, ctl))
+		ran(cg, ctl->gen, parent);
 	return 0;
 }
 
@@ -1452,6 +1511,8 @@ int crab_exit(void *ctx)
 	struct crab_task *left = bpf_map_lookup_elem(&crab_tasks, &tid);
 	if (left && left->nr >= 0)
 		inflight_done();
+	if (left)
+		clear_mark(left);
 	bpf_map_delete_elem(&crab_tasks, &tid);
 	return 0;
 }
@@ -1467,6 +1528,6 @@ int crab_signal(struct trace_event_raw_signal_deliver *ctx)
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct crab_task *t = bpf_map_lookup_elem(&crab_tasks, &tid);
 	if (t)
-		t->resume_ip = 0;
+		clear_mark(t);
 	return 0;
 }

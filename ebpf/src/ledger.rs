@@ -214,7 +214,7 @@ impl Ledger {
                     ev.op & 0x3fff_ffff
                 ),
                 unsure::TRACED => format!(
-                    "{} (pid {}): task {} is stopped by a tracer outside the sandbox while no checkpoint runs, which may run or hide its code",
+                    "{} (pid {}): task {} is stopped by a tracer outside the sandbox's cgroup (in a cgroup below it, or elsewhere while no checkpoint runs), which may run or hide its code",
                     ev.comm(),
                     ev.pid,
                     ev.op

@@ -511,3 +511,56 @@ fn a_task_stopped_in_its_own_code_ran() {
     );
     insp.unregister("stopped").expect("unregister");
 }
+
+/// A tracer in a cgroup below the sandbox's is not followed (the programs
+/// match the sandbox's own cgroup) and is no CRIU: what it does to a task
+/// makes the turn full, even when it has gone by the turn end.
+#[test]
+fn a_tracer_below_the_sandbox_makes_the_turn_full() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let out = cg.run(&work.0, "sleep 1000 >/dev/null 2>&1 & echo $!");
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the sleep's pid");
+    let asleep = || {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).ok()?;
+        // clock_nanosleep or nanosleep.
+        matches!(text.split_whitespace().next(), Some("230" | "35")).then_some(())
+    };
+    crab_tests::wait_until(60, asleep).expect("the sleep sleeps");
+    insp.register("below", &cg.dir).expect("register");
+
+    // A turn moves a waiting shell into a child cgroup (full: the move).
+    let child = cg.dir.join("tracer");
+    std::fs::create_dir(&child).expect("create the child cgroup");
+    let go = work.0.join("go");
+    let script = format!(
+        "sh -c 'echo $$ > {child}/cgroup.procs; while [ ! -e {go} ]; do sleep 0.05; done; \
+         exec timeout -s INT 1 strace -p {pid} -o /dev/null' >/dev/null 2>&1 &",
+        child = child.display(),
+        go = go.display()
+    );
+    assert!(cg.run(&work.0, &script).status.success());
+    crab_tests::wait_until(10, || {
+        let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
+        (!procs.trim().is_empty()).then_some(())
+    })
+    .expect("the shell is in the child cgroup");
+    assert_eq!(insp.turn_end("below").expect("turn").class, Class::Full);
+
+    // The next: strace, from below, attaches to the sleep and leaves.
+    std::fs::write(&go, b"").expect("start the tracer");
+    crab_tests::wait_until(30, || std::fs::remove_dir(&child).ok()).expect("the tracer is gone");
+    let r = insp.turn_end("below").expect("turn");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert!(
+        r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Unsure { why } if why.contains("tracer"))),
+        "{r:#?}"
+    );
+    insp.unregister("below").expect("unregister");
+}
