@@ -370,6 +370,27 @@ fn processes_in_a_child_cgroup_make_turns_full() {
     insp.unregister("child").expect("unregister");
 }
 
+/// Starts `cmd` in the background in `cg` (output to /dev/null) and
+/// answers its pid.
+fn in_background(cg: &TestCgroup, dir: &std::path::Path, cmd: &str) -> u32 {
+    let out = cg.run(dir, &format!("{cmd} >/dev/null 2>&1 & echo $!"));
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the pid of {cmd}: {out:?}"))
+}
+
+/// Field `n` of `/proc/<pid>/stat` after the command name (0: the state,
+/// 11: user time in ticks).
+fn stat_field(pid: u32, n: usize) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(n)
+        .map(str::to_owned)
+}
+
 /// Whether the task sleeps in read(2): `/proc/PID/syscall` names the
 /// call (it names it still when the call was interrupted and the task
 /// frozen on its way out) and the task waits in the pipe, not frozen.
@@ -407,15 +428,11 @@ fn a_freeze_counts_what_a_task_does_after_it_not_its_resumed_call() {
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
     // Read-write, so that it never sees the end; each line is counted in
     // the reader's memory only.
-    let out = cg.run(
+    let pid = in_background(
+        &cg,
         w,
-        "sh -c 'exec 3<>fifo; n=0; while read -r l <&3; do n=$((n+1)); done' \
-         >/dev/null 2>&1 & echo $!",
+        "sh -c 'exec 3<>fifo; n=0; while read -r l <&3; do n=$((n+1)); done'",
     );
-    let pid: u32 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .expect("the reader's pid");
     let asleep = || asleep_in_read(pid).then_some(());
     crab_tests::wait_until(10, asleep).expect("the reader blocks in read(2)");
     insp.register("freeze", &cg.dir).expect("register");
@@ -468,24 +485,13 @@ fn a_task_stopped_in_its_own_code_ran() {
     let insp = inspector(&[], 1 << 20, true);
     let cg = TestCgroup::new();
     let work = work_dir();
-    let out = cg.run(&work.0, "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!");
-    let pid: u32 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .expect("the loop's pid");
+    let pid = in_background(&cg, &work.0, "sh -c 'while :; do :; done'");
     // Past the shell's start (its exec and setup calls) and in the loop,
     // which makes no call: 20 ticks of user time are far more than a
     // shell's start takes. A stop that came at a call's exit would find
     // it in that call, which ran before the turn.
     let looping = || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let utime: u64 = stat
-            .rsplit(')')
-            .next()?
-            .split_whitespace()
-            .nth(11)?
-            .parse()
-            .ok()?;
+        let utime: u64 = stat_field(pid, 11)?.parse().ok()?;
         (utime >= 20).then_some(())
     };
     crab_tests::wait_until(60, looping).expect("the loop runs");
@@ -496,10 +502,7 @@ fn a_task_stopped_in_its_own_code_ran() {
         nix::sys::signal::Signal::SIGSTOP,
     )
     .expect("stop the loop");
-    let stopped = || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        (stat.rsplit(')').next()?.trim_start().starts_with('T')).then_some(())
-    };
+    let stopped = || (stat_field(pid, 0)? == "T").then_some(());
     crab_tests::wait_until(10, stopped).expect("the loop stops");
     let r = insp.turn_end("stopped").expect("turn");
     assert_eq!(r.class, Class::Proc, "{r:#?}");
@@ -520,11 +523,7 @@ fn a_tracer_below_the_sandbox_makes_the_turn_full() {
     let insp = inspector(&[], 1 << 20, true);
     let cg = TestCgroup::new();
     let work = work_dir();
-    let out = cg.run(&work.0, "sleep 1000 >/dev/null 2>&1 & echo $!");
-    let pid: u32 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .expect("the sleep's pid");
+    let pid = in_background(&cg, &work.0, "sleep 1000");
     let asleep = || {
         let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).ok()?;
         // clock_nanosleep or nanosleep.
