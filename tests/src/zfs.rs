@@ -1,23 +1,31 @@
-//! zfs-fuse for tests: the daemon (started if absent, stopped if the test
-//! started it) and file-backed pools destroyed on drop.
+//! zfs-fuse for tests: the daemon (started if absent, left running for
+//! the next test), a turn at it, and file-backed pools destroyed on drop.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use crate::{unique, wait_until};
 
-/// zfs-fuse, the host's ZFS daemon, for tests.
-pub struct ZfsFuse;
+/// zfs-fuse, the host's ZFS daemon, for tests, and this test's turn at
+/// it: held until dropped, so drop it after the test's pools.
+///
+/// zfs-fuse wedges for good when two pools are made and used at once (two
+/// `zfs create -p` on fresh pools were seen to hang a CI run for an hour),
+/// so the tests of every binary, and the benchmark, take turns.
+pub struct ZfsFuse {
+    _turn: nix::fcntl::Flock<std::fs::File>,
+}
 
 impl ZfsFuse {
-    /// Makes sure zfs-fuse runs: starts it when it does not.
+    /// Waits for this test's turn, then makes sure zfs-fuse runs: starts
+    /// it when it does not.
     ///
-    /// It is one daemon for the whole host, shared by every test that runs
-    /// at the same time, so a test never stops it, and the check-and-start
-    /// holds a host-wide lock (two daemons started at once wedge both).
+    /// It is one daemon for the whole host, so a test never stops it; the
+    /// turn is a host-wide lock, which also keeps two daemons from being
+    /// started at once (that wedges both).
     pub fn start() -> Self {
         let lock = std::fs::File::create("/tmp/crab-tests-zfs-fuse.lock").expect("create lock file");
-        let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        let turn = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
             .map_err(|(_, e)| e)
             .expect("lock");
         let up = || {
@@ -27,7 +35,7 @@ impl ZfsFuse {
                 .is_ok_and(|o| o.status.success())
         };
         if up() {
-            return ZfsFuse;
+            return ZfsFuse { _turn: turn };
         }
         // Detached from the test: it outlives it, as a host daemon does.
         Command::new("setsid")
@@ -38,7 +46,7 @@ impl ZfsFuse {
             .status()
             .expect("start zfs-fuse (run packaging/install-deps.sh)");
         wait_until(20, || up().then_some(())).expect("zfs-fuse did not come up");
-        ZfsFuse
+        ZfsFuse { _turn: turn }
     }
 }
 

@@ -17,10 +17,8 @@ struct Setup {
     ctd: Containerd,
     snap: Snapshotter,
     pool: Pool,
+    /// This test's turn at zfs-fuse. Dropped last.
     _zfs: ZfsFuse,
-    /// These tests take turns: zfs-fuse has been seen to die when several
-    /// pools are created and used at once. Dropped last.
-    _one_at_a_time: nix::fcntl::Flock<std::fs::File>,
 }
 
 impl Setup {
@@ -29,10 +27,6 @@ impl Setup {
     }
 
     fn start_sized(size: &str) -> Self {
-        let lock = std::fs::File::create("/tmp/crab-tests-zfs-serial.lock").expect("create lock file");
-        let one_at_a_time = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, e)| e)
-            .expect("lock");
         let zfs = ZfsFuse::start();
         let pool = Pool::create(size);
         let snap = Snapshotter::start(&pool);
@@ -42,7 +36,6 @@ impl Setup {
             snap,
             pool,
             _zfs: zfs,
-            _one_at_a_time: one_at_a_time,
         }
     }
 
