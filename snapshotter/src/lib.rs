@@ -19,6 +19,7 @@ mod backend;
 mod btrfs;
 mod command;
 mod error;
+mod host_lock;
 mod overlay;
 mod sync;
 mod zfs;

@@ -102,23 +102,7 @@ impl ZfsBackend {
     /// # Errors
     /// [`Error::Io`] when the lock file cannot be made or locked.
     pub fn swap_lock(&self) -> Result<nix::fcntl::Flock<std::fs::File>> {
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-        let dir = std::path::Path::new(SWAP_LOCK_DIR);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(Error::io("create", dir))?;
-        let path = self.swap_lock_path();
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
-            .open(&path)
-            .map_err(Error::io("open", &path))?;
-        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, e)| Error::io("lock", &path)(e.into()))
+        crate::host_lock::lock(&self.swap_lock_path())
     }
 
     /// The file of [`ZfsBackend::swap_lock`]; removed with the dataset

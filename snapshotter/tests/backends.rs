@@ -532,14 +532,10 @@ fn settling_waits_for_a_rollback_under_way() {
             b.finish_interrupted_rollback()
         })
     };
-    let tid = tid_rx.recv().unwrap();
-    let syscall = format!("/proc/self/task/{tid}/syscall");
-    let in_flock = crab_tests::wait_until(20, || {
-        let text = std::fs::read_to_string(&syscall).unwrap_or_default();
-        let nr: i64 = text.split_whitespace().next()?.parse().ok()?;
-        (nr == nix::libc::SYS_flock).then_some(())
-    });
-    assert!(in_flock.is_some(), "the settling did not wait for the lock");
+    assert!(
+        waits_in_flock(tid_rx.recv().unwrap()),
+        "the settling did not wait for the lock"
+    );
 
     // The shim's last steps: retire, clone, clear the journal.
     zfs(&["rename", &ds, &retired]);
@@ -561,4 +557,52 @@ fn settling_waits_for_a_rollback_under_way() {
         zfs(&["get", "-H", "-o", "value", "origin", &ds]),
         format!("{retired}@crab-v1")
     );
+}
+
+/// On zfs-fuse (this host has no `/dev/zfs`), a backend's `zfs` command
+/// waits for the host-wide turn: two commands at once wedge zfs-fuse for
+/// good.
+#[test]
+fn zfs_fuse_commands_take_turns() {
+    assert!(
+        !std::path::Path::new("/dev/zfs").exists(),
+        "this test is for zfs-fuse"
+    );
+    let _zfs = ZfsFuse::start();
+    let pool = Pool::create("256M");
+    let ds = format!("{}/sandboxes/turns", pool.name);
+    let turn = std::fs::File::create("/run/crab/zfs-fuse.lock").unwrap();
+    let turn = nix::fcntl::Flock::lock(turn, nix::fcntl::FlockArg::LockExclusive).unwrap();
+
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let creator = {
+        let ds = ds.clone();
+        std::thread::spawn(move || {
+            tid_tx.send(nix::unistd::gettid().as_raw()).unwrap();
+            ZfsBackend::create(&ds).map(drop)
+        })
+    };
+    assert!(
+        waits_in_flock(tid_rx.recv().unwrap()),
+        "zfs create did not wait for its turn"
+    );
+    assert!(
+        pool.datasets(&pool.name).iter().all(|d| *d != ds),
+        "made out of turn"
+    );
+
+    drop(turn);
+    creator.join().unwrap().unwrap();
+    assert!(pool.datasets(&pool.name).contains(&ds));
+}
+
+/// Whether thread `tid` of this process comes to wait in `flock` within 20 s.
+fn waits_in_flock(tid: i32) -> bool {
+    let syscall = format!("/proc/self/task/{tid}/syscall");
+    crab_tests::wait_until(20, || {
+        let text = std::fs::read_to_string(&syscall).unwrap_or_default();
+        let nr: i64 = text.split_whitespace().next()?.parse().ok()?;
+        (nr == nix::libc::SYS_flock).then_some(())
+    })
+    .is_some()
 }
