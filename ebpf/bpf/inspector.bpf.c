@@ -51,7 +51,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define SIG_IGN 1
 #define SYSCALL_INSN_LEN 2	/* x86_64 `syscall` */
 #define USER_CS 0x33		/* the 64-bit user code segment */
-#define CGROUP_DEPTH 8		/* levels below a sandbox a tracer is looked for */
+#define CGROUP_DEPTH 16	/* cgroup levels walked up from a tracer (deeper: never CRIU) */
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
@@ -727,7 +727,8 @@ static __always_inline int tracer_place(struct task_struct *task, __u64 cg)
 			return i == 0 ? TRACER_NONE : TRACER_BELOW;
 		c = BPF_CORE_READ(c, self.parent, cgroup);
 	}
-	return TRACER_OUTSIDE;
+	/* Deeper than the walk goes: it may be below, so never CRIU. */
+	return TRACER_BELOW;
 }
 
 /* Whether the current call is one a checkpoint made the task make: CRIU's
@@ -1435,9 +1436,17 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 }
 
 /* Follows task `pid`, born into sandbox `cg` in its turn `ctl->gen`. */
-static __always_inline void follow_task(__u64 cg, struct crab_ctl *ctl, __u32 pid)
+static __always_inline void follow_task(__u64 cg, __u64 gen, __u32 pid)
 {
-	struct crab_task t = { .born_gen = ctl->gen, .active_gen = ctl->gen, .nr = -1 };
+	/* A task moved in may have an entry: its mark and call in flight
+	 * leave the counts with it. */
+	struct crab_task *old = bpf_map_lookup_elem(&crab_tasks, &pid);
+	if (old) {
+		clear_mark(old);
+		if (old->nr >= 0)
+			inflight_done();
+	}
+	struct crab_task t = { .born_gen = gen, .active_gen = gen, .nr = -1 };
 	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))
 		count(cg, 0);
 }
@@ -1449,13 +1458,16 @@ int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
 	struct crab_ctl *ctl = current_sandbox(&cg);
 	if (!ctl)
 		return 0;
-	follow_task(cg, ctl, ctx->child_pid);
+	/* Read once: user space replaces the element at turn ends. */
+	__u64 gen = ctl->gen;
+	int by_criu = injected(bpf_get_current_task_btf(), cg, ctl);
+	follow_task(cg, gen, ctx->child_pid);
 	/* The new task runs, and is reported only through its process (a
 	 * thread's running is its parent's): the parent ran, even when its
 	 * clone resumed one a freeze interrupted. */
 	struct crab_task *parent = task_entry(cg, bpf_get_current_pid_tgid());
-	if (parent && !injected(bpf_get_current_task_btf(), cg, ctl))
-		ran(cg, ctl->gen, parent);
+	if (parent && !by_criu)
+		ran(cg, gen, parent);
 	return 0;
 }
 
@@ -1467,7 +1479,7 @@ int crab_attach(struct cgroup_attach_args *ctx)
 	__u64 cg = ctx->dst_id;
 	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
 	if (ctl) {
-		follow_task(cg, ctl, ctx->pid);
+		follow_task(cg, ctl->gen, ctx->pid);
 		return 0;
 	}
 	/* A task of a sandbox moved a task into a cgroup no sandbox is: what
