@@ -83,15 +83,21 @@ fn archive(image: &Image) -> anyhow::Result<(String, PathBuf)> {
             std::fs::copy(format!("{DATA}/tools.py"), extra.join("opt/eval/tools.py"))?;
         }
     }
-    let tmp = path.with_extension("tmp");
+    // Per process: two evals building the same image at once (two tests
+    // on a fresh machine) must not rename each other's archive away.
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     let built = run(Command::new(format!("{FIXTURES}/mkimage.sh"))
         .arg(&tmp)
         .arg(&reference)
         .arg(&devbox)
         .arg(&extra));
     let _ = std::fs::remove_dir_all(&work);
-    built?;
-    std::fs::rename(&tmp, &path)?;
+    if let Err(e) = built {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &path)
+        .with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
     Ok((reference, path))
 }
 
