@@ -153,6 +153,9 @@ enum Bench {
         /// Pause between two requests of one client (the agent's tool calls), ms.
         #[arg(long, default_value_t = 0)]
         think_ms: u64,
+        /// Concurrent clients (one sandbox each), one configuration per count.
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        clients: Vec<usize>,
     },
 }
 
@@ -178,8 +181,10 @@ fn main() -> anyhow::Result<()> {
             scale,
             traces,
         } => fastforward::run(tasks, turns, scale, &traces),
-        Bench::Proxy { requests, think_ms } => {
-            proxy::run(requests, std::time::Duration::from_millis(think_ms))
-        }
+        Bench::Proxy {
+            requests,
+            think_ms,
+            clients,
+        } => proxy::run(requests, std::time::Duration::from_millis(think_ms), &clients),
     }
 }

@@ -1,15 +1,20 @@
 //! `crab-bench proxy`: the latency the proxy adds, measured against calling
 //! the same upstream directly, in one run.
 //!
-//! Self-contained: an in-process scripted upstream (hyper) and the proxy on
-//! its host listener, one sandbox per client (each client is one sequential
-//! agent), a turn-end hook that returns at once, transcripts fsynced to a
-//! temporary directory. A third column is crabd's host relay: the same
-//! sandboxes, each served on its own unix socket as a shim serves it, behind
-//! `serve_relay` (one more hop and one unix connection per request). Every request is a turn end
+//! Self-contained: an in-process scripted upstream (hyper) and the proxy,
+//! one sandbox per client (each client is one sequential agent), each
+//! sandbox on a loopback listener of its own (as a shim serves it in the
+//! sandbox's network namespace to an agent inside), a turn-end hook that
+//! returns at once, transcripts fsynced to a temporary directory. A third
+//! column is crabd's host relay, for agents outside: the same sandboxes,
+//! each served on its own unix socket as a shim serves it, behind
+//! `serve_relay` (one more hop, over connections it keeps). Every request is a turn end
 //! (`POST /v1/chat/completions`): non-streaming latency, and time to first
 //! byte of a streaming answer, at 1 and 64 concurrent clients. Direct and
-//! proxied runs alternate per round so that machine noise hits both.
+//! proxied runs alternate per round so that machine noise hits both. The
+//! process's CPU time per request (client and upstream in every column,
+//! the proxy's hops in the others) shows what the proxy costs a saturated
+//! host, where latency grows with it.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -20,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use crab_proxy::{
-    serve_host, serve_relay, serve_sandbox, Limits, NoopHook, Proxy, ProxyConfig, SandboxId, SandboxSockets,
-    Timeouts, ToolsConfig, TurnEndRules, Upstreams,
+    serve_relay, serve_sandbox, Limits, NoopHook, Proxy, ProxyConfig, SandboxId, SandboxSockets, Timeouts,
+    ToolsConfig, TurnEndRules, Upstreams,
 };
 use http_body_util::{channel::Channel, combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
@@ -33,17 +38,6 @@ use tokio_util::sync::CancellationToken;
 use crate::stats::{ms, percentile};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// Where a client sends its requests.
-#[derive(Clone, Copy)]
-enum Target {
-    /// The upstream itself.
-    Direct,
-    /// The proxy's host listener, one sandbox per client.
-    Proxy,
-    /// crabd's host relay to each sandbox's unix socket.
-    Relay,
-}
 
 /// The sandboxes' unix sockets, by id (crabd's registry in the real thing).
 struct Sockets(HashMap<String, PathBuf>);
@@ -62,15 +56,42 @@ const SECRET: &str = "bench";
 const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}"#;
 
 /// Runs the benchmark and prints its table.
-pub fn run(requests: usize, think: Duration) -> anyhow::Result<()> {
+pub fn run(requests: usize, think: Duration, clients: &[usize]) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !clients.is_empty() && clients.iter().all(|&c| c > 0),
+        "--clients takes counts above zero"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("tokio runtime")?;
-    rt.block_on(bench(requests, think))
+    rt.block_on(bench(requests, think, clients))
 }
 
-async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
+/// The CPU time (user and system) this process has used so far.
+fn cpu_used() -> Duration {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_SELF).map_or(Duration::ZERO, |u| {
+        let tv = |t: nix::sys::time::TimeVal| Duration::new(t.tv_sec() as u64, t.tv_usec() as u32 * 1000);
+        tv(u.user_time()) + tv(u.system_time())
+    })
+}
+
+/// Latency samples of one target and the CPU time they took.
+#[derive(Default)]
+struct Samples {
+    latency: Vec<Duration>,
+    cpu: Duration,
+}
+
+impl Samples {
+    /// CPU microseconds per request.
+    fn cpu_us(&self) -> f64 {
+        self.cpu.as_secs_f64() * 1e6 / self.latency.len().max(1) as f64
+    }
+}
+
+async fn bench(requests: usize, think: Duration, clients: &[usize]) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let upstream = start_upstream(shutdown.clone()).await?;
     let dir = std::env::temp_dir().join(format!("crab-bench-proxy-{}", std::process::id()));
@@ -101,19 +122,25 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
     let proxy = Proxy::new(config, Arc::new(NoopHook))?;
     let mut sockets = HashMap::new();
     std::fs::create_dir_all(&dir)?;
-    for idx in 0..64 {
+    let sandboxes = clients.iter().copied().max().unwrap_or(1);
+    let mut proxied = Vec::new();
+    for idx in 0..sandboxes {
         let id = format!("bench{idx}");
         let sandbox = proxy.add_sandbox(SandboxId::new(id.clone())?).await?;
         let socket = dir.join(format!("{id}.proxy.sock"));
         let unix = tokio::net::UnixListener::bind(&socket)?;
-        tokio::spawn(serve_sandbox(unix, sandbox, shutdown.clone()));
-        sockets.insert(id, socket);
+        tokio::spawn(serve_sandbox(unix, sandbox.clone(), shutdown.clone()));
+        sockets.insert(id.clone(), socket);
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        proxied.push(format!("http://{}/v1/chat/completions", listener.local_addr()?));
+        tokio::spawn(serve_sandbox(listener, sandbox, shutdown.clone()));
     }
     let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let proxied = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(serve_host(listener, proxy, shutdown.clone()));
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let relayed = format!("http://{}", listener.local_addr()?);
+    let relay_base = format!("http://{}", listener.local_addr()?);
+    let relayed: Vec<String> = (0..sandboxes)
+        .map(|idx| format!("{relay_base}/s/bench{idx}/{SECRET}/v1/chat/completions"))
+        .collect();
+    let direct_urls = vec![format!("{upstream}/v1/chat/completions"); sandboxes];
     tokio::spawn(serve_relay(
         listener,
         Arc::new(Sockets(sockets)),
@@ -135,25 +162,29 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
     );
     println!(
         "{:<42} {:>10} {:>10} {:>12} {:>8} {:>10} {:>12}",
-        "figure", "direct", "proxy", "added (ms)", "ratio", "relay", "added (ms)"
+        "figure", "direct", "proxy", "added", "ratio", "relay", "added"
     );
-    for clients in [1usize, 64] {
+    for &clients in clients {
         for stream in [false, true] {
-            let mut direct = Vec::new();
-            let mut via = Vec::new();
-            let mut relay = Vec::new();
+            let mut direct = Samples::default();
+            let mut via = Samples::default();
+            let mut relay = Samples::default();
             let per_client = (requests / clients).max(1);
             let rounds = 4;
             for round in 0..=rounds {
                 let n = (per_client / rounds).max(1);
-                let d = load(&client, &upstream, Target::Direct, clients, n, stream, think).await?;
-                let p = load(&client, &proxied, Target::Proxy, clients, n, stream, think).await?;
-                let r = load(&client, &relayed, Target::Relay, clients, n, stream, think).await?;
-                // Round 0 warms connections and caches.
-                if round > 0 {
-                    direct.extend(d);
-                    via.extend(p);
-                    relay.extend(r);
+                for (urls, samples) in [
+                    (&direct_urls, &mut direct),
+                    (&proxied, &mut via),
+                    (&relayed, &mut relay),
+                ] {
+                    let cpu = cpu_used();
+                    let got = load(&client, urls, clients, n, stream, think).await?;
+                    // Round 0 warms connections and caches.
+                    if round > 0 {
+                        samples.cpu += cpu_used().saturating_sub(cpu);
+                        samples.latency.extend(got);
+                    }
                 }
             }
             let what = if stream {
@@ -162,9 +193,9 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
                 "non-streaming latency"
             };
             for p in [50.0, 99.0] {
-                let d = percentile(&mut direct, p);
-                let v = percentile(&mut via, p);
-                let r = percentile(&mut relay, p);
+                let d = percentile(&mut direct.latency, p);
+                let v = percentile(&mut via.latency, p);
+                let r = percentile(&mut relay.latency, p);
                 println!(
                     "{:<42} {:>10} {:>10} {:>12} {:>8.2} {:>10} {:>12}",
                     format!("{what} p{p:.0}, {clients} client(s) (ms)"),
@@ -176,6 +207,17 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
                     ms(r.saturating_sub(d)),
                 );
             }
+            let (d, v, r) = (direct.cpu_us(), via.cpu_us(), relay.cpu_us());
+            println!(
+                "{:<42} {:>10.0} {:>10.0} {:>12.0} {:>8.2} {:>10.0} {:>12.0}",
+                format!("{what} CPU per request, {clients} client(s) (µs)"),
+                d,
+                v,
+                v - d,
+                v / d.max(1e-9),
+                r,
+                r - d,
+            );
         }
     }
     shutdown.cancel();
@@ -183,25 +225,20 @@ async fn bench(requests: usize, think: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `clients` concurrent clients each sending `n` sequential requests;
-/// `think` apart; returns each request's latency (non-streaming) or time to first byte.
+/// `clients` concurrent clients each sending `n` sequential requests to
+/// its own URL of `urls`, `think` apart; returns each request's latency
+/// (non-streaming) or time to first byte.
 async fn load(
     client: &HttpClient,
-    base: &str,
-    target: Target,
+    urls: &[String],
     clients: usize,
     n: usize,
     stream: bool,
     think: Duration,
 ) -> anyhow::Result<Vec<Duration>> {
     let mut tasks = tokio::task::JoinSet::new();
-    for idx in 0..clients {
+    for url in urls.iter().take(clients).cloned() {
         let client = client.clone();
-        let url = match target {
-            Target::Proxy => format!("{base}/s/bench{idx}/v1/chat/completions"),
-            Target::Relay => format!("{base}/s/bench{idx}/{SECRET}/v1/chat/completions"),
-            Target::Direct => format!("{base}/v1/chat/completions"),
-        };
         tasks.spawn(async move {
             let mut samples = Vec::with_capacity(n);
             for _ in 0..n {

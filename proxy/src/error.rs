@@ -47,7 +47,7 @@ pub enum Error {
         sandbox: String,
         /// What connect said.
         #[source]
-        source: std::io::Error,
+        source: Box<hyper_util::client::legacy::Error>,
     },
     /// The relay's exchange with a sandbox's proxy socket broke before the
     /// response head.
@@ -55,9 +55,9 @@ pub enum Error {
     SandboxExchange {
         /// The sandbox.
         sandbox: String,
-        /// What hyper said.
+        /// What the client said.
         #[source]
-        source: hyper::Error,
+        source: Box<hyper_util::client::legacy::Error>,
     },
     /// A host-listener request names a host other than the listener's own
     /// (a web page's request rebound to 127.0.0.1).

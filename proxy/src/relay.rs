@@ -3,6 +3,9 @@
 //! unix socket on which that sandbox's shim serves its [`crate::Sandbox`]:
 //! the turn counter, transcript and gate live in the shim, so the relay adds
 //! no proxy logic of its own. Bodies stream through both ways unbuffered.
+//! Connections to a socket are kept open between requests (a pool keyed by
+//! the socket's path, so no two sandboxes ever share one); a connection
+//! idle for [`POOL_IDLE`] is closed, well before a shim's own idle limit.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,10 +19,11 @@ use http::uri::PathAndQuery;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, UnixStream};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyperlocal::UnixConnector;
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tower::Service;
 
 use crate::server::{accept_loop, Connections, MAX_HOST_CONNECTIONS};
@@ -67,18 +71,29 @@ pub async fn serve_relay(
     shutdown: CancellationToken,
 ) {
     let port = listener.local_addr().map_or(0, |a| a.port());
+    let client = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE)
+        .pool_max_idle_per_host(POOL_IDLE_PER_SOCKET)
+        .pool_timer(TokioTimer::new())
+        .build(UnixConnector);
     let relay = Relay {
         sockets,
         hosts: Arc::new([format!("127.0.0.1:{port}"), format!("localhost:{port}")]),
-        tracker: TaskTracker::new(),
-        shutdown: shutdown.clone(),
+        client,
     };
-    let tracker = relay.tracker.clone();
     let conns = Connections::new(MAX_HOST_CONNECTIONS);
+    // The client (its pool) goes with the last clone of the relay: idle
+    // connections close then; one carrying an answer ends with its body.
     accept_loop(listener, client_header, conns, shutdown, move || relay.clone()).await;
-    tracker.close();
-    tracker.wait().await;
 }
+
+/// How long a connection to a sandbox's socket stays open unused (a shim
+/// drops a silent one after its header timeout, 30 s by default).
+pub const POOL_IDLE: Duration = Duration::from_secs(5);
+
+/// Unused connections kept per sandbox socket (each holds one of the
+/// sandbox's connection slots).
+const POOL_IDLE_PER_SOCKET: usize = 4;
 
 /// The relay's tower service.
 #[derive(Clone)]
@@ -86,9 +101,8 @@ struct Relay {
     sockets: Arc<dyn SandboxSockets>,
     /// The `Host` values a request may name.
     hosts: Arc<[String; 2]>,
-    /// The client connections to the shims' sockets.
-    tracker: TaskTracker,
-    shutdown: CancellationToken,
+    /// Keeps connections to the shims' sockets, by socket path.
+    client: Client<UnixConnector, Incoming>,
 }
 
 // === impl Relay ===
@@ -130,37 +144,42 @@ impl Relay {
         self,
         id: SandboxId,
         socket: PathBuf,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Error> {
-        let stream = UnixStream::connect(&socket)
-            .await
-            .map_err(|source| Error::SandboxUnreachable {
-                sandbox: id.to_string(),
-                source,
-            })?;
-        let exchange = |source| Error::SandboxExchange {
-            sandbox: id.to_string(),
-            source,
-        };
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(exchange)?;
-        // The connection ends when this exchange's body is done or dropped,
-        // or when the relay shuts down.
-        let shutdown = self.shutdown.clone();
-        self.tracker.spawn(async move {
-            tokio::select! {
-                result = conn => {
-                    if let Err(error) = result {
-                        tracing::debug!(%error, "sandbox socket connection ended with an error");
-                    }
-                }
-                () = shutdown.cancelled() => {}
+        *req.uri_mut() = socket_uri(&socket, req.uri())?;
+        let resp = self.client.request(req).await.map_err(|source| {
+            let (sandbox, source) = (id.to_string(), Box::new(source));
+            if source.is_connect() {
+                Error::SandboxUnreachable { sandbox, source }
+            } else {
+                Error::SandboxExchange { sandbox, source }
             }
-        });
-        let resp = sender.send_request(req).await.map_err(exchange)?;
+        })?;
         Ok(resp.map(|body| body.map_err(|source| StreamError::Sandbox { source }).boxed()))
     }
+}
+
+/// `uri`'s path and query on the unix socket at `socket`, as the pool's
+/// connector reads it: the socket's path, hex-encoded, is the host (and so
+/// the pool's key).
+fn socket_uri(socket: &std::path::Path, uri: &http::Uri) -> Result<http::Uri, Error> {
+    use std::fmt::Write;
+    use std::os::unix::ffi::OsStrExt;
+    let pq = uri.path_and_query().map_or("/", PathAndQuery::as_str);
+    let host = socket
+        .as_os_str()
+        .as_bytes()
+        .iter()
+        .fold(String::new(), |mut hex, b| {
+            let _ = write!(hex, "{b:02x}");
+            hex
+        });
+    http::Uri::builder()
+        .scheme("unix")
+        .authority(format!("{host}:0"))
+        .path_and_query(pq)
+        .build()
+        .map_err(|_| Error::NotASandboxPath { path: pq.to_owned() })
 }
 
 /// Splits `/<secret>/rest?q` (or `/<secret>?q`) into the secret and

@@ -146,3 +146,104 @@ async fn relays_turns_and_streams_to_the_sandbox_socket() {
             .expect("join");
     }
 }
+
+/// Serves `sandbox` on a fresh unix socket at `path`, counting the
+/// connections it accepts; answers the server's task.
+async fn serve_counting(
+    path: &std::path::Path,
+    sandbox: crab_proxy::Sandbox,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    /// A unix listener that counts what it accepts.
+    struct Counting(tokio::net::UnixListener, Arc<std::sync::atomic::AtomicUsize>);
+    impl crab_proxy::Listener for Counting {
+        type Stream = tokio::net::UnixStream;
+        const IN_SANDBOX: bool = false;
+        async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
+            let (stream, _) = self.0.accept().await?;
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok((stream, "unix".to_owned()))
+        }
+    }
+    let _ = std::fs::remove_file(path);
+    let unix = tokio::net::UnixListener::bind(path).expect("bind unix");
+    tokio::spawn(crab_proxy::serve_sandbox(
+        Counting(unix, accepted),
+        sandbox,
+        shutdown,
+    ))
+}
+
+#[tokio::test]
+async fn kept_connections_serve_one_sandbox_each_and_a_restarted_socket_is_reached_again() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let h = Harness::plain().await;
+    let other = h
+        .proxy
+        .add_sandbox(SandboxId::new("sb2").expect("id"))
+        .await
+        .expect("second sandbox");
+    let (one, two) = (h.dir.path().join("sb1.sock"), h.dir.path().join("sb2.sock"));
+    let (count1, count2) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let stop1 = CancellationToken::new();
+    let stop2 = CancellationToken::new();
+    let server1 = serve_counting(&one, h.sandbox.clone(), count1.clone(), stop1.clone()).await;
+    let server2 = serve_counting(&two, other.clone(), count2.clone(), stop2.clone()).await;
+    let table = Table(HashMap::from([
+        ("sb1".to_owned(), one.clone()),
+        ("sb2".to_owned(), two),
+    ]));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let host = format!("http://{}", listener.local_addr().expect("addr"));
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(crab_proxy::serve_relay(
+        listener,
+        Arc::new(table),
+        Duration::from_secs(5),
+        shutdown.clone(),
+    ));
+    let turn = |id: &str| {
+        h.client
+            .post(format!("{host}/s/{id}/{SECRET}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(chat_body("gpt-test", false).to_string())
+            .send()
+    };
+
+    // Sequential turns, alternating: each lands on its own sandbox, and
+    // each sandbox's socket sees one connection, kept.
+    for _ in 0..3 {
+        for id in ["sb1", "sb2"] {
+            let resp = turn(id).await.expect("send");
+            assert_eq!(resp.status(), 200, "{id}");
+            resp.bytes().await.expect("body");
+        }
+    }
+    assert_eq!((h.sandbox.last_turn(), other.last_turn()), (3, 3));
+    assert_eq!(count1.load(Ordering::SeqCst), 1, "sb1's connection kept");
+    assert_eq!(count2.load(Ordering::SeqCst), 1, "sb2's connection kept");
+
+    // The shim of sb1 restarts on the same path: its kept connection is
+    // gone, and the next turn reaches the new server.
+    stop1.cancel();
+    server1.await.expect("first server ends");
+    let count3 = Arc::new(AtomicUsize::new(0));
+    let stop3 = CancellationToken::new();
+    let server3 = serve_counting(&one, h.sandbox.clone(), count3.clone(), stop3.clone()).await;
+    let resp = turn("sb1").await.expect("send");
+    assert_eq!(resp.status(), 200, "a restarted socket is reached");
+    resp.bytes().await.expect("body");
+    assert_eq!(count3.load(Ordering::SeqCst), 1);
+    assert_eq!(h.sandbox.last_turn(), 4);
+
+    shutdown.cancel();
+    stop2.cancel();
+    stop3.cancel();
+    for task in [relay, server2, server3] {
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("server stops")
+            .expect("join");
+    }
+}
