@@ -237,8 +237,8 @@ async fn load(
     think: Duration,
 ) -> anyhow::Result<Vec<Duration>> {
     let mut tasks = tokio::task::JoinSet::new();
-    for url in urls.iter().take(clients).cloned() {
-        let client = client.clone();
+    for url in &urls[..clients.min(urls.len())] {
+        let (client, url) = (client.clone(), url.clone());
         tasks.spawn(async move {
             let mut samples = Vec::with_capacity(n);
             for _ in 0..n {
