@@ -31,7 +31,7 @@ pub(crate) struct Shared {
     pub(crate) transcript: Transcript,
     /// The sandbox's live counters.
     pub(crate) stats: Arc<StatsCell>,
-    /// The sandbox's tasks (hook calls, the transcript writer).
+    /// The sandbox's tasks (hook calls).
     pub(crate) tracker: TaskTracker,
     /// Cancelled on shutdown: opens every pending gate.
     pub(crate) cancel: CancellationToken,
@@ -65,8 +65,7 @@ impl Shared {
         let tracker = TaskTracker::new();
         let stats = Arc::new(StatsCell::default());
         let path = config.transcript_dir.join(format!("{id}.jsonl"));
-        let transcript =
-            Transcript::open(path, config.limits.transcript_max_bytes, &tracker, stats.clone()).await?;
+        let transcript = Transcript::open(path, config.limits.transcript_max_bytes, stats.clone()).await?;
         Ok(Self {
             id,
             config: config.clone(),

@@ -51,15 +51,16 @@ use base64::Engine as _;
 use bytes::Bytes;
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
-use tokio_util::task::TaskTracker;
+use std::sync::mpsc;
+
+use tokio::sync::watch;
 
 use crate::outcome::GateOutcome;
 use crate::route::Api;
 use crate::stats::StatsCell;
 
-/// Entries queued for the writer before submitters wait.
-const QUEUE: usize = 64;
+/// Entries the writer takes in one batch (one write, one fsync).
+const BATCH: usize = 64;
 
 /// Headers never written to a transcript (lower-case).
 pub const REDACTED_HEADERS: [&str; 6] = [
@@ -331,7 +332,6 @@ pub(crate) struct Transcript {
     tx: mpsc::Sender<Entry>,
     submitted: AtomicU64,
     durable: watch::Receiver<u64>,
-    tracker: TaskTracker,
 }
 
 // === impl RecordedBody ===
@@ -508,12 +508,17 @@ pub fn write_new(
 // === impl Transcript ===
 
 impl Transcript {
-    /// Opens (creates) `path` for appending and starts its writer task on
-    /// `tracker`; the task ends when this `Transcript` is dropped.
+    /// Opens (creates) `path` for appending and starts its writer thread;
+    /// the thread ends when this `Transcript` is dropped, once what was
+    /// submitted is written.
+    ///
+    /// The writer is a thread of its own, not a task: an fsync blocks,
+    /// and a batch's write, fsync and durability notice then cost one
+    /// thread wakeup instead of three (the task, the blocking pool, the
+    /// task again).
     pub(crate) async fn open(
         path: PathBuf,
         max_bytes: u64,
-        tracker: &TaskTracker,
         stats: Arc<StatsCell>,
     ) -> Result<Self, TranscriptError> {
         let failed = |source| TranscriptError::Open {
@@ -539,11 +544,11 @@ impl Transcript {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .await
             .map_err(failed)?;
-        let (tx, rx) = mpsc::channel(QUEUE);
+        let (tx, rx) = mpsc::channel();
         let (durable_tx, durable) = watch::channel(0);
         let len = file.metadata().await.map_err(failed)?.len();
         let writer = Writer {
-            file: Arc::new(file.into_std().await),
+            file: file.into_std().await,
             path: path.clone(),
             len,
             max_bytes,
@@ -552,13 +557,15 @@ impl Transcript {
             overflowed: len >= max_bytes,
             stats,
         };
-        tracker.spawn(writer.run(rx, durable_tx));
+        std::thread::Builder::new()
+            .name("crab-transcript".to_owned())
+            .spawn(move || writer.run(&rx, &durable_tx))
+            .map_err(failed)?;
         Ok(Self {
             path,
             tx,
             submitted: AtomicU64::new(0),
             durable,
-            tracker: tracker.clone(),
         })
     }
 
@@ -566,23 +573,13 @@ impl Transcript {
         &self.path
     }
 
-    /// Queues `entry`. Never blocks: when the queue is full the entry waits
-    /// in a task of the sandbox's tracker (backpressure on that task only).
+    /// Queues `entry`; never blocks. The queue is not bounded here: every
+    /// turn end waits for the records before it (see the durability rule),
+    /// which bounds what an agent can have queued.
     pub(crate) fn submit(&self, entry: Entry) {
         self.submitted.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(entry) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(entry)) => {
-                let tx = self.tx.clone();
-                self.tracker.spawn(async move {
-                    if tx.send(entry).await.is_err() {
-                        tracing::error!("transcript writer gone; entry lost");
-                    }
-                });
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                tracing::error!(path = %self.path.display(), "transcript writer gone; entry lost");
-            }
+        if self.tx.send(entry).is_err() {
+            tracing::error!(path = %self.path.display(), "transcript writer gone; entry lost");
         }
     }
 
@@ -636,10 +633,10 @@ async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
     .map_err(std::io::Error::other)?
 }
 
-/// The writer task's state.
+/// The writer thread's state.
 struct Writer {
-    /// Written and synced on the blocking pool, one trip per batch.
-    file: Arc<std::fs::File>,
+    /// Written and synced once per batch.
+    file: std::fs::File,
     path: PathBuf,
     /// The file's length: whole lines only.
     len: u64,
@@ -656,17 +653,21 @@ impl Writer {
     /// dropped (after one overflow line). An I/O error is counted and
     /// logged; the count still advances so that no gate waits for a write
     /// that failed.
-    async fn run(mut self, mut rx: mpsc::Receiver<Entry>, durable: watch::Sender<u64>) {
-        let mut batch = Vec::with_capacity(QUEUE);
-        while rx.recv_many(&mut batch, QUEUE).await > 0 {
-            self.append(&batch).await;
+    fn run(mut self, rx: &mpsc::Receiver<Entry>, durable: &watch::Sender<u64>) {
+        let mut batch = Vec::with_capacity(BATCH);
+        // Ends when the `Transcript` (the only sender) is dropped and the
+        // queue is empty.
+        while let Ok(first) = rx.recv() {
+            batch.push(first);
+            batch.extend(rx.try_iter().take(BATCH - 1));
+            self.append(&batch);
             let n = batch.len() as u64;
             batch.clear();
             durable.send_modify(|d| *d += n);
         }
     }
 
-    async fn append(&mut self, batch: &[Entry]) {
+    fn append(&mut self, batch: &[Entry]) {
         let start = self.len;
         let overflowed_before = self.overflowed;
         let mut buf = Vec::new();
@@ -706,13 +707,9 @@ impl Writer {
             return;
         }
         let n = buf.len() as u64;
-        let file = self.file.clone();
-        // One trip to the blocking pool for the write and its sync (each
-        // trip is a thread wakeup; a batch of one turn's record is the
-        // common case).
-        let written = tokio::task::spawn_blocking(move || {
+        let written = {
             use std::io::Write;
-            let mut f = &*file;
+            let mut f = &self.file;
             let written = f.write_all(&buf).and_then(|()| f.sync_data());
             if written.is_err() {
                 // A part of the batch may be there: cut it, so no torn
@@ -720,9 +717,7 @@ impl Writer {
                 let _ = f.set_len(start);
             }
             written
-        })
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        };
         if let Err(error) = written {
             // An overflow line is lost with it: the next batch writes it.
             self.overflowed = overflowed_before;
@@ -886,8 +881,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("t.jsonl");
         std::fs::write(&path, format!("{LINE}\n{{\"kind\":\"tu")).expect("write");
-        let tracker = TaskTracker::new();
-        let t = Transcript::open(path.clone(), u64::MAX, &tracker, Arc::new(StatsCell::default()))
+        let t = Transcript::open(path.clone(), u64::MAX, Arc::new(StatsCell::default()))
             .await
             .expect("open");
         let entry: Entry = serde_json::from_str(LINE).expect("an entry");
