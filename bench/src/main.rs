@@ -150,7 +150,8 @@ enum Bench {
         /// Requests per configuration (split across the clients).
         #[arg(long, default_value_t = 2000)]
         requests: usize,
-        /// Pause between two requests of one client (the agent's tool calls), ms.
+        /// Mean pause between two requests of one client (the agent's tool
+        /// calls), ms; each pause is drawn from 0.5–1.5 times it.
         #[arg(long, default_value_t = 0)]
         think_ms: u64,
         /// Concurrent clients (one sandbox each), one configuration per count.

@@ -237,15 +237,19 @@ async fn load(
     think: Duration,
 ) -> anyhow::Result<Vec<Duration>> {
     let mut tasks = tokio::task::JoinSet::new();
-    for url in &urls[..clients.min(urls.len())] {
+    for (idx, url) in urls[..clients.min(urls.len())].iter().enumerate() {
         let (client, url) = (client.clone(), url.clone());
+        // Seeded per client: the same pauses for every target.
+        let mut rng = fastrand::Rng::with_seed(idx as u64);
         tasks.spawn(async move {
             let mut samples = Vec::with_capacity(n);
             for _ in 0..n {
                 samples.push(one(&client, &url, stream).await?);
-                // The agent's tool calls between two turns (part of the workload).
+                // The agent's tool calls between two turns (part of the
+                // workload): 0.5 to 1.5 times `think`, so that the
+                // clients do not all ask at the same timer tick.
                 if !think.is_zero() {
-                    tokio::time::sleep(think).await;
+                    tokio::time::sleep(think.mul_f64(0.5 + rng.f64())).await;
                 }
             }
             anyhow::Ok(samples)
