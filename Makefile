@@ -35,6 +35,8 @@ bench: deps release
 	target/release/crab-bench checkpoint --mb 100,500,1000 --runs 5
 	target/release/crab-bench recovery
 	target/release/crab-bench fastforward
+	target/release/crab-bench proxy
+	target/release/crab-bench proxy --think-ms 20
 	target/release/crab-bench turn
 	target/release/crab-bench inspector
 	target/release/crab-bench faults
