@@ -225,7 +225,7 @@ fn du_unique(dir: &Path) -> anyhow::Result<u64> {
 /// (every 5 s at most): zfs-fuse's accounting lags until then.
 fn zfs_used(pool: &str) -> anyhow::Result<u64> {
     std::thread::sleep(Duration::from_secs(6));
-    let out = Command::new("zfs")
+    let out = crab_tests::zfs::cmd("zfs")
         .args(["get", "-H", "-p", "-o", "value", "used", pool])
         .output()?;
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)

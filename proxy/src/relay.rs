@@ -3,9 +3,16 @@
 //! unix socket on which that sandbox's shim serves its [`crate::Sandbox`]:
 //! the turn counter, transcript and gate live in the shim, so the relay adds
 //! no proxy logic of its own. Bodies stream through both ways unbuffered.
-//! Connections to a socket are kept open between requests (a pool keyed by
-//! the socket's path, so no two sandboxes ever share one); a connection
-//! idle for [`POOL_IDLE`] is closed, well before a shim's own idle limit.
+//! Connections to a socket are kept open between requests, in a pool keyed
+//! by the socket's path: a request is checked against the sandbox's secret
+//! before the pool is asked, and two sandboxes registered at once never
+//! share a path. A kept connection is reused for at most [`POOL_IDLE`]
+//! after its last answer (and closed 5–10 s after it), below a shim's own
+//! limit for a silent connection (its client header timeout, 30 s by
+//! default). A request written on a kept connection that its shim closed at
+//! that moment (the shim restarted) gets 502 `crab_sandbox_exchange_failed`
+//! and is not sent again (the shim may have read it): the agent's SDK
+//! retries it, on a fresh connection.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -87,13 +94,15 @@ pub async fn serve_relay(
     accept_loop(listener, client_header, conns, shutdown, move || relay.clone()).await;
 }
 
-/// How long a connection to a sandbox's socket stays open unused (a shim
-/// drops a silent one after its header timeout, 30 s by default).
+/// How long a connection to a sandbox's socket is reused after its last
+/// answer (a shim drops a silent one after its header timeout, 30 s by
+/// default).
 pub const POOL_IDLE: Duration = Duration::from_secs(5);
 
-/// Unused connections kept per sandbox socket (each holds one of the
-/// sandbox's connection slots).
-const POOL_IDLE_PER_SOCKET: usize = 4;
+/// Unused connections kept per sandbox socket: each holds one of the
+/// sandbox's connection slots, and one serves an agent that asks one
+/// question at a time.
+const POOL_IDLE_PER_SOCKET: usize = 1;
 
 /// The relay's tower service.
 #[derive(Clone)]

@@ -62,6 +62,10 @@ use crate::stats::StatsCell;
 /// Entries the writer takes in one batch (one write, one fsync).
 const BATCH: usize = 64;
 
+/// The bodies queued for the writer past which a new turn waits until
+/// they are written (see [`Transcript::over_budget`]).
+pub(crate) const QUEUE_BUDGET: u64 = 64 << 20;
+
 /// Headers never written to a transcript (lower-case).
 pub const REDACTED_HEADERS: [&str; 6] = [
     "authorization",
@@ -332,6 +336,8 @@ pub(crate) struct Transcript {
     tx: mpsc::Sender<Entry>,
     submitted: AtomicU64,
     durable: watch::Receiver<u64>,
+    /// The body bytes queued and not yet written (shared with the writer).
+    queued: Arc<AtomicU64>,
 }
 
 // === impl RecordedBody ===
@@ -547,7 +553,9 @@ impl Transcript {
         let (tx, rx) = mpsc::channel();
         let (durable_tx, durable) = watch::channel(0);
         let len = file.metadata().await.map_err(failed)?.len();
+        let queued = Arc::new(AtomicU64::new(0));
         let writer = Writer {
+            queued: queued.clone(),
             file: file.into_std().await,
             path: path.clone(),
             len,
@@ -566,6 +574,7 @@ impl Transcript {
             tx,
             submitted: AtomicU64::new(0),
             durable,
+            queued,
         })
     }
 
@@ -573,14 +582,25 @@ impl Transcript {
         &self.path
     }
 
-    /// Queues `entry`; never blocks. The queue is not bounded here: every
-    /// turn end waits for the records before it (see the durability rule),
-    /// which bounds what an agent can have queued.
+    /// Queues `entry`; never blocks. An answer waits for the records
+    /// before its turn, but an agent that drops answers and asks again at
+    /// once does not: new turns wait instead while the queue is over its
+    /// budget (see [`Self::over_budget`]).
     pub(crate) fn submit(&self, entry: Entry) {
         self.submitted.fetch_add(1, Ordering::SeqCst);
-        if self.tx.send(entry).is_err() {
+        let size = body_bytes(&entry);
+        self.queued.fetch_add(size, Ordering::SeqCst);
+        if let Err(mpsc::SendError(entry)) = self.tx.send(entry) {
+            self.queued.fetch_sub(body_bytes(&entry), Ordering::SeqCst);
             tracing::error!(path = %self.path.display(), "transcript writer gone; entry lost");
         }
+    }
+
+    /// Whether more than [`QUEUE_BUDGET`] bytes of bodies wait for the
+    /// writer: a new turn then waits for [`Self::submitted`] to be durable
+    /// first, which bounds what a sandbox can make the proxy hold.
+    pub(crate) fn over_budget(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) > QUEUE_BUDGET
     }
 
     /// How many entries were submitted so far: a target for [`Self::wait_durable`].
@@ -633,8 +653,21 @@ async fn cut_torn_tail(path: &Path) -> std::io::Result<()> {
     .map_err(std::io::Error::other)?
 }
 
+/// The bytes of bodies an entry holds (what its queueing costs).
+fn body_bytes(entry: &Entry) -> u64 {
+    let body = |b: &RecordedBody| match b {
+        RecordedBody::Text(t) | RecordedBody::Base64(t) => t.len() as u64,
+    };
+    match entry {
+        Entry::Turn(r) => body(&r.request.body) + r.response.as_ref().map_or(0, |resp| body(&resp.body)),
+        _ => 0,
+    }
+}
+
 /// The writer thread's state.
 struct Writer {
+    /// [`Transcript::queued`].
+    queued: Arc<AtomicU64>,
     /// Written and synced once per batch.
     file: std::fs::File,
     path: PathBuf,
@@ -662,7 +695,9 @@ impl Writer {
             batch.extend(rx.try_iter().take(BATCH - 1));
             self.append(&batch);
             let n = batch.len() as u64;
+            let bytes = batch.iter().map(body_bytes).sum();
             batch.clear();
+            self.queued.fetch_sub(bytes, Ordering::SeqCst);
             durable.send_modify(|d| *d += n);
         }
     }
@@ -673,6 +708,11 @@ impl Writer {
         let mut buf = Vec::new();
         let mut dropped = 0;
         for entry in batch {
+            if self.overflowed {
+                // Full: not worth encoding.
+                dropped += 1;
+                continue;
+            }
             // Entries hold only strings, numbers and enums: encoding cannot fail.
             let Ok(mut line) = serde_json::to_vec(entry) else {
                 continue;
@@ -889,5 +929,58 @@ mod tests {
         t.wait_durable(1).await;
         let text = std::fs::read_to_string(&path).expect("read");
         assert_eq!(text, format!("{LINE}\n{LINE}\n"));
+    }
+
+    /// Bodies count against the queue's budget until written: two of half
+    /// the budget each are over it, and nothing is once they are durable.
+    #[tokio::test]
+    async fn queued_bodies_count_until_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let t = Transcript::open(
+            dir.path().join("t.jsonl"),
+            u64::MAX,
+            Arc::new(StatsCell::default()),
+        )
+        .await
+        .expect("open");
+        let half = "x".repeat((QUEUE_BUDGET / 2) as usize);
+        let turn = Entry::Turn(TurnRecord {
+            v: 1,
+            sandbox: "sb".into(),
+            turn: 1,
+            branch: 0,
+            api: Api::OpenAiChat,
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            request: RecordedRequest {
+                headers: vec![],
+                body: RecordedBody::Text(half.clone()),
+            },
+            response: Some(RecordedResponse {
+                status: 200,
+                headers: vec![],
+                body: RecordedBody::Text("y".into()),
+                n_bytes: 1,
+                capped: false,
+                end: StreamEnd::Complete,
+            }),
+            error: None,
+            gate: None,
+            timing: Timing {
+                started_unix_ms: 0,
+                headers_us: None,
+                first_byte_us: None,
+                end_us: 0,
+                hold_us: None,
+            },
+        });
+        assert_eq!(body_bytes(&turn), QUEUE_BUDGET / 2 + 1);
+        let divergence: Entry = serde_json::from_str(LINE).expect("an entry");
+        assert_eq!(body_bytes(&divergence), 0);
+        t.submit(turn.clone());
+        t.submit(turn);
+        t.wait_durable(2).await;
+        assert!(!t.over_budget(), "written bodies are no longer queued");
+        assert_eq!(t.queued.load(Ordering::SeqCst), 0);
     }
 }

@@ -99,9 +99,17 @@ where
         req.extensions_mut().insert(ctx);
         let span =
             tracing::info_span!("turn", sandbox = %self.shared.id, turn, branch, bytes = req.body().len());
-        let answer = self.inner.call(req).instrument(span);
+        let shared = self.shared.clone();
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
-            let mut response = answer.await?;
+            if shared.transcript.over_budget() {
+                // An agent that drops its answers and asks again at once
+                // outruns the writer: its turn waits for what is queued.
+                let target = shared.transcript.submitted();
+                shared.transcript.wait_durable(target).await;
+            }
+            let mut response = inner.call(req).instrument(span).await?;
             response
                 .headers_mut()
                 .insert(TURN_HEADER, http::HeaderValue::from(turn));

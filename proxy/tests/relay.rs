@@ -212,30 +212,38 @@ async fn kept_connections_serve_one_sandbox_each_and_a_restarted_socket_is_reach
     };
 
     // Sequential turns, alternating: each lands on its own sandbox, and
-    // each sandbox's socket sees one connection, kept.
-    for _ in 0..3 {
+    // connections are kept (a connection goes back to the pool in a task
+    // of its own after its answer, so a second one may be opened before
+    // the first is back; never one per turn).
+    for _ in 0..4 {
         for id in ["sb1", "sb2"] {
             let resp = turn(id).await.expect("send");
             assert_eq!(resp.status(), 200, "{id}");
             resp.bytes().await.expect("body");
         }
     }
-    assert_eq!((h.sandbox.last_turn(), other.last_turn()), (3, 3));
-    assert_eq!(count1.load(Ordering::SeqCst), 1, "sb1's connection kept");
-    assert_eq!(count2.load(Ordering::SeqCst), 1, "sb2's connection kept");
+    assert_eq!((h.sandbox.last_turn(), other.last_turn()), (4, 4));
+    assert!(count1.load(Ordering::SeqCst) <= 2, "sb1's connections kept");
+    assert!(count2.load(Ordering::SeqCst) <= 2, "sb2's connections kept");
 
     // The shim of sb1 restarts on the same path: its kept connection is
-    // gone, and the next turn reaches the new server.
+    // gone. A turn written on it before the relay saw it close gets a
+    // 502 and is not sent again; the next reaches the new server.
     stop1.cancel();
     server1.await.expect("first server ends");
     let count3 = Arc::new(AtomicUsize::new(0));
     let stop3 = CancellationToken::new();
     let server3 = serve_counting(&one, h.sandbox.clone(), count3.clone(), stop3.clone()).await;
-    let resp = turn("sb1").await.expect("send");
+    let mut resp = turn("sb1").await.expect("send");
+    if resp.status() == 502 {
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(body["error"]["type"], "crab_sandbox_exchange_failed");
+        resp = turn("sb1").await.expect("send");
+    }
     assert_eq!(resp.status(), 200, "a restarted socket is reached");
     resp.bytes().await.expect("body");
     assert_eq!(count3.load(Ordering::SeqCst), 1);
-    assert_eq!(h.sandbox.last_turn(), 4);
+    assert_eq!(h.sandbox.last_turn(), 5, "every turn counted once");
 
     shutdown.cancel();
     stop2.cancel();

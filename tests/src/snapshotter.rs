@@ -22,7 +22,7 @@ impl Snapshotter {
     pub fn start(pool: &Pool) -> Self {
         let dataset = format!("{}/snaps", pool.name);
         crate::ok(
-            Command::new("zfs")
+            crate::zfs::cmd("zfs")
                 .args(["create", "-p", &dataset])
                 .output()
                 .expect("zfs create"),

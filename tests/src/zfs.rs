@@ -1,7 +1,7 @@
 //! zfs-fuse for tests: the daemon (started if absent, left running for
 //! the next test), a turn at it, and file-backed pools destroyed on drop.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::{unique, wait_until};
@@ -29,7 +29,7 @@ impl ZfsFuse {
             .map_err(|(_, e)| e)
             .expect("lock");
         let up = || {
-            Command::new("zpool")
+            cmd("zpool")
                 .arg("list")
                 .output()
                 .is_ok_and(|o| o.status.success())
@@ -48,6 +48,35 @@ impl ZfsFuse {
         wait_until(20, || up().then_some(())).expect("zfs-fuse did not come up");
         ZfsFuse { _turn: turn }
     }
+}
+
+/// The turn crab's own `zfs` and `zpool` commands take on zfs-fuse (see
+/// `crab_snapshotter`'s `command` module).
+const PRODUCT_TURN: &str = "/run/crab/zfs-fuse.lock";
+
+/// `program` (`zfs` or `zpool`) as a test runs it: on zfs-fuse it waits
+/// for and holds the turn crab's own commands take (a test's `zfs list`
+/// must not run beside a snapshotter's `zfs destroy`), through `flock(1)`.
+pub fn cmd(program: &str) -> Command {
+    if Path::new("/dev/zfs").exists() {
+        return Command::new(program);
+    }
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let _ = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create("/run/crab");
+    // Made as crab makes it (0600, no symlink followed) before flock(1)
+    // would make it 0644.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(PRODUCT_TURN);
+    let mut cmd = Command::new("flock");
+    cmd.args([PRODUCT_TURN, program]);
+    cmd
 }
 
 /// A pool on a sparse file, mounted under a private directory.
@@ -73,7 +102,7 @@ impl Pool {
                 .expect("truncate"),
         );
         crate::ok(
-            Command::new("zpool")
+            cmd("zpool")
                 .args(["create", "-m"])
                 .arg(dir.join("mnt"))
                 .arg(&name)
@@ -91,7 +120,7 @@ impl Pool {
 
     /// `zfs list -H -o name -r DATASET` as lines.
     pub fn datasets(&self, under: &str) -> Vec<String> {
-        let out = Command::new("zfs")
+        let out = cmd("zfs")
             .args(["list", "-H", "-o", "name", "-t", "filesystem", "-r", under])
             .output()
             .expect("zfs list");
@@ -106,7 +135,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // zfs-fuse reports a pool busy for a moment after its last unmount.
         wait_until(10, || {
-            Command::new("zpool")
+            cmd("zpool")
                 .args(["destroy", "-f", &self.name])
                 .status()
                 .is_ok_and(|s| s.success())

@@ -164,7 +164,7 @@ fn ctr_run_on_crabzfs() {
     assert!(out.ends_with("--\nc\n"), "{out}");
     // The write landed in the container's own dataset.
     let landed = wait_until(10, || {
-        let out = Command::new("zfs")
+        let out = crab_tests::zfs::cmd("zfs")
             .args(["list", "-H", "-o", "name,mountpoint", "-r", &s.snap.dataset])
             .output()
             .ok()?;
@@ -180,7 +180,7 @@ fn ctr_run_on_crabzfs() {
     .expect("exactly one dataset holds the write");
     // Every dataset is mounted beneath the root's mountpoint, root's alone:
     // no other host user reaches a sandbox's files (its setuid copies).
-    let out = Command::new("zfs")
+    let out = crab_tests::zfs::cmd("zfs")
         .args(["get", "-H", "-o", "value", "mountpoint", &s.snap.dataset])
         .output()
         .unwrap();
@@ -231,7 +231,7 @@ fn orphaned_generations_are_reclaimed() {
     let mut s = Setup::start();
     s.import(crab_tests::image::busybox_archive());
     let before = s.datasets();
-    let zfs = |args: &[&str]| ok(Command::new("zfs").args(args).output().unwrap());
+    let zfs = |args: &[&str]| ok(crab_tests::zfs::cmd("zfs").args(args).output().unwrap());
     let root = &s.snap.dataset;
     // A removed sandbox 900's two generations, the second a clone of the
     // first's snapshot; and a generation of a live record's dataset.
@@ -435,7 +435,7 @@ fn crabctl_rollback_on_crabzfs() {
     }
     // A version removed takes its ZFS snapshot with it; v1's stays.
     let snapshots = || -> String {
-        let out = Command::new("zfs")
+        let out = crab_tests::zfs::cmd("zfs")
             .args(["list", "-H", "-t", "snapshot", "-o", "name"])
             .output()
             .unwrap();
