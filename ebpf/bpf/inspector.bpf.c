@@ -1438,13 +1438,20 @@ int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 /* Follows task `pid`, born into sandbox `cg` in its turn `ctl->gen`. */
 static __always_inline void follow_task(__u64 cg, __u64 gen, __u32 pid)
 {
-	/* A task moved in may have an entry: its mark and call in flight
-	 * leave the counts with it. */
+	/* A task moved in may have an entry (followed in another sandbox):
+	 * it is made new in place. Its call in flight and resume mark stay:
+	 * they are the task's own handlers' to end, on its CPU, and this
+	 * runs in the mover's context; replacing the entry would free the
+	 * element those handlers may be writing (a preallocated element is
+	 * reused at once) and end the call's count twice. The generations
+	 * it kept are another sandbox's. */
 	struct crab_task *old = bpf_map_lookup_elem(&crab_tasks, &pid);
 	if (old) {
-		clear_mark(old);
-		if (old->nr >= 0)
-			inflight_done();
+		old->born_gen = gen;
+		old->active_gen = gen;
+		old->compat_gen = 0;
+		old->traced_gen = 0;
+		return;
 	}
 	struct crab_task t = { .born_gen = gen, .active_gen = gen, .nr = -1 };
 	if (bpf_map_update_elem(&crab_tasks, &pid, &t, BPF_ANY))

@@ -122,6 +122,41 @@ fn persistent_shell_and_noise() {
     insp.unregister("shell").expect("unregister");
 }
 
+/// A task followed in one sandbox and moved into another (its entry made
+/// new in place by the move, in the mover's context) is followed there:
+/// its work counts in the second sandbox's turns, not the first's.
+#[test]
+fn a_task_moved_between_sandboxes_is_followed_in_the_second() {
+    let insp = inspector(&["sh"], 1 << 20, true);
+    let (from, to) = (TestCgroup::new(), TestCgroup::new());
+    let work = work_dir();
+    let mut sh = from.shell(&work.0);
+    sh.run("true");
+    insp.register("from", &from.dir).expect("register");
+    insp.register("to", &to.dir).expect("register");
+    sh.run("echo x > before");
+    assert_eq!(insp.turn_end("from").expect("turn").class, Class::Fs);
+    assert_eq!(insp.turn_end("to").expect("turn").class, Class::None);
+
+    std::fs::write(to.dir.join("cgroup.procs"), sh.pid().to_string()).expect("move the shell");
+    // The move's own classes are not this test's.
+    insp.turn_end("from").expect("turn");
+    insp.turn_end("to").expect("turn");
+
+    sh.run("echo y > after");
+    let r = insp.turn_end("to").expect("turn");
+    assert_eq!(r.class, Class::Fs, "{r:#?}");
+    assert_eq!(insp.turn_end("from").expect("turn").class, Class::None);
+    sh.run("cd /");
+    let r = insp.turn_end("to").expect("turn");
+    assert_eq!(r.class, Class::Proc, "{r:#?}");
+    assert!(matches!(r.reasons[0], Reason::Chdir { pid, .. } if pid == sh.pid()));
+
+    drop(sh);
+    insp.unregister("from").expect("unregister");
+    insp.unregister("to").expect("unregister");
+}
+
 /// A ring buffer of 4 KiB pages that nobody drains during the turn: the
 /// records of 200 new files cannot fit, and the turn is full with the reason.
 #[test]
