@@ -106,7 +106,8 @@ fn open_gate(
                     (GateOutcome::RolledBack, Some(r))
                 }
                 (Ok(Ok(TurnVerdict::Safe)), Err(_)) => (GateOutcome::TranscriptTimedOut, None),
-                (Ok(Ok(TurnVerdict::Safe)), Ok(())) => (GateOutcome::Opened, None),
+                (Ok(Ok(TurnVerdict::Safe)), Ok(Err(_lost))) => (GateOutcome::TranscriptFailed, None),
+                (Ok(Ok(TurnVerdict::Safe)), Ok(Ok(()))) => (GateOutcome::Opened, None),
             }
         };
         let outcome = tokio::select! {

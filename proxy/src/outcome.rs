@@ -15,6 +15,10 @@ pub enum GateOutcome {
     HookTimedOut,
     /// Earlier records were not durable within the hook timeout.
     TranscriptTimedOut,
+    /// An earlier record could not be written (a failing or full disk):
+    /// the conversation up to this turn has a hole, and every later
+    /// turn's gate says so too.
+    TranscriptFailed,
     /// The sandbox shut down before the gate opened.
     Cancelled,
     /// The engine rolled the turn back (a safety rule): the agent got the

@@ -31,6 +31,8 @@ pub struct SandboxStats {
     pub n_hook_timeouts: u64,
     /// Turns whose predecessors' records were not durable within the timeout.
     pub n_transcript_timeouts: u64,
+    /// Turns released although a record before them could not be written.
+    pub n_transcript_failures: u64,
     /// Transcript entries that could not be written.
     pub n_transcript_errors: u64,
     /// Transcript entries dropped because the transcript reached its size
@@ -111,6 +113,7 @@ impl StatsCell {
             GateOutcome::HookFailed => s.n_hook_failures += 1,
             GateOutcome::HookTimedOut => s.n_hook_timeouts += 1,
             GateOutcome::TranscriptTimedOut => s.n_transcript_timeouts += 1,
+            GateOutcome::TranscriptFailed => s.n_transcript_failures += 1,
             GateOutcome::Cancelled | GateOutcome::RolledBack => {}
         }
         if !hold.hold.is_zero() {

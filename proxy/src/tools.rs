@@ -268,11 +268,14 @@ pub(crate) async fn run(
     shared.transcript.submit(Entry::Tool(record));
     // Answered once recorded, as a turn is (bounded as the hold is).
     let durable = shared.transcript.wait_durable(shared.transcript.submitted());
-    if tokio::time::timeout(shared.config.timeouts.hook, durable)
-        .await
-        .is_err()
-    {
-        tracing::warn!(sandbox = %shared.id, tool = name, "tool call answered before its record was durable");
+    match tokio::time::timeout(shared.config.timeouts.hook, durable).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_lost)) => {
+            tracing::warn!(sandbox = %shared.id, tool = name, "tool call answered though a record could not be written");
+        }
+        Err(_) => {
+            tracing::warn!(sandbox = %shared.id, tool = name, "tool call answered before its record was durable");
+        }
     }
     match &result {
         Ok(_) => tracing::info!(sandbox = %shared.id, tool = name, via, inside, "agent tool call"),

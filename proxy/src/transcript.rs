@@ -10,7 +10,7 @@
 //!  "response":{"status":200,"headers":[…],"body":{"text":"event: …"},
 //!              "n_bytes":1234,"capped":false,"end":"complete"},   // null if none
 //!  "error":null,                       // or "upstream_unreachable", "upstream_header_timeout", …
-//!  "gate":"opened",                    // or hook_failed, hook_timed_out, transcript_timed_out, cancelled, null
+//!  "gate":"opened",                    // or hook_failed, hook_timed_out, transcript_timed_out, transcript_failed, cancelled, rolled_back, null
 //!  "timing":{"started_unix_ms":…,"headers_us":…,"first_byte_us":…,"end_us":…,"hold_us":…}}
 //! {"v":1,"kind":"divergence","sandbox":"s1","turn":2,"path":"/v1/messages",
 //!  "expected_sha256":"…","got_sha256":"…","unix_ms":…}
@@ -37,7 +37,8 @@
 //! Durability rule. Invariant: the answer to a turn is released only after
 //! every record that was submitted before that turn's request arrived is
 //! written and fsynced (or after the hook timeout, recorded as gate outcome
-//! `transcript_timed_out`). A record is submitted when its exchange ends, so
+//! `transcript_timed_out`; or once one of them could not be written, as
+//! `transcript_failed`: the agent is not wedged by a failing disk). A record is submitted when its exchange ends, so
 //! for an agent that waits for each answer before its next request, turn N's
 //! record is durable before turn N+1's answer is released.
 
@@ -338,7 +339,14 @@ pub(crate) struct Transcript {
     durable: watch::Receiver<u64>,
     /// The body bytes queued and not yet written (shared with the writer).
     queued: Arc<AtomicU64>,
+    /// The index of the first entry that could not be written, or
+    /// `u64::MAX` (set by the writer before it counts the entry done).
+    first_lost: Arc<AtomicU64>,
 }
+
+/// A record before the target could not be written, or the writer is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Lost;
 
 // === impl RecordedBody ===
 
@@ -554,8 +562,11 @@ impl Transcript {
         let (durable_tx, durable) = watch::channel(0);
         let len = file.metadata().await.map_err(failed)?.len();
         let queued = Arc::new(AtomicU64::new(0));
+        let first_lost = Arc::new(AtomicU64::new(u64::MAX));
         let writer = Writer {
             queued: queued.clone(),
+            first_lost: first_lost.clone(),
+            done: 0,
             file: file.into_std().await,
             path: path.clone(),
             len,
@@ -575,6 +586,7 @@ impl Transcript {
             submitted: AtomicU64::new(0),
             durable,
             queued,
+            first_lost,
         })
     }
 
@@ -608,12 +620,22 @@ impl Transcript {
         self.submitted.load(Ordering::SeqCst)
     }
 
-    /// A future that resolves once `target` entries are durable.
-    pub(crate) fn wait_durable(&self, target: u64) -> impl std::future::Future<Output = ()> + Send + 'static {
+    /// A future that resolves once the writer is done with the first
+    /// `target` entries: Ok when all of them are durable, [`Lost`] when one
+    /// could not be written (or the writer is gone).
+    pub(crate) fn wait_durable(
+        &self,
+        target: u64,
+    ) -> impl std::future::Future<Output = Result<(), Lost>> + Send + 'static {
         let mut durable = self.durable.clone();
+        let first_lost = self.first_lost.clone();
         async move {
             // An Err means the writer ended: nothing more will become durable.
-            let _ = durable.wait_for(|d| *d >= target).await;
+            durable.wait_for(|d| *d >= target).await.map_err(|_| Lost)?;
+            match first_lost.load(Ordering::SeqCst) < target {
+                true => Err(Lost),
+                false => Ok(()),
+            }
         }
     }
 }
@@ -668,6 +690,10 @@ fn body_bytes(entry: &Entry) -> u64 {
 struct Writer {
     /// [`Transcript::queued`].
     queued: Arc<AtomicU64>,
+    /// [`Transcript::first_lost`].
+    first_lost: Arc<AtomicU64>,
+    /// Entries done with (written, dropped or lost).
+    done: u64,
     /// Written and synced once per batch.
     file: std::fs::File,
     path: PathBuf,
@@ -693,16 +719,20 @@ impl Writer {
         while let Ok(first) = rx.recv() {
             batch.push(first);
             batch.extend(rx.try_iter().take(BATCH - 1));
-            self.append(&batch);
+            if !self.append(&batch) {
+                self.first_lost.fetch_min(self.done, Ordering::SeqCst);
+            }
             let n = batch.len() as u64;
             let bytes = batch.iter().map(body_bytes).sum();
             batch.clear();
+            self.done += n;
             self.queued.fetch_sub(bytes, Ordering::SeqCst);
             durable.send_modify(|d| *d += n);
         }
     }
 
-    fn append(&mut self, batch: &[Entry]) {
+    /// Appends `batch`; false when it could not be written.
+    fn append(&mut self, batch: &[Entry]) -> bool {
         let start = self.len;
         let overflowed_before = self.overflowed;
         let mut buf = Vec::new();
@@ -744,7 +774,7 @@ impl Writer {
             self.stats.update(|s| s.n_transcript_dropped += dropped);
         }
         if buf.is_empty() {
-            return;
+            return true;
         }
         let n = buf.len() as u64;
         let written = {
@@ -764,9 +794,10 @@ impl Writer {
             self.stats.update(|s| s.n_transcript_errors += batch.len() as u64);
             let (sandbox, turn) = batch.first().map_or(("", 0), sandbox_of);
             tracing::error!(sandbox, turn, path = %self.path.display(), %error, n_entries = batch.len(), "transcript append failed");
-            return;
+            return false;
         }
         self.len = start + n;
+        true
     }
 }
 
@@ -926,7 +957,7 @@ mod tests {
             .expect("open");
         let entry: Entry = serde_json::from_str(LINE).expect("an entry");
         t.submit(entry);
-        t.wait_durable(1).await;
+        t.wait_durable(1).await.expect("written");
         let text = std::fs::read_to_string(&path).expect("read");
         assert_eq!(text, format!("{LINE}\n{LINE}\n"));
     }
@@ -979,7 +1010,7 @@ mod tests {
         assert_eq!(body_bytes(&divergence), 0);
         t.submit(turn.clone());
         t.submit(turn);
-        t.wait_durable(2).await;
+        t.wait_durable(2).await.expect("written");
         assert!(!t.over_budget(), "written bodies are no longer queued");
         assert_eq!(t.queued.load(Ordering::SeqCst), 0);
     }

@@ -8,6 +8,7 @@ mod support;
 use std::time::Duration;
 
 use crab_proxy::transcript::StreamEnd;
+use crab_proxy::GateOutcome;
 use support::{chat_body, messages_body, Harness};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -225,6 +226,18 @@ async fn a_failing_transcript_disk_is_counted_and_never_wedges_the_agent() {
         stats.n_transcript_timeouts, 0,
         "a failed write does not hold the next answer"
     );
+    // The first turn had nothing before it; the others say their
+    // conversation has a hole.
+    let outcomes: Vec<GateOutcome> = stats.recent.iter().map(|r| r.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [
+            GateOutcome::Opened,
+            GateOutcome::TranscriptFailed,
+            GateOutcome::TranscriptFailed
+        ]
+    );
+    assert_eq!(stats.n_transcript_failures, 2);
 }
 
 #[tokio::test]
