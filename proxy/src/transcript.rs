@@ -46,14 +46,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 
 use base64::Engine as _;
 use bytes::Bytes;
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
-use std::sync::mpsc;
-
 use tokio::sync::watch;
 
 use crate::outcome::GateOutcome;
@@ -566,7 +564,6 @@ impl Transcript {
         let writer = Writer {
             queued: queued.clone(),
             first_lost: first_lost.clone(),
-            done: 0,
             file: file.into_std().await,
             path: path.clone(),
             len,
@@ -602,8 +599,8 @@ impl Transcript {
         self.submitted.fetch_add(1, Ordering::SeqCst);
         let size = body_bytes(&entry);
         self.queued.fetch_add(size, Ordering::SeqCst);
-        if let Err(mpsc::SendError(entry)) = self.tx.send(entry) {
-            self.queued.fetch_sub(body_bytes(&entry), Ordering::SeqCst);
+        if self.tx.send(entry).is_err() {
+            self.queued.fetch_sub(size, Ordering::SeqCst);
             tracing::error!(path = %self.path.display(), "transcript writer gone; entry lost");
         }
     }
@@ -632,10 +629,10 @@ impl Transcript {
         async move {
             // An Err means the writer ended: nothing more will become durable.
             durable.wait_for(|d| *d >= target).await.map_err(|_| Lost)?;
-            match first_lost.load(Ordering::SeqCst) < target {
-                true => Err(Lost),
-                false => Ok(()),
+            if first_lost.load(Ordering::SeqCst) < target {
+                return Err(Lost);
             }
+            Ok(())
         }
     }
 }
@@ -692,8 +689,6 @@ struct Writer {
     queued: Arc<AtomicU64>,
     /// [`Transcript::first_lost`].
     first_lost: Arc<AtomicU64>,
-    /// Entries done with (written, dropped or lost).
-    done: u64,
     /// Written and synced once per batch.
     file: std::fs::File,
     path: PathBuf,
@@ -710,8 +705,9 @@ impl Writer {
     /// Appends what is queued, fsyncs once per batch (group commit), then
     /// publishes the new durable count. Past the size limit entries are
     /// dropped (after one overflow line). An I/O error is counted and
-    /// logged; the count still advances so that no gate waits for a write
-    /// that failed.
+    /// logged, and the first lost entry noted for [`Transcript::wait_durable`];
+    /// the count still advances so that no gate waits for a write that
+    /// failed.
     fn run(mut self, rx: &mpsc::Receiver<Entry>, durable: &watch::Sender<u64>) {
         let mut batch = Vec::with_capacity(BATCH);
         // Ends when the `Transcript` (the only sender) is dropped and the
@@ -720,12 +716,12 @@ impl Writer {
             batch.push(first);
             batch.extend(rx.try_iter().take(BATCH - 1));
             if !self.append(&batch) {
-                self.first_lost.fetch_min(self.done, Ordering::SeqCst);
+                // The batch's first entry: the count of those before it.
+                self.first_lost.fetch_min(*durable.borrow(), Ordering::SeqCst);
             }
             let n = batch.len() as u64;
             let bytes = batch.iter().map(body_bytes).sum();
             batch.clear();
-            self.done += n;
             self.queued.fetch_sub(bytes, Ordering::SeqCst);
             durable.send_modify(|d| *d += n);
         }
