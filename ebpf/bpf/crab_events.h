@@ -36,7 +36,7 @@ enum crab_kind {
 #define CRAB_UNSURE_CALL 0	/* the call itself (op) */
 #define CRAB_UNSURE_COMPAT 1	/* op is a 32-bit (int 0x80) or x32 call number */
 #define CRAB_UNSURE_PROC_MEM 2	/* op wrote a /proc/<pid>/mem */
-#define CRAB_UNSURE_CGROUP 3	/* task op was moved to a cgroup no sandbox is */
+#define CRAB_UNSURE_CGROUP 3	/* task op was moved, or cloned, into a cgroup no sandbox is */
 #define CRAB_UNSURE_TRACED 4	/* a tracer outside the sandbox stopped the task
 				 * while no checkpoint ran */
 

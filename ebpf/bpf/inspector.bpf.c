@@ -1458,17 +1458,35 @@ static __always_inline void follow_task(__u64 cg, __u64 gen, __u32 pid)
 		count(cg, 0);
 }
 
-SEC("tracepoint/sched/sched_process_fork")
-int crab_fork(struct trace_event_raw_sched_process_fork *ctx)
+/* A raw tracepoint: the child's task is at hand (args: parent, child), so
+ * its cgroup is read where clone3's CLONE_INTO_CGROUP put it, a move no
+ * cgroup_attach_task event reports. */
+SEC("raw_tracepoint/sched_process_fork")
+int crab_fork(struct bpf_raw_tracepoint_args *ctx)
 {
+	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
+	struct task_struct *child = (struct task_struct *)((__u64 *)ctx)[1];
+	__u32 child_pid = BPF_CORE_READ(child, pid);
+	__u64 child_cg = BPF_CORE_READ(child, cgroups, dfl_cgrp, kn, id);
 	__u64 cg;
 	struct crab_ctl *ctl = current_sandbox(&cg);
+	if (child_cg != cg) {
+		/* Born into a cgroup other than its parent's: followed there
+		 * when that is a sandbox; a sandbox's task that made it out of
+		 * its own cgroup cannot say what it does. */
+		struct crab_ctl *dst = bpf_map_lookup_elem(&crab_ctl, &child_cg);
+		if (dst)
+			follow_task(child_cg, dst->gen, child_pid);
+		else if (ctl)
+			unsure(cg, ctl->gen, child_pid, CRAB_UNSURE_CGROUP);
+	}
 	if (!ctl)
 		return 0;
 	/* Read once: user space replaces the element at turn ends. */
 	__u64 gen = ctl->gen;
 	int by_criu = injected(bpf_get_current_task_btf(), cg, ctl);
-	follow_task(cg, gen, ctx->child_pid);
+	if (child_cg == cg)
+		follow_task(cg, gen, child_pid);
 	/* The new task runs, and is reported only through its process (a
 	 * thread's running is its parent's): the parent ran, even when its
 	 * clone resumed one a freeze interrupted. */

@@ -220,7 +220,7 @@ impl Ledger {
                     ev.op
                 ),
                 unsure::CGROUP => format!(
-                    "{} (pid {}) moved task {} into a cgroup outside the sandbox, where it is not followed",
+                    "{} (pid {}) put task {} into a cgroup outside the sandbox (moved it there, or cloned it into it), where it is not followed",
                     ev.comm(),
                     ev.pid,
                     ev.op

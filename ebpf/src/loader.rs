@@ -35,14 +35,22 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inspector.bpf.o
 /// is registered.
 const SYSCALL_PROGRAMS: [(&str, &str); 2] = [("crab_sys_enter", "sys_enter"), ("crab_sys_exit", "sys_exit")];
 
-/// (program, tracepoint category, tracepoint name) of the programs
-/// attached for as long as they are pinned.
-const PROGRAMS: [(&str, &str, &str); 5] = [
-    ("crab_fork", "sched", "sched_process_fork"),
-    ("crab_exec", "sched", "sched_process_exec"),
-    ("crab_exit", "sched", "sched_process_exit"),
-    ("crab_attach", "cgroup", "cgroup_attach_task"),
-    ("crab_signal", "signal", "signal_deliver"),
+/// Where a program attaches.
+enum Hook {
+    /// A tracepoint: (category, name).
+    Tracepoint(&'static str, &'static str),
+    /// A raw tracepoint, whose arguments are the kernel's own pointers.
+    Raw(&'static str),
+}
+
+/// (program, hook) of the programs attached for as long as they are
+/// pinned.
+const PROGRAMS: [(&str, Hook); 5] = [
+    ("crab_fork", Hook::Raw("sched_process_fork")),
+    ("crab_exec", Hook::Tracepoint("sched", "sched_process_exec")),
+    ("crab_exit", Hook::Tracepoint("sched", "sched_process_exit")),
+    ("crab_attach", Hook::Tracepoint("cgroup", "cgroup_attach_task")),
+    ("crab_signal", Hook::Tracepoint("signal", "signal_deliver")),
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
@@ -96,7 +104,7 @@ pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
     })?;
     let links: Vec<PathBuf> = PROGRAMS
         .iter()
-        .map(|(name, _, _)| build.join(format!("link_{name}")))
+        .map(|(name, _)| build.join(format!("link_{name}")))
         .collect();
     let syscalls = Syscalls { build: build.clone() };
     let pinned = links.iter().chain(&syscalls.programs()).all(|p| p.exists());
@@ -227,8 +235,8 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
         .map_max_entries("crab_events", ring_bytes)
         .load(OBJECT)
         .map_err(Error::Load)?;
-    for ((name, category, tracepoint), pin) in PROGRAMS.iter().zip(links) {
-        attach(&mut ebpf, name, category, tracepoint, pin)?;
+    for ((name, hook), pin) in PROGRAMS.iter().zip(links) {
+        attach(&mut ebpf, name, hook, pin)?;
     }
     for (name, _) in SYSCALL_PROGRAMS {
         let program_err = |source| Error::Program { name, source };
@@ -252,17 +260,28 @@ fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> 
     })
 }
 
-fn attach(ebpf: &mut Ebpf, name: &'static str, category: &str, tp: &str, pin: &Path) -> Result<()> {
+fn attach(ebpf: &mut Ebpf, name: &'static str, hook: &Hook, pin: &Path) -> Result<()> {
     let program_err = |source| Error::Program { name, source };
     let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
-    let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
-    program.load().map_err(program_err)?;
-    let id = program.attach(category, tp).map_err(program_err)?;
-    let link = program.take_link(id).map_err(program_err)?;
-    let fd_link = FdLink::try_from(link).map_err(|source| Error::PinnedLink {
-        path: pin.to_owned(),
-        source,
-    })?;
+    let fd_link: FdLink = match *hook {
+        Hook::Tracepoint(category, tp) => {
+            let program: &mut TracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+            program.load().map_err(program_err)?;
+            let id = program.attach(category, tp).map_err(program_err)?;
+            let link = program.take_link(id).map_err(program_err)?;
+            FdLink::try_from(link).map_err(|source| Error::PinnedLink {
+                path: pin.to_owned(),
+                source,
+            })?
+        }
+        Hook::Raw(tp) => {
+            let program: &mut RawTracePoint =
+                program.try_into().map_err(|_| Error::MissingProgram { name })?;
+            program.load().map_err(program_err)?;
+            let id = program.attach(tp).map_err(program_err)?;
+            program.take_link(id).map_err(program_err)?.into()
+        }
+    };
     pin_link(fd_link, pin)
 }
 

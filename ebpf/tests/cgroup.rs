@@ -598,3 +598,47 @@ fn a_tracer_below_the_sandbox_makes_the_turn_full() {
     );
     insp.unregister("below").expect("unregister");
 }
+
+/// A task born straight into another cgroup (`clone3` with
+/// `CLONE_INTO_CGROUP`) raises no attach event and runs where the programs
+/// do not match: the turn that made it is full, even when the task has
+/// written a file and gone by the turn end.
+#[test]
+fn a_task_cloned_into_another_cgroup_makes_the_turn_full() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    insp.register("clone3", &cg.dir).expect("register");
+    let child = cg.dir.join("born");
+    std::fs::create_dir(&child).expect("create the child cgroup");
+    // clone3(struct clone_args { flags, pidfd, child_tid, parent_tid,
+    // exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup }).
+    let clone_into = r#"
+import ctypes, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+args = ctypes.create_string_buffer(struct.pack("11Q", 0x200000000, 0, 0, 0, 17, 0, 0, 0, 0, 0, fd))
+pid = ctypes.CDLL(None, use_errno=True).syscall(435, args, 88)
+if pid == 0:
+    with open("born.txt", "w") as f:
+        f.write("from the child cgroup")
+    os._exit(0)
+if pid < 0:
+    sys.exit("clone3: errno %d" % ctypes.get_errno())
+_, status = os.waitpid(pid, 0)
+sys.exit(status)
+"#;
+    let script = format!("/usr/bin/python3 -c '{clone_into}' {}", child.display());
+    let out = cg.run(&work.0, &script);
+    assert!(out.status.success(), "{out:?}");
+    assert!(work.0.join("born.txt").exists(), "the child wrote its file");
+    crab_tests::wait_until(10, || std::fs::remove_dir(&child).ok()).expect("the child cgroup empties");
+    let r = insp.turn_end("clone3").expect("turn end");
+    assert_eq!(r.class, Class::Full, "{r:#?}");
+    assert!(
+        r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Unsure { why } if why.contains("cgroup outside the sandbox"))),
+        "{r:#?}"
+    );
+    insp.unregister("clone3").expect("unregister");
+}
