@@ -51,7 +51,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define SIG_IGN 1
 #define SYSCALL_INSN_LEN 2	/* x86_64 `syscall` */
 #define USER_CS 0x33		/* the 64-bit user code segment */
-#define CGROUP_DEPTH 16	/* cgroup levels walked up from a tracer (deeper: never CRIU) */
+#define CGROUP_LEVELS_MASK 0xfff	/* cgroup levels an ancestor is read at (deeper: never CRIU) */
 
 /* x86_64 syscall numbers of the calls the inspector follows. */
 #define NR_write 1
@@ -711,24 +711,51 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 #define TRACER_OUTSIDE 1 /* by a task outside the sandbox: CRIU during a capture */
 #define TRACER_BELOW 2   /* by a task in a cgroup below the sandbox's: never CRIU */
 
+/* Before Linux 6.0 a cgroup kept its ancestors' ids, not pointers (CO-RE
+ * flavour, matched by name). */
+struct cgroup___ancestor_ids {
+	__u64 ancestor_ids[0];
+} __attribute__((preserve_access_index));
+
+/* The id of cgroup c's ancestor at `level` (c itself at its own level); 0
+ * when unreadable. */
+static __always_inline __u64 ancestor_id(struct cgroup *c, int level)
+{
+	__u64 at = (__u64)(level & CGROUP_LEVELS_MASK) * sizeof(__u64);
+	if (bpf_core_field_exists(c->ancestors)) {
+		struct cgroup *a = NULL;
+		bpf_probe_read_kernel(&a, sizeof(a), (void *)c + bpf_core_field_offset(c->ancestors) + at);
+		return a ? BPF_CORE_READ(a, kn, id) : 0;
+	}
+	struct cgroup___ancestor_ids *old = (void *)c;
+	__u64 id = 0;
+	bpf_probe_read_kernel(&id, sizeof(id), (void *)c + bpf_core_field_offset(old->ancestor_ids) + at);
+	return id;
+}
+
 /* Where the task's tracer is. A tracer in the sandbox's own cgroup is its
  * own running, followed call by call; one below it is not followed (the
  * programs match the sandbox's cgroup only) and may write the task's
- * memory, so it counts as a stranger that is never CRIU. */
+ * memory, so it counts as a stranger that is never CRIU. Below means: the
+ * tracer's cgroup is deeper than the sandbox's (the task's own) and its
+ * ancestor at the sandbox's level is the sandbox, however deep either is. */
 static __always_inline int tracer_place(struct task_struct *task, __u64 cg)
 {
 	if (!task->ptrace)
 		return TRACER_NONE;
 	struct cgroup *c = BPF_CORE_READ(task, parent, cgroups, dfl_cgrp);
-	for (int i = 0; i < CGROUP_DEPTH; i++) { /* a bounded loop */
-		if (!c)
-			return TRACER_OUTSIDE;
-		if (BPF_CORE_READ(c, kn, id) == cg)
-			return i == 0 ? TRACER_NONE : TRACER_BELOW;
-		c = BPF_CORE_READ(c, self.parent, cgroup);
-	}
-	/* Deeper than the walk goes: it may be below, so never CRIU. */
-	return TRACER_BELOW;
+	struct cgroup *own = BPF_CORE_READ(task, cgroups, dfl_cgrp);
+	if (!c || !own)
+		return TRACER_OUTSIDE;
+	int level = BPF_CORE_READ(own, level);
+	int tracer_level = BPF_CORE_READ(c, level);
+	if (tracer_level < level)
+		return TRACER_OUTSIDE;
+	if (tracer_level == level)
+		return BPF_CORE_READ(c, kn, id) == cg ? TRACER_NONE : TRACER_OUTSIDE;
+	if (level > CGROUP_LEVELS_MASK)
+		return TRACER_BELOW; /* unreadable: it may be below, so never CRIU */
+	return ancestor_id(c, level) == cg ? TRACER_BELOW : TRACER_OUTSIDE;
 }
 
 /* Whether the current call is one a checkpoint made the task make: CRIU's

@@ -642,3 +642,60 @@ sys.exit(status)
     );
     insp.unregister("clone3").expect("unregister");
 }
+
+/// A tracer outside the sandbox is CRIU while a capture runs, however deep
+/// its cgroup is (nested containers): its calls are not the sandbox's, and
+/// nothing is unsure. The programs compare cgroup levels; a walk up a fixed
+/// number of levels took a deep outsider for one below the sandbox.
+#[test]
+fn a_deep_tracer_outside_the_sandbox_is_criu_during_a_capture() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    let pid = in_background(&cg, &work.0, "sleep 1000");
+    crab_tests::wait_until(60, || {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).ok()?;
+        matches!(text.split_whitespace().next(), Some("230" | "35")).then_some(())
+    })
+    .expect("the sleep sleeps");
+    insp.register("deep", &cg.dir).expect("register");
+
+    // 20 levels below the root, beside the sandbox's cgroup.
+    let top = crab_inspector::unified_mount()
+        .expect("cgroup2")
+        .join(crab_tests::unique("crab-insp-deep-"));
+    let levels: Vec<std::path::PathBuf> = (1..=20)
+        .scan(top.clone(), |dir, i| {
+            if i > 1 {
+                *dir = dir.join("n");
+            }
+            Some(dir.clone())
+        })
+        .collect();
+    for dir in &levels {
+        std::fs::create_dir(dir).expect("create a nested cgroup");
+    }
+    let deepest = levels.last().expect("levels");
+    insp.capturing("deep", true).expect("capture begins");
+    let out = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {}/cgroup.procs && exec timeout -s INT 1 strace -p {pid} -o /dev/null",
+            deepest.display()
+        ))
+        .output()
+        .expect("run strace");
+    insp.capturing("deep", false).expect("capture ends");
+    for dir in levels.iter().rev() {
+        crab_tests::wait_until(10, || std::fs::remove_dir(dir).ok()).expect("remove a nested cgroup");
+    }
+    assert!(out.status.code().is_some(), "strace ran: {out:?}");
+    let r = insp.turn_end("deep").expect("turn");
+    assert!(
+        !r.reasons
+            .iter()
+            .any(|x| matches!(x, Reason::Unsure { why } if why.contains("tracer"))),
+        "{r:#?}"
+    );
+    insp.unregister("deep").expect("unregister");
+}
