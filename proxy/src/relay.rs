@@ -8,8 +8,9 @@
 //! before the pool is asked, and two sandboxes registered at once never
 //! share a path. A kept connection is reused for at most [`POOL_IDLE`]
 //! after its last answer (and closed 5–10 s after it), below a shim's own
-//! limit for a silent connection (its client header timeout, 30 s by
-//! default). A request written on a kept connection that its shim closed at
+//! limit for a silent connection on its host-side socket (its client
+//! header timeout, 30 s by default, and never under twice `POOL_IDLE`,
+//! whatever the configuration). A request written on a kept connection that its shim closed at
 //! that moment (the shim restarted) gets 502 `crab_sandbox_exchange_failed`
 //! and is not sent again (the shim may have read it): the agent's SDK
 //! retries it, on a fresh connection.
@@ -95,8 +96,8 @@ pub async fn serve_relay(
 }
 
 /// How long a connection to a sandbox's socket is reused after its last
-/// answer (a shim drops a silent one after its header timeout, 30 s by
-/// default).
+/// answer (a shim drops a silent one on that socket after its header
+/// timeout, at least twice this).
 pub const POOL_IDLE: Duration = Duration::from_secs(5);
 
 /// Unused connections kept per sandbox socket: each holds one of the

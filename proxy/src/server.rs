@@ -109,6 +109,10 @@ pub async fn serve_sandbox<L: Listener>(listener: L, sandbox: Sandbox, shutdown:
         });
         accept_loop(listener, header_timeout, conns, shutdown, move || service.clone()).await;
     } else {
+        // The host-side socket's peer is crabd's relay, which reuses a kept
+        // connection for up to POOL_IDLE after its last answer: a silent
+        // connection is not dropped sooner, whatever the configuration.
+        let header_timeout = header_timeout.max(crate::relay::POOL_IDLE * 2);
         accept_loop(listener, header_timeout, conns, shutdown, move || service.clone()).await;
     }
 }
