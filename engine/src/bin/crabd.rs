@@ -31,6 +31,7 @@ fn main() -> std::process::ExitCode {
         config.root = r;
     }
     init_log(&config.root);
+    raise_open_file_limit();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -59,10 +60,18 @@ fn init_log(root: &std::path::Path) {
     let filter = || tracing_subscriber::EnvFilter::try_from_env("CRAB_LOG").unwrap_or_else(|_| "info".into());
     let file = (!std::io::stderr().is_terminal())
         .then(|| {
-            std::fs::create_dir_all(root).ok()?;
+            use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+            // The store's root is 0700 (the store checks it again).
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(root)
+                .ok()?;
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(root.join("crabd.log"))
                 .ok()
         })
@@ -77,5 +86,21 @@ fn init_log(root: &std::path::Path) {
             .with_env_filter(filter())
             .with_writer(std::io::stderr)
             .init(),
+    }
+}
+
+/// Raises the soft limit on open files to the hard one: the host relay
+/// holds up to 1024 agents' connections and a kept connection per sandbox
+/// socket, past the 1024 a service or a shim's child starts with.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(error) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(%error, soft, hard, "cannot raise the open file limit");
+            }
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "cannot read the open file limit"),
     }
 }
