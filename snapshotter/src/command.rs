@@ -19,13 +19,30 @@ const ZFS_FUSE_TURN: &str = "/run/crab/zfs-fuse.lock";
 /// create`s on one pool; the same loop one at a time never wedged). On a
 /// host without the kernel module (no `/dev/zfs`), a `zfs` or `zpool`
 /// command therefore holds a host-wide turn while it runs; the kernel
-/// module needs none.
+/// module needs none. A command that has to wait says so in the log, and
+/// how long it waited: a `zfs send` to a slow reader holds the turn.
 fn turn(program: &str) -> Result<Option<Flock<std::fs::File>>> {
     let zfs = matches!(program, "zfs" | "zpool");
     if !zfs || Path::new("/dev/zfs").exists() {
         return Ok(None);
     }
-    crate::host_lock::lock(Path::new(ZFS_FUSE_TURN)).map(Some)
+    let path = Path::new(ZFS_FUSE_TURN);
+    if let Some(turn) = crate::host_lock::try_lock(path)? {
+        return Ok(Some(turn));
+    }
+    tracing::info!(
+        program,
+        lock = ZFS_FUSE_TURN,
+        "zfs-fuse: waiting for another zfs command to finish"
+    );
+    let since = std::time::Instant::now();
+    let turn = crate::host_lock::lock(path)?;
+    tracing::info!(
+        program,
+        waited_ms = since.elapsed().as_millis() as u64,
+        "zfs-fuse: the other zfs command finished"
+    );
+    Ok(Some(turn))
 }
 
 /// `program`, holding `turn` too while it runs: the child inherits the

@@ -15,6 +15,22 @@ use crate::{Error, Result};
 /// # Errors
 /// [`Error::Io`] when the directory or file cannot be made or locked.
 pub(crate) fn lock(path: &Path) -> Result<Flock<std::fs::File>> {
+    Flock::lock(open(path)?, FlockArg::LockExclusive).map_err(|(_, e)| Error::io("lock", path)(e.into()))
+}
+
+/// As [`lock`], without waiting: `None` while another holds it.
+///
+/// # Errors
+/// As [`lock`].
+pub(crate) fn try_lock(path: &Path) -> Result<Option<Flock<std::fs::File>>> {
+    match Flock::lock(open(path)?, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(Error::io("lock", path)(e.into())),
+    }
+}
+
+fn open(path: &Path) -> Result<std::fs::File> {
     if let Some(dir) = path.parent() {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -22,12 +38,11 @@ pub(crate) fn lock(path: &Path) -> Result<Flock<std::fs::File>> {
             .create(dir)
             .map_err(Error::io("create", dir))?;
     }
-    let file = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .mode(0o600)
         .custom_flags(OFlag::O_NOFOLLOW.bits())
         .open(path)
-        .map_err(Error::io("open", path))?;
-    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| Error::io("lock", path)(e.into()))
+        .map_err(Error::io("open", path))
 }
