@@ -29,6 +29,8 @@ base_pkgs=(
   busybox-static debootstrap iproute2 procps psmisc curl ca-certificates
   git gcc libc6-dev sqlite3 dpkg-dev debconf
   python3 python3-pip python3-venv jq util-linux e2fsprogs
+  # htpasswd (bcrypt), for the registry test that asks for credentials
+  apache2-utils
   nodejs
   fonts-dejavu-core
   chromium chromium-driver

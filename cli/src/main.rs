@@ -171,7 +171,7 @@ enum Command {
     },
     /// Push a version to an image registry as an OCI artifact, sending only
     /// what the repository lacks (a loopback registry over HTTP, any other
-    /// over HTTPS; no credentials).
+    /// over HTTPS; credentials as `docker login` keeps them).
     Push {
         /// Container id, or a unique prefix of one.
         sandbox: SandboxSelector,
@@ -179,12 +179,19 @@ enum Command {
         version: VersionSel,
         /// Where: `HOST[:PORT]/REPO[:TAG]` (e.g. 127.0.0.1:5000/agents/web:v3).
         reference: String,
+        /// A docker `config.json` with the registry's credentials
+        /// (default: `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`).
+        #[arg(long)]
+        authfile: Option<PathBuf>,
     },
     /// Start a sandbox from a version that `crabctl push` put in a registry
     /// (`HOST[:PORT]/REPO[:TAG]` or `…@sha256:…`); checked as an import.
     Pull {
         /// What to pull.
         reference: String,
+        /// A docker `config.json` with the registry's credentials (as push).
+        #[arg(long)]
+        authfile: Option<PathBuf>,
         #[command(flatten)]
         options: ImportOptions,
     },
@@ -749,6 +756,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
             sandbox,
             version,
             reference,
+            authfile,
         } => {
             let reference = registry::Reference::parse(reference)?;
             let bar = progress::bar(cli.json, "export");
@@ -757,6 +765,7 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 sandbox,
                 *version,
                 &reference,
+                authfile.as_deref(),
                 &|phase, n, total| progress::phase(&bar, phase, n, total),
             ))
             .await?;
@@ -768,13 +777,21 @@ async fn run(cli: &Cli) -> Result<(), RunError> {
                 )
             });
         }
-        Command::Pull { reference, options } => {
+        Command::Pull {
+            reference,
+            authfile,
+            options,
+        } => {
             let reference = registry::Reference::parse(reference)?;
             let query = options.query();
             let bar = progress::bar(cli.json, "pull");
-            let r = interruptible(registry::pull(&crabd, &reference, &query, &|phase, n, total| {
-                progress::phase(&bar, phase, n, total)
-            }))
+            let r = interruptible(registry::pull(
+                &crabd,
+                &reference,
+                authfile.as_deref(),
+                &query,
+                &|phase, n, total| progress::phase(&bar, phase, n, total),
+            ))
             .await?;
             bar.finish_and_clear();
             print(cli.json, &r, || {

@@ -8,6 +8,7 @@
 //! ([`transfer::private_dir`]): the archive, its members, nowhere else.
 
 mod artifact;
+mod auth;
 mod client;
 mod reference;
 
@@ -57,12 +58,15 @@ pub struct Pulled {
 pub type Progress<'a> = &'a (dyn Fn(&'static str, u64, Option<u64>) + Sync);
 
 /// Exports version `version` of `sandbox` through crabd and pushes it to
-/// `reference` (a tag), telling `progress` (phases `export`, `push`).
+/// `reference` (a tag), with the credentials `authfile` (else docker's
+/// config) holds for its registry, telling `progress` (phases `export`,
+/// `push`).
 pub async fn push(
     crabd: &Crabd,
     sandbox: &SandboxSelector,
     version: VersionSel,
     reference: &Reference,
+    authfile: Option<&std::path::Path>,
     progress: Progress<'_>,
 ) -> Result<Pushed, TransferError> {
     let reference_tag = match &reference.target {
@@ -74,7 +78,7 @@ pub async fn push(
             })
         }
     };
-    let registry = Registry::new(reference)?;
+    let registry = Registry::new(reference, authfile)?;
     let (dir, archive) =
         transfer::exported(crabd, sandbox, version, &|n, total| progress("export", n, total)).await?;
     let members_dir = dir.path().join("members");
@@ -121,16 +125,17 @@ pub async fn push(
     Ok(report)
 }
 
-/// Pulls the version at `reference` and has crabd start a sandbox from it
-/// (`query`: as `crabctl import`), telling `progress` (phases `pull`,
-/// `import`).
+/// Pulls the version at `reference` (credentials: as [`push`]) and has
+/// crabd start a sandbox from it (`query`: as `crabctl import`), telling
+/// `progress` (phases `pull`, `import`).
 pub async fn pull(
     crabd: &Crabd,
     reference: &Reference,
+    authfile: Option<&std::path::Path>,
     query: &ImportQuery,
     progress: Progress<'_>,
 ) -> Result<Pulled, TransferError> {
-    let registry = Registry::new(reference)?;
+    let registry = Registry::new(reference, authfile)?;
     let (manifest, digest) = registry
         .get_manifest(reference.target(), artifact::MANIFEST_TYPE)
         .await?;

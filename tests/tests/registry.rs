@@ -3,7 +3,9 @@
 //! by `packaging/install-deps.sh`): the
 //! sandbox runs there with the same state; a second push sends only what
 //! the repository lacks; a registry that serves other bytes than it names
-//! is caught. Needs root: CI runs it as root.
+//! is caught; a registry that asks for credentials (Basic with htpasswd,
+//! Bearer with a token service) gets them from a docker config. Needs
+//! root: CI runs it as root.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -29,7 +31,14 @@ struct Registry {
 }
 
 impl Registry {
+    /// A registry open to all.
     fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// A registry whose config ends with `auth` (an `auth:` section, or
+    /// nothing).
+    fn start_with(auth: &str) -> Self {
         assert!(
             std::path::Path::new(REGISTRY_BIN).exists(),
             "{REGISTRY_BIN} missing: run packaging/install-deps.sh"
@@ -45,7 +54,7 @@ impl Registry {
                 &config,
                 format!(
                     "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-                     http:\n  addr: 127.0.0.1:{port}\n",
+                     http:\n  addr: 127.0.0.1:{port}\n{auth}",
                     dir.join("data").display()
                 ),
             )
@@ -67,7 +76,10 @@ impl Registry {
             // Owned from here: killed and its directory removed on any panic.
             let mut r = Registry { child, dir, port };
             let up = wait_until(20, || {
-                let answered = r.get("/v2/").is_some_and(|a| a.starts_with("HTTP/1.1 200"));
+                // 401: it asks for credentials, as configured.
+                let answered = r
+                    .get("/v2/")
+                    .is_some_and(|a| a.starts_with("HTTP/1.1 200") || a.starts_with("HTTP/1.1 401"));
                 // An answer counts only while ours runs: another listener
                 // may hold the port ours could not bind.
                 match r.child.try_wait() {
@@ -254,4 +266,206 @@ fn a_version_pushed_on_one_host_is_pulled_and_runs_on_another() {
 
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
+}
+
+/// A token service for a registry's Bearer challenge: it answers a GET
+/// with a token when it carries the Basic credentials it was made with,
+/// 401 otherwise, and keeps the query of every request. (The registry's
+/// `silly` access controller challenges with it and takes any token: the
+/// flow is the real client's against the real registry.)
+struct TokenService {
+    port: u16,
+    asked: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl TokenService {
+    fn start(user: &str, password: &str) -> Self {
+        use base64::Engine;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let expected = format!(
+            "basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+        )
+        .to_ascii_lowercase();
+        let log = asked.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                use std::io::BufRead;
+                let mut reader = std::io::BufReader::new(&stream);
+                let mut line = String::new();
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                let target = line.split_whitespace().nth(1).unwrap_or_default().to_owned();
+                let mut authorized = false;
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 || header.trim().is_empty() {
+                        break;
+                    }
+                    let header = header.trim().to_ascii_lowercase();
+                    if let Some(v) = header.strip_prefix("authorization:") {
+                        authorized = v.trim() == expected;
+                    }
+                }
+                log.lock()
+                    .unwrap()
+                    .push(format!("{target} authorized={authorized}"));
+                let answer = if authorized {
+                    let body = r#"{"token":"crab-test-token","expires_in":300}"#;
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                         connection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                } else {
+                    "HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
+                };
+                let _ = (&stream).write_all(answer.as_bytes());
+            }
+        });
+        TokenService { port, asked }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/token", self.port)
+    }
+
+    fn asked(&self) -> Vec<String> {
+        self.asked.lock().unwrap().clone()
+    }
+}
+
+#[test]
+fn a_registry_that_asks_for_credentials_gets_them_from_a_docker_config() {
+    use base64::Engine;
+    let a = Containerd::start();
+    let id = "signed-in";
+    let pid = run_stateful(&a, id);
+    wait_registered(&a, id);
+    assert_eq!(ask(pid, STORE, "set a 7"), "ok");
+    crabctl_ok(&a, &["checkpoint", id]);
+
+    // docker configs: none, wrong and right credentials for both registries.
+    let dir = std::env::temp_dir().join(unique("crab-registry-auth"));
+    std::fs::create_dir_all(&dir).unwrap();
+    struct Remove(PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _dir = Remove(dir.clone());
+    let htpasswd = Command::new("htpasswd")
+        .args(["-nbB", "ann", "s3cret"])
+        .output()
+        .expect("htpasswd (apache2-utils, from install-deps.sh)");
+    assert!(htpasswd.status.success(), "{htpasswd:?}");
+    std::fs::write(dir.join("htpasswd"), &htpasswd.stdout).unwrap();
+    let basic = Registry::start_with(&format!(
+        "auth:\n  htpasswd:\n    realm: crab-test\n    path: {}\n",
+        dir.join("htpasswd").display()
+    ));
+    let tokens = TokenService::start("ann", "s3cret");
+    let bearer = Registry::start_with(&format!(
+        "auth:\n  silly:\n    realm: {}\n    service: crab-test\n",
+        tokens.url()
+    ));
+    let config = |password: &str| -> String {
+        let auth = base64::engine::general_purpose::STANDARD.encode(format!("ann:{password}"));
+        let file = dir.join(format!("config-{password}.json"));
+        std::fs::write(
+            &file,
+            format!(
+                r#"{{"auths":{{"127.0.0.1:{}":{{"auth":"{auth}"}},"http://127.0.0.1:{}":{{"auth":"{auth}"}}}}}}"#,
+                basic.port, bearer.port
+            ),
+        )
+        .unwrap();
+        file.to_string_lossy().into_owned()
+    };
+    let (right, wrong) = (config("s3cret"), config("guess"));
+    let address = a.address().to_string_lossy().into_owned();
+    let pull = |reference: &str, name: &str| -> i32 {
+        let r = crabctl_ok(
+            &a,
+            &[
+                "pull",
+                reference,
+                "--authfile",
+                &right,
+                "--name",
+                name,
+                "--namespace",
+                &a.namespace,
+                "--containerd",
+                &address,
+            ],
+        );
+        wait_registered(&a, name);
+        r["sandbox"]["pid"].as_i64().unwrap() as i32
+    };
+    let none = dir.join("none.json");
+    std::fs::write(&none, "{}").unwrap();
+    let none = none.to_string_lossy().into_owned();
+
+    // Basic: what is missing or wrong says so and how to fix it.
+    let to_basic = basic.reference("agents/signed-in:v1");
+    let e = crabctl_err(&a, &["push", id, "1", &to_basic, "--authfile", &none]);
+    eprintln!("no credentials: {e}");
+    assert!(
+        e.contains("asks for credentials") && e.contains("docker login"),
+        "{e}"
+    );
+    let e = crabctl_err(&a, &["push", id, "1", &to_basic, "--authfile", &wrong]);
+    eprintln!("wrong credentials: {e}");
+    assert!(e.contains("refused the credentials") && e.contains(&wrong), "{e}");
+    let missing = dir.join("missing.json");
+    let e = crabctl_err(
+        &a,
+        &[
+            "push",
+            id,
+            "1",
+            &to_basic,
+            "--authfile",
+            &missing.to_string_lossy(),
+        ],
+    );
+    assert!(e.contains("credentials") && e.contains("missing.json"), "{e}");
+    crabctl_ok(&a, &["push", id, "1", &to_basic, "--authfile", &right]);
+    let basic_pid = pull(&to_basic, "signed-in-basic");
+    assert_eq!(ask(basic_pid, STORE, "get a"), "7");
+
+    // Bearer: the token service is asked for the repository's scope with
+    // the credentials; without them it refuses, and crabctl says so.
+    let to_bearer = bearer.reference("agents/signed-in:v1");
+    let e = crabctl_err(&a, &["push", id, "1", &to_bearer, "--authfile", &none]);
+    eprintln!("no credentials for the token service: {e}");
+    assert!(
+        e.contains("token service") && e.contains("asks for credentials"),
+        "{e}"
+    );
+    let pushed = crabctl_ok(&a, &["push", id, "1", &to_bearer, "--authfile", &right]);
+    let asked = tokens.asked();
+    assert!(
+        asked.iter().any(|q| q.contains("service=crab-test")
+            && q.contains("scope=repository%3Aagents%2Fsigned-in%3A")
+            && q.ends_with("authorized=true")),
+        "{asked:?}"
+    );
+    let by_digest = format!(
+        "{}@{}",
+        bearer.reference("agents/signed-in"),
+        pushed["digest"].as_str().unwrap()
+    );
+    let bearer_pid = pull(&by_digest, "signed-in-bearer");
+    assert_eq!(ask(bearer_pid, STORE, "get a"), "7");
+
+    for sandbox in [id, "signed-in-basic", "signed-in-bearer"] {
+        a.remove(sandbox);
+    }
+    assert_clean(&a.scope(), &[id, "signed-in-basic", "signed-in-bearer"]);
 }

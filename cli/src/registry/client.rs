@@ -3,15 +3,21 @@
 //! PUT), a manifest's upload, and their downloads (streamed to a file,
 //! checked against their digests and sizes as they arrive).
 //!
-//! No credentials: a registry that asks for them is refused, saying so.
+//! A registry that answers 401 is answered as its challenge asks
+//! ([`super::auth`]): with the user's credentials (Basic), or with a token
+//! from the service it names (Bearer), once per request; the answer is
+//! then sent with every later request. Credentials never go over plain
+//! HTTP but to a loopback address.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Empty, Full, StreamBody};
+use http_body_util::{BodyExt, Empty, Full, Limited, StreamBody};
 use hyper::body::Frame;
+use hyper::header::HeaderValue;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -21,6 +27,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio_stream::StreamExt;
 
+use super::auth::{self, Challenge, Credentials};
 use super::reference::Reference;
 
 /// A request or answer body.
@@ -45,17 +52,22 @@ pub enum RegistryError {
         #[source]
         source: hyper_util::client::legacy::Error,
     },
-    /// The registry asks for credentials.
-    #[error(
-        "{url}: the registry asks for credentials ({challenge}); crabctl push and pull speak only to \
-         registries open to them (e.g. one on this host's loopback)"
-    )]
+    /// The registry asks for credentials that crabctl does not have, or
+    /// refused those it sent.
+    #[error("{url}: {reason} ({challenge}); {fix}")]
     Unauthorized {
         /// The URL.
         url: String,
+        /// What happened.
+        reason: String,
         /// Its `WWW-Authenticate`.
         challenge: String,
+        /// What the user can do.
+        fix: String,
     },
+    /// The credentials could not be read.
+    #[error(transparent)]
+    Credentials(#[from] super::auth::AuthError),
     /// The registry answered with an unexpected status.
     #[error("{what}: the registry answered {status}: {body}")]
     Status {
@@ -93,11 +105,23 @@ pub struct Registry {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     base: String,
     repository: String,
+    /// What `--authfile` (or docker's config) holds for the registry.
+    credentials: Option<Credentials>,
+    /// Where credentials were looked for, for messages.
+    auth_file: Option<PathBuf>,
+    /// The `Authorization` the registry last accepted, sent with every
+    /// request.
+    authorization: Mutex<Option<HeaderValue>>,
 }
 
 impl Registry {
-    /// A client for `reference`'s repository.
-    pub fn new(reference: &Reference) -> Result<Registry, RegistryError> {
+    /// A client for `reference`'s repository, with the credentials
+    /// `authfile` (or docker's config) holds for its registry.
+    ///
+    /// # Errors
+    /// The credentials cannot be read (a named `authfile` must exist), or
+    /// no TLS configuration could be made.
+    pub fn new(reference: &Reference, authfile: Option<&Path>) -> Result<Registry, RegistryError> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(Duration::from_secs(10)));
@@ -107,10 +131,18 @@ impl Registry {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
+        let auth_file = auth::auth_file(authfile);
+        let credentials = match &auth_file {
+            Some(file) => auth::lookup(file, &reference.registry, authfile.is_some())?,
+            None => None,
+        };
         Ok(Registry {
             client: Client::builder(TokioExecutor::new()).build(https),
             base: reference.base_url(),
             repository: reference.repository.clone(),
+            credentials,
+            auth_file,
+            authorization: Mutex::new(None),
         })
     }
 
@@ -118,12 +150,45 @@ impl Registry {
         format!("{}/v2/{}/{tail}", self.base, self.repository)
     }
 
-    async fn send(&self, req: Request<Body>) -> Result<Response<hyper::body::Incoming>, RegistryError> {
+    /// Sends the request `build` makes; on a 401 answers the challenge and
+    /// sends it again, once.
+    async fn send(
+        &self,
+        build: impl Fn() -> Request<Body>,
+    ) -> Result<Response<hyper::body::Incoming>, RegistryError> {
+        let resp = self.send_once(build()).await?;
+        if resp.status() != StatusCode::UNAUTHORIZED {
+            return Ok(resp);
+        }
+        let url = build().uri().to_string();
+        let authorization = self.answer(&url, &resp).await?;
+        *self.authorization.lock().expect("not poisoned") = Some(authorization);
+        let resp = self.send_once(build()).await?;
+        if resp.status() == StatusCode::UNAUTHORIZED {
+            return Err(self.refused(url, &resp, "the registry refused the credentials it asked for"));
+        }
+        Ok(resp)
+    }
+
+    /// Sends `req` with the `Authorization` accepted so far; a 401 is the
+    /// caller's to answer.
+    async fn send_once(
+        &self,
+        mut req: Request<Body>,
+    ) -> Result<Response<hyper::body::Incoming>, RegistryError> {
+        if let Some(value) = self.authorization.lock().expect("not poisoned").clone() {
+            req.headers_mut().insert(hyper::header::AUTHORIZATION, value);
+        }
+        self.call(req).await
+    }
+
+    /// Sends `req` as it is (to the registry, or where it redirected).
+    async fn call(&self, req: Request<Body>) -> Result<Response<hyper::body::Incoming>, RegistryError> {
         let url = req.uri().to_string();
         // A blob's upload is answered once all of it is sent: no limit.
         let upload = req.method() == Method::PUT && url.contains("/blobs/uploads/");
         let call = self.client.request(req);
-        let resp = match upload {
+        match upload {
             true => call.await,
             false => tokio::time::timeout(STALL, call)
                 .await
@@ -132,26 +197,184 @@ impl Registry {
                     reason: format!("the registry did not answer in {} s", STALL.as_secs()),
                 })?,
         }
-        .map_err(|source| RegistryError::Connect {
-            url: url.clone(),
-            source,
-        })?;
-        if resp.status() == StatusCode::UNAUTHORIZED {
-            let challenge = resp
-                .headers()
-                .get(hyper::header::WWW_AUTHENTICATE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("no challenge")
-                .to_owned();
-            return Err(RegistryError::Unauthorized { url, challenge });
+        .map_err(|source| RegistryError::Connect { url, source })
+    }
+
+    /// The `Authorization` that answers the 401 `resp` to `url`.
+    async fn answer(
+        &self,
+        url: &str,
+        resp: &Response<hyper::body::Incoming>,
+    ) -> Result<HeaderValue, RegistryError> {
+        let challenge = resp
+            .headers()
+            .get(hyper::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(Challenge::parse);
+        let Some(challenge) = challenge else {
+            return Err(self.refused(
+                url.to_owned(),
+                resp,
+                "the registry asks for credentials it does not name",
+            ));
+        };
+        let value = match challenge.scheme.as_str() {
+            "basic" => match &self.credentials {
+                Some(c) if self.may_send_secrets(url) => c.basic(),
+                Some(_) => return Err(self.refused(url.to_owned(), resp, "credentials go over HTTPS only")),
+                None => return Err(self.refused(url.to_owned(), resp, "the registry asks for credentials")),
+            },
+            "bearer" => format!("Bearer {}", self.token(url, &challenge, resp).await?),
+            _ => {
+                return Err(self.refused(
+                    url.to_owned(),
+                    resp,
+                    "the registry asks for an authentication crabctl does not speak",
+                ))
+            }
+        };
+        HeaderValue::from_str(&value).map_err(|_| RegistryError::Invalid {
+            what: url.to_owned(),
+            reason: "credentials that are no header value".to_owned(),
+        })
+    }
+
+    /// A token from the service `challenge` names, for its scope, asked
+    /// with the user's credentials when there are any.
+    async fn token(
+        &self,
+        url: &str,
+        challenge: &Challenge,
+        resp: &Response<hyper::body::Incoming>,
+    ) -> Result<String, RegistryError> {
+        let Some(realm) = challenge.params.get("realm") else {
+            return Err(self.refused(url.to_owned(), resp, "the registry names no token service"));
+        };
+        // The token service is asked with the user's password: never in
+        // the clear, but on the loopback.
+        if !self.may_send_secrets(realm) {
+            return Err(self.refused(
+                url.to_owned(),
+                resp,
+                &format!("its token service {realm} is not HTTPS"),
+            ));
         }
-        Ok(resp)
+        let mut query = Vec::new();
+        for name in ["service", "scope"] {
+            if let Some(v) = challenge.params.get(name) {
+                query.push(format!("{name}={}", auth::query_escape(v)));
+            }
+        }
+        if let Some(c) = &self.credentials {
+            query.push(format!("account={}", auth::query_escape(c.username())));
+        }
+        let sep = if realm.contains('?') { '&' } else { '?' };
+        let token_url = format!("{realm}{sep}{}", query.join("&"));
+        let mut req = request(Method::GET, &token_url, empty());
+        if let Some(c) = &self.credentials {
+            let basic = HeaderValue::from_str(&c.basic()).map_err(|_| RegistryError::Invalid {
+                what: token_url.clone(),
+                reason: "credentials that are no header value".to_owned(),
+            })?;
+            req.headers_mut().insert(hyper::header::AUTHORIZATION, basic);
+        }
+        let what = format!("the token service {realm}");
+        let answer = tokio::time::timeout(STALL, self.client.request(req))
+            .await
+            .map_err(|_| RegistryError::Invalid {
+                what: what.clone(),
+                reason: format!("no answer in {} s", STALL.as_secs()),
+            })?
+            .map_err(|source| RegistryError::Connect {
+                url: realm.clone(),
+                source,
+            })?;
+        match answer.status() {
+            StatusCode::OK => {}
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                let reason = match &self.credentials {
+                    Some(_) => format!("{what} refused the credentials ({})", answer.status()),
+                    None => format!("{what} asks for credentials ({})", answer.status()),
+                };
+                return Err(self.refused(url.to_owned(), resp, &reason));
+            }
+            _ => return Err(status_error(what, answer).await),
+        }
+        let body = tokio::time::timeout(STALL, Limited::new(answer.into_body(), MAX_MANIFEST).collect())
+            .await
+            .map_err(|_| RegistryError::Invalid {
+                what: what.clone(),
+                reason: format!("its answer did not end in {} s", STALL.as_secs()),
+            })?
+            .map_err(|e| RegistryError::Invalid {
+                what: what.clone(),
+                reason: e.to_string(),
+            })?
+            .to_bytes();
+        serde_json::from_slice::<auth::TokenAnswer>(&body)
+            .ok()
+            .and_then(auth::TokenAnswer::token)
+            .ok_or_else(|| RegistryError::Invalid {
+                what,
+                reason: "an answer with no token".to_owned(),
+            })
+    }
+
+    /// Whether credentials may be sent to `url`: over HTTPS, or to a
+    /// loopback address.
+    fn may_send_secrets(&self, url: &str) -> bool {
+        let Ok(uri) = url.parse::<hyper::Uri>() else {
+            return false;
+        };
+        match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => uri.host().is_some_and(|h| {
+                let h = h.trim_start_matches('[').trim_end_matches(']');
+                h == "localhost" || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+            }),
+            _ => false,
+        }
+    }
+
+    /// The error of a 401 (`resp`) to `url` that crabctl cannot answer.
+    fn refused(&self, url: String, resp: &Response<hyper::body::Incoming>, reason: &str) -> RegistryError {
+        let challenge = resp
+            .headers()
+            .get(hyper::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("no challenge")
+            .to_owned();
+        let fix = match (&self.credentials, &self.auth_file) {
+            (Some(c), _) => format!("check the credentials in {}", c.source),
+            (None, Some(file)) => format!(
+                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} holds none)",
+                self.host(),
+                file.display()
+            ),
+            (None, None) => format!(
+                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile",
+                self.host()
+            ),
+        };
+        RegistryError::Unauthorized {
+            url,
+            reason: reason.to_owned(),
+            challenge,
+            fix,
+        }
+    }
+
+    /// The registry's `host[:port]`.
+    fn host(&self) -> &str {
+        self.base
+            .trim_start_matches("https://")
+            .trim_start_matches("http://")
     }
 
     /// Whether blob `digest` is in the repository already.
     pub async fn has_blob(&self, digest: &str) -> Result<bool, RegistryError> {
         let url = self.url(&format!("blobs/{digest}"));
-        let resp = self.send(request(Method::HEAD, &url, empty())).await?;
+        let resp = self.send(|| request(Method::HEAD, &url, empty())).await?;
         match resp.status() {
             StatusCode::OK => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
@@ -163,7 +386,7 @@ impl Registry {
     /// upload, one PUT with the whole content.
     pub async fn put_blob(&self, digest: &str, file: &Path, size: u64) -> Result<(), RegistryError> {
         let url = self.url("blobs/uploads/");
-        let resp = self.send(request(Method::POST, &url, empty())).await?;
+        let resp = self.send(|| request(Method::POST, &url, empty())).await?;
         if resp.status() != StatusCode::ACCEPTED {
             return Err(status_error(format!("POST {url}"), resp).await);
         }
@@ -193,7 +416,12 @@ impl Registry {
             hyper::header::CONTENT_TYPE,
             hyper::header::HeaderValue::from_static("application/octet-stream"),
         );
-        let resp = self.send(req).await?;
+        // Sent once: its body is a stream. The upload's POST has answered
+        // the registry's challenge for this scope already.
+        let resp = self.send_once(req).await?;
+        if resp.status() == StatusCode::UNAUTHORIZED {
+            return Err(self.refused(upload, &resp, "the registry refused the credentials it asked for"));
+        }
         if resp.status() != StatusCode::CREATED {
             return Err(status_error(format!("PUT blob {digest}"), resp).await);
         }
@@ -210,12 +438,17 @@ impl Registry {
     ) -> Result<String, RegistryError> {
         let url = self.url(&format!("manifests/{target}"));
         let digest = sha256(&bytes);
-        let mut req = request(Method::PUT, &url, full(bytes));
-        req.headers_mut().insert(
-            hyper::header::CONTENT_TYPE,
-            media_type.parse().expect("a media type is a header value"),
-        );
-        let resp = self.send(req).await?;
+        let bytes = Bytes::from(bytes);
+        let resp = self
+            .send(|| {
+                let mut req = request(Method::PUT, &url, full(bytes.clone()));
+                req.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    media_type.parse().expect("a media type is a header value"),
+                );
+                req
+            })
+            .await?;
         if resp.status() != StatusCode::CREATED {
             return Err(status_error(format!("PUT {url}"), resp).await);
         }
@@ -230,12 +463,16 @@ impl Registry {
         media_type: &str,
     ) -> Result<(Vec<u8>, String), RegistryError> {
         let url = self.url(&format!("manifests/{target}"));
-        let mut req = request(Method::GET, &url, empty());
-        req.headers_mut().insert(
-            hyper::header::ACCEPT,
-            media_type.parse().expect("a media type is a header value"),
-        );
-        let resp = self.send(req).await?;
+        let resp = self
+            .send(|| {
+                let mut req = request(Method::GET, &url, empty());
+                req.headers_mut().insert(
+                    hyper::header::ACCEPT,
+                    media_type.parse().expect("a media type is a header value"),
+                );
+                req
+            })
+            .await?;
         if resp.status() != StatusCode::OK {
             return Err(status_error(format!("GET {url}"), resp).await);
         }
@@ -271,7 +508,7 @@ impl Registry {
     pub async fn get_blob(&self, digest: &str, size: u64, to: &Path) -> Result<(), RegistryError> {
         let what = format!("blob {digest}");
         let mut url = self.url(&format!("blobs/{digest}"));
-        let mut resp = self.send(request(Method::GET, &url, empty())).await?;
+        let mut resp = self.send(|| request(Method::GET, &url, empty())).await?;
         for _ in 0..MAX_REDIRECTS {
             if !resp.status().is_redirection() {
                 break;
@@ -293,7 +530,9 @@ impl Registry {
                 });
             }
             url = next;
-            resp = self.send(request(Method::GET, &url, empty())).await?;
+            // Object storage is another host: it gets none of the
+            // registry's credentials.
+            resp = self.call(request(Method::GET, &url, empty())).await?;
         }
         if resp.status() != StatusCode::OK {
             return Err(status_error(format!("GET {url}"), resp).await);
@@ -378,8 +617,8 @@ fn empty() -> Body {
     BodyExt::boxed(Empty::new().map_err(|never| match never {}))
 }
 
-fn full(bytes: Vec<u8>) -> Body {
-    BodyExt::boxed(Full::new(Bytes::from(bytes)).map_err(|never| match never {}))
+fn full(bytes: Bytes) -> Body {
+    BodyExt::boxed(Full::new(bytes).map_err(|never| match never {}))
 }
 
 /// A status error with the start of the answer (the registry's reason).

@@ -1,0 +1,428 @@
+//! Credentials for a registry, found where docker keeps them, and the two
+//! ways a registry asks for them: `Basic` (RFC 7617: the user and password
+//! on every request) and `Bearer` (the distribution token flow: the
+//! challenge names a token service, which is asked for a token for the
+//! request's scope, with the user and password when there are any).
+//!
+//! Where credentials come from, first found: `--authfile FILE`, else
+//! `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json` (what
+//! `docker login` writes). In it, the registry's entry of `auths` (its
+//! `auth`, base64 of `user:password`, or `username` and `password`), or a
+//! credential helper (`credHelpers` for the registry, else `credsStore`):
+//! `docker-credential-<name> get`, asked with the registry's host.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use base64::Engine;
+use serde::Deserialize;
+
+/// A user name and password (or an access token used as one) for one
+/// registry, and where they were found.
+#[derive(Clone)]
+pub struct Credentials {
+    username: String,
+    password: String,
+    /// The file or helper they came from, for messages.
+    pub source: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("username", &self.username)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why no credentials could be read (none found is not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// The file cannot be read or is not a docker config.
+    #[error("credentials: {}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The credential helper failed.
+    #[error("credentials for {registry}: docker-credential-{helper}: {reason}")]
+    Helper {
+        /// The helper's name.
+        helper: String,
+        /// The registry.
+        registry: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// docker's `config.json`, the parts that name credentials.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct DockerConfig {
+    #[serde(default)]
+    auths: HashMap<String, AuthEntry>,
+    #[serde(default)]
+    cred_helpers: HashMap<String, String>,
+    #[serde(default)]
+    creds_store: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+struct AuthEntry {
+    #[serde(default)]
+    auth: Option<String>,
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    identitytoken: Option<String>,
+}
+
+/// What a credential helper answers.
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct HelperAnswer {
+    username: String,
+    secret: String,
+}
+
+/// The file credentials are read from: `authfile` when given, else docker's
+/// `config.json` (`$DOCKER_CONFIG`, else `~/.docker`).
+pub fn auth_file(authfile: Option<&Path>) -> Option<PathBuf> {
+    if let Some(f) = authfile {
+        return Some(f.to_owned());
+    }
+    let dir = std::env::var_os("DOCKER_CONFIG")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".docker")))?;
+    Some(dir.join("config.json"))
+}
+
+/// The credentials `file` holds for `registry` (`host[:port]`); `None` when
+/// it names none. A missing file names none, unless it was asked for
+/// (`required`).
+///
+/// # Errors
+/// The file cannot be read or parsed, an entry is malformed, or its helper
+/// fails.
+pub fn lookup(file: &Path, registry: &str, required: bool) -> Result<Option<Credentials>, AuthError> {
+    let bad = |reason: String| AuthError::File {
+        path: file.to_owned(),
+        reason,
+    };
+    let text = match std::fs::read(file) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(None),
+        Err(e) => return Err(bad(e.to_string())),
+    };
+    let config: DockerConfig =
+        serde_json::from_slice(&text).map_err(|e| bad(format!("not a docker config.json: {e}")))?;
+    if let Some(helper) = config.cred_helpers.get(registry).or(config.creds_store.as_ref()) {
+        if let Some(found) = from_helper(helper, registry)? {
+            return Ok(Some(found));
+        }
+    }
+    let Some(entry) = config
+        .auths
+        .iter()
+        .find(|(key, _)| names_registry(key, registry))
+        .map(|(_, e)| e)
+    else {
+        return Ok(None);
+    };
+    let source = file.display().to_string();
+    if entry.identitytoken.is_some() {
+        return Err(bad(format!(
+            "the entry for {registry} holds an identity token, which crabctl cannot use: \
+             log in with a user and password or an access token"
+        )));
+    }
+    match (&entry.auth, &entry.username, &entry.password) {
+        (Some(auth), _, _) => {
+            let decoded = base64::engine::general_purpose::STANDARD
+                .decode(auth.trim())
+                .map_err(|e| bad(format!("the auth of {registry} is not base64: {e}")))?;
+            let text = String::from_utf8(decoded)
+                .map_err(|_| bad(format!("the auth of {registry} is not UTF-8")))?;
+            let (username, password) = text
+                .split_once(':')
+                .ok_or_else(|| bad(format!("the auth of {registry} is not user:password")))?;
+            Ok(Some(Credentials {
+                username: username.to_owned(),
+                password: password.to_owned(),
+                source,
+            }))
+        }
+        (None, Some(username), Some(password)) => Ok(Some(Credentials {
+            username: username.clone(),
+            password: password.clone(),
+            source,
+        })),
+        _ => Ok(None),
+    }
+}
+
+/// Whether a key of `auths` names `registry`: the host as docker writes
+/// it, with or without a scheme and path (`https://host/v1/`); Docker
+/// Hub's legacy key names `docker.io` too.
+fn names_registry(key: &str, registry: &str) -> bool {
+    let host = key
+        .trim_start_matches("https://")
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let hub = |h: &str| matches!(h, "docker.io" | "index.docker.io" | "registry-1.docker.io");
+    host.eq_ignore_ascii_case(registry) || (hub(host) && hub(registry))
+}
+
+/// Asks `docker-credential-<helper>` for `registry`'s credentials; `None`
+/// when it has none.
+fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, AuthError> {
+    let fail = |reason: String| AuthError::Helper {
+        helper: helper.to_owned(),
+        registry: registry.to_owned(),
+        reason,
+    };
+    if helper.is_empty()
+        || !helper
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(fail("not a helper name".to_owned()));
+    }
+    let program = format!("docker-credential-{helper}");
+    let mut child = Command::new(&program)
+        .arg("get")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            fail(format!(
+                "cannot run it ({e}); install it or remove it from the config"
+            ))
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(registry.as_bytes())
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+    if !out.status.success() {
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        // What docker's helpers say of a registry they hold nothing for.
+        if said.contains("credentials not found") {
+            return Ok(None);
+        }
+        return Err(fail(format!("{}: {said}", out.status)));
+    }
+    let answer: HelperAnswer = serde_json::from_slice(&out.stdout)
+        .map_err(|e| fail(format!("an answer that is not its JSON: {e}")))?;
+    if answer.username == "<token>" {
+        return Err(fail(
+            "it holds an identity token, which crabctl cannot use: log in with a user and password or an access token"
+                .to_owned(),
+        ));
+    }
+    Ok(Some(Credentials {
+        username: answer.username,
+        password: answer.secret,
+        source: program,
+    }))
+}
+
+impl Credentials {
+    /// The `Authorization` value of Basic authentication.
+    pub fn basic(&self) -> String {
+        let pair = format!("{}:{}", self.username, self.password);
+        format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+    }
+
+    /// The user name (a token service is told it as `account`).
+    pub fn username(&self) -> &str {
+        &self.username
+    }
+}
+
+/// A `WWW-Authenticate` challenge: its scheme (lower case) and parameters
+/// (names lower case).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// `basic` or `bearer` (or another, which crabctl cannot answer).
+    pub scheme: String,
+    /// `realm`, `service`, `scope`, …
+    pub params: HashMap<String, String>,
+}
+
+impl Challenge {
+    /// Parses the first challenge of a `WWW-Authenticate` value:
+    /// `Scheme name="quoted, with commas",name=token`.
+    pub fn parse(header: &str) -> Option<Challenge> {
+        let header = header.trim();
+        let (scheme, mut rest) = header.split_once(char::is_whitespace).unwrap_or((header, ""));
+        if scheme.is_empty() {
+            return None;
+        }
+        let mut params = HashMap::new();
+        loop {
+            rest = rest.trim_start_matches([' ', '\t', ',']);
+            let Some((name, after)) = rest.split_once('=') else {
+                break;
+            };
+            let name = name.trim();
+            if name.is_empty() || name.contains(char::is_whitespace) {
+                // The next challenge's scheme: only the first is read.
+                break;
+            }
+            let (value, after) = if let Some(quoted) = after.strip_prefix('"') {
+                let mut value = String::new();
+                let mut chars = quoted.char_indices();
+                let mut end = None;
+                while let Some((i, c)) = chars.next() {
+                    match c {
+                        '\\' => {
+                            if let Some((_, escaped)) = chars.next() {
+                                value.push(escaped);
+                            }
+                        }
+                        '"' => {
+                            end = Some(i + 1);
+                            break;
+                        }
+                        c => value.push(c),
+                    }
+                }
+                (value, &quoted[end?..])
+            } else {
+                let end = after.find(',').unwrap_or(after.len());
+                (after[..end].trim().to_owned(), &after[end..])
+            };
+            params.insert(name.to_ascii_lowercase(), value);
+            rest = after;
+        }
+        Some(Challenge {
+            scheme: scheme.to_ascii_lowercase(),
+            params,
+        })
+    }
+}
+
+/// A token service's answer (`token`, or OAuth2's `access_token`).
+#[derive(Deserialize)]
+pub struct TokenAnswer {
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default)]
+    access_token: Option<String>,
+}
+
+impl TokenAnswer {
+    /// The token, if the answer has one.
+    pub fn token(self) -> Option<String> {
+        self.token.or(self.access_token).filter(|t| !t.is_empty())
+    }
+}
+
+/// `value` percent-encoded for a URL's query (RFC 3986's unreserved
+/// characters kept).
+pub fn query_escape(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            b => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bearer_challenge_with_commas_in_its_scope() {
+        let c = Challenge::parse(
+            r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a/b:pull,push""#,
+        )
+        .unwrap();
+        assert_eq!(c.scheme, "bearer");
+        assert_eq!(c.params["realm"], "https://auth.example/token");
+        assert_eq!(c.params["service"], "registry.example");
+        assert_eq!(c.params["scope"], "repository:a/b:pull,push");
+    }
+
+    #[test]
+    fn a_basic_challenge_and_what_is_no_challenge() {
+        let c = Challenge::parse(r#"Basic realm="Registry Realm""#).unwrap();
+        assert_eq!(c.scheme, "basic");
+        assert_eq!(c.params["realm"], "Registry Realm");
+        assert_eq!(Challenge::parse("  "), None);
+        // An unterminated quote is no challenge to answer.
+        assert_eq!(Challenge::parse(r#"Bearer realm="https://x"#), None);
+        // Only the first of two challenges is read.
+        let c = Challenge::parse(r#"Basic realm="a", Bearer realm="b""#).unwrap();
+        assert_eq!(c.params.len(), 1);
+        assert_eq!(c.params["realm"], "a");
+    }
+
+    #[test]
+    fn auths_keys_as_docker_writes_them() {
+        assert!(names_registry("127.0.0.1:5000", "127.0.0.1:5000"));
+        assert!(names_registry("https://ghcr.io", "ghcr.io"));
+        assert!(names_registry("https://index.docker.io/v1/", "docker.io"));
+        assert!(!names_registry("127.0.0.1:5001", "127.0.0.1:5000"));
+        assert!(!names_registry("evil.example/127.0.0.1:5000", "127.0.0.1:5000"));
+    }
+
+    #[test]
+    fn credentials_from_a_docker_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("config.json");
+        let auth = base64::engine::general_purpose::STANDARD.encode("ann:s3:cret");
+        std::fs::write(
+            &file,
+            format!(r#"{{"auths":{{"https://reg.example":{{"auth":"{auth}"}},"other.example":{{"username":"bob","password":"pw"}}}}}}"#),
+        )
+        .unwrap();
+        let c = lookup(&file, "reg.example", true).unwrap().unwrap();
+        assert_eq!((c.username.as_str(), c.password.as_str()), ("ann", "s3:cret"));
+        assert_eq!(
+            c.basic(),
+            format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode("ann:s3:cret")
+            )
+        );
+        assert!(
+            !format!("{c:?}").contains("s3:cret"),
+            "a secret never reaches a message"
+        );
+        let c = lookup(&file, "other.example", true).unwrap().unwrap();
+        assert_eq!(c.username(), "bob");
+        assert!(lookup(&file, "third.example", true).unwrap().is_none());
+        // A missing file names nothing unless it was asked for.
+        let missing = dir.path().join("none.json");
+        assert!(lookup(&missing, "reg.example", false).unwrap().is_none());
+        assert!(lookup(&missing, "reg.example", true).is_err());
+        std::fs::write(&file, "not json").unwrap();
+        let e = lookup(&file, "reg.example", false).unwrap_err().to_string();
+        assert!(e.contains("not a docker config.json"), "{e}");
+    }
+
+    #[test]
+    fn query_values_are_escaped() {
+        assert_eq!(
+            query_escape("repository:a/b:pull,push"),
+            "repository%3Aa%2Fb%3Apull%2Cpush"
+        );
+    }
+}
