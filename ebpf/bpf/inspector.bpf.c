@@ -711,8 +711,12 @@ static __always_inline int fd_change_worth(__u64 cg, __u64 gen, long fd, long nr
 #define TRACER_OUTSIDE 1 /* by a task outside the sandbox: CRIU during a capture */
 #define TRACER_BELOW 2   /* by a task in a cgroup below the sandbox's: never CRIU */
 
-/* Before Linux 6.0 a cgroup kept its ancestors' ids, not pointers (CO-RE
- * flavour, matched by name). */
+/* A cgroup's ancestors (itself at its own level): pointers since Linux
+ * 6.0, ids before (CO-RE flavours, matched by name, so that either
+ * kernel's vmlinux.h builds). */
+struct cgroup___ancestors {
+	struct cgroup *ancestors[0];
+} __attribute__((preserve_access_index));
 struct cgroup___ancestor_ids {
 	__u64 ancestor_ids[0];
 } __attribute__((preserve_access_index));
@@ -722,9 +726,10 @@ struct cgroup___ancestor_ids {
 static __always_inline __u64 ancestor_id(struct cgroup *c, int level)
 {
 	__u64 at = (__u64)(level & CGROUP_LEVELS_MASK) * sizeof(__u64);
-	if (bpf_core_field_exists(c->ancestors)) {
+	struct cgroup___ancestors *now = (void *)c;
+	if (bpf_core_field_exists(now->ancestors)) {
 		struct cgroup *a = NULL;
-		bpf_probe_read_kernel(&a, sizeof(a), (void *)c + bpf_core_field_offset(c->ancestors) + at);
+		bpf_probe_read_kernel(&a, sizeof(a), (void *)c + bpf_core_field_offset(now->ancestors) + at);
 		return a ? BPF_CORE_READ(a, kn, id) : 0;
 	}
 	struct cgroup___ancestor_ids *old = (void *)c;
@@ -1499,12 +1504,14 @@ int crab_fork(struct bpf_raw_tracepoint_args *ctx)
 	struct crab_ctl *ctl = current_sandbox(&cg);
 	if (child_cg != cg) {
 		/* Born into a cgroup other than its parent's: followed there
-		 * when that is a sandbox; a sandbox's task that made it out of
-		 * its own cgroup cannot say what it does. */
+		 * when that is a sandbox. A sandbox's task that made it out of
+		 * its own cgroup cannot say what it does: the child keeps the
+		 * parent's mounts, directory and files, so what it writes may be
+		 * this sandbox's, booked to another or to none. */
 		struct crab_ctl *dst = bpf_map_lookup_elem(&crab_ctl, &child_cg);
 		if (dst)
 			follow_task(child_cg, dst->gen, child_pid);
-		else if (ctl)
+		if (ctl)
 			unsure(cg, ctl->gen, child_pid, CRAB_UNSURE_CGROUP);
 	}
 	if (!ctl)
@@ -1530,15 +1537,14 @@ int crab_attach(struct cgroup_attach_args *ctx)
 		return 0; /* a v1 hierarchy: its ids are another namespace */
 	__u64 cg = ctx->dst_id;
 	struct crab_ctl *ctl = bpf_map_lookup_elem(&crab_ctl, &cg);
-	if (ctl) {
+	if (ctl)
 		follow_task(cg, ctl->gen, ctx->pid);
-		return 0;
-	}
-	/* A task of a sandbox moved a task into a cgroup no sandbox is: what
-	 * happens there is not followed. */
+	/* A task of a sandbox moved a task into another cgroup: what happens
+	 * there is not followed (no sandbox's), or is booked to another
+	 * sandbox though the task keeps the mounts and files it had. */
 	__u64 from;
 	struct crab_ctl *src = current_sandbox(&from);
-	if (!src)
+	if (!src || from == cg)
 		return 0;
 	unsure(from, src->gen, ctx->pid, CRAB_UNSURE_CGROUP);
 	return 0;

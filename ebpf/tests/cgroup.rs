@@ -632,14 +632,30 @@ sys.exit(status)
     assert!(out.status.success(), "{out:?}");
     assert!(work.0.join("born.txt").exists(), "the child wrote its file");
     crab_tests::wait_until(10, || std::fs::remove_dir(&child).ok()).expect("the child cgroup empties");
-    let r = insp.turn_end("clone3").expect("turn end");
-    assert_eq!(r.class, Class::Full, "{r:#?}");
-    assert!(
-        r.reasons
-            .iter()
-            .any(|x| matches!(x, Reason::Unsure { why } if why.contains("cgroup outside the sandbox"))),
-        "{r:#?}"
+    let full_with_reason = |r: &crab_inspector::TurnReport| {
+        assert_eq!(r.class, Class::Full, "{r:#?}");
+        assert!(
+            r.reasons
+                .iter()
+                .any(|x| matches!(x, Reason::Unsure { why } if why.contains("cgroup outside the sandbox"))),
+            "{r:#?}"
+        );
+    };
+    full_with_reason(&insp.turn_end("clone3").expect("turn end"));
+
+    // Into another sandbox: followed there, and still this one's doubt (the
+    // child has this sandbox's mounts and files, its writes booked there).
+    let other = TestCgroup::new();
+    insp.register("clone3-other", &other.dir).expect("register");
+    std::fs::remove_file(work.0.join("born.txt")).expect("remove");
+    insp.turn_end("clone3").expect("turn end");
+    let out = cg.run(
+        &work.0,
+        &format!("/usr/bin/python3 -c '{clone_into}' {}", other.dir.display()),
     );
+    assert!(out.status.success(), "{out:?}");
+    full_with_reason(&insp.turn_end("clone3").expect("turn end"));
+    insp.unregister("clone3-other").expect("unregister");
     insp.unregister("clone3").expect("unregister");
 }
 
