@@ -73,6 +73,12 @@ fn init_log(root: &std::path::Path) {
                 .mode(0o600)
                 .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(root.join("crabd.log"))
+                .and_then(|f| {
+                    // One an older crabd made may be 0644.
+                    use std::os::unix::fs::PermissionsExt;
+                    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+                    Ok(f)
+                })
                 .ok()
         })
         .flatten();
