@@ -123,19 +123,28 @@ pub fn lookup(file: &Path, registry: &str, required: bool) -> Result<Option<Cred
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(None),
         Err(e) => return Err(bad(e.to_string())),
     };
-    let config: DockerConfig =
-        serde_json::from_slice(&text).map_err(|e| bad(format!("not a docker config.json: {e}")))?;
+    // Where, not what: serde's message may quote the value, a secret.
+    let config: DockerConfig = serde_json::from_slice(&text).map_err(|e| {
+        bad(format!(
+            "not a docker config.json (line {}, column {})",
+            e.line(),
+            e.column()
+        ))
+    })?;
     if let Some(helper) = config.cred_helpers.get(registry).or(config.creds_store.as_ref()) {
         if let Some(found) = from_helper(helper, registry)? {
             return Ok(Some(found));
         }
     }
-    let Some(entry) = config
+    // The key spelled as the registry first, then the others in order:
+    // the same file always gives the same answer.
+    let mut keys: Vec<&String> = config
         .auths
-        .iter()
-        .find(|(key, _)| names_registry(key, registry))
-        .map(|(_, e)| e)
-    else {
+        .keys()
+        .filter(|k| names_registry(k, registry))
+        .collect();
+    keys.sort_by_key(|k| (k.as_str() != registry, k.as_str()));
+    let Some(entry) = keys.first().map(|k| &config.auths[*k]) else {
         return Ok(None);
     };
     let source = file.display().to_string();
@@ -149,7 +158,7 @@ pub fn lookup(file: &Path, registry: &str, required: bool) -> Result<Option<Cred
         (Some(auth), _, _) => {
             let decoded = base64::engine::general_purpose::STANDARD
                 .decode(auth.trim())
-                .map_err(|e| bad(format!("the auth of {registry} is not base64: {e}")))?;
+                .map_err(|_| bad(format!("the auth of {registry} is not base64")))?;
             let text = String::from_utf8(decoded)
                 .map_err(|_| bad(format!("the auth of {registry} is not UTF-8")))?;
             let (username, password) = text
@@ -218,15 +227,16 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
     }
     let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
     if !out.status.success() {
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = String::from_utf8_lossy(&out.stdout);
         // What docker's helpers say of a registry they hold nothing for.
         if said.contains("credentials not found") {
             return Ok(None);
         }
-        return Err(fail(format!("{}: {said}", out.status)));
+        let why = String::from_utf8_lossy(&out.stderr);
+        return Err(fail(format!("{}: {}", out.status, why.trim())));
     }
     let answer: HelperAnswer = serde_json::from_slice(&out.stdout)
-        .map_err(|e| fail(format!("an answer that is not its JSON: {e}")))?;
+        .map_err(|e| fail(format!("an answer that is not its JSON (column {})", e.column())))?;
     if answer.username == "<token>" {
         return Err(fail(
             "it holds an identity token, which crabctl cannot use: log in with a user and password or an access token"
@@ -416,6 +426,10 @@ mod tests {
         std::fs::write(&file, "not json").unwrap();
         let e = lookup(&file, "reg.example", false).unwrap_err().to_string();
         assert!(e.contains("not a docker config.json"), "{e}");
+        // A malformed entry's value (a secret) never reaches the message.
+        std::fs::write(&file, r#"{"auths":{"reg.example":"c2VjcmV0LXZhbHVl"}}"#).unwrap();
+        let e = lookup(&file, "reg.example", false).unwrap_err().to_string();
+        assert!(!e.contains("c2VjcmV0LXZhbHVl"), "{e}");
     }
 
     #[test]

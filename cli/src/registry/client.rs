@@ -6,8 +6,9 @@
 //! A registry that answers 401 is answered as its challenge asks
 //! ([`super::auth`]): with the user's credentials (Basic), or with a token
 //! from the service it names (Bearer), once per request; the answer is
-//! then sent with every later request. Credentials never go over plain
-//! HTTP but to a loopback address.
+//! then sent with every later request to the registry itself (its scheme,
+//! host and port; an upload or a blob elsewhere gets none). Credentials
+//! never go over plain HTTP but between loopback addresses.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -176,10 +177,20 @@ impl Registry {
         &self,
         mut req: Request<Body>,
     ) -> Result<Response<hyper::body::Incoming>, RegistryError> {
-        if let Some(value) = self.authorization.lock().expect("not poisoned").clone() {
-            req.headers_mut().insert(hyper::header::AUTHORIZATION, value);
+        // Only to the registry itself: an upload's Location may name
+        // another host (its storage), which gets none of the credentials.
+        if self.is_registry(&req.uri().to_string()) {
+            if let Some(value) = self.authorization.lock().expect("not poisoned").clone() {
+                req.headers_mut().insert(hyper::header::AUTHORIZATION, value);
+            }
         }
         self.call(req).await
+    }
+
+    /// Whether `url` is on the registry's own scheme, host and port.
+    fn is_registry(&self, url: &str) -> bool {
+        url.strip_prefix(self.base.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/') || rest.starts_with('?'))
     }
 
     /// Sends `req` as it is (to the registry, or where it redirected).
@@ -233,10 +244,12 @@ impl Registry {
                 ))
             }
         };
-        HeaderValue::from_str(&value).map_err(|_| RegistryError::Invalid {
+        let mut value = HeaderValue::from_str(&value).map_err(|_| RegistryError::Invalid {
             what: url.to_owned(),
             reason: "credentials that are no header value".to_owned(),
-        })
+        })?;
+        value.set_sensitive(true);
+        Ok(value)
     }
 
     /// A token from the service `challenge` names, for its scope, asked
@@ -250,9 +263,12 @@ impl Registry {
         let Some(realm) = challenge.params.get("realm") else {
             return Err(self.refused(url.to_owned(), resp, "the registry names no token service"));
         };
-        // The token service is asked with the user's password: never in
-        // the clear, but on the loopback.
-        if !self.may_send_secrets(realm) {
+        // The token service is asked with the user's password: over HTTPS,
+        // or on the loopback when the registry is a loopback one too (a
+        // remote registry never sends crabctl to this host's services).
+        if !realm.starts_with("https://")
+            && (self.base.starts_with("https://") || !self.may_send_secrets(realm))
+        {
             return Err(self.refused(
                 url.to_owned(),
                 resp,
