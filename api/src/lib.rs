@@ -25,6 +25,7 @@
 pub mod client;
 pub mod config;
 pub mod crabd;
+pub mod export;
 pub mod routes;
 pub mod shim;
 

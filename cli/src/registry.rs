@@ -13,6 +13,7 @@ mod client;
 mod reference;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 
 use crab_api::crabd::{ImportQuery, ImportReport};
 use crab_api::{Crabd, SandboxSelector, VersionSel};
@@ -23,6 +24,10 @@ pub use reference::{InvalidReference, Reference};
 
 use crate::transfer::{self, TransferError};
 use client::Registry;
+
+/// The most a version's signature may weigh (an Ed25519 signature and key
+/// in JSON take under 300 bytes).
+const MAX_SIGNATURE: u64 = 4096;
 
 /// What `crabctl push` did.
 #[derive(Debug, Serialize)]
@@ -139,27 +144,67 @@ pub async fn pull(
     let (manifest, digest) = registry
         .get_manifest(reference.target(), artifact::MANIFEST_TYPE)
         .await?;
-    let members = artifact::members(&manifest).map_err(|reason| TransferError::NotAVersion {
+    let not_a_version = |reason: String| TransferError::NotAVersion {
         reference: reference.to_string(),
         reason,
-    })?;
+    };
+    let members = artifact::members(&manifest).map_err(not_a_version)?;
     let dir = transfer::private_dir()?;
     let total = members
         .iter()
         .try_fold(0u64, |sum, m| sum.checked_add(m.size))
-        .ok_or_else(|| TransferError::NotAVersion {
-            reference: reference.to_string(),
-            reason: "its members' sizes add up to more than 2^64 bytes".to_owned(),
-        })?;
+        .ok_or_else(|| not_a_version("its members' sizes add up to more than 2^64 bytes".to_owned()))?;
+    let files: Vec<PathBuf> = (0..members.len())
+        .map(|n| dir.path().join(format!("member-{n}")))
+        .collect();
+    // The manifest and its signature first: a version this host would not
+    // import is refused before its bulk is downloaded.
+    let mut done = 0;
+    for (m, file) in members
+        .iter()
+        .zip(&files)
+        .filter(|(m, _)| artifact::is_metadata(&m.name))
+    {
+        let most = match m.name == crab_api::export::SIGNATURE {
+            true => MAX_SIGNATURE,
+            false => crab_api::export::MAX_METADATA,
+        };
+        if m.size > most {
+            return Err(not_a_version(format!(
+                "its {} is {} bytes (at most {most})",
+                m.name, m.size
+            )));
+        }
+        registry.get_blob(&m.digest, m.size, file).await?;
+        done += m.size;
+    }
+    if !query.insecure_unsigned {
+        let read = |name: &str| -> Result<Option<Vec<u8>>, TransferError> {
+            match members.iter().position(|m| m.name == name) {
+                Some(n) => std::fs::read(&files[n])
+                    .map(Some)
+                    .map_err(|source| TransferError::Local {
+                        what: "read a downloaded member",
+                        source,
+                    }),
+                None => Ok(None),
+            }
+        };
+        let manifest = read(crab_api::export::MANIFEST)?
+            .ok_or_else(|| not_a_version("it has no manifest".to_owned()))?;
+        let signature = read(crab_api::export::SIGNATURE)?;
+        let trusted = crabd.keys().await?.trusted;
+        artifact::check_signed(&manifest, signature.as_deref(), &trusted, &members).map_err(not_a_version)?;
+    }
     // The members, then the archive made of them: twice the bytes.
     transfer::room_for(dir.path(), total.saturating_mul(2))?;
-    let mut files = Vec::with_capacity(members.len());
-    let mut done = 0;
-    for (n, m) in members.iter().enumerate() {
+    for (m, file) in members
+        .iter()
+        .zip(&files)
+        .filter(|(m, _)| !artifact::is_metadata(&m.name))
+    {
         progress("pull", done, Some(total));
-        let file = dir.path().join(format!("member-{n}"));
-        registry.get_blob(&m.digest, m.size, &file).await?;
-        files.push(file);
+        registry.get_blob(&m.digest, m.size, file).await?;
         done += m.size;
     }
     let archive = dir.path().join("import.tar");

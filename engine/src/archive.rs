@@ -37,77 +37,21 @@ use sha2::{Digest, Sha256};
 use crate::containerd::ContainerTemplate;
 use crate::{ImageFile, VersionRecord};
 
-/// The manifest's member name.
-pub const MANIFEST: &str = "crab-export.json";
-/// The filesystem stream's member name.
-pub const FS_STREAM: &str = "fs.stream";
-/// The conversation's member name.
-pub const TRANSCRIPT: &str = "transcript.jsonl";
-/// The signature's member name.
-pub const SIGNATURE: &str = "crab-export.sig";
+use crab_api::export::{hex, ManifestMembers, SignatureError, MAX_METADATA};
+pub use crab_api::export::{signed_message, unhex, Signature, FS_STREAM, MANIFEST, SIGNATURE, TRANSCRIPT};
+
 /// The format written: 2 adds the signature. Format 1 (unsigned) is read.
 const FORMAT: u32 = 2;
-/// What a signature signs before the manifest's bytes: it never passes
-/// for a signature of anything else the key might sign.
-const SIGNING_CONTEXT: &[u8] = b"crab-export-v2\0";
-/// The most the manifest or the signature may weigh (read into memory).
-const MAX_METADATA: u64 = 64 << 20;
-/// The one signature algorithm.
-const ED25519: &str = "ed25519";
 
-/// A host's signature of an archive's manifest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Signature {
-    /// The algorithm (`ed25519`).
-    pub algorithm: String,
-    /// The signing host's public key, lower-case hex.
-    pub key: String,
-    /// The signature of the manifest's bytes, lower-case hex.
-    pub signature: String,
-}
-
-impl Signature {
-    /// An Ed25519 signature `signature` by public key `key`.
-    pub fn ed25519(key: &[u8], signature: &[u8]) -> Signature {
-        Signature {
-            algorithm: ED25519.to_owned(),
-            key: hex(key),
-            signature: hex(signature),
-        }
-    }
-
-    /// Checks that this signs `message`; answers the signing key
-    /// (lower-case hex).
-    fn verify(&self, message: &[u8]) -> Result<String, ArchiveError> {
-        use ring::signature::{UnparsedPublicKey, ED25519 as RING_ED25519};
-        if self.algorithm != ED25519 {
-            return Err(ArchiveError::Invalid {
-                reason: format!(
-                    "signature algorithm {:?} (this crabd reads {ED25519})",
-                    self.algorithm
-                ),
-            });
-        }
-        let (Some(key), Some(sig)) = (unhex(&self.key), unhex(&self.signature)) else {
-            return Err(ArchiveError::Invalid {
-                reason: "the signature's key or value is not hex".to_owned(),
-            });
-        };
-        if key.len() != 32 {
-            return Err(ArchiveError::Invalid {
-                reason: format!(
-                    "the signature's key is {} bytes, not an Ed25519 key's 32",
-                    key.len()
-                ),
-            });
-        }
-        UnparsedPublicKey::new(&RING_ED25519, &key)
-            .verify(message, &sig)
-            .map_err(|_| ArchiveError::Tampered {
-                reason: format!("the manifest does not match its signature (key {})", hex(&key)),
-            })?;
-        Ok(hex(&key))
-    }
+/// Checks that `sig` signs `message`; answers the signing key (lower-case
+/// hex).
+fn verify(sig: &Signature, message: &[u8]) -> Result<String, ArchiveError> {
+    sig.verify(message).map_err(|e| match e {
+        SignatureError::Invalid(reason) => ArchiveError::Invalid { reason },
+        mismatch @ SignatureError::Mismatch { .. } => ArchiveError::Tampered {
+            reason: mismatch.to_string(),
+        },
+    })
 }
 
 /// What an archive holds.
@@ -229,11 +173,6 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Ar
     }
 }
 
-/// What a manifest's signature signs: the context, then its bytes.
-pub fn signed_message(manifest: &[u8]) -> Vec<u8> {
-    [SIGNING_CONTEXT, manifest].concat()
-}
-
 /// Writes an archive of `c` to `out`: the image files, the filesystem
 /// stream, the transcript, `sign`'s signature of the manifest (of
 /// [`signed_message`]), then the manifest.
@@ -350,7 +289,7 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
             let sig: Signature = serde_json::from_slice(&sig).map_err(|e| ArchiveError::Invalid {
                 reason: format!("{SIGNATURE}: {e}"),
             })?;
-            Some(sig.verify(&signed_message(&bytes))?)
+            Some(verify(&sig, &signed_message(&bytes))?)
         }
         None => None,
     };
@@ -362,18 +301,10 @@ pub fn unpack(input: impl Read, staging: &Path) -> Result<Unpacked, ArchiveError
             reason: format!("format {} (this crabd reads 1 to {FORMAT})", manifest.format),
         });
     }
-    let mut expected: BTreeMap<String, (u64, String)> = manifest
-        .images
-        .iter()
-        .map(|f| (format!("images/{}", f.path), (f.bytes, f.sha256.clone())))
-        .collect();
-    expected.insert(
-        FS_STREAM.to_owned(),
-        (manifest.fs.bytes, manifest.fs.sha256.clone()),
-    );
-    if let Some(t) = &manifest.transcript {
-        expected.insert(TRANSCRIPT.to_owned(), (t.bytes, t.sha256.clone()));
-    }
+    let members: ManifestMembers = serde_json::from_slice(&bytes).map_err(|e| ArchiveError::Invalid {
+        reason: e.to_string(),
+    })?;
+    let expected = members.expected();
     for (name, want) in &expected {
         match seen.get(name) {
             None => {
@@ -471,75 +402,9 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-fn hex(digest: impl AsRef<[u8]>) -> String {
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The bytes of hex string `s` (either case); `None` if it is not hex.
-pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() & 1 == 1 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_signature_holds_for_its_message_and_key_only() {
-        use ring::signature::{Ed25519KeyPair, KeyPair};
-        let rng = ring::rand::SystemRandom::new();
-        let pair =
-            |_| Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).unwrap().as_ref()).unwrap();
-        let (ours, theirs) = (pair(0), pair(1));
-        let message = br#"{"format": 1}"#;
-        let sig = Signature::ed25519(ours.public_key().as_ref(), ours.sign(message).as_ref());
-        assert_eq!(sig.verify(message).unwrap(), hex(ours.public_key().as_ref()));
-        // The key as the archive spells it does not matter: its bytes do.
-        let upper = Signature {
-            key: sig.key.to_ascii_uppercase(),
-            ..sig.clone()
-        };
-        assert_eq!(upper.verify(message).unwrap(), sig.key);
-        let altered = br#"{"format": 2}"#;
-        assert!(matches!(sig.verify(altered), Err(ArchiveError::Tampered { .. })));
-        // Another host's key named with our signature: it does not hold.
-        let swapped = Signature {
-            key: hex(theirs.public_key().as_ref()),
-            ..sig.clone()
-        };
-        assert!(matches!(
-            swapped.verify(message),
-            Err(ArchiveError::Tampered { .. })
-        ));
-        let other = Signature {
-            algorithm: "rsa".to_owned(),
-            ..sig.clone()
-        };
-        assert!(matches!(other.verify(message), Err(ArchiveError::Invalid { .. })));
-        let garbled = Signature {
-            signature: "zz".to_owned(),
-            ..sig
-        };
-        assert!(matches!(
-            garbled.verify(message),
-            Err(ArchiveError::Invalid { .. })
-        ));
-    }
-
-    #[test]
-    fn hex_round_trips_and_refuses_what_is_not_hex() {
-        assert_eq!(unhex(&hex([0u8, 0xab, 0xff])).unwrap(), vec![0, 0xab, 0xff]);
-        assert_eq!(unhex("ABcd").unwrap(), vec![0xab, 0xcd]);
-        for bad in ["abc", "+a", "zz", "a "] {
-            assert_eq!(unhex(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn member_paths_stay_inside() {

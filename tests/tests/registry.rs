@@ -201,7 +201,6 @@ fn a_version_pushed_on_one_host_is_pulled_and_runs_on_another() {
     let mut b = Containerd::start();
     b.ctr_ok(&["image", "import", &python_sdk_archive().to_string_lossy()]);
     b.start_crabd();
-    trust(&b, &a);
     let address = b.address().to_string_lossy().into_owned();
     let pull = |reference: &str| -> Vec<String> {
         [
@@ -215,6 +214,11 @@ fn a_version_pushed_on_one_host_is_pulled_and_runs_on_another() {
         .map(str::to_owned)
         .to_vec()
     };
+    // A version signed by a key b does not trust is refused from its
+    // manifest, before any other member is downloaded.
+    let e = crabctl_err(&b, &strs(&pull(&v1)));
+    assert!(e.contains("does not trust") && e.contains("crabctl keys"), "{e}");
+    trust(&b, &a);
 
     // A registry that serves other bytes than a member's digest is caught
     // before anything is imported.

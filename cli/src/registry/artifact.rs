@@ -7,9 +7,13 @@
 //! exporting host signed) is the artifact's config; the OCI manifest lists
 //! the members in the archive's order, each named by its title.
 //!
-//! Pulling writes the members back into an archive in that order, the
+//! Pulling first downloads the archive's manifest and its signature and
+//! checks them ([`check_signed`]): signed by a key this host trusts, naming
+//! exactly the members the artifact lists. Only then does it download the
+//! rest, writes the members back into an archive in that order, the
 //! archive's manifest last, and crabd's import checks it as it checks any
-//! archive: a registry can withhold a version, never change one.
+//! archive: a registry can withhold a version, never change one, and
+//! cannot make a host download the bulk of one it would refuse.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -34,7 +38,7 @@ pub const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
 /// The annotation naming a member.
 const TITLE: &str = "org.opencontainers.image.title";
 /// The archive's manifest, its last member.
-const EXPORT_MANIFEST: &str = "crab-export.json";
+const EXPORT_MANIFEST: &str = crab_api::export::MANIFEST;
 /// The most members an artifact may have.
 const MAX_MEMBERS: usize = 100_000;
 
@@ -336,5 +340,132 @@ mod tests {
         let split2 = other.join("split");
         std::fs::create_dir(&split2).unwrap();
         assert!(split(&without_manifest, &split2).is_err());
+    }
+}
+
+/// Whether member `name` is one a pull reads before the others: the
+/// archive's manifest and its signature.
+pub fn is_metadata(name: &str) -> bool {
+    name == EXPORT_MANIFEST || name == crab_api::export::SIGNATURE
+}
+
+/// Checks, before the bulk of a version is downloaded, that its archive's
+/// manifest (`manifest`) is signed (`signature`) by a key of `trusted`
+/// and names exactly the other `members` the artifact lists, with their
+/// sizes and digests; each member is then checked against its digest as
+/// it arrives. crabd's import checks the archive whole again.
+pub fn check_signed(
+    manifest: &[u8],
+    signature: Option<&[u8]>,
+    trusted: &[String],
+    members: &[Member],
+) -> Result<(), String> {
+    use crab_api::export::{signed_message, ManifestMembers, Signature};
+    let signature =
+        signature.ok_or("the version is unsigned (pull it with --insecure-unsigned to import it anyway)")?;
+    let signature: Signature =
+        serde_json::from_slice(signature).map_err(|e| format!("its signature is not one: {e}"))?;
+    let key = signature
+        .verify(&signed_message(manifest))
+        .map_err(|e| e.to_string())?;
+    if !trusted.iter().any(|t| t.eq_ignore_ascii_case(&key)) {
+        return Err(format!(
+            "it is signed by key {key}, which this host does not trust (see `crabctl keys`: put the key in a file \
+             of the trusted directory, or pull with --insecure-unsigned)"
+        ));
+    }
+    let named: ManifestMembers =
+        serde_json::from_slice(manifest).map_err(|e| format!("its signed manifest names no members: {e}"))?;
+    let mut expected = named.expected();
+    for m in members.iter().filter(|m| !is_metadata(&m.name)) {
+        let want = expected.remove(&m.name);
+        let digest = m.digest.strip_prefix("sha256:").unwrap_or_default();
+        if want.as_ref().map(|(size, sha)| (*size, sha.as_str())) != Some((m.size, digest)) {
+            return Err(format!(
+                "member {} ({} bytes, {}) is not what its signed manifest names",
+                m.name, m.size, m.digest
+            ));
+        }
+    }
+    match expected.keys().next() {
+        Some(missing) => Err(format!(
+            "member {missing}, which its signed manifest names, is not listed"
+        )),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod signed_tests {
+    use super::*;
+    use crab_api::export::{signed_message, Signature};
+    use ring::signature::{Ed25519KeyPair, KeyPair};
+
+    fn key() -> Ed25519KeyPair {
+        let rng = ring::rand::SystemRandom::new();
+        Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).unwrap().as_ref()).unwrap()
+    }
+
+    fn member(name: &str, size: u64, hex: char) -> Member {
+        Member {
+            name: name.to_owned(),
+            digest: format!("sha256:{}", hex.to_string().repeat(64)),
+            size,
+        }
+    }
+
+    #[test]
+    fn only_a_trusted_signature_of_exactly_the_listed_members_passes() {
+        let (ours, theirs) = (key(), key());
+        let (a, f) = ("a".repeat(64), "f".repeat(64));
+        let manifest = format!(
+            r#"{{"format":2,"images":[{{"path":"pages-1.img","bytes":4,"sha256":"{a}"}}],"fs":{{"name":"s","bytes":9,"sha256":"{f}"}}}}"#
+        )
+        .into_bytes();
+        let sign = |k: &Ed25519KeyPair| {
+            let sig = Signature::ed25519(
+                k.public_key().as_ref(),
+                k.sign(&signed_message(&manifest)).as_ref(),
+            );
+            serde_json::to_vec(&sig).unwrap()
+        };
+        let trusted = [crab_api::export::hex(ours.public_key())];
+        let listed = vec![
+            member("images/pages-1.img", 4, 'a'),
+            member("fs.stream", 9, 'f'),
+            member("crab-export.sig", 100, 'c'),
+            member("crab-export.json", manifest.len() as u64, 'd'),
+        ];
+        assert_eq!(
+            check_signed(&manifest, Some(&sign(&ours)), &trusted, &listed),
+            Ok(())
+        );
+        let e = check_signed(&manifest, Some(&sign(&theirs)), &trusted, &listed).unwrap_err();
+        assert!(e.contains("does not trust"), "{e}");
+        let e = check_signed(&manifest, None, &trusted, &listed).unwrap_err();
+        assert!(e.contains("unsigned"), "{e}");
+        // Another size, another digest, one more member, one fewer.
+        for (n, bad) in [
+            member("images/pages-1.img", 5, 'a'),
+            member("images/pages-1.img", 4, 'b'),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut other = listed.clone();
+            other[0] = bad;
+            let e = check_signed(&manifest, Some(&sign(&ours)), &trusted, &other).unwrap_err();
+            assert!(e.contains("is not what its signed manifest names"), "{n}: {e}");
+        }
+        let mut more = listed.clone();
+        more.insert(0, member("images/extra.img", 1, 'e'));
+        assert!(check_signed(&manifest, Some(&sign(&ours)), &trusted, &more).is_err());
+        let fewer: Vec<Member> = listed[1..].to_vec();
+        let e = check_signed(&manifest, Some(&sign(&ours)), &trusted, &fewer).unwrap_err();
+        assert!(e.contains("is not listed"), "{e}");
+        // A manifest altered after it was signed.
+        let mut altered = manifest.clone();
+        altered[2] ^= 1;
+        assert!(check_signed(&altered, Some(&sign(&ours)), &trusted, &listed).is_err());
     }
 }
