@@ -8,16 +8,25 @@
 //! spec.dump         the container's OCI runtime spec (a pod's container
 //!                   keeps CRI's annotations: its pod and namespace show)
 //! checkpoint/…      the version's CRIU images
+//! rootfs-diff.tar   the files the container changed (its overlay upper:
+//!                   owners, modes, times, xattrs, hard links)
+//! deleted.files     the image's files it deleted (JSON, `/`-rooted paths)
 //! ```
 //!
 //! It is made from crabd's own export of the version, on this side; it is
-//! for inspection by those tools, not for `crabctl import` (no signature,
-//! and no file snapshot: that is in Crab's own format).
+//! for inspection by those tools, not for `crabctl import` (no signature:
+//! that is Crab's own format). The file changes are the overlay upper's
+//! as the engines write them; a directory the container made opaque (it
+//! removed one of the image's and made it again) hides the image's
+//! entries under it without listing them in `deleted.files`.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, Read, Seek};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use crab_snapshotter::{EntryKind, StreamEntry};
 
 use crab_api::{Crabd, Progress, SandboxSelector, VersionSel};
 use serde_json::Value;
@@ -79,7 +88,18 @@ fn convert(archive: &Path, out: File) -> io::Result<u64> {
             header.set_size(entry.size());
             header.set_mode(0o600);
             tar.append_data(&mut header, format!("checkpoint/{image}"), &mut entry)?;
-        } else if name == "crab-export.json" {
+        } else if name == crab_api::export::FS_STREAM {
+            let (mut diff, deleted) = rootfs_diff(&mut entry, archive)?;
+            let mut header = tar::Header::new_gnu();
+            header.set_size(diff.metadata()?.len());
+            header.set_mode(0o600);
+            tar.append_data(&mut header, "rootfs-diff.tar", &mut diff)?;
+            let bytes = serde_json::to_vec(&deleted).expect("paths serialize");
+            let mut header = tar::Header::new_gnu();
+            header.set_size(bytes.len() as u64);
+            header.set_mode(0o600);
+            tar.append_data(&mut header, "deleted.files", bytes.as_slice())?;
+        } else if name == crab_api::export::MANIFEST {
             let mut bytes = Vec::new();
             entry.read_to_end(&mut bytes)?;
             manifest = Some(serde_json::from_slice::<Value>(&bytes).map_err(io::Error::other)?);
@@ -97,6 +117,106 @@ fn convert(archive: &Path, out: File) -> io::Result<u64> {
     let out = tar.into_inner()?;
     out.sync_all()?;
     Ok(out.metadata()?.len())
+}
+
+/// The overlay-copy file stream `stream` as a tar of the container's
+/// changed files, in an unnamed file beside `archive` (in the export's
+/// private directory), and the paths it deleted: its whiteouts and those
+/// the stream deletes from its parent.
+fn rootfs_diff(stream: &mut dyn Read, archive: &Path) -> io::Result<(File, Vec<String>)> {
+    let dir = archive.parent().unwrap_or(Path::new("."));
+    let mut out = tar::Builder::new(tempfile::tempfile_in(dir)?);
+    let mut whiteouts = Vec::new();
+    let deleted = crab_snapshotter::read_stream(stream, |e, data| {
+        if e.kind == EntryKind::Char && e.rdev == 0 {
+            whiteouts.push(e.path.clone());
+            return Ok(());
+        }
+        append_entry(&mut out, e, data)
+    })
+    .map_err(io::Error::other)?;
+    let mut file = out.into_inner()?;
+    file.rewind()?;
+    let rooted = |p: &PathBuf| format!("/{}", p.to_string_lossy());
+    Ok((file, deleted.iter().chain(&whiteouts).map(rooted).collect()))
+}
+
+/// Appends stream entry `e` (its file data from `data`) to `out`, as
+/// `tar` and containers' own diffs write it; a socket is no archive
+/// entry, and the root is the archive's own.
+fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Read) -> io::Result<()> {
+    if e.path.as_os_str().is_empty() || e.kind == EntryKind::Socket {
+        return Ok(());
+    }
+    let xattrs = pax_xattrs(&e.xattrs);
+    if !xattrs.is_empty() {
+        let mut header = tar::Header::new_ustar();
+        header.set_entry_type(tar::EntryType::XHeader);
+        header.set_size(xattrs.len() as u64);
+        header.set_mode(0o600);
+        out.append_data(&mut header, "PaxHeaders/x", xattrs.as_slice())?;
+    }
+    let mut header = tar::Header::new_gnu();
+    header.set_mode(e.mode);
+    header.set_uid(e.uid.into());
+    header.set_gid(e.gid.into());
+    header.set_mtime(u64::try_from(e.mtime.0).unwrap_or(0));
+    header.set_size(0);
+    let mut path = e.path.clone();
+    match e.kind {
+        EntryKind::Dir => {
+            header.set_entry_type(tar::EntryType::Directory);
+            path.push("");
+        }
+        EntryKind::File if e.link.is_some() => {
+            header.set_entry_type(tar::EntryType::Link);
+            let to = e.link.as_deref().expect("checked");
+            return out.append_link(&mut header, &path, to);
+        }
+        EntryKind::File => {
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_size(e.size);
+            return out.append_data(&mut header, &path, data);
+        }
+        EntryKind::Symlink => {
+            header.set_entry_type(tar::EntryType::Symlink);
+            let to = e.target.as_deref().unwrap_or(Path::new(""));
+            return out.append_link(&mut header, &path, to);
+        }
+        EntryKind::Char | EntryKind::Block => {
+            header.set_entry_type(match e.kind {
+                EntryKind::Char => tar::EntryType::Char,
+                _ => tar::EntryType::Block,
+            });
+            let dev = e.rdev as nix::libc::dev_t;
+            header.set_device_major(nix::sys::stat::major(dev) as u32)?;
+            header.set_device_minor(nix::sys::stat::minor(dev) as u32)?;
+        }
+        EntryKind::Fifo => header.set_entry_type(tar::EntryType::Fifo),
+        EntryKind::Socket => unreachable!("skipped above"),
+    }
+    out.append_data(&mut header, &path, io::empty())
+}
+
+/// PAX records (`SCHILY.xattr.NAME`) of `xattrs`, overlayfs' own left out
+/// (the upper's bookkeeping, not the container's files').
+fn pax_xattrs(xattrs: &[(std::ffi::OsString, Vec<u8>)]) -> Vec<u8> {
+    let mut records = Vec::new();
+    for (name, value) in xattrs {
+        let name = name.as_bytes();
+        if name.starts_with(b"trusted.overlay.") {
+            continue;
+        }
+        // "LEN SCHILY.xattr.NAME=VALUE\n", LEN counting itself.
+        let body = [b" SCHILY.xattr.".as_slice(), name, b"=", value, b"\n"].concat();
+        let mut len = body.len() + 1;
+        while len.to_string().len() + body.len() != len {
+            len = len.to_string().len() + body.len();
+        }
+        records.extend_from_slice(len.to_string().as_bytes());
+        records.extend_from_slice(&body);
+    }
+    records
 }
 
 /// `config.dump` and `spec.dump` from Crab's export manifest.
@@ -151,6 +271,135 @@ fn rfc3339(unix_ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hand-written overlay-copy stream (the snapshotter's format).
+    fn stream() -> Vec<u8> {
+        let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+        let entry = |path: &str, kind: &str, extra: &str, size: usize| {
+            format!(
+                r#"{{"path":"{}","kind":"{kind}","mode":420,"uid":1,"gid":2,"rdev":0,"mtime":[1700000000,0],"xattrs":[{extra}],"target":null,"link":null,"size":{size}}}"#,
+                hex(path)
+            )
+        };
+        let mut out = format!(
+            "{{\"format\":\"crab-overlay-copy\",\"version\":1,\"name\":\"v1\",\"parent\":null,\"deleted\":[\"{}\"]}}\n",
+            hex("old")
+        );
+        out += &(entry("", "dir", "", 0) + "\n");
+        out += &(entry(
+            "d",
+            "dir",
+            &format!(r#"["{}","{}"]"#, hex("trusted.overlay.opaque"), hex("y")),
+            0,
+        ) + "\n");
+        out += &(entry(
+            "d/f",
+            "file",
+            &format!(r#"["{}","{}"]"#, hex("user.k"), hex("v")),
+            3,
+        ) + "\nabc");
+        out += &(entry("d/g", "file", "", 0)
+            .replace(r#""link":null"#, &format!(r#""link":"{}""#, hex("d/f")))
+            + "\n");
+        out += &(entry("s", "symlink", "", 0)
+            .replace(r#""target":null"#, &format!(r#""target":"{}""#, hex("d/f")))
+            + "\n");
+        out += &(entry("w", "char", "", 0) + "\n");
+        out += &(entry("p", "fifo", "", 0) + "\n");
+        out += "{\"end\":true,\"entries\":7}\n";
+        out.into_bytes()
+    }
+
+    #[test]
+    fn a_file_stream_becomes_the_engines_rootfs_diff() {
+        let dir = tempfile::tempdir().unwrap();
+        let (diff, deleted) = rootfs_diff(&mut stream().as_slice(), &dir.path().join("export.tar")).unwrap();
+        assert_eq!(deleted, ["/old", "/w"]);
+        let mut tar = tar::Archive::new(diff);
+        let mut seen = Vec::new();
+        for entry in tar.entries().unwrap() {
+            let mut entry = entry.unwrap();
+            let path = entry.path().unwrap().to_string_lossy().into_owned();
+            let kind = entry.header().entry_type();
+            let link = entry
+                .link_name()
+                .unwrap()
+                .map(|l| l.to_string_lossy().into_owned());
+            let xattrs: Vec<String> = entry
+                .pax_extensions()
+                .unwrap()
+                .into_iter()
+                .flatten()
+                .map(|x| {
+                    let x = x.unwrap();
+                    format!(
+                        "{}={}",
+                        x.key().unwrap(),
+                        String::from_utf8_lossy(x.value_bytes())
+                    )
+                })
+                .collect();
+            let mut data = String::new();
+            entry.read_to_string(&mut data).unwrap();
+            assert_eq!(entry.header().uid().unwrap(), 1, "{path}");
+            seen.push((path, kind, link, xattrs, data));
+        }
+        let t = tar::EntryType::Regular;
+        assert_eq!(
+            seen,
+            [
+                (
+                    "d/".into(),
+                    tar::EntryType::Directory,
+                    None,
+                    vec![],
+                    String::new()
+                ),
+                (
+                    "d/f".into(),
+                    t,
+                    None,
+                    vec!["SCHILY.xattr.user.k=v".into()],
+                    "abc".into()
+                ),
+                (
+                    "d/g".into(),
+                    tar::EntryType::Link,
+                    Some("d/f".into()),
+                    vec![],
+                    String::new()
+                ),
+                (
+                    "s".into(),
+                    tar::EntryType::Symlink,
+                    Some("d/f".into()),
+                    vec![],
+                    String::new()
+                ),
+                ("p".into(), tar::EntryType::Fifo, None, vec![], String::new()),
+            ]
+        );
+        // A stream cut short is refused, not half converted.
+        let whole = stream();
+        let cut = &whole[..whole.len() - 30];
+        assert!(rootfs_diff(&mut &cut[..], &dir.path().join("export.tar")).is_err());
+    }
+
+    #[test]
+    fn pax_records_count_their_own_length() {
+        let records = pax_xattrs(&[
+            ("user.a".into(), b"xyz".to_vec()),
+            ("trusted.overlay.opaque".into(), b"y".to_vec()),
+        ]);
+        let text = String::from_utf8(records).unwrap();
+        assert_eq!(text, "27 SCHILY.xattr.user.a=xyz\n");
+        assert_eq!(text.len(), 27);
+        // Where the length's own digits carry it over a power of ten.
+        let value = vec![b'v'; 80];
+        let record = pax_xattrs(&[("user.b".into(), value)]);
+        let (len, _) = std::str::from_utf8(&record).unwrap().split_once(' ').unwrap();
+        assert_eq!(len.parse::<usize>().unwrap(), record.len());
+    }
 
     #[test]
     fn times_are_rfc3339_utc() {

@@ -4,7 +4,9 @@
 //!
 //! Public face: the [`Backend`] trait, [`open`] (a backend for a
 //! [`Location`]), the three implementations [`ZfsBackend`], [`BtrfsBackend`]
-//! and [`OverlayCopyBackend`], [`sync_tree`] (a files-only rollback in place) and [`Error`].
+//! and [`OverlayCopyBackend`], [`sync_tree`] (a files-only rollback in place),
+//! [`read_stream`] (an overlay-copy export stream read entry by entry, for
+//! converting it) and [`Error`].
 //!
 //! Calls block (they run `zfs`/`btrfs` commands or walk trees): async
 //! callers run them on a blocking thread.
@@ -29,7 +31,10 @@ mod zfs_snapshotter;
 pub use backend::{open, Backend, BackendKind, Change, Location, Snapshot, SnapshotName};
 pub use btrfs::BtrfsBackend;
 pub use error::Error;
-pub use overlay::{finish_interrupted_rollback, rollback_journal, OverlayCopyBackend, StreamPolicy};
+pub use overlay::{
+    finish_interrupted_rollback, read_stream, rollback_journal, EntryKind, OverlayCopyBackend, StreamEntry,
+    StreamPolicy,
+};
 pub use sync::{differences, sync_tree, Scope, SnapshotFiles, SyncReport};
 pub use zfs::ZfsBackend;
 pub use zfs_snapshotter::{SnapshotterError, ZfsSnapshotter, CRASH_ENV};

@@ -27,7 +27,8 @@
 
 mod archive;
 
-pub use archive::StreamPolicy;
+pub use archive::{read_stream, StreamEntry, StreamPolicy};
+pub use tree::Kind as EntryKind;
 mod copy;
 mod index;
 pub(crate) mod tree;

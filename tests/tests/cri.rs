@@ -372,7 +372,14 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     // Checkpoint, change files and memory, roll back: the agent comes back
     // as it was, in the pod's network, and execs run in it again.
     assert_eq!(ask(agent_pid, STORE, "set k before"), "ok");
-    assert_eq!(node.exec(&agent, "echo one > /data/f").0, 0);
+    assert_eq!(
+        node.exec(
+            &agent,
+            "echo one > /data/f && rm /etc/ssl/certs/ca-certificates.crt"
+        )
+        .0,
+        0
+    );
     let v = crabctl_ok(&node.ctd, &["checkpoint", &agent])["version"]["version"]
         .as_u64()
         .expect("a version");
@@ -395,6 +402,28 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     for want in ["agent", PYTHON_SDK, &agent[..12], "containerd"] {
         assert!(show.contains(want), "checkpointctl show lacks {want}: {show}");
     }
+    // Its file changes as the engines write them: the changed files in
+    // rootfs-diff.tar, the image's deleted ones in deleted.files.
+    let member = |name: &str| -> Vec<u8> {
+        let out = std::process::Command::new("tar")
+            .args(["-xOf", &archive_arg, name])
+            .output()
+            .expect("tar");
+        assert!(out.status.success(), "{name}: {out:?}");
+        out.stdout
+    };
+    let diff = node.dir.join("rootfs-diff.tar");
+    std::fs::write(&diff, member("rootfs-diff.tar")).unwrap();
+    let f = std::process::Command::new("tar")
+        .args(["-xOf", &diff.to_string_lossy(), "data/f"])
+        .output()
+        .expect("tar");
+    assert_eq!(String::from_utf8_lossy(&f.stdout), "one\n", "{f:?}");
+    let deleted: Vec<String> = serde_json::from_slice(&member("deleted.files")).unwrap();
+    assert!(
+        deleted.contains(&"/etc/ssl/certs/ca-certificates.crt".to_owned()),
+        "{deleted:?}"
+    );
     let inspect = checkpointctl(&["inspect", &archive_arg, "--ps-tree"]);
     for want in ["Engine: containerd", "Process tree", "python3"] {
         assert!(

@@ -382,6 +382,114 @@ fn check_privileges(rel: &Path, meta: &Meta, policy: StreamPolicy) -> Result<()>
     Ok(())
 }
 
+/// One entry of a stream, as [`read_stream`] hands it on.
+#[derive(Debug, Clone)]
+pub struct StreamEntry {
+    /// Its path relative to the tree's root (no `..`, never absolute;
+    /// empty for the root itself).
+    pub path: PathBuf,
+    /// Its kind (an overlayfs whiteout is a `Char` of device 0).
+    pub kind: Kind,
+    /// Permission bits (and setuid/setgid/sticky).
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Device number (a node's).
+    pub rdev: u64,
+    /// Modification time (seconds, nanoseconds).
+    pub mtime: (i64, i64),
+    /// Extended attributes.
+    pub xattrs: Vec<(OsString, Vec<u8>)>,
+    /// A symlink's target.
+    pub target: Option<PathBuf>,
+    /// The earlier entry of the stream this file is a hard link to.
+    pub link: Option<PathBuf>,
+    /// Bytes of file data that follow it (a file that is no link).
+    pub size: u64,
+}
+
+/// Reads a whole stream from `input`, handing each entry and its data to
+/// `visit` in the stream's order (parents before children); answers the
+/// paths it deletes from its parent. It checks the stream's shape as
+/// [`apply`] does (safe paths, each once, links to earlier files, the end
+/// record's count) and writes nothing. Data `visit` leaves unread is
+/// skipped.
+///
+/// # Errors
+/// [`Error::BadStream`] for a malformed or truncated stream; `visit`'s own
+/// errors as [`Error::Io`] naming the entry.
+pub fn read_stream(
+    input: &mut dyn Read,
+    mut visit: impl FnMut(&StreamEntry, &mut dyn Read) -> std::io::Result<()>,
+) -> Result<Vec<PathBuf>> {
+    let mut input = BufReader::new(input);
+    let head = read_head(&mut input)?;
+    let deleted = head
+        .deleted
+        .iter()
+        .map(|d| safe_path(d))
+        .collect::<Result<Vec<_>>>()?;
+    let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
+    let mut n_entries = 0u64;
+    loop {
+        let rec: Record = read_line(&mut input)?.ok_or_else(|| bad("truncated: no end record"))?;
+        let e = match rec {
+            Record::End { entries, .. } if entries == n_entries => return Ok(deleted),
+            Record::End { entries, .. } => {
+                return Err(bad(&format!(
+                    "end record counts {entries} entries, stream had {n_entries}"
+                )))
+            }
+            Record::Entry(e) => e,
+        };
+        n_entries += 1;
+        let path = safe_path(&e.path)?;
+        if !seen.insert(path.clone()) {
+            return Err(bad(&format!("{path:?} appears twice in the stream")));
+        }
+        let meta = e.meta()?;
+        let link = e.link.as_deref().map(safe_path).transpose()?;
+        if link
+            .as_ref()
+            .is_some_and(|l| !seen.contains(l) || meta.kind != Kind::File)
+        {
+            return Err(bad(&format!(
+                "{path:?} links to an entry that is no earlier file"
+            )));
+        }
+        let carries_data = meta.kind == Kind::File && link.is_none();
+        if !carries_data && e.size != 0 {
+            return Err(bad(&format!("{path:?} has data but is no file")));
+        }
+        let target = e
+            .target
+            .as_deref()
+            .map(|t| unhex(t).map(|b| PathBuf::from(OsString::from_vec(b))))
+            .transpose()?;
+        let entry = StreamEntry {
+            path,
+            kind: meta.kind,
+            mode: meta.mode,
+            uid: meta.uid,
+            gid: meta.gid,
+            rdev: meta.rdev,
+            mtime: meta.mtime,
+            xattrs: meta.xattrs,
+            target,
+            link,
+            size: e.size,
+        };
+        let mut data = (&mut input).take(entry.size);
+        visit(&entry, &mut data).map_err(Error::io("convert", &entry.path))?;
+        std::io::copy(&mut data, &mut std::io::sink()).map_err(|e| bad(&format!("read: {e}")))?;
+        if data.limit() != 0 {
+            return Err(bad("truncated file data"));
+        }
+    }
+}
+
 // === impl EntryRecord ===
 
 impl EntryRecord {
