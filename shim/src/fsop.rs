@@ -69,9 +69,11 @@ impl FsOp {
     /// Whether it runs commands, and so must run in the helper.
     pub fn forks(&self) -> bool {
         match self {
-            FsOp::Snapshot { location, .. }
-            | FsOp::Rollback { location, .. }
-            | FsOp::Destroy { location, .. } => !matches!(location, Location::OverlayCopy { .. }),
+            // btrfs snapshots by ioctl.
+            FsOp::Snapshot { location, .. } => matches!(location, Location::Zfs { .. }),
+            FsOp::Rollback { location, .. } | FsOp::Destroy { location, .. } => {
+                !matches!(location, Location::OverlayCopy { .. })
+            }
             // btrfs answers from its snapshot's directory.
             FsOp::Has { location, .. } => matches!(location, Location::Zfs { .. }),
             FsOp::ZfsDatasetAt { .. } => true,

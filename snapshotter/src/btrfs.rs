@@ -1,4 +1,6 @@
-//! The btrfs backend, driving `btrfs` (btrfs-progs).
+//! The btrfs backend, driving `btrfs` (btrfs-progs), and making its
+//! snapshots by ioctl (no command: a checkpoint's snapshot runs in the
+//! shim's own process, while the sandbox is frozen).
 //!
 //! Two layouts. Crab's own, under the sandbox's directory `DIR` (on btrfs):
 //! `DIR/live` is the writable subvolume, `DIR/.snapshots/<name>` the
@@ -141,16 +143,7 @@ impl Backend for BtrfsBackend {
         }
         private_dir(&self.snapshots_dir())?;
         // A btrfs snapshot is created atomically.
-        run(
-            BTRFS,
-            &[
-                "subvolume",
-                "snapshot",
-                "-r",
-                &path_str(&self.live())?,
-                &path_str(&to)?,
-            ],
-        )?;
+        snapshot_readonly(&self.live(), &to)?;
         Ok(Snapshot {
             name: name.clone(),
             bytes: None,
@@ -340,4 +333,69 @@ fn path_str(p: &Path) -> Result<String> {
         path: p.to_owned(),
         source: std::io::ErrorKind::InvalidInput.into(),
     })
+}
+
+/// `struct btrfs_ioctl_vol_args_v2` of `linux/btrfs.h` (4096 bytes).
+#[repr(C)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; SUBVOL_NAME_MAX + 1],
+}
+
+const _: () = assert!(std::mem::size_of::<VolArgsV2>() == 4096);
+
+/// The longest name of a subvolume.
+const SUBVOL_NAME_MAX: usize = 4039;
+/// `BTRFS_SUBVOL_RDONLY`.
+const SUBVOL_RDONLY: u64 = 1 << 1;
+
+nix::ioctl_write_ptr!(btrfs_snap_create_v2, 0x94, 23, VolArgsV2);
+
+/// Makes `dst` a read-only snapshot of subvolume `src`, as `btrfs
+/// subvolume snapshot -r` does (one ioctl: atomic, and committed when it
+/// returns), without running it.
+#[allow(unsafe_code)]
+fn snapshot_readonly(src: &Path, dst: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (Some(parent), Some(name)) = (dst.parent(), dst.file_name()) else {
+        return Err(Error::Refused {
+            reason: format!("{} names no snapshot in a directory", dst.display()),
+        });
+    };
+    let name = name.as_bytes();
+    if name.len() > SUBVOL_NAME_MAX {
+        return Err(Error::Refused {
+            reason: format!(
+                "a subvolume name of {} bytes (at most {SUBVOL_NAME_MAX})",
+                name.len()
+            ),
+        });
+    }
+    let dir = |path: &Path| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(Error::io("open", path))
+    };
+    let (src_dir, parent_dir) = (dir(src)?, dir(parent)?);
+    let mut args = VolArgsV2 {
+        fd: i64::from(src_dir.as_raw_fd()),
+        transid: 0,
+        flags: SUBVOL_RDONLY,
+        unused: [0; 4],
+        name: [0; SUBVOL_NAME_MAX + 1],
+    };
+    args.name[..name.len()].copy_from_slice(name);
+    // SAFETY: `args` is a whole, initialised btrfs_ioctl_vol_args_v2 (its
+    // name NUL-terminated) that outlives the call, and both descriptors
+    // are open; the kernel only reads it.
+    unsafe { btrfs_snap_create_v2(parent_dir.as_raw_fd(), &args) }
+        .map_err(|e| Error::io("snapshot", dst)(e.into()))?;
+    Ok(())
 }

@@ -15,7 +15,8 @@
 //! (`zfs rollback -r` is never used), follow a symlink out of the tree it
 //! copies, or leave a half-made snapshot under its final name.
 
-// One audited exception: `command` hands a zfs child its turn's lock.
+// Two audited exceptions: `command` hands a zfs child its turn's lock, and
+// `btrfs` makes its snapshots by ioctl.
 #![deny(unsafe_code)]
 
 mod backend;

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 
 use common::{digest, mutate, populate, sh, unique};
@@ -340,6 +340,25 @@ fn btrfs_on_a_loop_device() {
     };
     let fresh = BtrfsBackend::new(&mnt.join("fresh"));
     exercise(&b, clone_at, &fresh, true, true);
+    // A snapshot (made by ioctl) is a read-only subvolume of its own, as
+    // `btrfs subvolume snapshot -r` makes it.
+    let v1 = mnt.join("sb/.snapshots/v1");
+    assert_eq!(
+        std::fs::metadata(&v1).unwrap().ino(),
+        256,
+        "the root of a subvolume"
+    );
+    let e = std::fs::write(v1.join("new-file"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(nix::libc::EROFS), "{e}");
+    let show = std::process::Command::new("btrfs")
+        .args(["property", "get", "-ts", v1.to_str().unwrap(), "ro"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&show.stdout).trim(),
+        "ro=true",
+        "{show:?}"
+    );
 
     // A subvolume someone else made (containerd's btrfs snapshotter lays
     // out `active/<n>`), with the snapshots kept elsewhere on the fs.
