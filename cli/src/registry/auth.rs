@@ -86,6 +86,9 @@ struct AuthEntry {
     identitytoken: Option<String>,
 }
 
+/// The longest a credential helper may take to answer.
+const HELPER_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What a credential helper answers.
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
@@ -225,7 +228,18 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
             .write_all(registry.as_bytes())
             .map_err(|e| fail(e.to_string()))?;
     }
-    let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+    // A helper that hangs (a keychain waiting for a prompt no one sees)
+    // is killed, not waited for: its pid stays its own until it is reaped.
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let out = match rx.recv_timeout(HELPER_TIME) {
+        Ok(out) => out.map_err(|e| fail(e.to_string()))?,
+        Err(_) => {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            return Err(fail(format!("no answer in {} s", HELPER_TIME.as_secs())));
+        }
+    };
     if !out.status.success() {
         let said = String::from_utf8_lossy(&out.stdout);
         // What docker's helpers say of a registry they hold nothing for.
@@ -430,6 +444,21 @@ mod tests {
         std::fs::write(&file, r#"{"auths":{"reg.example":"c2VjcmV0LXZhbHVl"}}"#).unwrap();
         let e = lookup(&file, "reg.example", false).unwrap_err().to_string();
         assert!(!e.contains("c2VjcmV0LXZhbHVl"), "{e}");
+    }
+
+    #[test]
+    fn a_helper_that_cannot_run_says_so_and_a_bad_name_runs_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("config.json");
+        std::fs::write(&file, r#"{"credsStore":"crab-test-missing"}"#).unwrap();
+        let e = lookup(&file, "reg.example", true).unwrap_err().to_string();
+        assert!(
+            e.contains("docker-credential-crab-test-missing") && e.contains("cannot run it"),
+            "{e}"
+        );
+        std::fs::write(&file, r#"{"credHelpers":{"reg.example":"../../bin/sh"}}"#).unwrap();
+        let e = lookup(&file, "reg.example", true).unwrap_err().to_string();
+        assert!(e.contains("not a helper name"), "{e}");
     }
 
     #[test]
