@@ -81,15 +81,40 @@ function card(s) {
     el("table", { class: "events" }, el("tbody", {}, ...rows)));
 }
 
+// The whole page: after the state is read.
 function render() {
+  dirty.clear();
+  renderHost();
+  const main = document.getElementById("sandboxes");
+  const ids = [...sandboxes.keys()].sort();
+  main.replaceChildren(...(ids.length ? ids.map((id) => card(sandboxes.get(id))) : [el("p", { class: "empty" }, "No sandboxes.")]));
+}
+
+function renderHost() {
   if (host) {
     const room = host.store_free_bytes == null ? "store room unknown" : `${size(host.store_free_bytes)} free in the store${host.store_min_free_bytes ? ` (floor ${size(host.store_min_free_bytes)})` : ""}`;
     document.getElementById("host").textContent =
       `queue ${host.queue_depth} · slots ${host.slots_in_use}/${host.slots} · ${room}`;
   }
-  const main = document.getElementById("sandboxes");
-  const ids = [...sandboxes.keys()].sort();
-  main.replaceChildren(...(ids.length ? ids.map((id) => card(sandboxes.get(id))) : [el("p", { class: "empty" }, "No sandboxes.")]));
+}
+
+// Sandboxes whose card an event changed, drawn again at the next frame:
+// a burst of events redraws each card once, and the others not at all.
+const dirty = new Set();
+
+function touch(id) {
+  if (!dirty.size) requestAnimationFrame(redraw);
+  dirty.add(id);
+}
+
+function redraw() {
+  for (const id of dirty) {
+    const s = sandboxes.get(id);
+    const old = [...document.querySelectorAll("section.sandbox")].find((n) => n.dataset.sandbox === id);
+    if (!s || !old) return void render();
+    old.replaceWith(card(s));
+  }
+  dirty.clear();
 }
 
 // Events that arrive while the state is read: applied on top of it.
@@ -126,14 +151,16 @@ function apply(e) {
   if (pending) return void pending.push(e);
   const s = sandboxes.get(e.sandbox);
   if (!s) return void load().catch(() => {});
-  // An event the state already had (it was read after the event).
+  // An event the state already had (it was read after the event): only
+  // events as new as the newest one shown can be.
   const line = JSON.stringify(e);
-  if (s.events.some((x) => JSON.stringify(x) === line)) return;
+  const newest = s.events.length ? s.events[s.events.length - 1].at_unix_ms : -Infinity;
+  if (e.at_unix_ms <= newest && s.events.some((x) => x.at_unix_ms === e.at_unix_ms && JSON.stringify(x) === line)) return;
   s.events.push(e);
   if (s.events.length > MAX_EVENTS) s.events.splice(0, s.events.length - MAX_EVENTS);
   if (e.event === "checkpoint") { s.versions += 1; s.latest = e.version; }
   if (e.event === "recovery") s.recoveries += 1;
-  render();
+  touch(e.sandbox);
 }
 
 function listen() {
