@@ -192,8 +192,12 @@ fn names_registry(key: &str, registry: &str) -> bool {
         .split('/')
         .next()
         .unwrap_or_default();
-    let hub = |h: &str| matches!(h, "docker.io" | "index.docker.io" | "registry-1.docker.io");
-    host.eq_ignore_ascii_case(registry) || (hub(host) && hub(registry))
+    host.eq_ignore_ascii_case(registry) || (is_hub(host) && is_hub(registry))
+}
+
+/// Whether `host` is Docker Hub's.
+fn is_hub(host: &str) -> bool {
+    matches!(host, "docker.io" | "index.docker.io" | "registry-1.docker.io")
 }
 
 /// Asks `docker-credential-<helper>` for `registry`'s credentials; `None`
@@ -223,9 +227,16 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
                 "cannot run it ({e}); install it or remove it from the config"
             ))
         })?;
+    // Docker Hub's credentials are kept under its legacy index URL, which
+    // is what docker asks helpers for.
+    let server = if is_hub(registry) {
+        "https://index.docker.io/v1/"
+    } else {
+        registry
+    };
     if let Some(mut stdin) = child.stdin.take() {
         stdin
-            .write_all(registry.as_bytes())
+            .write_all(server.as_bytes())
             .map_err(|e| fail(e.to_string()))?;
     }
     // A helper that hangs (a keychain waiting for a prompt no one sees)
