@@ -121,29 +121,41 @@ fn convert(archive: &Path, out: File) -> io::Result<u64> {
 
 /// The overlay-copy file stream `stream` as a tar of the container's
 /// changed files, in an unnamed file beside `archive` (in the export's
-/// private directory), and the paths it deleted: its whiteouts and those
-/// the stream deletes from its parent.
+/// private directory), and the paths it deleted: its whiteouts, but those
+/// under a directory it made opaque (the whole directory is replaced) and
+/// those not in UTF-8 (JSON cannot name them).
 fn rootfs_diff(stream: &mut dyn Read, archive: &Path) -> io::Result<(File, Vec<String>)> {
     let dir = archive.parent().unwrap_or(Path::new("."));
     let mut out = tar::Builder::new(tempfile::tempfile_in(dir)?);
     let mut whiteouts = Vec::new();
-    let deleted = crab_snapshotter::read_stream(stream, |e, data| {
+    let mut opaque: Vec<PathBuf> = Vec::new();
+    crab_snapshotter::read_stream(stream, |e, data| {
         if e.kind == EntryKind::Char && e.rdev == 0 {
-            whiteouts.push(e.path.clone());
+            if !opaque.iter().any(|o| e.path.starts_with(o)) {
+                whiteouts.extend(e.path.to_str().map(|p| format!("/{p}")));
+            }
             return Ok(());
+        }
+        let is_opaque = |(n, v): &(std::ffi::OsString, Vec<u8>)| n == OPAQUE && v == b"y";
+        if e.kind == EntryKind::Dir && e.xattrs.iter().any(is_opaque) {
+            opaque.push(e.path.clone());
         }
         append_entry(&mut out, e, data)
     })
     .map_err(io::Error::other)?;
     let mut file = out.into_inner()?;
     file.rewind()?;
-    let rooted = |p: &PathBuf| format!("/{}", p.to_string_lossy());
-    Ok((file, deleted.iter().chain(&whiteouts).map(rooted).collect()))
+    Ok((file, whiteouts))
 }
+
+/// overlayfs' mark of a directory that hides the lower one's entries.
+const OPAQUE: &str = "trusted.overlay.opaque";
 
 /// Appends stream entry `e` (its file data from `data`) to `out`, as
 /// `tar` and containers' own diffs write it; a socket is no archive
-/// entry, and the root is the archive's own.
+/// entry, and the root is the archive's own. Names are written as their
+/// bytes (a GNU long-name entry before one of 100 bytes or more), never
+/// through a conversion that a name in no encoding could fail.
 fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Read) -> io::Result<()> {
     if e.path.as_os_str().is_empty() || e.kind == EntryKind::Socket {
         return Ok(());
@@ -154,7 +166,9 @@ fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Re
         header.set_entry_type(tar::EntryType::XHeader);
         header.set_size(xattrs.len() as u64);
         header.set_mode(0o600);
-        out.append_data(&mut header, "PaxHeaders/x", xattrs.as_slice())?;
+        header.as_old_mut().name[..12].copy_from_slice(b"PaxHeaders/x");
+        header.set_cksum();
+        out.append(&header, xattrs.as_slice())?;
     }
     let mut header = tar::Header::new_gnu();
     header.set_mode(e.mode);
@@ -162,26 +176,24 @@ fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Re
     header.set_gid(e.gid.into());
     header.set_mtime(u64::try_from(e.mtime.0).unwrap_or(0));
     header.set_size(0);
-    let mut path = e.path.clone();
+    let mut name = e.path.as_os_str().as_bytes().to_vec();
+    let mut link: Option<&[u8]> = None;
     match e.kind {
         EntryKind::Dir => {
             header.set_entry_type(tar::EntryType::Directory);
-            path.push("");
+            name.push(b'/');
         }
         EntryKind::File if e.link.is_some() => {
             header.set_entry_type(tar::EntryType::Link);
-            let to = e.link.as_deref().expect("checked");
-            return out.append_link(&mut header, &path, to);
+            link = e.link.as_deref().map(|l| l.as_os_str().as_bytes());
         }
         EntryKind::File => {
             header.set_entry_type(tar::EntryType::Regular);
             header.set_size(e.size);
-            return out.append_data(&mut header, &path, data);
         }
         EntryKind::Symlink => {
             header.set_entry_type(tar::EntryType::Symlink);
-            let to = e.target.as_deref().unwrap_or(Path::new(""));
-            return out.append_link(&mut header, &path, to);
+            link = e.target.as_deref().map(|t| t.as_os_str().as_bytes());
         }
         EntryKind::Char | EntryKind::Block => {
             header.set_entry_type(match e.kind {
@@ -195,16 +207,60 @@ fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Re
         EntryKind::Fifo => header.set_entry_type(tar::EntryType::Fifo),
         EntryKind::Socket => unreachable!("skipped above"),
     }
-    out.append_data(&mut header, &path, io::empty())
+    set_name(out, &mut header, &name, false)?;
+    if let Some(link) = link {
+        set_name(out, &mut header, link, true)?;
+    }
+    header.set_cksum();
+    out.append(&header, data)
 }
 
-/// PAX records (`SCHILY.xattr.NAME`) of `xattrs`, overlayfs' own left out
-/// (the upper's bookkeeping, not the container's files').
+/// Writes `bytes` into `header`'s name (or link name) field, after a GNU
+/// long-name (long-link) entry holding them when they do not fit.
+fn set_name(
+    out: &mut tar::Builder<File>,
+    header: &mut tar::Header,
+    bytes: &[u8],
+    link: bool,
+) -> io::Result<()> {
+    let old = header.as_old_mut();
+    let field: &mut [u8; 100] = if link { &mut old.linkname } else { &mut old.name };
+    if bytes.len() < field.len() {
+        field.fill(0);
+        field[..bytes.len()].copy_from_slice(bytes);
+        return Ok(());
+    }
+    let mut long = tar::Header::new_gnu();
+    long.as_old_mut().name[..13].copy_from_slice(b"././@LongLink");
+    long.set_mode(0o644);
+    long.set_entry_type(match link {
+        true => tar::EntryType::GNULongLink,
+        false => tar::EntryType::GNULongName,
+    });
+    long.set_size(bytes.len() as u64 + 1);
+    long.set_cksum();
+    out.append(&long, [bytes, b"\0"].concat().as_slice())?;
+    // What a reader without GNU's entries sees: the name cut short.
+    let old = header.as_old_mut();
+    let field: &mut [u8; 100] = if link { &mut old.linkname } else { &mut old.name };
+    field.copy_from_slice(&bytes[..100]);
+    Ok(())
+}
+
+/// The most xattr bytes one entry carries (Go's archive/tar, which the
+/// engines' restores read with, refuses a PAX header over 1 MiB).
+const MAX_PAX: usize = 512 * 1024;
+
+/// PAX records (`SCHILY.xattr.NAME`) of `xattrs` the engines restore
+/// (`user.*` and `security.capability`, as containers' own diffs keep),
+/// at most [`MAX_PAX`] bytes of them; a name that a record cannot hold
+/// (`=`, NUL) is left out.
 fn pax_xattrs(xattrs: &[(std::ffi::OsString, Vec<u8>)]) -> Vec<u8> {
     let mut records = Vec::new();
     for (name, value) in xattrs {
         let name = name.as_bytes();
-        if name.starts_with(b"trusted.overlay.") {
+        let kept = name.starts_with(b"user.") || name == b"security.capability";
+        if !kept || name.contains(&b'=') || name.contains(&0) {
             continue;
         }
         // "LEN SCHILY.xattr.NAME=VALUE\n", LEN counting itself.
@@ -212,6 +268,9 @@ fn pax_xattrs(xattrs: &[(std::ffi::OsString, Vec<u8>)]) -> Vec<u8> {
         let mut len = body.len() + 1;
         while len.to_string().len() + body.len() != len {
             len = len.to_string().len() + body.len();
+        }
+        if records.len() + len > MAX_PAX {
+            continue;
         }
         records.extend_from_slice(len.to_string().as_bytes());
         records.extend_from_slice(&body);
@@ -273,18 +332,26 @@ mod tests {
     use super::*;
 
     /// A hand-written overlay-copy stream (the snapshotter's format).
+    fn hex(s: impl AsRef<[u8]>) -> String {
+        s.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn entry(path: impl AsRef<[u8]>, kind: &str, extra: &str, size: usize) -> String {
+        format!(
+            r#"{{"path":"{}","kind":"{kind}","mode":420,"uid":1,"gid":2,"rdev":0,"mtime":[1700000000,0],"xattrs":[{extra}],"target":null,"link":null,"size":{size}}}"#,
+            hex(path)
+        )
+    }
+
+    /// A long name in no encoding (the sandbox names its files).
+    fn long_name() -> Vec<u8> {
+        [&[0xffu8][..], &[b'n'; 120]].concat()
+    }
+
     fn stream() -> Vec<u8> {
-        let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
-        let entry = |path: &str, kind: &str, extra: &str, size: usize| {
-            format!(
-                r#"{{"path":"{}","kind":"{kind}","mode":420,"uid":1,"gid":2,"rdev":0,"mtime":[1700000000,0],"xattrs":[{extra}],"target":null,"link":null,"size":{size}}}"#,
-                hex(path)
-            )
-        };
-        let mut out = format!(
-            "{{\"format\":\"crab-overlay-copy\",\"version\":1,\"name\":\"v1\",\"parent\":null,\"deleted\":[\"{}\"]}}\n",
-            hex("old")
-        );
+        let mut out =
+            "{\"format\":\"crab-overlay-copy\",\"version\":1,\"name\":\"v1\",\"parent\":null,\"deleted\":[]}\n"
+                .to_owned();
         out += &(entry("", "dir", "", 0) + "\n");
         out += &(entry(
             "d",
@@ -305,8 +372,12 @@ mod tests {
             .replace(r#""target":null"#, &format!(r#""target":"{}""#, hex("d/f")))
             + "\n");
         out += &(entry("w", "char", "", 0) + "\n");
+        out += &(entry("d/hidden", "char", "", 0) + "\n");
         out += &(entry("p", "fifo", "", 0) + "\n");
-        out += "{\"end\":true,\"entries\":7}\n";
+        out += &(entry(long_name(), "symlink", "", 0)
+            .replace(r#""target":null"#, &format!(r#""target":"{}""#, hex(long_name())))
+            + "\n");
+        out += "{\"end\":true,\"entries\":9}\n";
         out.into_bytes()
     }
 
@@ -314,11 +385,17 @@ mod tests {
     fn a_file_stream_becomes_the_engines_rootfs_diff() {
         let dir = tempfile::tempdir().unwrap();
         let (diff, deleted) = rootfs_diff(&mut stream().as_slice(), &dir.path().join("export.tar")).unwrap();
-        assert_eq!(deleted, ["/old", "/w"]);
+        // The whiteout under the opaque d is the directory's replacement's.
+        assert_eq!(deleted, ["/w"]);
         let mut tar = tar::Archive::new(diff);
-        let mut seen = Vec::new();
+        let (mut seen, mut long) = (Vec::new(), false);
         for entry in tar.entries().unwrap() {
             let mut entry = entry.unwrap();
+            if entry.path_bytes().as_ref() == long_name().as_slice() {
+                assert_eq!(entry.link_name_bytes().unwrap().as_ref(), long_name().as_slice());
+                long = true;
+                continue;
+            }
             let path = entry.path().unwrap().to_string_lossy().into_owned();
             let kind = entry.header().entry_type();
             let link = entry
@@ -379,6 +456,33 @@ mod tests {
                 ("p".into(), tar::EntryType::Fifo, None, vec![], String::new()),
             ]
         );
+        assert!(long, "the long name in no encoding is in the archive, whole");
+        // Shapes no tree has are refused: a child before its directory, a
+        // link to a directory or to itself, a symlink with no target.
+        let head = "{\"format\":\"crab-overlay-copy\",\"version\":1,\"name\":\"v1\",\"parent\":null,\"deleted\":[]}\n";
+        let root = entry("", "dir", "", 0);
+        let link = |p: &str, to: &str| {
+            entry(p, "file", "", 0).replace(r#""link":null"#, &format!(r#""link":"{}""#, hex(to)))
+        };
+        for (n, body) in [
+            vec![entry("a/b", "file", "", 0)],
+            vec![entry("a", "dir", "", 0), link("b", "a")],
+            vec![link("b", "b")],
+            vec![entry("s", "symlink", "", 0)],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let text = format!(
+                "{head}{root}\n{}\n{{\"end\":true,\"entries\":{}}}\n",
+                body.join("\n"),
+                body.len() + 1
+            );
+            assert!(
+                rootfs_diff(&mut text.as_bytes(), &dir.path().join("export.tar")).is_err(),
+                "{n}: {text}"
+            );
+        }
         // A stream cut short is refused, not half converted.
         let whole = stream();
         let cut = &whole[..whole.len() - 30];

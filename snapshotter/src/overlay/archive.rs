@@ -411,11 +411,14 @@ pub struct StreamEntry {
 }
 
 /// Reads a whole stream from `input`, handing each entry and its data to
-/// `visit` in the stream's order (parents before children); answers the
-/// paths it deletes from its parent. It checks the stream's shape as
-/// [`apply`] does (safe paths, each once, links to earlier files, the end
-/// record's count) and writes nothing. Data `visit` leaves unread is
-/// skipped.
+/// `visit` in the stream's order. Only a whole tree's stream is read (one
+/// relative to a parent snapshot holds only what changed). It writes
+/// nothing, and holds the stream to the shape a real
+/// tree has, which [`apply`] gets from the filesystem: the root first and
+/// a directory, every other path once, under a directory the stream made
+/// before it, with no NUL; a hard link to an earlier file other than
+/// itself; data for files only; a target for symlinks only; the end
+/// record's count. Data `visit` leaves unread is skipped.
 ///
 /// # Errors
 /// [`Error::BadStream`] for a malformed or truncated stream; `visit`'s own
@@ -423,20 +426,24 @@ pub struct StreamEntry {
 pub fn read_stream(
     input: &mut dyn Read,
     mut visit: impl FnMut(&StreamEntry, &mut dyn Read) -> std::io::Result<()>,
-) -> Result<Vec<PathBuf>> {
+) -> Result<()> {
     let mut input = BufReader::new(input);
     let head = read_head(&mut input)?;
-    let deleted = head
-        .deleted
-        .iter()
-        .map(|d| safe_path(d))
-        .collect::<Result<Vec<_>>>()?;
-    let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
+    if let Some(parent) = head.parent {
+        return Err(bad(&format!(
+            "a stream relative to snapshot {parent} (only a whole tree's is read)"
+        )));
+    }
+    if !head.deleted.is_empty() {
+        return Err(bad("a whole tree's stream deletes nothing"));
+    }
+    // Every path so far, with its kind.
+    let mut seen: HashMap<PathBuf, Kind> = HashMap::new();
     let mut n_entries = 0u64;
     loop {
         let rec: Record = read_line(&mut input)?.ok_or_else(|| bad("truncated: no end record"))?;
         let e = match rec {
-            Record::End { entries, .. } if entries == n_entries => return Ok(deleted),
+            Record::End { entries, .. } if entries == n_entries => return Ok(()),
             Record::End { entries, .. } => {
                 return Err(bad(&format!(
                     "end record counts {entries} entries, stream had {n_entries}"
@@ -446,18 +453,30 @@ pub fn read_stream(
         };
         n_entries += 1;
         let path = safe_path(&e.path)?;
-        if !seen.insert(path.clone()) {
+        let meta = e.meta()?;
+        if path.as_os_str().as_bytes().contains(&0) {
+            return Err(bad(&format!("{path:?} holds a NUL")));
+        }
+        match path.parent() {
+            None if meta.kind != Kind::Dir => return Err(bad("the root must be a directory")),
+            None => {}
+            Some(parent) if seen.get(parent) != Some(&Kind::Dir) => {
+                return Err(bad(&format!(
+                    "{path:?} is not under a directory the stream made before it"
+                )))
+            }
+            Some(_) => {}
+        }
+        if seen.insert(path.clone(), meta.kind).is_some() {
             return Err(bad(&format!("{path:?} appears twice in the stream")));
         }
-        let meta = e.meta()?;
         let link = e.link.as_deref().map(safe_path).transpose()?;
-        if link
-            .as_ref()
-            .is_some_and(|l| !seen.contains(l) || meta.kind != Kind::File)
-        {
-            return Err(bad(&format!(
-                "{path:?} links to an entry that is no earlier file"
-            )));
+        if let Some(l) = &link {
+            if meta.kind != Kind::File || l == &path || seen.get(l) != Some(&Kind::File) {
+                return Err(bad(&format!(
+                    "{path:?} links to an entry that is no earlier file"
+                )));
+            }
         }
         let carries_data = meta.kind == Kind::File && link.is_none();
         if !carries_data && e.size != 0 {
@@ -468,6 +487,15 @@ pub fn read_stream(
             .as_deref()
             .map(|t| unhex(t).map(|b| PathBuf::from(OsString::from_vec(b))))
             .transpose()?;
+        if target.is_some() != (meta.kind == Kind::Symlink)
+            || target
+                .as_ref()
+                .is_some_and(|t| t.as_os_str().as_bytes().contains(&0))
+        {
+            return Err(bad(&format!(
+                "{path:?}: a target for symlinks only, and for every one"
+            )));
+        }
         let entry = StreamEntry {
             path,
             kind: meta.kind,
