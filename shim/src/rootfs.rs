@@ -405,8 +405,19 @@ async fn run(op: FsOp, ctx: &FsCtx<'_>) -> Result<Option<String>> {
         return ctx.runtime.fs(ctx.id, ctx.bundle, &op).await;
     }
     let id = ctx.id.to_owned();
-    tokio::task::spawn_blocking(move || op.run())
+    // As long as the helper would have been given (a btrfs snapshot waits
+    // for the subvolume's dirty data, which the sandbox decides): the
+    // caller then fails and thaws, and the operation, which cannot be
+    // interrupted, ends on its own thread.
+    let limit = ctx.runtime.timeout();
+    tokio::time::timeout(limit, tokio::task::spawn_blocking(move || op.run()))
         .await
+        .map_err(|_| {
+            Error::io("filesystem operation")(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("not done in {} s", limit.as_secs()),
+            ))
+        })?
         .map_err(|e| Error::io("filesystem operation")(std::io::Error::other(e)))?
         .map_err(|source| Error::Snapshot { id, source })
 }

@@ -361,7 +361,7 @@ nix::ioctl_write_ptr!(btrfs_snap_create_v2, 0x94, 23, VolArgsV2);
 fn snapshot_readonly(src: &Path, dst: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let (Some(parent), Some(name)) = (dst.parent(), dst.file_name()) else {
         return Err(Error::Refused {
             reason: format!("{} names no snapshot in a directory", dst.display()),
@@ -384,6 +384,17 @@ fn snapshot_readonly(src: &Path, dst: &Path) -> Result<()> {
             .map_err(Error::io("open", path))
     };
     let (src_dir, parent_dir) = (dir(src)?, dir(parent)?);
+    // What btrfs-progs checks: the source is a subvolume's root (inode
+    // 256 on btrfs). Of a plain directory the kernel would snapshot the
+    // whole subvolume holding it.
+    let on_btrfs = nix::sys::statfs::fstatfs(&src_dir)
+        .is_ok_and(|f| f.filesystem_type() == nix::sys::statfs::BTRFS_SUPER_MAGIC);
+    let root_inode = src_dir.metadata().map_err(Error::io("stat", src))?.ino() == 256;
+    if !(on_btrfs && root_inode) {
+        return Err(Error::Refused {
+            reason: format!("{} is not a btrfs subvolume", src.display()),
+        });
+    }
     let mut args = VolArgsV2 {
         fd: i64::from(src_dir.as_raw_fd()),
         transid: 0,

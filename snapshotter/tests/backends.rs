@@ -360,6 +360,14 @@ fn btrfs_on_a_loop_device() {
         "{show:?}"
     );
 
+    // A plain directory on btrfs is no subvolume: snapshotting it would
+    // snapshot the whole subvolume that holds it, so it is refused.
+    std::fs::create_dir_all(mnt.join("plain")).unwrap();
+    let plain = BtrfsBackend::at(&mnt.join("plain"), &mnt.join(".crab/plain"));
+    let e = plain.snapshot(&name("p1")).unwrap_err();
+    assert!(e.to_string().contains("not a btrfs subvolume"), "{e}");
+    assert!(!mnt.join(".crab/plain/p1").exists());
+
     // A subvolume someone else made (containerd's btrfs snapshotter lays
     // out `active/<n>`), with the snapshots kept elsewhere on the fs.
     std::fs::create_dir_all(mnt.join("ctd/active")).unwrap();

@@ -112,6 +112,11 @@ impl RuntimeClient {
         }
     }
 
+    /// The longest a call may take (`[shim] runtime_timeout_secs`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Creates container `id` from `bundle`; returns its init's pid.
     pub async fn create(&self, id: &str, bundle: &Path, launch: Launch<'_>) -> Result<(i32, ExitReceiver)> {
         let op = Op::Create {
