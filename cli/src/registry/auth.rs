@@ -12,9 +12,12 @@
 //! `docker-credential-<name> get`, asked with the registry's host.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use serde::Deserialize;
@@ -87,7 +90,7 @@ struct AuthEntry {
 }
 
 /// The longest a credential helper may take to answer.
-const HELPER_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+const HELPER_TIME: Duration = Duration::from_secs(30);
 
 /// What a credential helper answers.
 #[derive(Deserialize)]
@@ -221,6 +224,8 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        // A group of its own, so that a timeout kills what it started too.
+        .process_group(0)
         .spawn()
         .map_err(|e| {
             fail(format!(
@@ -235,21 +240,12 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
         registry
     };
     if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(server.as_bytes())
-            .map_err(|e| fail(e.to_string()))?;
+        // A helper that exits without reading is answered by its status.
+        let _ = stdin.write_all(server.as_bytes());
     }
-    // A helper that hangs (a keychain waiting for a prompt no one sees)
-    // is killed, not waited for: its pid stays its own until it is reaped.
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(child.wait_with_output()));
-    let out = match rx.recv_timeout(HELPER_TIME) {
-        Ok(out) => out.map_err(|e| fail(e.to_string()))?,
-        Err(_) => {
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            return Err(fail(format!("no answer in {} s", HELPER_TIME.as_secs())));
-        }
+    let out = wait_helper(&mut child, HELPER_TIME).map_err(|e| fail(e.to_string()))?;
+    let Some(out) = out else {
+        return Err(fail(format!("no answer in {} s", HELPER_TIME.as_secs())));
     };
     if !out.status.success() {
         let said = String::from_utf8_lossy(&out.stdout);
@@ -273,6 +269,56 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
         password: answer.secret,
         source: program,
     }))
+}
+
+/// `child`'s exit and output, or `None` when it did not end and close its
+/// output within `limit`: then it and its process group are killed. A
+/// hung helper (a keychain waiting on a prompt no one sees) must not hang
+/// a push. The child is reaped here, after the kill, so the pids signalled
+/// are still its own.
+fn wait_helper(child: &mut Child, limit: Duration) -> std::io::Result<Option<Output>> {
+    fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
+        let (tx, rx) = mpsc::channel();
+        if let Some(mut pipe) = pipe {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = pipe.read_to_end(&mut buf);
+                let _ = tx.send(buf);
+            });
+        } else {
+            let _ = tx.send(Vec::new());
+        }
+        rx
+    }
+    let deadline = Instant::now() + limit;
+    let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
+    let mut status = None;
+    while Instant::now() < deadline {
+        status = child.try_wait()?;
+        if status.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let left = || deadline.saturating_duration_since(Instant::now());
+    if let Some(status) = status {
+        // Its output ends when every process holding the pipes has ended.
+        if let (Ok(stdout), Ok(stderr)) = (stdout.recv_timeout(left()), stderr.recv_timeout(left())) {
+            return Ok(Some(Output {
+                status,
+                stdout,
+                stderr,
+            }));
+        }
+    }
+    // The group's id stays the helper's while it or one of its
+    // processes lives (the kernel gives no new process a live group's id).
+    let group = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    if status.is_none() {
+        child.wait()?;
+    }
+    Ok(None)
 }
 
 impl Credentials {
@@ -470,6 +516,77 @@ mod tests {
         std::fs::write(&file, r#"{"credHelpers":{"reg.example":"../../bin/sh"}}"#).unwrap();
         let e = lookup(&file, "reg.example", true).unwrap_err().to_string();
         assert!(e.contains("not a helper name"), "{e}");
+    }
+
+    fn sh(script: &str) -> Child {
+        Command::new("sh")
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Whether `pid` has ended (gone, or a zombie no one reaped yet),
+    /// waiting for it as long as a SIGKILL can take.
+    fn ended(pid: &str) -> bool {
+        (0..500).any(|_| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat.rsplit(") ").next().and_then(|rest| rest.chars().next());
+            let gone = matches!(state, None | Some('Z' | 'X'));
+            if !gone {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            gone
+        })
+    }
+
+    #[test]
+    fn a_helper_is_waited_for_then_killed_with_what_it_started() {
+        let limit = Duration::from_secs(20);
+        // An answer: its status and both outputs.
+        let mut child = sh("echo answer; echo why >&2; exit 3");
+        let out = wait_helper(&mut child, limit).unwrap().unwrap();
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(
+            (&out.stdout[..], &out.stderr[..]),
+            (&b"answer\n"[..], &b"why\n"[..])
+        );
+        // A helper that hangs, and one that ends leaving a process holding
+        // its output: no answer, and nothing of theirs left running.
+        let dir = tempfile::tempdir().unwrap();
+        for (i, script) in ["sleep 60 & echo $! > {f}; wait", "sleep 60 & echo $! > {f}"]
+            .iter()
+            .enumerate()
+        {
+            let pid_file = dir.path().join(format!("pid{i}"));
+            let mut child = sh(&script.replace("{f}", pid_file.to_str().unwrap()));
+            // Its sleep is started before the helper's time starts.
+            let pid = (0..2000)
+                .find_map(|_| {
+                    let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+                    if !pid.ends_with('\n') {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    pid.ends_with('\n').then_some(pid)
+                })
+                .expect("the helper starts its sleep");
+            let t = Instant::now();
+            assert!(
+                wait_helper(&mut child, Duration::from_millis(300))
+                    .unwrap()
+                    .is_none(),
+                "{script}"
+            );
+            assert!(t.elapsed() < Duration::from_secs(50), "{script}: not waited out");
+            assert!(
+                child.try_wait().unwrap().is_some(),
+                "{script}: the helper is reaped"
+            );
+            assert!(ended(pid.trim()), "{script}: its sleep is killed");
+        }
     }
 
     #[test]
