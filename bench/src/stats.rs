@@ -47,9 +47,46 @@ pub fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
     Some((my - b * mx, b))
 }
 
+/// CPU time the whole host has spent busy so far (user, nice, system, irq
+/// and softirq of every CPU, from `/proc/stat`; idle, I/O wait and time
+/// the hypervisor stole are not busy); zero when it cannot be read.
+pub fn host_busy() -> Duration {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return Duration::ZERO;
+    };
+    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        return Duration::ZERO;
+    };
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map_while(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal …
+    let busy: u64 = [0, 1, 2, 5, 6].iter().filter_map(|&i| ticks.get(i)).sum();
+    let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|t| *t > 0)
+        .unwrap_or(100) as u64;
+    Duration::from_millis(busy * 1000 / per_sec)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_is_busy_while_this_process_computes() {
+        let before = host_busy();
+        assert!(before > Duration::ZERO, "read /proc/stat");
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        assert!(host_busy() > before);
+    }
 
     #[test]
     fn the_line_through_exact_points_is_found_and_too_few_give_none() {

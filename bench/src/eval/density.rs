@@ -5,9 +5,15 @@
 //! crash per copy as in the main run for those. A policy's
 //! end-to-end figure at N is against the fault-free run at the same N, so
 //! it shows what checkpointing adds on a loaded host, not the load itself;
-//! the fault-free task time says what the load is. The scaling law is a
-//! least-squares line through each policy's figures over N.
+//! the fault-free task time says what the load is. With `--rounds R`
+//! every density runs its policies R times, each round's order rotated by
+//! one, and a policy's end-to-end figure is against each task's mean
+//! fault-free time over the rounds, shown with the rounds' least and
+//! greatest (the fault-free rounds' own spread is the host's noise). The
+//! scaling law is a least-squares line through each policy's figures
+//! over N.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use serde_json::json;
@@ -17,13 +23,13 @@ use super::report::{summarize, verdict, PolicyResult, Verdict};
 use super::workload::{Mix, Task};
 use crate::stats::fit;
 
-/// Every policy's run with `sandboxes` at once.
+/// Every policy's runs with `sandboxes` at once.
 #[derive(Debug)]
 pub struct Point {
     /// Sandboxes at once.
     pub sandboxes: usize,
-    /// The fault-free run first, then each policy's.
-    pub results: Vec<PolicyResult>,
+    /// Each round's runs: the fault-free run first, then each policy's.
+    pub rounds: Vec<Vec<PolicyResult>>,
 }
 
 /// One policy's figures at one density.
@@ -33,9 +39,16 @@ pub struct Row {
     pub sandboxes: usize,
     /// The policy.
     pub policy: Policy,
-    /// Mean of each task's time over its fault-free time at this density.
+    /// Mean of each task's time over its mean fault-free time at this
+    /// density, over the rounds.
     pub e2e: f64,
-    /// p95 over tasks of holds as a share of task time.
+    /// The least and the greatest of the rounds' `e2e`.
+    pub e2e_spread: (f64, f64),
+    /// Rounds run.
+    pub rounds: usize,
+    /// Busy CPU seconds of the host while the tasks ran, mean of the rounds.
+    pub host_cpu_secs: f64,
+    /// p95 over tasks of holds as a share of task time (the worst round's).
     pub share_p95: f64,
     /// Mean task time, seconds.
     pub task_secs: f64,
@@ -43,7 +56,7 @@ pub struct Row {
     pub correct: usize,
     /// See `correct`.
     pub crashed: usize,
-    /// Checkpoint bytes written.
+    /// Checkpoint bytes written, mean of the rounds.
     pub bytes: u64,
 }
 
@@ -94,25 +107,96 @@ pub fn policies(asked: &[Policy]) -> Vec<Policy> {
     out
 }
 
+/// `policies` in the order of round `round` (from 0): rotated by one
+/// each round, so that no policy always runs first on a cold host.
+pub fn rotated(policies: &[Policy], round: usize) -> Vec<Policy> {
+    let mut out = policies.to_vec();
+    if !policies.is_empty() {
+        out.rotate_left(round % policies.len());
+    }
+    out
+}
+
+/// Each task's mean time over the fault-free runs of `rounds` that ran
+/// it through, in seconds.
+fn reference_times(rounds: &[Vec<PolicyResult>]) -> HashMap<&str, f64> {
+    let mut sums: HashMap<&str, (f64, usize)> = HashMap::new();
+    let runs = rounds.iter().flatten().filter(|p| p.policy == Policy::FaultFree);
+    for t in runs.flat_map(|p| &p.tasks) {
+        if t.run.error.is_none() && !t.run.time.is_zero() {
+            let sum = sums.entry(t.task.as_str()).or_default();
+            *sum = (sum.0 + t.run.time.as_secs_f64(), sum.1 + 1);
+        }
+    }
+    sums.into_iter()
+        .map(|(task, (sum, n))| (task, sum / n as f64))
+        .collect()
+}
+
+/// Mean over `p`'s tasks (those that ran through and have a reference)
+/// of the task's time over its reference time.
+fn e2e(p: &PolicyResult, reference: &HashMap<&str, f64>) -> f64 {
+    let ratios: Vec<f64> = p
+        .tasks
+        .iter()
+        .filter(|t| t.run.error.is_none())
+        .filter_map(|t| Some(t.run.time.as_secs_f64() / reference.get(t.task.as_str())?))
+        .collect();
+    mean(&ratios)
+}
+
 /// Every policy's figures at every density, in order.
 pub fn rows(points: &[Point]) -> Vec<Row> {
     let mut rows = Vec::new();
     for point in points {
-        let Some(reference) = point.results.iter().find(|p| p.policy == Policy::FaultFree) else {
+        let reference = reference_times(&point.rounds);
+        let Some(first) = point.rounds.first() else {
             continue;
         };
-        for p in &point.results {
-            let s = summarize(p, reference);
-            let times: Vec<f64> = p.tasks.iter().map(|t| t.run.time.as_secs_f64()).collect();
+        for policy in first.iter().map(|p| p.policy) {
+            // Each round's run of the policy, with that round's fault-free
+            // run (the states a recovery is held to).
+            let runs: Vec<(&PolicyResult, &PolicyResult)> = point
+                .rounds
+                .iter()
+                .filter_map(|round| {
+                    let find = |want: Policy| round.iter().find(|p| p.policy == want);
+                    Some((find(policy)?, find(Policy::FaultFree)?))
+                })
+                .collect();
+            if runs.is_empty() {
+                continue;
+            }
+            let e2es: Vec<f64> = runs.iter().map(|(p, _)| e2e(p, &reference)).collect();
+            let spread = e2es
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), e| {
+                    (lo.min(*e), hi.max(*e))
+                });
+            let (mut correct, mut crashed, mut share_p95) = (0, 0, 0.0f64);
+            for (p, r) in &runs {
+                let s = summarize(p, r);
+                (correct, crashed) = (correct + s.correct, crashed + s.crashed);
+                share_p95 = share_p95.max(s.share[1]);
+            }
+            let times: Vec<f64> = runs
+                .iter()
+                .flat_map(|(p, _)| &p.tasks)
+                .map(|t| t.run.time.as_secs_f64())
+                .collect();
+            let cpu: Vec<f64> = runs.iter().map(|(p, _)| p.host_cpu.as_secs_f64()).collect();
             rows.push(Row {
                 sandboxes: point.sandboxes,
-                policy: p.policy,
-                e2e: s.e2e,
-                share_p95: s.share[1],
+                policy,
+                e2e: mean(&e2es),
+                e2e_spread: spread,
+                rounds: runs.len(),
+                host_cpu_secs: mean(&cpu),
+                share_p95,
                 task_secs: mean(&times),
-                correct: s.correct,
-                crashed: s.crashed,
-                bytes: p.bytes,
+                correct,
+                crashed,
+                bytes: runs.iter().map(|(p, _)| p.bytes).sum::<u64>() / runs.len() as u64,
             });
         }
     }
@@ -167,24 +251,38 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
          figure is against the fault-free run at the same N (what checkpointing adds on that load), the fault-free \
          task time shows the load itself. Target: crab ≤ 1.05x at 32 sandboxes.\n"
     );
+    let rounds = rows.iter().map(|r| r.rounds).max().unwrap_or(1);
+    if rounds > 1 {
+        let _ = writeln!(
+            md,
+            "{rounds} rounds at each N, each in an order rotated by one; end to end is against each task's mean \
+             fault-free time over the rounds, with the least and greatest round in brackets (the fault-free row's \
+             spread is this host's own noise). Host CPU is the CPU time the whole host was busy while the tasks \
+             ran, mean of the rounds: on a saturated host what a policy adds to it is what it adds to task time.\n"
+        );
+    }
     let _ = writeln!(
         md,
-        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | checkpoint MB |"
+        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | host CPU s | checkpoint MB |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let correct = match r.crashed {
             0 => "-".to_owned(),
             n => format!("{}/{n}", r.correct),
         };
+        let e2e = match r.rounds {
+            1 => format!("{:.3}x", r.e2e),
+            _ => format!("{:.3}x ({:.3}–{:.3})", r.e2e, r.e2e_spread.0, r.e2e_spread.1),
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {correct} | {:.3}x | {:.3}% | {:.1} | {:.1} |",
+            "| {} | {} | {correct} | {e2e} | {:.3}% | {:.1} | {:.0} | {:.1} |",
             r.sandboxes,
             r.policy.name(),
-            r.e2e,
             r.share_p95 * 100.0,
             r.task_secs,
+            r.host_cpu_secs,
             r.bytes as f64 / 1e6
         );
     }
@@ -205,8 +303,9 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
         .iter()
         .flat_map(|point| {
             point
-                .results
+                .rounds
                 .iter()
+                .flatten()
                 .filter(|p| p.policy == Policy::FaultFree)
                 .flat_map(|p| &p.tasks)
                 .filter(|t| t.run.failed_commands > 0)
@@ -255,11 +354,14 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
 /// once, policy, task, verdict.
 pub fn not_correct(points: &[Point]) -> Vec<(usize, Policy, String, Verdict)> {
     let mut out = Vec::new();
-    for point in points {
-        let Some(reference) = point.results.iter().find(|p| p.policy == Policy::FaultFree) else {
+    for (point, round) in points
+        .iter()
+        .flat_map(|point| point.rounds.iter().map(move |r| (point, r)))
+    {
+        let Some(reference) = round.iter().find(|p| p.policy == Policy::FaultFree) else {
             continue;
         };
-        for p in &point.results {
+        for p in round {
             for t in &p.tasks {
                 let Some(r) = reference.tasks.iter().find(|r| r.task == t.task) else {
                     continue;
@@ -283,6 +385,10 @@ pub fn json(points: &[Point], errors: &[(usize, String)]) -> serde_json::Value {
                 "sandboxes": r.sandboxes,
                 "policy": r.policy.name(),
                 "e2e": r.e2e,
+                "e2e_low": r.e2e_spread.0,
+                "e2e_high": r.e2e_spread.1,
+                "rounds": r.rounds,
+                "host_cpu_seconds": r.host_cpu_secs,
                 "share_p95": r.share_p95,
                 "task_seconds": r.task_secs,
                 "correct": r.correct,
@@ -359,6 +465,92 @@ mod tests {
         let names: Vec<String> = replicate(&mixed, 7).into_iter().map(|t| t.name).collect();
         assert_eq!(names, ["s1", "t1", "s2", "t2", "s3", "s1-2", "t1-2"]);
         assert!(replicate(&[], 8).is_empty());
+    }
+
+    /// `policy`'s run of tasks `a` and `b` taking `secs` each, the CPU
+    /// busy `cpu` s.
+    fn run(policy: Policy, secs: [f64; 2], cpu: u64) -> PolicyResult {
+        let tasks = ["a", "b"]
+            .into_iter()
+            .zip(secs)
+            .map(|(name, secs)| crate::eval::report::TaskResult {
+                task: name.into(),
+                mix: Mix::Swe,
+                fault: None,
+                crashes: false,
+                run: crate::eval::driver::Run {
+                    time: Duration::from_secs_f64(secs),
+                    ..Default::default()
+                },
+                holds: vec![],
+                classes: vec![],
+            })
+            .collect();
+        PolicyResult {
+            policy,
+            tasks,
+            bytes: 100,
+            classes: [0; 4],
+            crabd_peak_kb: 0,
+            shim_peak_kb: 0,
+            host_cpu: Duration::from_secs(cpu),
+        }
+    }
+
+    #[test]
+    fn rounds_rotate_and_hold_each_policy_to_the_mean_fault_free_time() {
+        let order = [Policy::FaultFree, Policy::Traced, Policy::Crab];
+        assert_eq!(rotated(&order, 0), order);
+        assert_eq!(
+            rotated(&order, 1),
+            [Policy::Traced, Policy::Crab, Policy::FaultFree]
+        );
+        assert_eq!(rotated(&order, 4), rotated(&order, 1));
+        assert!(rotated(&[], 3).is_empty());
+        // Task a's fault-free mean is 11 s, b's 20 s.
+        let point = Point {
+            sandboxes: 32,
+            rounds: vec![
+                vec![
+                    run(Policy::FaultFree, [10.0, 20.0], 100),
+                    run(Policy::Crab, [11.0, 22.0], 120),
+                ],
+                vec![
+                    run(Policy::FaultFree, [12.0, 20.0], 110),
+                    run(Policy::Crab, [13.2, 20.0], 130),
+                ],
+            ],
+        };
+        let rows = rows(&[point]);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let free = &rows[0];
+        assert_eq!((free.policy, free.rounds), (Policy::FaultFree, 2));
+        // (10/11 + 1) / 2 and (12/11 + 1) / 2: the host's own noise.
+        assert!(close(free.e2e, 1.0), "{free:?}");
+        assert!(close(free.e2e_spread.0, (10.0 / 11.0 + 1.0) / 2.0), "{free:?}");
+        assert!(close(free.e2e_spread.1, (12.0 / 11.0 + 1.0) / 2.0), "{free:?}");
+        assert!(close(free.host_cpu_secs, 105.0), "{free:?}");
+        let crab = &rows[1];
+        // Round 1: (1.0 + 1.1) / 2; round 2: (1.2 + 1.0) / 2.
+        assert!(
+            close(crab.e2e_spread.0, 1.05) && close(crab.e2e_spread.1, 1.1),
+            "{crab:?}"
+        );
+        assert!(close(crab.e2e, 1.075), "{crab:?}");
+        assert!(
+            close(crab.task_secs, (11.0 + 22.0 + 13.2 + 20.0) / 4.0),
+            "{crab:?}"
+        );
+        assert_eq!(crab.bytes, 100);
+        let md = markdown(
+            &[Point {
+                sandboxes: 32,
+                rounds: vec![],
+            }],
+            None,
+            &[],
+        );
+        assert!(!md.contains("| 32 |"), "no rounds, no rows: {md}");
     }
 
     #[test]

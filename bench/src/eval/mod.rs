@@ -75,6 +75,12 @@ pub struct Args {
     /// under the fault-free run, traced, crab and full-ckpt (those of --policies).
     #[arg(long, value_delimiter = ',')]
     pub density: Vec<usize>,
+    /// Runs of each density's policies, each round in an order rotated
+    /// by one (no policy always meets the coldest or the warmest host);
+    /// end to end is then against each task's mean fault-free time over
+    /// the rounds, with the rounds' spread beside it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub rounds: u32,
     /// Where the report goes.
     #[arg(long, default_value = "eval-report")]
     pub out: PathBuf,
@@ -183,26 +189,40 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for &n in args.density.iter().filter(|n| **n > 0) {
         let copies = density::replicate(&tasks, n);
         let faults = plan(&copies, args.seed);
-        let label = format!("@{n}");
-        let stage = Stage {
-            tasks: &copies,
-            faults: &faults,
-            parallel: n,
-            label: &label,
-        };
-        let at_n: anyhow::Result<Vec<PolicyResult>> = density::policies(&policies)
-            .into_iter()
-            .map(|policy| {
-                run_policy(policy, &stage, upstream, agents.as_ref(), args, &bars)
-                    .with_context(|| format!("policy {} with {n} sandboxes", policy.name()))
-            })
-            .collect();
-        match at_n {
-            Ok(results) => points.push(density::Point {
-                sandboxes: n,
-                results,
-            }),
-            Err(e) => {
+        let order = density::policies(&policies);
+        let mut rounds = Vec::new();
+        let mut failed = None;
+        'rounds: for round in 0..args.rounds as usize {
+            let label = match args.rounds {
+                1 => format!("@{n}"),
+                _ => format!("@{n}#{}", round + 1),
+            };
+            let stage = Stage {
+                tasks: &copies,
+                faults: &faults,
+                parallel: n,
+                label: &label,
+            };
+            let mut results = Vec::new();
+            for policy in density::rotated(&order, round) {
+                match run_policy(policy, &stage, upstream, agents.as_ref(), args, &bars) {
+                    Ok(result) => results.push(result),
+                    Err(e) => {
+                        failed = Some(e.context(format!(
+                            "policy {} with {n} sandboxes, round {}",
+                            policy.name(),
+                            round + 1
+                        )));
+                        break 'rounds;
+                    }
+                }
+            }
+            results.sort_by_key(|r| order.iter().position(|p| *p == r.policy));
+            rounds.push(results);
+        }
+        match failed {
+            None => points.push(density::Point { sandboxes: n, rounds }),
+            Some(e) => {
                 eprintln!("eval: density {n}: {e:#}");
                 density_errors.push((n, format!("{e:#}")));
             }
@@ -280,6 +300,7 @@ fn run_policy(
     let next = AtomicUsize::new(0);
     let done = Mutex::new(Vec::new());
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
+    let busy_before = crate::stats::host_busy();
     std::thread::scope(|s| {
         for _ in 0..stage.parallel.max(1) {
             s.spawn(|| loop {
@@ -330,6 +351,7 @@ fn run_policy(
         }
     });
     bar.finish();
+    let host_cpu = crate::stats::host_busy().saturating_sub(busy_before);
     if let Some(e) = failure.into_inner().expect("failure") {
         return Err(e);
     }
@@ -366,6 +388,7 @@ fn run_policy(
         classes: [class("none"), class("fs"), class("proc"), class("full")],
         crabd_peak_kb: ctd.crabd_pid().and_then(peak_kb).unwrap_or(0),
         shim_peak_kb: tasks.iter().map(|t| t.run.shim_peak_kb).max().unwrap_or(0),
+        host_cpu,
         tasks,
     };
     drop(ctd);

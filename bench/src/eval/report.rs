@@ -45,6 +45,9 @@ pub struct PolicyResult {
     pub crabd_peak_kb: u64,
     /// See `crabd_peak_kb`.
     pub shim_peak_kb: u64,
+    /// CPU time the host spent busy while the tasks ran (theirs, the
+    /// runtime's, crabd's and the harness's).
+    pub host_cpu: Duration,
 }
 
 /// Whether a recovery was right.
@@ -444,6 +447,7 @@ pub fn json(results: &[PolicyResult]) -> serde_json::Value {
                 "classes": p.classes,
                 "e2e": s.e2e,
                 "share_p95": s.share[1],
+                "host_cpu_seconds": p.host_cpu.as_secs_f64(),
                 "tasks": tasks,
             })
         })
@@ -559,6 +563,7 @@ mod tests {
             classes: [0; 4],
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
+            host_cpu: Duration::ZERO,
         };
         let results = [
             policy(Policy::FaultFree, 0, 0),
@@ -588,6 +593,7 @@ mod tests {
             classes: [0; 4],
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
+            host_cpu: Duration::ZERO,
         };
         let mut t = recovered(2, "2", "9");
         t.holds = vec![Duration::from_millis(110)];
@@ -598,6 +604,7 @@ mod tests {
             classes: [3, 1, 0, 1],
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
+            host_cpu: Duration::ZERO,
         };
         let s = summarize(&p, &reference);
         assert_eq!((s.correct, s.crashed), (1, 1));
