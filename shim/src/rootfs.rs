@@ -405,21 +405,57 @@ async fn run(op: FsOp, ctx: &FsCtx<'_>) -> Result<Option<String>> {
         return ctx.runtime.fs(ctx.id, ctx.bundle, &op).await;
     }
     let id = ctx.id.to_owned();
-    // As long as the helper would have been given (a btrfs snapshot waits
-    // for the subvolume's dirty data, which the sandbox decides): the
-    // caller then fails and thaws, and the operation, which cannot be
-    // interrupted, ends on its own thread.
-    let limit = ctx.runtime.timeout();
-    tokio::time::timeout(limit, tokio::task::spawn_blocking(move || op.run()))
-        .await
-        .map_err(|_| {
-            Error::io("filesystem operation")(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("not done in {} s", limit.as_secs()),
-            ))
-        })?
-        .map_err(|e| Error::io("filesystem operation")(std::io::Error::other(e)))?
+    let blocking = |op: FsOp| tokio::task::spawn_blocking(move || op.run());
+    let done = match late_snapshot(&op) {
+        None => blocking(op).await,
+        Some(destroy) => {
+            // A btrfs snapshot waits for the subvolume's dirty data, which
+            // the sandbox decides: it gets as long as the helper would,
+            // then the caller fails and thaws. The ioctl cannot be
+            // interrupted; if it lands later, the snapshot it made (of a
+            // running sandbox, named by no version) is deleted.
+            let limit = ctx.runtime.timeout();
+            let mut task = blocking(op);
+            match tokio::time::timeout(limit, &mut task).await {
+                Ok(done) => done,
+                Err(_) => {
+                    let late = id.clone();
+                    tokio::spawn(async move {
+                        if let Ok(Ok(_)) = task.await {
+                            let gone = blocking(destroy).await;
+                            tracing::warn!(
+                                sandbox = late,
+                                deleted = matches!(gone, Ok(Ok(_))),
+                                "a snapshot made after its checkpoint gave up"
+                            );
+                        }
+                    });
+                    return Err(Error::io("filesystem operation")(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("a snapshot not made in {} s", limit.as_secs()),
+                    )));
+                }
+            }
+        }
+    };
+    done.map_err(|e| Error::io("filesystem operation")(std::io::Error::other(e)))?
         .map_err(|source| Error::Snapshot { id, source })
+}
+
+/// For an operation given a time limit (a btrfs snapshot), the one that
+/// deletes what it makes if it ends after the limit.
+fn late_snapshot(op: &FsOp) -> Option<FsOp> {
+    match op {
+        FsOp::Snapshot { location, name }
+            if matches!(location, Location::Btrfs { .. } | Location::BtrfsSubvolume { .. }) =>
+        {
+            Some(FsOp::Destroy {
+                location: location.clone(),
+                name: name.clone(),
+            })
+        }
+        _ => None,
+    }
 }
 
 /// Unmounts everything at and below `target`.
