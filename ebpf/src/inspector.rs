@@ -121,6 +121,9 @@ struct Sandbox {
     /// Fingerprints of the sandbox's tmpfs mounts at the last turn end
     /// (mount point → fingerprint; `None`: not comparable).
     prints: HashMap<Vec<u8>, Option<u64>>,
+    /// The sandbox's child cgroups at the last turn end (path below it →
+    /// whether it held processes), whose tasks are not followed.
+    children: HashMap<String, bool>,
 }
 
 impl InspectorConfig {
@@ -299,6 +302,11 @@ impl Inspector {
                     .first()
                     .map(|&pid| tmpfs_prints(pid, &crate::mounts::of(pid)))
                     .unwrap_or_default(),
+                children: procs::children(cgroup_dir)
+                    .0
+                    .into_iter()
+                    .map(|c| (c.rel, c.populated))
+                    .collect(),
             },
         );
         Ok(cg)

@@ -13,14 +13,23 @@ pub(crate) fn members(cgroup_dir: &Path, file: &str) -> Vec<u32> {
         .collect()
 }
 
-/// Child cgroups of `cgroup_dir` (at any depth, up to 8 levels and 256
-/// directories) that hold processes, relative to it.
-pub(crate) fn populated_children(cgroup_dir: &Path) -> Vec<String> {
+/// A child cgroup of a sandbox's, as a turn end finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChildCgroup {
+    /// Its path below the sandbox's cgroup.
+    pub rel: String,
+    /// Whether it holds processes (or threads, when threaded).
+    pub populated: bool,
+}
+
+/// Child cgroups of `cgroup_dir` at any depth, up to 8 levels and 256
+/// directories; beyond, the first not looked into is named too.
+pub(crate) fn children(cgroup_dir: &Path) -> (Vec<ChildCgroup>, Option<String>) {
     let mut found = Vec::new();
     // One small read answers the common case: no descendants at all.
     let stat = std::fs::read_to_string(cgroup_dir.join("cgroup.stat")).unwrap_or_default();
     if stat.lines().any(|l| l.trim() == "nr_descendants 0") {
-        return found;
+        return (found, None);
     }
     let mut stack = vec![(cgroup_dir.to_owned(), 0)];
     let mut walked = 0;
@@ -34,19 +43,64 @@ pub(crate) fn populated_children(cgroup_dir: &Path) -> Vec<String> {
             }
             walked += 1;
             let path = entry.path();
-            let rel = path.strip_prefix(cgroup_dir).unwrap_or(&path);
+            let rel = path
+                .strip_prefix(cgroup_dir)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
             if walked > 256 || depth >= 8 {
-                found.push(format!("{} (and more, not looked into)", rel.display()));
-                return found;
+                return (found, Some(rel));
             }
             // A threaded cgroup lists its threads only.
-            if !members(&path, "cgroup.procs").is_empty() || !members(&path, "cgroup.threads").is_empty() {
-                found.push(rel.display().to_string());
-            }
+            let populated =
+                !members(&path, "cgroup.procs").is_empty() || !members(&path, "cgroup.threads").is_empty();
+            found.push(ChildCgroup { rel, populated });
             stack.push((path, depth + 1));
         }
     }
-    found
+    (found, None)
+}
+
+/// Why the sandbox's child cgroups leave this turn unsure, `before` being
+/// what the last turn end found (path → populated). Their tasks are not
+/// followed: a child that holds processes now, or held them at the last
+/// turn end (they may have run, then left or ended; the CPU time a
+/// cgroup shows is charged at ticks, so it cannot tell), is a doubt. One
+/// empty at both ends is none: a task that entered it in between was
+/// cloned or moved there by a followed task (a doubt of its own) or by
+/// root on the host.
+pub(crate) fn child_doubts(
+    before: &std::collections::HashMap<String, bool>,
+    now: &[ChildCgroup],
+    overflow: Option<&str>,
+) -> Vec<String> {
+    let mut doubts = Vec::new();
+    for c in now {
+        if c.populated {
+            doubts.push(format!(
+                "processes in the sandbox's child cgroup {} are not followed",
+                c.rel
+            ));
+        } else if before.get(&c.rel) == Some(&true) {
+            doubts.push(format!(
+                "processes in the sandbox's child cgroup {} at the last turn end may have run since, not followed",
+                c.rel
+            ));
+        }
+    }
+    let held_then = before.iter().filter(|(_, populated)| **populated);
+    for (gone, _) in held_then.filter(|(rel, _)| !now.iter().any(|c| &c.rel == *rel)) {
+        doubts.push(format!(
+            "the sandbox's child cgroup {gone}, which held processes at the last turn end, is gone; they were not followed"
+        ));
+    }
+    if let Some(rel) = overflow {
+        doubts.push(format!(
+            "processes in the sandbox's child cgroup {rel} (and more, not looked into) are not followed"
+        ));
+    }
+    doubts.sort();
+    doubts
 }
 
 /// A task's state letter and command name from `/proc/<tid>/stat`.
@@ -147,6 +201,46 @@ fn parse_map_line(line: &str) -> Option<Mapping> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn child_cgroups_are_doubts_when_they_hold_processes_at_either_end() {
+        let child = |rel: &str, populated| ChildCgroup {
+            rel: rel.into(),
+            populated,
+        };
+        let before = std::collections::HashMap::from([
+            ("idle".to_owned(), false),
+            ("left".to_owned(), true),
+            ("held".to_owned(), true),
+            ("gone".to_owned(), true),
+            ("gone-idle".to_owned(), false),
+        ]);
+        let now = [
+            child("idle", false),
+            child("left", false),
+            child("held", true),
+            child("new", true),
+            child("new-idle", false),
+        ];
+        let doubts = child_doubts(&before, &now, None);
+        let named = |rel: &str| {
+            doubts
+                .iter()
+                .any(|d| d.contains(&format!(" {rel} ")) || d.contains(&format!(" {rel},")))
+        };
+        assert!(
+            named("left") && named("held") && named("gone") && named("new"),
+            "{doubts:?}"
+        );
+        assert!(
+            !named("idle") && !named("gone-idle") && !named("new-idle"),
+            "{doubts:?}"
+        );
+        assert_eq!(doubts.len(), 4, "{doubts:?}");
+        assert!(child_doubts(&before, &now, Some("deep"))
+            .iter()
+            .any(|d| d.contains("deep (and more")));
+    }
 
     #[test]
     fn stat_lines_parse() {

@@ -405,6 +405,73 @@ fn processes_in_a_child_cgroup_make_turns_full() {
     insp.unregister("child").expect("unregister");
 }
 
+/// A process that was in a child cgroup at a turn end, wrote a file there
+/// and came back (its child cgroup kept, or removed) before the next turn
+/// end leaves no process in a child cgroup to see: that the child held
+/// processes at the last turn end still makes the turn full. An empty
+/// child cgroup then makes no turn full.
+#[test]
+fn a_child_cgroup_that_held_processes_at_the_last_turn_end_makes_the_turn_full() {
+    let insp = inspector(&[], 1 << 20, true);
+    let cg = TestCgroup::new();
+    let work = work_dir();
+    insp.register("back", &cg.dir).expect("register");
+    let child_doubt = |r: &crab_inspector::TurnReport, what: &str| {
+        r.reasons.iter().any(
+            |x| matches!(x, Reason::Unsure { why } if why.contains("child cgroup") && why.contains(what)),
+        )
+    };
+    for (round, (doubt, leave)) in [("may have run", ""), ("is gone", "rmdir {child};")]
+        .into_iter()
+        .enumerate()
+    {
+        let child = cg.dir.join(format!("out-{round}"));
+        std::fs::create_dir(&child).expect("create the child cgroup");
+        let (go, back) = (
+            work.0.join(format!("go-{round}")),
+            work.0.join(format!("back-{round}")),
+        );
+        // Turn 1: a shell moves itself into the child cgroup and waits.
+        let leave = leave.replace("{child}", &child.display().to_string());
+        let script = format!(
+            "sh -c 'echo $$ > {child}/cgroup.procs; while [ ! -e {go} ]; do sleep 0.05; done; \
+             echo unseen > {work}/unseen-{round}.txt; echo $$ > {sandbox}/cgroup.procs; {leave} \
+             touch {back}; exec sleep 1000' >/dev/null 2>&1 &",
+            child = child.display(),
+            go = go.display(),
+            work = work.0.display(),
+            sandbox = cg.dir.display(),
+            back = back.display(),
+        );
+        assert!(cg.run(&work.0, &script).status.success());
+        crab_tests::wait_until(10, || {
+            let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
+            (!procs.trim().is_empty()).then_some(())
+        })
+        .expect("the shell is in the child cgroup");
+        let r = insp.turn_end("back").expect("turn");
+        assert_eq!(r.class, Class::Full, "{r:#?}");
+        // Turn 2: from there it writes a file, comes back, and sleeps.
+        std::fs::write(&go, b"").expect("go");
+        crab_tests::wait_until(30, || back.exists().then_some(())).expect("the shell is back");
+        assert!(work.0.join(format!("unseen-{round}.txt")).exists());
+        let r = insp.turn_end("back").expect("turn");
+        assert_eq!(r.class, Class::Full, "{round}: {r:#?}");
+        assert!(child_doubt(&r, doubt), "{round}: {r:#?}");
+        // Turn 3: nothing ran in the child cgroup (or it is gone): no doubt.
+        let r = insp.turn_end("back").expect("turn");
+        assert!(
+            !r.reasons
+                .iter()
+                .any(|x| matches!(x, Reason::Unsure { why } if why.contains("child cgroup"))),
+            "{round}: {r:#?}"
+        );
+    }
+    // Its processes die with the test's cgroup, which needs no child.
+    let _ = std::fs::remove_dir(cg.dir.join("out-0"));
+    insp.unregister("back").expect("unregister");
+}
+
 /// Starts `cmd` in the background in `cg` (output to /dev/null) and
 /// answers its pid.
 fn in_background(cg: &TestCgroup, dir: &std::path::Path, cmd: &str) -> u32 {

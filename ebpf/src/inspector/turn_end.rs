@@ -210,12 +210,11 @@ impl Inspector {
             sb.prints = now;
         }
 
-        // Processes in a child cgroup of the sandbox are not followed.
-        for child in procs::populated_children(&sb.cgroup_dir) {
-            unsure.push(format!(
-                "processes in the sandbox's child cgroup {child} are not followed"
-            ));
-        }
+        // Processes in a child cgroup of the sandbox are not followed: one
+        // that holds them now or held them at the last turn end.
+        let (children, overflow) = procs::children(&sb.cgroup_dir);
+        unsure.extend(procs::child_doubts(&sb.children, &children, overflow.as_deref()));
+        sb.children = children.into_iter().map(|c| (c.rel, c.populated)).collect();
 
         // A changed file that a live process maps: the old image would not
         // restore against it.
