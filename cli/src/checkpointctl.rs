@@ -215,6 +215,9 @@ fn append_entry(out: &mut tar::Builder<File>, e: &StreamEntry, data: &mut dyn Re
     out.append(&header, data)
 }
 
+/// The longest name (with its NUL) a GNU long-name entry may carry.
+const MAX_LONG_NAME: usize = (1 << 20) - 1;
+
 /// Writes `bytes` into `header`'s name (or link name) field, after a GNU
 /// long-name (long-link) entry holding them when they do not fit.
 fn set_name(
@@ -229,6 +232,17 @@ fn set_name(
         field.fill(0);
         field[..bytes.len()].copy_from_slice(bytes);
         return Ok(());
+    }
+    // Go's archive/tar (podman, CRI-O, checkpointctl) reads a long name of
+    // less than 1 MiB only, and then refuses the whole archive.
+    if bytes.len() >= MAX_LONG_NAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "a path of {} bytes in the sandbox's files: tar readers take less than {MAX_LONG_NAME}",
+                bytes.len()
+            ),
+        ));
     }
     let mut long = tar::Header::new_gnu();
     long.as_old_mut().name[..13].copy_from_slice(b"././@LongLink");
@@ -330,6 +344,16 @@ fn rfc3339(unix_ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_past_what_tar_readers_take_is_refused() {
+        let file = tempfile::tempfile().unwrap();
+        let mut out = tar::Builder::new(file);
+        let mut header = tar::Header::new_gnu();
+        let e = set_name(&mut out, &mut header, &vec![b'a'; MAX_LONG_NAME], false).unwrap_err();
+        assert!(e.to_string().contains("tar readers take"), "{e}");
+        set_name(&mut out, &mut header, &vec![b'a'; MAX_LONG_NAME - 1], false).unwrap();
+    }
 
     /// A hand-written overlay-copy stream (the snapshotter's format).
     fn hex(s: impl AsRef<[u8]>) -> String {

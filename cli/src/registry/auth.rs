@@ -13,7 +13,6 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -224,8 +223,6 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        // A group of its own, so that a timeout kills what it started too.
-        .process_group(0)
         .spawn()
         .map_err(|e| {
             fail(format!(
@@ -271,54 +268,74 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
     }))
 }
 
-/// `child`'s exit and output, or `None` when it did not end and close its
-/// output within `limit`: then it and its process group are killed. A
-/// hung helper (a keychain waiting on a prompt no one sees) must not hang
-/// a push. The child is reaped here, after the kill, so the pids signalled
-/// are still its own.
+/// `child`'s exit and output, or `None` when it did not end within
+/// `limit`: it is then killed (through its own handle: unreaped, its pid
+/// is still its own) and reaped. A hung helper (a keychain waiting on a
+/// prompt no one sees) must not hang a push. A helper that ended has
+/// written its answer; a process it left holding its output delays the
+/// read by [`HELPER_GRACE`] at most.
 fn wait_helper(child: &mut Child, limit: Duration) -> std::io::Result<Option<Output>> {
-    fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
-        let (tx, rx) = mpsc::channel();
-        if let Some(mut pipe) = pipe {
-            std::thread::spawn(move || {
-                let mut buf = Vec::new();
-                let _ = pipe.read_to_end(&mut buf);
-                let _ = tx.send(buf);
-            });
-        } else {
-            let _ = tx.send(Vec::new());
-        }
-        rx
-    }
     let deadline = Instant::now() + limit;
     let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
     let mut status = None;
-    while Instant::now() < deadline {
+    while status.is_none() && Instant::now() < deadline {
         status = child.try_wait()?;
-        if status.is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let left = || deadline.saturating_duration_since(Instant::now());
-    if let Some(status) = status {
-        // Its output ends when every process holding the pipes has ended.
-        if let (Ok(stdout), Ok(stderr)) = (stdout.recv_timeout(left()), stderr.recv_timeout(left())) {
-            return Ok(Some(Output {
-                status,
-                stdout,
-                stderr,
-            }));
+        if status.is_none() {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
-    // The group's id stays the helper's while it or one of its
-    // processes lives (the kernel gives no new process a live group's id).
-    let group = nix::unistd::Pid::from_raw(child.id() as i32);
-    let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
-    if status.is_none() {
+    let Some(status) = status else {
+        let _ = child.kill();
         child.wait()?;
+        return Ok(None);
+    };
+    let until = Instant::now() + HELPER_GRACE;
+    Ok(Some(Output {
+        status,
+        stdout: collect(&stdout, until),
+        stderr: collect(&stderr, until),
+    }))
+}
+
+/// How long a helper's output is read on after it ended.
+const HELPER_GRACE: Duration = Duration::from_secs(1);
+
+/// The most of a helper's output that is kept (an answer is a few
+/// hundred bytes).
+const HELPER_OUTPUT: usize = 1 << 20;
+
+/// Reads `pipe` on a thread of its own, chunk by chunk, until its end.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    if let Some(mut pipe) = pipe {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            loop {
+                match pipe.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        if tx.send(buf[..n].to_vec()).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return,
+                }
+            }
+        });
     }
-    Ok(None)
+    rx
+}
+
+/// What `drain` read until its pipe ended or `until`, whichever is first.
+fn collect(chunks: &mpsc::Receiver<Vec<u8>>, until: Instant) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Ok(chunk) = chunks.recv_timeout(until.saturating_duration_since(Instant::now())) {
+        if out.len() < HELPER_OUTPUT {
+            out.extend(chunk);
+        }
+    }
+    out
 }
 
 impl Credentials {
@@ -524,27 +541,26 @@ mod tests {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
             .spawn()
             .unwrap()
     }
 
-    /// Whether `pid` has ended (gone, or a zombie no one reaped yet),
-    /// waiting for it as long as a SIGKILL can take.
-    fn ended(pid: &str) -> bool {
-        (0..500).any(|_| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let state = stat.rsplit(") ").next().and_then(|rest| rest.chars().next());
-            let gone = matches!(state, None | Some('Z' | 'X'));
-            if !gone {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            gone
-        })
+    /// The pid `sh` wrote to `file` once it started its sleep.
+    fn pid_in(file: &Path) -> nix::unistd::Pid {
+        let pid = (0..2000)
+            .find_map(|_| {
+                let pid = std::fs::read_to_string(file).unwrap_or_default();
+                if !pid.ends_with('\n') {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                pid.ends_with('\n').then_some(pid)
+            })
+            .expect("the helper starts its sleep");
+        nix::unistd::Pid::from_raw(pid.trim().parse().unwrap())
     }
 
     #[test]
-    fn a_helper_is_waited_for_then_killed_with_what_it_started() {
+    fn a_helper_is_waited_for_its_answer_and_killed_when_it_hangs() {
         let limit = Duration::from_secs(20);
         // An answer: its status and both outputs.
         let mut child = sh("echo answer; echo why >&2; exit 3");
@@ -554,39 +570,28 @@ mod tests {
             (&out.stdout[..], &out.stderr[..]),
             (&b"answer\n"[..], &b"why\n"[..])
         );
-        // A helper that hangs, and one that ends leaving a process holding
-        // its output: no answer, and nothing of theirs left running.
         let dir = tempfile::tempdir().unwrap();
-        for (i, script) in ["sleep 60 & echo $! > {f}; wait", "sleep 60 & echo $! > {f}"]
-            .iter()
-            .enumerate()
-        {
-            let pid_file = dir.path().join(format!("pid{i}"));
-            let mut child = sh(&script.replace("{f}", pid_file.to_str().unwrap()));
-            // Its sleep is started before the helper's time starts.
-            let pid = (0..2000)
-                .find_map(|_| {
-                    let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
-                    if !pid.ends_with('\n') {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    pid.ends_with('\n').then_some(pid)
-                })
-                .expect("the helper starts its sleep");
-            let t = Instant::now();
-            assert!(
-                wait_helper(&mut child, Duration::from_millis(300))
-                    .unwrap()
-                    .is_none(),
-                "{script}"
-            );
-            assert!(t.elapsed() < Duration::from_secs(50), "{script}: not waited out");
-            assert!(
-                child.try_wait().unwrap().is_some(),
-                "{script}: the helper is reaped"
-            );
-            assert!(ended(pid.trim()), "{script}: its sleep is killed");
-        }
+        let file = dir.path().join("pid");
+        let script = |tail: &str| format!("sleep 60 & echo $! > {}; {tail}", file.display());
+        // One that ends with its answer, leaving a process that holds its
+        // output: the answer, at once.
+        let mut child = sh(&script("echo answer"));
+        let sleep = pid_in(&file);
+        let t = Instant::now();
+        let out = wait_helper(&mut child, limit).unwrap().unwrap();
+        assert!(t.elapsed() < limit, "not waited out");
+        assert_eq!((out.status.code(), &out.stdout[..]), (Some(0), &b"answer\n"[..]));
+        let _ = nix::sys::signal::kill(sleep, nix::sys::signal::Signal::SIGKILL);
+        // One that hangs: no answer, and it is killed and reaped.
+        std::fs::remove_file(&file).unwrap();
+        let mut child = sh(&script("wait"));
+        let sleep = pid_in(&file);
+        assert!(wait_helper(&mut child, Duration::from_millis(300))
+            .unwrap()
+            .is_none());
+        let status = child.try_wait().unwrap().expect("reaped");
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9));
+        let _ = nix::sys::signal::kill(sleep, nix::sys::signal::Signal::SIGKILL);
     }
 
     #[test]

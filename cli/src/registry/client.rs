@@ -11,7 +11,7 @@
 //! never go over plain HTTP but between loopback addresses.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -106,8 +106,13 @@ pub struct Registry {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     base: String,
     repository: String,
-    /// What `--authfile` (or docker's config) holds for the registry.
-    credentials: Option<Credentials>,
+    /// What `--authfile` (or docker's config) holds for the registry,
+    /// once looked up: at the first challenge, unless a file was named (a
+    /// credential helper may prompt, or not be installed where the
+    /// registry asks for nothing).
+    credentials: OnceLock<Option<Credentials>>,
+    /// The registry's name, as credentials are kept under it.
+    registry: String,
     /// Where credentials were looked for, for messages.
     auth_file: Option<PathBuf>,
     /// The `Authorization` the registry last accepted, sent with every
@@ -120,8 +125,8 @@ impl Registry {
     /// `authfile` (or docker's config) holds for its registry.
     ///
     /// # Errors
-    /// The credentials cannot be read (a named `authfile` must exist), or
-    /// no TLS configuration could be made.
+    /// A named `authfile` cannot be read (it must exist), or no TLS
+    /// configuration could be made.
     pub fn new(reference: &Reference, authfile: Option<&Path>) -> Result<Registry, RegistryError> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
@@ -133,18 +138,31 @@ impl Registry {
             .enable_http1()
             .wrap_connector(http);
         let auth_file = auth::auth_file(authfile);
-        let credentials = match &auth_file {
-            Some(file) => auth::lookup(file, &reference.registry, authfile.is_some())?,
-            None => None,
-        };
+        let credentials = OnceLock::new();
+        if let Some(file) = authfile {
+            let _ = credentials.set(auth::lookup(file, &reference.registry, true)?);
+        }
         Ok(Registry {
             client: Client::builder(TokioExecutor::new()).build(https),
             base: reference.base_url(),
             repository: reference.repository.clone(),
             credentials,
+            registry: reference.registry.clone(),
             auth_file,
             authorization: Mutex::new(None),
         })
+    }
+
+    /// The credentials for the registry, looked up the first time.
+    fn credentials(&self) -> Result<Option<&Credentials>, RegistryError> {
+        if let Some(found) = self.credentials.get() {
+            return Ok(found.as_ref());
+        }
+        let found = match &self.auth_file {
+            Some(file) => auth::lookup(file, &self.registry, false)?,
+            None => None,
+        };
+        Ok(self.credentials.get_or_init(|| found).as_ref())
     }
 
     fn url(&self, tail: &str) -> String {
@@ -230,7 +248,7 @@ impl Registry {
             ));
         };
         let value = match challenge.scheme.as_str() {
-            "basic" => match &self.credentials {
+            "basic" => match self.credentials()? {
                 Some(c) if self.may_send_secrets(url) => c.basic(),
                 Some(_) => return Err(self.refused(url.to_owned(), resp, "credentials go over HTTPS only")),
                 None => return Err(self.refused(url.to_owned(), resp, "the registry asks for credentials")),
@@ -281,17 +299,19 @@ impl Registry {
                 query.push(format!("{name}={}", auth::query_escape(v)));
             }
         }
-        if let Some(c) = &self.credentials {
+        let credentials = self.credentials()?;
+        if let Some(c) = credentials {
             query.push(format!("account={}", auth::query_escape(c.username())));
         }
         let sep = if realm.contains('?') { '&' } else { '?' };
         let token_url = format!("{realm}{sep}{}", query.join("&"));
         let mut req = request(Method::GET, &token_url, empty());
-        if let Some(c) = &self.credentials {
-            let basic = HeaderValue::from_str(&c.basic()).map_err(|_| RegistryError::Invalid {
+        if let Some(c) = credentials {
+            let mut basic = HeaderValue::from_str(&c.basic()).map_err(|_| RegistryError::Invalid {
                 what: token_url.clone(),
                 reason: "credentials that are no header value".to_owned(),
             })?;
+            basic.set_sensitive(true);
             req.headers_mut().insert(hyper::header::AUTHORIZATION, basic);
         }
         let what = format!("the token service {realm}");
@@ -308,7 +328,7 @@ impl Registry {
         match answer.status() {
             StatusCode::OK => {}
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                let reason = match &self.credentials {
+                let reason = match credentials {
                     Some(_) => format!("{what} refused the credentials ({})", answer.status()),
                     None => format!("{what} asks for credentials ({})", answer.status()),
                 };
@@ -360,7 +380,7 @@ impl Registry {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("no challenge")
             .to_owned();
-        let fix = match (&self.credentials, &self.auth_file) {
+        let fix = match (self.credentials.get().and_then(Option::as_ref), &self.auth_file) {
             (Some(c), _) => format!("check the credentials in {}", c.source),
             (None, Some(file)) => format!(
                 "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} holds none)",
@@ -640,7 +660,9 @@ fn full(bytes: Bytes) -> Body {
 /// A status error with the start of the answer (the registry's reason).
 async fn status_error(what: String, resp: Response<hyper::body::Incoming>) -> RegistryError {
     let status = resp.status();
-    let body = match tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect()).await {
+    // The start is all that is shown; a body past it is not read on.
+    let start = Limited::new(resp.into_body(), 4096).collect();
+    let body = match tokio::time::timeout(Duration::from_secs(5), start).await {
         Ok(Ok(b)) => {
             let bytes = b.to_bytes();
             String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
@@ -667,4 +689,32 @@ pub fn sha256(bytes: &[u8]) -> String {
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_looked_up_at_the_first_challenge_unless_a_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.json");
+        // A helper that is not installed (a config copied from elsewhere).
+        std::fs::write(&config, r#"{"credsStore":"crab-test-missing"}"#).unwrap();
+        let reference = Reference::parse("127.0.0.1:5000/agents/a:v1").unwrap();
+        let mut r = Registry::new(&reference, None).unwrap();
+        r.auth_file = Some(config.clone());
+        assert!(r.credentials.get().is_none(), "nothing asked before a challenge");
+        let Err(e) = r.credentials() else {
+            panic!("the helper cannot run")
+        };
+        let e = e.to_string();
+        assert!(e.contains("docker-credential-crab-test-missing"), "{e}");
+        // Named, the file is read at once.
+        let e = Registry::new(&reference, Some(&config))
+            .err()
+            .expect("named")
+            .to_string();
+        assert!(e.contains("docker-credential-crab-test-missing"), "{e}");
+    }
 }
