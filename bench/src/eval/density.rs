@@ -167,7 +167,12 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
             if runs.is_empty() {
                 continue;
             }
-            let e2es: Vec<f64> = runs.iter().map(|(p, _)| e2e(p, &reference)).collect();
+            // A round whose tasks all failed has no figure.
+            let e2es: Vec<f64> = runs
+                .iter()
+                .map(|(p, _)| e2e(p, &reference))
+                .filter(|e| e.is_finite())
+                .collect();
             let spread = e2es
                 .iter()
                 .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), e| {
@@ -189,7 +194,11 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
                 sandboxes: point.sandboxes,
                 policy,
                 e2e: mean(&e2es),
-                e2e_spread: spread,
+                e2e_spread: if e2es.is_empty() {
+                    (f64::NAN, f64::NAN)
+                } else {
+                    spread
+                },
                 rounds: runs.len(),
                 host_cpu_secs: mean(&cpu),
                 share_p95,
@@ -258,7 +267,7 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
             "{rounds} rounds at each N, each in an order rotated by one; end to end is against each task's mean \
              fault-free time over the rounds, with the least and greatest round in brackets (the fault-free row's \
              spread is this host's own noise). Host CPU is the CPU time the whole host was busy while the tasks \
-             ran, mean of the rounds: on a saturated host what a policy adds to it is what it adds to task time.\n"
+             ran (every process's, the harness's too), mean of the rounds.\n"
         );
     }
     let _ = writeln!(

@@ -220,12 +220,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             results.sort_by_key(|r| order.iter().position(|p| *p == r.policy));
             rounds.push(results);
         }
-        match failed {
-            None => points.push(density::Point { sandboxes: n, rounds }),
-            Some(e) => {
-                eprintln!("eval: density {n}: {e:#}");
-                density_errors.push((n, format!("{e:#}")));
-            }
+        // Rounds done before a failure still count.
+        if let Some(e) = failed {
+            eprintln!("eval: density {n}: {e:#}");
+            density_errors.push((n, format!("{e:#}")));
+        }
+        if !rounds.is_empty() {
+            points.push(density::Point { sandboxes: n, rounds });
         }
     }
     let mut md = main_md;
