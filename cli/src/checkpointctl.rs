@@ -142,7 +142,12 @@ fn rootfs_diff(stream: &mut dyn Read, archive: &Path) -> io::Result<(File, Vec<S
         }
         append_entry(&mut out, e, data)
     })
-    .map_err(io::Error::other)?;
+    .map_err(|e| {
+        io::Error::other(format!(
+            "the version's files are not an overlay-copy stream ({e}): only an overlayfs sandbox's files \
+             convert to rootfs-diff.tar (a ZFS or btrfs sandbox's are a zfs or btrfs send stream)"
+        ))
+    })?;
     let mut file = out.into_inner()?;
     file.rewind()?;
     Ok((file, whiteouts))
