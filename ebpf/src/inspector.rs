@@ -121,9 +121,9 @@ struct Sandbox {
     /// Fingerprints of the sandbox's tmpfs mounts at the last turn end
     /// (mount point → fingerprint; `None`: not comparable).
     prints: HashMap<Vec<u8>, Option<u64>>,
-    /// The sandbox's child cgroups at the last turn end (path below it →
-    /// whether it held processes), whose tasks are not followed.
-    children: HashMap<String, bool>,
+    /// The sandbox's child cgroups at the last turn end, whose tasks are
+    /// not followed.
+    children: procs::Children,
 }
 
 impl InspectorConfig {
@@ -253,6 +253,9 @@ impl Inspector {
             turn: 0,
             capturing: 0,
         });
+        // Child cgroups before the turn starts and after: a task that
+        // leaves one in between is counted in it.
+        let early = procs::children(cgroup_dir);
         // The programs first: the turn starts once ctl names the cgroup.
         state.syscalls.attach()?;
         if existing.is_none() {
@@ -302,11 +305,7 @@ impl Inspector {
                     .first()
                     .map(|&pid| tmpfs_prints(pid, &crate::mounts::of(pid)))
                     .unwrap_or_default(),
-                children: procs::children(cgroup_dir)
-                    .0
-                    .into_iter()
-                    .map(|c| (c.rel, c.populated))
-                    .collect(),
+                children: procs::Children::found(&[early, procs::children(cgroup_dir)], false),
             },
         );
         Ok(cg)

@@ -44,6 +44,9 @@ pub(crate) struct Ledger {
     pub uncertain: bool,
     /// Records applied.
     pub n_events: u64,
+    /// A task of the sandbox put a task into a cgroup outside it: the task
+    /// may go on there, unfollowed, into the next turn.
+    pub escaped: bool,
 }
 
 /// What the filesystem side of a turn amounts to.
@@ -206,37 +209,40 @@ impl Ledger {
                 let call = ev.op;
                 self.proc(ev, |pid, comm| Reason::Ipc { pid, comm, call });
             }
-            kind::UNSURE => self.unsure.push(match ev.flags {
-                unsure::COMPAT => format!(
-                    "{} (pid {}) made a 32-bit system call ({}, through int 0x80 or x32), which the inspector does not follow",
-                    ev.comm(),
-                    ev.pid,
-                    ev.op & 0x3fff_ffff
-                ),
-                unsure::TRACED => format!(
-                    "{} (pid {}): task {} is stopped by a tracer outside the sandbox's cgroup (in a cgroup below it, or elsewhere while no checkpoint runs), which may run or hide its code",
-                    ev.comm(),
-                    ev.pid,
-                    ev.op
-                ),
-                unsure::CGROUP => format!(
-                    "{} (pid {}) put task {} into a cgroup outside the sandbox (moved it there, or cloned it into it), where it is not followed",
-                    ev.comm(),
-                    ev.pid,
-                    ev.op
-                ),
-                unsure::PROC_MEM => format!(
-                    "{} (pid {}) wrote into a process's memory through /proc/<pid>/mem",
-                    ev.comm(),
-                    ev.pid
-                ),
-                _ => format!(
-                    "{} (pid {}) made system call {}, which the inspector does not follow",
-                    ev.comm(),
-                    ev.pid,
-                    ev.op
-                ),
-            }),
+            kind::UNSURE => {
+                self.escaped |= ev.flags == unsure::CGROUP;
+                self.unsure.push(match ev.flags {
+                    unsure::COMPAT => format!(
+                        "{} (pid {}) made a 32-bit system call ({}, through int 0x80 or x32), which the inspector does not follow",
+                        ev.comm(),
+                        ev.pid,
+                        ev.op & 0x3fff_ffff
+                    ),
+                    unsure::TRACED => format!(
+                        "{} (pid {}): task {} is stopped by a tracer outside the sandbox's cgroup (in a cgroup below it, or elsewhere while no checkpoint runs), which may run or hide its code",
+                        ev.comm(),
+                        ev.pid,
+                        ev.op
+                    ),
+                    unsure::CGROUP => format!(
+                        "{} (pid {}) put task {} into a cgroup outside the sandbox (moved it there, or cloned it into it), where it is not followed",
+                        ev.comm(),
+                        ev.pid,
+                        ev.op
+                    ),
+                    unsure::PROC_MEM => format!(
+                        "{} (pid {}) wrote into a process's memory through /proc/<pid>/mem",
+                        ev.comm(),
+                        ev.pid
+                    ),
+                    _ => format!(
+                        "{} (pid {}) made system call {}, which the inspector does not follow",
+                        ev.comm(),
+                        ev.pid,
+                        ev.op
+                    ),
+                });
+            }
             other => self.unsure.push(format!("unknown record kind {other}")),
         }
     }

@@ -1,6 +1,7 @@
 //! What user space reads about a sandbox's processes at a turn end: the
 //! cgroup's members, a task's run state and the files a process maps.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 /// Host pids (or tids, for `cgroup.threads`) listed in a cgroup file.
@@ -61,19 +62,46 @@ pub(crate) fn children(cgroup_dir: &Path) -> (Vec<ChildCgroup>, Option<String>) 
     (found, None)
 }
 
+/// What a turn end found of a sandbox's child cgroups, kept for the
+/// next: tasks there are not followed, and may go on into the next turn.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Children {
+    /// Path below the sandbox's cgroup → whether it held processes.
+    pub populated: HashMap<String, bool>,
+    /// There were more than the walk looks into.
+    pub overflow: bool,
+    /// A task of the sandbox put a task into a cgroup outside it.
+    pub escaped: bool,
+}
+
+impl Children {
+    /// What `walks` (of one turn end: before its boundary and after, so
+    /// that a task that leaves a child in between is still counted) found,
+    /// with whether a task escaped in the turn.
+    pub(crate) fn found(walks: &[(Vec<ChildCgroup>, Option<String>)], escaped: bool) -> Children {
+        let mut out = Children {
+            escaped,
+            ..Children::default()
+        };
+        for (children, overflow) in walks {
+            out.overflow |= overflow.is_some();
+            for c in children {
+                *out.populated.entry(c.rel.clone()).or_default() |= c.populated;
+            }
+        }
+        out
+    }
+}
+
 /// Why the sandbox's child cgroups leave this turn unsure, `before` being
-/// what the last turn end found (path → populated). Their tasks are not
-/// followed: a child that holds processes now, or held them at the last
-/// turn end (they may have run, then left or ended; the CPU time a
-/// cgroup shows is charged at ticks, so it cannot tell), is a doubt. One
-/// empty at both ends is none: a task that entered it in between was
-/// cloned or moved there by a followed task (a doubt of its own) or by
-/// root on the host.
-pub(crate) fn child_doubts(
-    before: &std::collections::HashMap<String, bool>,
-    now: &[ChildCgroup],
-    overflow: Option<&str>,
-) -> Vec<String> {
+/// what the last turn end found. Their tasks are not followed: a child
+/// that holds processes now, or held them at the last turn end (they may
+/// have run, then left or ended; the CPU time a cgroup shows is charged
+/// at ticks, so it cannot tell), is a doubt, as is a task that escaped in
+/// the last turn (it may have run on where it went). One empty at both
+/// ends is none: a task that entered it in between was cloned or moved
+/// there by a followed task (a doubt of its own) or by root on the host.
+pub(crate) fn child_doubts(before: &Children, now: &[ChildCgroup], overflow: Option<&str>) -> Vec<String> {
     let mut doubts = Vec::new();
     for c in now {
         if c.populated {
@@ -81,14 +109,14 @@ pub(crate) fn child_doubts(
                 "processes in the sandbox's child cgroup {} are not followed",
                 c.rel
             ));
-        } else if before.get(&c.rel) == Some(&true) {
+        } else if before.populated.get(&c.rel) == Some(&true) {
             doubts.push(format!(
                 "processes in the sandbox's child cgroup {} at the last turn end may have run since, not followed",
                 c.rel
             ));
         }
     }
-    let held_then = before.iter().filter(|(_, populated)| **populated);
+    let held_then = before.populated.iter().filter(|(_, populated)| **populated);
     for (gone, _) in held_then.filter(|(rel, _)| !now.iter().any(|c| &c.rel == *rel)) {
         doubts.push(format!(
             "the sandbox's child cgroup {gone}, which held processes at the last turn end, is gone; they were not followed"
@@ -98,6 +126,16 @@ pub(crate) fn child_doubts(
         doubts.push(format!(
             "processes in the sandbox's child cgroup {rel} (and more, not looked into) are not followed"
         ));
+    }
+    if before.overflow {
+        doubts
+            .push("the sandbox had more child cgroups at the last turn end than are looked into".to_owned());
+    }
+    if before.escaped {
+        doubts.push(
+            "a task put into a cgroup outside the sandbox in the last turn may have run there since, not followed"
+                .to_owned(),
+        );
     }
     doubts.sort();
     doubts
@@ -208,13 +246,30 @@ mod tests {
             rel: rel.into(),
             populated,
         };
-        let before = std::collections::HashMap::from([
-            ("idle".to_owned(), false),
-            ("left".to_owned(), true),
-            ("held".to_owned(), true),
-            ("gone".to_owned(), true),
-            ("gone-idle".to_owned(), false),
-        ]);
+        // Before the boundary "left" held a task, after it not: held.
+        let before = Children::found(
+            &[
+                (
+                    vec![
+                        child("idle", false),
+                        child("left", true),
+                        child("gone-idle", false),
+                    ],
+                    None,
+                ),
+                (
+                    vec![
+                        child("idle", false),
+                        child("left", false),
+                        child("held", true),
+                        child("gone", true),
+                    ],
+                    None,
+                ),
+            ],
+            false,
+        );
+        assert_eq!(before.populated.get("left"), Some(&true));
         let now = [
             child("idle", false),
             child("left", false),
@@ -240,6 +295,12 @@ mod tests {
         assert!(child_doubts(&before, &now, Some("deep"))
             .iter()
             .any(|d| d.contains("deep (and more")));
+        // Too many to look into, or a task escaped: a doubt the turn after.
+        let crowded = Children::found(&[(vec![], Some("x".into()))], false);
+        assert_eq!(child_doubts(&crowded, &[], None).len(), 1);
+        let escaped = Children::found(&[], true);
+        assert!(child_doubts(&escaped, &[], None)[0].contains("in the last turn"));
+        assert!(child_doubts(&Children::default(), &[], None).is_empty());
     }
 
     #[test]

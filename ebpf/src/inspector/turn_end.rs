@@ -34,6 +34,9 @@ impl Inspector {
         let map_err = |name| move |source| Error::Map { name, source };
         let mut unsure: Vec<String> = Vec::new();
 
+        // Child cgroups before the boundary and after (below): a task that
+        // leaves one in between is counted in it.
+        let early = procs::children(&state.sandboxes[&cg].cgroup_dir);
         // The boundary: bump the generation, then read the sequence number.
         let (gen, turn) = {
             let sb = &state.sandboxes[&cg];
@@ -212,9 +215,9 @@ impl Inspector {
 
         // Processes in a child cgroup of the sandbox are not followed: one
         // that holds them now or held them at the last turn end.
-        let (children, overflow) = procs::children(&sb.cgroup_dir);
-        unsure.extend(procs::child_doubts(&sb.children, &children, overflow.as_deref()));
-        sb.children = children.into_iter().map(|c| (c.rel, c.populated)).collect();
+        let now = procs::children(&sb.cgroup_dir);
+        unsure.extend(procs::child_doubts(&sb.children, &now.0, now.1.as_deref()));
+        sb.children = procs::Children::found(&[early, now], sb.current.escaped);
 
         // A changed file that a live process maps: the old image would not
         // restore against it.
