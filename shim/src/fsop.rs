@@ -71,9 +71,9 @@ impl FsOp {
         match self {
             // btrfs snapshots by ioctl.
             FsOp::Snapshot { location, .. } => matches!(location, Location::Zfs { .. }),
-            FsOp::Rollback { location, .. } | FsOp::Destroy { location, .. } => {
-                !matches!(location, Location::OverlayCopy { .. })
-            }
+            FsOp::Rollback { location, .. } => !matches!(location, Location::OverlayCopy { .. }),
+            // btrfs deletes a snapshot by ioctl.
+            FsOp::Destroy { location, .. } => matches!(location, Location::Zfs { .. }),
             // btrfs answers from its snapshot's directory.
             FsOp::Has { location, .. } => matches!(location, Location::Zfs { .. }),
             FsOp::ZfsDatasetAt { .. } => true,

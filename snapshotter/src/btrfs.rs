@@ -308,8 +308,7 @@ impl Backend for BtrfsBackend {
 
     fn destroy(&self, name: &SnapshotName) -> Result<()> {
         let snap = self.require(name)?;
-        run(BTRFS, &["subvolume", "delete", &path_str(&snap)?])?;
-        Ok(())
+        delete_subvolume(&snap)
     }
 }
 
@@ -353,6 +352,57 @@ const SUBVOL_NAME_MAX: usize = 4039;
 const SUBVOL_RDONLY: u64 = 1 << 1;
 
 nix::ioctl_write_ptr!(btrfs_snap_create_v2, 0x94, 23, VolArgsV2);
+
+/// `struct btrfs_ioctl_vol_args` of `linux/btrfs.h` (4096 bytes).
+#[repr(C)]
+struct VolArgs {
+    fd: i64,
+    name: [u8; PATH_NAME_MAX + 1],
+}
+
+const _: () = assert!(std::mem::size_of::<VolArgs>() == 4096);
+
+/// `BTRFS_PATH_NAME_MAX`.
+const PATH_NAME_MAX: usize = 4087;
+
+nix::ioctl_write_ptr!(btrfs_snap_destroy, 0x94, 15, VolArgs);
+
+/// Deletes subvolume `path` (a snapshot), as `btrfs subvolume delete`
+/// does, without running it: one ioctl on its parent directory, opened
+/// without following a symlink.
+#[allow(unsafe_code)]
+fn delete_subvolume(path: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(Error::Refused {
+            reason: format!("{} names no subvolume in a directory", path.display()),
+        });
+    };
+    let name = name.as_bytes();
+    if name.len() > PATH_NAME_MAX || name.contains(&0) {
+        return Err(Error::Refused {
+            reason: format!("{} is no subvolume name", path.display()),
+        });
+    }
+    let parent_dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(parent)
+        .map_err(Error::io("open", parent))?;
+    let mut args = VolArgs {
+        fd: 0,
+        name: [0; PATH_NAME_MAX + 1],
+    };
+    args.name[..name.len()].copy_from_slice(name);
+    // SAFETY: `args` is a whole, initialised btrfs_ioctl_vol_args (its name
+    // NUL-terminated) that outlives the call, and the descriptor is open;
+    // the kernel only reads it.
+    unsafe { btrfs_snap_destroy(parent_dir.as_raw_fd(), &args) }
+        .map_err(|e| Error::io("delete subvolume", path)(e.into()))?;
+    Ok(())
+}
 
 /// Makes `dst` a read-only snapshot of subvolume `src`, as `btrfs
 /// subvolume snapshot -r` does (one ioctl: atomic, and committed when it
