@@ -129,7 +129,9 @@ fn rootfs_diff(stream: &mut dyn Read, archive: &Path) -> io::Result<(File, Vec<S
     let mut out = tar::Builder::new(tempfile::tempfile_in(dir)?);
     let mut whiteouts = Vec::new();
     let mut opaque: Vec<PathBuf> = Vec::new();
-    crab_snapshotter::read_stream(stream, |e, data| {
+    // The tar's own errors (a full disk, a name too long) as they are.
+    let mut failed = None;
+    let read = crab_snapshotter::read_stream(stream, |e, data| {
         if e.kind == EntryKind::Char && e.rdev == 0 {
             if !opaque.iter().any(|o| e.path.starts_with(o)) {
                 whiteouts.extend(e.path.to_str().map(|p| format!("/{p}")));
@@ -140,9 +142,14 @@ fn rootfs_diff(stream: &mut dyn Read, archive: &Path) -> io::Result<(File, Vec<S
         if e.kind == EntryKind::Dir && e.xattrs.iter().any(is_opaque) {
             opaque.push(e.path.clone());
         }
-        append_entry(&mut out, e, data)
-    })
-    .map_err(|e| {
+        append_entry(&mut out, e, data).inspect_err(|e| {
+            failed = Some(io::Error::new(e.kind(), e.to_string()));
+        })
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    read.map_err(|e| {
         io::Error::other(format!(
             "the version's files are not an overlay-copy stream ({e}): only an overlayfs sandbox's files \
              convert to rootfs-diff.tar (a ZFS or btrfs sandbox's are a zfs or btrfs send stream)"

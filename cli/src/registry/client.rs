@@ -153,13 +153,22 @@ impl Registry {
         })
     }
 
-    /// The credentials for the registry, looked up the first time.
-    fn credentials(&self) -> Result<Option<&Credentials>, RegistryError> {
+    /// The credentials for the registry, looked up the first time (off
+    /// the runtime's thread: a credential helper may take its time).
+    async fn credentials(&self) -> Result<Option<&Credentials>, RegistryError> {
         if let Some(found) = self.credentials.get() {
             return Ok(found.as_ref());
         }
-        let found = match &self.auth_file {
-            Some(file) => auth::lookup(file, &self.registry, false)?,
+        let found = match self.auth_file.clone() {
+            Some(file) => {
+                let registry = self.registry.clone();
+                tokio::task::spawn_blocking(move || auth::lookup(&file, &registry, false))
+                    .await
+                    .map_err(|e| RegistryError::Invalid {
+                        what: "the credentials' lookup".to_owned(),
+                        reason: e.to_string(),
+                    })??
+            }
             None => None,
         };
         Ok(self.credentials.get_or_init(|| found).as_ref())
@@ -248,7 +257,7 @@ impl Registry {
             ));
         };
         let value = match challenge.scheme.as_str() {
-            "basic" => match self.credentials()? {
+            "basic" => match self.credentials().await? {
                 Some(c) if self.may_send_secrets(url) => c.basic(),
                 Some(_) => return Err(self.refused(url.to_owned(), resp, "credentials go over HTTPS only")),
                 None => return Err(self.refused(url.to_owned(), resp, "the registry asks for credentials")),
@@ -299,7 +308,7 @@ impl Registry {
                 query.push(format!("{name}={}", auth::query_escape(v)));
             }
         }
-        let credentials = self.credentials()?;
+        let credentials = self.credentials().await?;
         if let Some(c) = credentials {
             query.push(format!("account={}", auth::query_escape(c.username())));
         }
@@ -382,6 +391,11 @@ impl Registry {
             .to_owned();
         let fix = match (self.credentials.get().and_then(Option::as_ref), &self.auth_file) {
             (Some(c), _) => format!("check the credentials in {}", c.source),
+            (None, Some(file)) if self.credentials.get().is_none() => format!(
+                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} was not read yet)",
+                self.host(),
+                file.display()
+            ),
             (None, Some(file)) => format!(
                 "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} holds none)",
                 self.host(),
@@ -659,18 +673,23 @@ fn full(bytes: Bytes) -> Body {
 
 /// A status error with the start of the answer (the registry's reason).
 async fn status_error(what: String, resp: Response<hyper::body::Incoming>) -> RegistryError {
+    const SHOWN: usize = 300;
     let status = resp.status();
-    // The start is all that is shown; a body past it is not read on.
-    let start = Limited::new(resp.into_body(), 4096).collect();
-    let body = match tokio::time::timeout(Duration::from_secs(5), start).await {
-        Ok(Ok(b)) => {
-            let bytes = b.to_bytes();
-            String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
-                .trim()
-                .to_owned()
+    let mut body = resp.into_body();
+    let mut start = Vec::new();
+    // The start is all that is shown: the rest is not read.
+    let read = async {
+        while start.len() < SHOWN {
+            match body.frame().await {
+                Some(Ok(frame)) => start.extend_from_slice(frame.data_ref().map_or(&[][..], |d| &d[..])),
+                _ => break,
+            }
         }
-        _ => String::new(),
     };
+    let _ = tokio::time::timeout(Duration::from_secs(5), read).await;
+    let body = String::from_utf8_lossy(&start[..start.len().min(SHOWN)])
+        .trim()
+        .to_owned();
     RegistryError::Status { what, status, body }
 }
 
@@ -705,7 +724,12 @@ mod tests {
         let mut r = Registry::new(&reference, None).unwrap();
         r.auth_file = Some(config.clone());
         assert!(r.credentials.get().is_none(), "nothing asked before a challenge");
-        let Err(e) = r.credentials() else {
+        let lookup = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(r.credentials())
+            .err();
+        let Some(e) = lookup else {
             panic!("the helper cannot run")
         };
         let e = e.to_string();
