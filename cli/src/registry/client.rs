@@ -389,22 +389,15 @@ impl Registry {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("no challenge")
             .to_owned();
-        let fix = match (self.credentials.get().and_then(Option::as_ref), &self.auth_file) {
-            (Some(c), _) => format!("check the credentials in {}", c.source),
-            (None, Some(file)) if self.credentials.get().is_none() => format!(
-                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} was not read yet)",
-                self.host(),
-                file.display()
-            ),
-            (None, Some(file)) => format!(
-                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile ({} holds none)",
-                self.host(),
-                file.display()
-            ),
-            (None, None) => format!(
-                "log in (`docker login {}`) or name a file that holds credentials for it with --authfile",
-                self.host()
-            ),
+        let login = format!(
+            "log in (`docker login {}`) or name a file that holds credentials for it with --authfile",
+            self.host()
+        );
+        let fix = match (self.credentials.get(), &self.auth_file) {
+            (Some(Some(c)), _) => format!("check the credentials in {}", c.source),
+            (Some(None), Some(file)) => format!("{login} ({} holds none)", file.display()),
+            (None, Some(file)) => format!("{login} ({} was not read yet)", file.display()),
+            (_, None) => login,
         };
         RegistryError::Unauthorized {
             url,
