@@ -182,7 +182,7 @@ impl Backend for BtrfsBackend {
         let snap = self.require(name)?;
         let fresh = self.rollback_path();
         if fresh.exists() {
-            run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?])?;
+            delete_subvolume(&fresh)?;
         }
         run(
             BTRFS,
@@ -198,7 +198,7 @@ impl Backend for BtrfsBackend {
         .map_err(|e| Error::io("swap", self.live())(e.into()))?;
         // `fresh` now names the old live subvolume. The rollback is done;
         // a subvolume that cannot go now goes at the next rollback.
-        if let Err(e) = run(BTRFS, &["subvolume", "delete", &path_str(&fresh)?]) {
+        if let Err(e) = delete_subvolume(&fresh) {
             tracing::warn!(old = %fresh.display(), error = %e, "old live subvolume kept");
         }
         Ok(())
@@ -284,7 +284,7 @@ impl Backend for BtrfsBackend {
         if received.is_err() || bad_name {
             // A torn or foreign stream leaves a partial subvolume: never keep it.
             for sub in &new {
-                run(BTRFS, &["subvolume", "delete", &path_str(sub)?])?;
+                delete_subvolume(sub)?;
             }
             received?;
             return Err(Error::BadStream {
@@ -367,38 +367,48 @@ const PATH_NAME_MAX: usize = 4087;
 
 nix::ioctl_write_ptr!(btrfs_snap_destroy, 0x94, 15, VolArgs);
 
-/// Deletes subvolume `path` (a snapshot), as `btrfs subvolume delete`
-/// does, without running it: one ioctl on its parent directory, opened
-/// without following a symlink.
-#[allow(unsafe_code)]
-fn delete_subvolume(path: &Path) -> Result<()> {
-    use std::os::fd::AsRawFd;
+/// `path`'s directory, opened without following a symlink, and its last
+/// name, at most `max` bytes.
+fn parent_and_name(path: &Path, max: usize) -> Result<(std::fs::File, &[u8])> {
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::OpenOptionsExt;
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(Error::Refused {
             reason: format!("{} names no subvolume in a directory", path.display()),
         });
     };
     let name = name.as_bytes();
-    if name.len() > PATH_NAME_MAX || name.contains(&0) {
+    if name.len() > max {
         return Err(Error::Refused {
-            reason: format!("{} is no subvolume name", path.display()),
+            reason: format!("a subvolume name of {} bytes (at most {max})", name.len()),
         });
     }
-    let parent_dir = std::fs::OpenOptions::new()
+    Ok((open_dir(parent)?, name))
+}
+
+/// Directory `path`, opened without following a symlink.
+fn open_dir(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
-        .open(parent)
-        .map_err(Error::io("open", parent))?;
+        .open(path)
+        .map_err(Error::io("open", path))
+}
+
+/// Deletes subvolume `path` (a snapshot), as `btrfs subvolume delete`
+/// does, without running it: one ioctl on its parent directory.
+#[allow(unsafe_code)]
+fn delete_subvolume(path: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let (parent_dir, name) = parent_and_name(path, PATH_NAME_MAX)?;
     let mut args = VolArgs {
         fd: 0,
         name: [0; PATH_NAME_MAX + 1],
     };
     args.name[..name.len()].copy_from_slice(name);
     // SAFETY: `args` is a whole, initialised btrfs_ioctl_vol_args (its name
-    // NUL-terminated) that outlives the call, and the descriptor is open;
-    // the kernel only reads it.
+    // NUL-terminated: a file name holds no NUL) that outlives the call, and
+    // the descriptor is open; the kernel only reads it.
     unsafe { btrfs_snap_destroy(parent_dir.as_raw_fd(), &args) }
         .map_err(|e| Error::io("delete subvolume", path)(e.into()))?;
     Ok(())
@@ -410,30 +420,9 @@ fn delete_subvolume(path: &Path) -> Result<()> {
 #[allow(unsafe_code)]
 fn snapshot_readonly(src: &Path, dst: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let (Some(parent), Some(name)) = (dst.parent(), dst.file_name()) else {
-        return Err(Error::Refused {
-            reason: format!("{} names no snapshot in a directory", dst.display()),
-        });
-    };
-    let name = name.as_bytes();
-    if name.len() > SUBVOL_NAME_MAX {
-        return Err(Error::Refused {
-            reason: format!(
-                "a subvolume name of {} bytes (at most {SUBVOL_NAME_MAX})",
-                name.len()
-            ),
-        });
-    }
-    let dir = |path: &Path| {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(Error::io("open", path))
-    };
-    let (src_dir, parent_dir) = (dir(src)?, dir(parent)?);
+    use std::os::unix::fs::MetadataExt;
+    let (parent_dir, name) = parent_and_name(dst, SUBVOL_NAME_MAX)?;
+    let src_dir = open_dir(src)?;
     // What btrfs-progs checks: the source is a subvolume's root (inode
     // 256 on btrfs). Of a plain directory the kernel would snapshot the
     // whole subvolume holding it.
