@@ -378,11 +378,7 @@ fn processes_in_a_child_cgroup_make_turns_full() {
     );
     let out = cg.run(&work.0, &script);
     assert!(out.status.success(), "{out:?}");
-    crab_tests::wait_until(10, || {
-        let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
-        (!procs.trim().is_empty()).then_some(())
-    })
-    .expect("the sleep is in the child cgroup");
+    until_populated(&child, "the sleep is in the child cgroup");
     let r = insp.turn_end("child").expect("turn end");
     assert_eq!(r.class, Class::Full, "{r:#?}");
     assert!(
@@ -444,11 +440,7 @@ fn a_child_cgroup_that_held_processes_at_the_last_turn_end_makes_the_turn_full()
             back = back.display(),
         );
         assert!(cg.run(&work.0, &script).status.success());
-        crab_tests::wait_until(10, || {
-            let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
-            (!procs.trim().is_empty()).then_some(())
-        })
-        .expect("the shell is in the child cgroup");
+        until_populated(&child, "the shell is in the child cgroup");
         let r = insp.turn_end("back").expect("turn");
         assert_eq!(r.class, Class::Full, "{r:#?}");
         // Turn 2: from there it writes a file, comes back, and sleeps.
@@ -470,6 +462,15 @@ fn a_child_cgroup_that_held_processes_at_the_last_turn_end_makes_the_turn_full()
     // Its processes die with the test's cgroup, which needs no child.
     let _ = std::fs::remove_dir(cg.dir.join("out-0"));
     insp.unregister("back").expect("unregister");
+}
+
+/// Waits until cgroup `dir` holds a process (`what`, for the failure).
+fn until_populated(dir: &std::path::Path, what: &str) {
+    crab_tests::wait_until(10, || {
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+        (!procs.trim().is_empty()).then_some(())
+    })
+    .unwrap_or_else(|| panic!("{what}"));
 }
 
 /// Starts `cmd` in the background in `cg` (output to /dev/null) and
@@ -645,11 +646,7 @@ fn a_tracer_below_the_sandbox_makes_the_turn_full() {
         go = go.display()
     );
     assert!(cg.run(&work.0, &script).status.success());
-    crab_tests::wait_until(10, || {
-        let procs = std::fs::read_to_string(child.join("cgroup.procs")).ok()?;
-        (!procs.trim().is_empty()).then_some(())
-    })
-    .expect("the shell is in the child cgroup");
+    until_populated(&child, "the shell is in the child cgroup");
     assert_eq!(insp.turn_end("below").expect("turn").class, Class::Full);
 
     // The next: strace, from below, attaches to the sleep and leaves.
