@@ -165,6 +165,11 @@ impl Containerd {
         c
     }
 
+    /// containerd's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The gRPC socket.
     pub fn address(&self) -> PathBuf {
         self.dir.join("c.sock")

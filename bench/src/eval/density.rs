@@ -18,8 +18,9 @@ use std::fmt::Write as _;
 
 use serde_json::json;
 
+use super::driver::EventKind;
 use super::policy::Policy;
-use super::report::{summarize, verdict, PolicyResult, Verdict};
+use super::report::{summarize, verdict, PolicyResult, TaskResult, Verdict};
 use super::workload::{Mix, Task};
 use crate::stats::fit;
 
@@ -48,16 +49,34 @@ pub struct Row {
     pub rounds: usize,
     /// Busy CPU seconds of the host while the tasks ran, mean of the rounds.
     pub host_cpu_secs: f64,
+    /// Of it, CPU seconds of crab's processes (shims, crabd, CRIU),
+    /// containerd's and the harness's, mean of the rounds.
+    pub cpu_secs: [f64; 3],
     /// p95 over tasks of holds as a share of task time (the worst round's).
     pub share_p95: f64,
     /// Mean task time, seconds.
     pub task_secs: f64,
+    /// Where a task's time went, mean seconds per task: its commands, its
+    /// LLM calls (turn end to answer: think time and holds) and its
+    /// recovery (kill to running again).
+    pub phases: Phases,
     /// Crashed tasks recovered correctly, and crashed tasks.
     pub correct: usize,
     /// See `correct`.
     pub crashed: usize,
     /// Checkpoint bytes written, mean of the rounds.
     pub bytes: u64,
+}
+
+/// Mean seconds per task spent in each kind of [`Event`](super::driver::Event).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    /// Running the steps' commands.
+    pub commands: f64,
+    /// Waiting for the LLM's answers (think time, holds).
+    pub llm: f64,
+    /// From the kill to running again.
+    pub recovery: f64,
 }
 
 /// `tasks` copied, in turn, until there are `n`, the mixes taken in turn
@@ -94,10 +113,11 @@ fn interleave(tasks: &[Task]) -> Vec<&Task> {
     out
 }
 
-/// The policies of the density study among `asked`: fault-free first,
-/// then those that checkpoint or trace (what density can slow down).
+/// The policies of the density study among `asked`: fault-free first
+/// (the states), bare (the time reference), then those that checkpoint or
+/// trace (what density can slow down).
 pub fn policies(asked: &[Policy]) -> Vec<Policy> {
-    let mut out = vec![Policy::FaultFree];
+    let mut out = vec![Policy::FaultFree, Policy::Bare];
     out.extend(
         asked
             .iter()
@@ -117,11 +137,14 @@ pub fn rotated(policies: &[Policy], round: usize) -> Vec<Policy> {
     out
 }
 
-/// Each task's mean time over the fault-free runs of `rounds` that ran
-/// it through, in seconds.
+/// Each task's mean time over the reference runs of `rounds` that ran it
+/// through, in seconds: the bare runs (no state captures loading the
+/// host) where there are any, else the fault-free ones.
 fn reference_times(rounds: &[Vec<PolicyResult>]) -> HashMap<&str, f64> {
+    let bare = rounds.iter().flatten().any(|p| p.policy == Policy::Bare);
+    let reference = if bare { Policy::Bare } else { Policy::FaultFree };
     let mut sums: HashMap<&str, (f64, usize)> = HashMap::new();
-    let runs = rounds.iter().flatten().filter(|p| p.policy == Policy::FaultFree);
+    let runs = rounds.iter().flatten().filter(|p| p.policy == reference);
     for t in runs.flat_map(|p| &p.tasks) {
         if t.run.error.is_none() && !t.run.time.is_zero() {
             let sum = sums.entry(t.task.as_str()).or_default();
@@ -190,6 +213,11 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
                 .map(|t| t.run.time.as_secs_f64())
                 .collect();
             let cpu: Vec<f64> = runs.iter().map(|(p, _)| p.host_cpu.as_secs_f64()).collect();
+            let ran: Vec<&TaskResult> = runs
+                .iter()
+                .flat_map(|(p, _)| &p.tasks)
+                .filter(|t| t.run.error.is_none())
+                .collect();
             rows.push(Row {
                 sandboxes: point.sandboxes,
                 policy,
@@ -201,8 +229,29 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
                 },
                 rounds: runs.len(),
                 host_cpu_secs: mean(&cpu),
+                cpu_secs: [
+                    mean(
+                        &runs
+                            .iter()
+                            .map(|(p, _)| p.cpu.crab.as_secs_f64())
+                            .collect::<Vec<_>>(),
+                    ),
+                    mean(
+                        &runs
+                            .iter()
+                            .map(|(p, _)| p.cpu.containerd.as_secs_f64())
+                            .collect::<Vec<_>>(),
+                    ),
+                    mean(
+                        &runs
+                            .iter()
+                            .map(|(p, _)| p.cpu.harness.as_secs_f64())
+                            .collect::<Vec<_>>(),
+                    ),
+                ],
                 share_p95,
                 task_secs: mean(&times),
+                phases: phases(&ran),
                 correct,
                 crashed,
                 bytes: runs.iter().map(|(p, _)| p.bytes).sum::<u64>() / runs.len() as u64,
@@ -210,6 +259,27 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
         }
     }
     rows
+}
+
+/// Mean seconds per task of `tasks` in each kind of event.
+fn phases(tasks: &[&TaskResult]) -> Phases {
+    let mut sum = Phases::default();
+    for t in tasks {
+        for e in &t.run.events {
+            let took = (e.end - e.start).max(0.0);
+            match e.kind {
+                EventKind::Command(_) => sum.commands += took,
+                EventKind::Turn(_) => sum.llm += took,
+                EventKind::Recovery => sum.recovery += took,
+            }
+        }
+    }
+    let n = tasks.len().max(1) as f64;
+    Phases {
+        commands: sum.commands / n,
+        llm: sum.llm / n,
+        recovery: sum.recovery / n,
+    }
 }
 
 fn mean(xs: &[f64]) -> f64 {
@@ -257,24 +327,27 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
     let _ = writeln!(
         md,
         "The run's tasks copied until N sandboxes run at once, one seeded crash per copy; each policy's end-to-end \
-         figure is against the fault-free run at the same N (what checkpointing adds on that load), the fault-free \
-         task time shows the load itself. Target: crab ≤ 1.05x at 32 sandboxes.\n"
+         figure is against the bare run at the same N (what checkpointing adds on that load): fault-free without \
+         the harness's state capture after each step, whose work on a loaded host slows the neighbours of the \
+         fault-free run (its own row shows by how much). The bare task time shows the load itself. Target: crab \
+         ≤ 1.05x at 32 sandboxes. Host CPU is the CPU time the whole host was busy while the tasks ran; of it, \
+         crab's processes' (the shims, crabd and what they run: CRIU, the shims' helpers; by cgroup), \
+         containerd's and the harness's (`crab-bench` and the `ctr` and `crabctl` it runs).\n"
     );
     let rounds = rows.iter().map(|r| r.rounds).max().unwrap_or(1);
     if rounds > 1 {
         let _ = writeln!(
             md,
             "{rounds} rounds at each N, each in an order rotated by one; end to end is against each task's mean \
-             fault-free time over the rounds, with the least and greatest round in brackets (the fault-free row's \
-             spread is this host's own noise). Host CPU is the CPU time the whole host was busy while the tasks \
-             ran (every process's, the harness's too), mean of the rounds.\n"
+             bare time over the rounds, with the least and greatest round in brackets (the bare row's \
+             spread is this host's own noise). CPU times are the mean of the rounds.\n"
         );
     }
     let _ = writeln!(
         md,
-        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | host CPU s | checkpoint MB |"
+        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | of it commands / LLM / recovery s | host CPU s | of it crab / containerd / harness s | checkpoint MB |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let correct = match r.crashed {
             0 => "-".to_owned(),
@@ -286,12 +359,18 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {correct} | {e2e} | {:.3}% | {:.1} | {:.0} | {:.1} |",
+            "| {} | {} | {correct} | {e2e} | {:.3}% | {:.1} | {:.1} / {:.1} / {:.2} | {:.0} | {:.1} / {:.1} / {:.1} | {:.1} |",
             r.sandboxes,
             r.policy.name(),
             r.share_p95 * 100.0,
             r.task_secs,
+            r.phases.commands,
+            r.phases.llm,
+            r.phases.recovery,
             r.host_cpu_secs,
+            r.cpu_secs[0],
+            r.cpu_secs[1],
+            r.cpu_secs[2],
             r.bytes as f64 / 1e6
         );
     }
@@ -398,8 +477,14 @@ pub fn json(points: &[Point], errors: &[(usize, String)]) -> serde_json::Value {
                 "e2e_high": r.e2e_spread.1,
                 "rounds": r.rounds,
                 "host_cpu_seconds": r.host_cpu_secs,
+                "crab_cpu_seconds": r.cpu_secs[0],
+                "containerd_cpu_seconds": r.cpu_secs[1],
+                "harness_cpu_seconds": r.cpu_secs[2],
                 "share_p95": r.share_p95,
                 "task_seconds": r.task_secs,
+                "command_seconds": r.phases.commands,
+                "llm_seconds": r.phases.llm,
+                "recovery_seconds": r.phases.recovery,
                 "correct": r.correct,
                 "crashed": r.crashed,
                 "bytes": r.bytes,
@@ -503,6 +588,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::from_secs(cpu),
+            cpu: Default::default(),
         }
     }
 
@@ -575,7 +661,51 @@ mod tests {
         ];
         assert_eq!(
             policies(&asked),
-            [Policy::FaultFree, Policy::Traced, Policy::Crab, Policy::FullCkpt]
+            [
+                Policy::FaultFree,
+                Policy::Bare,
+                Policy::Traced,
+                Policy::Crab,
+                Policy::FullCkpt
+            ]
         );
+    }
+
+    #[test]
+    fn the_bare_run_is_the_time_reference_where_it_ran() {
+        let point = Point {
+            sandboxes: 16,
+            rounds: vec![vec![
+                run(Policy::FaultFree, [12.0, 24.0], 0),
+                run(Policy::Bare, [10.0, 20.0], 0),
+                run(Policy::Crab, [11.0, 22.0], 0),
+            ]],
+        };
+        let rows = rows(&[point]);
+        let e2e = |p: Policy| rows.iter().find(|r| r.policy == p).map(|r| r.e2e).unwrap();
+        assert!((e2e(Policy::Crab) - 1.1).abs() < 1e-9, "{rows:?}");
+        assert!((e2e(Policy::FaultFree) - 1.2).abs() < 1e-9, "{rows:?}");
+        assert!((e2e(Policy::Bare) - 1.0).abs() < 1e-9, "{rows:?}");
+    }
+
+    #[test]
+    fn phases_are_each_kinds_mean_seconds_per_task() {
+        use crate::eval::driver::Event;
+        let mut a = run(Policy::Crab, [10.0, 10.0], 0).tasks.remove(0);
+        let ev = |kind, start, end| Event { kind, start, end };
+        a.run.events = vec![
+            ev(EventKind::Command(0), 0.0, 2.0),
+            ev(EventKind::Turn(0), 2.0, 3.5),
+            ev(EventKind::Recovery, 3.5, 3.6),
+            ev(EventKind::Command(1), 3.6, 4.6),
+        ];
+        let b = run(Policy::Crab, [10.0, 10.0], 0).tasks.remove(1);
+        let p = phases(&[&a, &b]);
+        let close = |x: f64, y: f64| (x - y).abs() < 1e-9;
+        assert!(
+            close(p.commands, 1.5) && close(p.llm, 0.75) && close(p.recovery, 0.05),
+            "{p:?}"
+        );
+        assert_eq!(phases(&[]), Phases::default());
     }
 }

@@ -8,6 +8,7 @@
 //! records the state after every step, which the others are held to.
 
 mod agent_llm;
+mod cpu;
 mod density;
 mod driver;
 mod fault;
@@ -64,7 +65,8 @@ pub struct Args {
     /// Seed of the crash placement.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Policies, comma-separated (fault-free always runs first; also: crab-broken).
+    /// Policies, comma-separated (fault-free always runs first; also:
+    /// crab-broken, bare).
     #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "traced,crab,full-ckpt,chat-only,chat+fs,restart")]
     pub policies: Vec<Policy>,
     /// Sandboxes at once.
@@ -72,13 +74,15 @@ pub struct Args {
     pub parallel: usize,
     /// After the main run, the density study: for each N given
     /// (e.g. `8,16,32`), the tasks copied until N sandboxes run at once,
-    /// under the fault-free run, traced, crab and full-ckpt (those of --policies).
+    /// under the fault-free run, the bare run (fault-free without the
+    /// harness's state captures: the time reference), traced, crab and
+    /// full-ckpt (those of --policies).
     #[arg(long, value_delimiter = ',')]
     pub density: Vec<usize>,
     /// Runs of each density's policies, each round in an order rotated
     /// by one (no policy always meets the coldest or the warmest host);
-    /// end to end is then against each task's mean fault-free time over
-    /// the rounds, with the rounds' spread beside it.
+    /// end to end is then against each task's mean bare time over the
+    /// rounds, with the rounds' spread beside it.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10))]
     pub rounds: u32,
     /// Where the report goes.
@@ -284,6 +288,8 @@ fn run_policy(
     let config = base.join("crab.toml");
     std::fs::write(&config, policy.config(upstream, &transcripts))?;
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
+    let label = format!("{}{}", policy.name(), stage.label);
+    let mut meter = cpu::Meter::adopt(ctd.pid().context("containerd runs")?, &label)?;
     let mut images: BTreeMap<String, String> = BTreeMap::new();
     for t in tasks {
         if let std::collections::btree_map::Entry::Vacant(slot) = images.entry(format!("{:?}", t.image)) {
@@ -302,6 +308,7 @@ fn run_policy(
     let done = Mutex::new(Vec::new());
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
     let busy_before = crate::stats::host_busy();
+    meter.reset();
     std::thread::scope(|s| {
         for _ in 0..stage.parallel.max(1) {
             s.spawn(|| loop {
@@ -353,6 +360,7 @@ fn run_policy(
     });
     bar.finish();
     let host_cpu = crate::stats::host_busy().saturating_sub(busy_before);
+    let cpu = meter.used();
     if let Some(e) = failure.into_inner().expect("failure") {
         return Err(e);
     }
@@ -390,9 +398,11 @@ fn run_policy(
         crabd_peak_kb: ctd.crabd_pid().and_then(peak_kb).unwrap_or(0),
         shim_peak_kb: tasks.iter().map(|t| t.run.shim_peak_kb).max().unwrap_or(0),
         host_cpu,
+        cpu,
         tasks,
     };
     drop(ctd);
+    drop(meter);
     drop(base_dir);
     Ok(result)
 }

@@ -7,7 +7,14 @@ use std::path::Path;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Policy {
     /// No checkpoints, no crash: the optimum every other policy is held to.
+    /// The harness captures its state after every step (what a recovery
+    /// is checked against).
     FaultFree,
+    /// Fault-free without the harness's state capture after every step:
+    /// the density study's time reference (on a loaded host the captures
+    /// of the fault-free run slow its neighbours down, and so the
+    /// reference).
+    Bare,
     /// Fault-free with the inspector following every sandbox (no
     /// checkpoints, no crash): what its system-call programs alone cost,
     /// crab's end-to-end figure without the checkpoints and the recovery.
@@ -56,8 +63,9 @@ pub enum Fresh {
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
         Policy::FaultFree,
+        Policy::Bare,
         Policy::Traced,
         Policy::Crab,
         Policy::FullCkpt,
@@ -71,6 +79,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::FaultFree => "fault-free",
+            Policy::Bare => "bare",
             Policy::Traced => "traced",
             Policy::Crab => "crab",
             Policy::FullCkpt => "full-ckpt",
@@ -96,7 +105,7 @@ impl Policy {
 
     /// Whether a crash is injected.
     pub fn crashes(self) -> bool {
-        !matches!(self, Policy::FaultFree | Policy::Traced)
+        !matches!(self, Policy::FaultFree | Policy::Bare | Policy::Traced)
     }
 
     /// What it does after the crash.
@@ -104,7 +113,9 @@ impl Policy {
         match self {
             Policy::Crab | Policy::FullCkpt => Recovery::Automatic { wrong: false },
             Policy::CrabBroken => Recovery::Automatic { wrong: true },
-            Policy::ChatOnly | Policy::FaultFree | Policy::Traced => Recovery::Fresh(Fresh::Nothing),
+            Policy::ChatOnly | Policy::FaultFree | Policy::Bare | Policy::Traced => {
+                Recovery::Fresh(Fresh::Nothing)
+            }
             Policy::ChatFs => Recovery::Fresh(Fresh::Files),
             Policy::Restart => Recovery::Fresh(Fresh::FromScratch),
         }

@@ -48,6 +48,8 @@ pub struct PolicyResult {
     /// CPU time the host spent busy while the tasks ran (theirs, the
     /// runtime's, crabd's and the harness's).
     pub host_cpu: Duration,
+    /// Of it: crab's processes', containerd's and the harness's.
+    pub cpu: super::cpu::Split,
 }
 
 /// Whether a recovery was right.
@@ -448,6 +450,9 @@ pub fn json(results: &[PolicyResult]) -> serde_json::Value {
                 "e2e": s.e2e,
                 "share_p95": s.share[1],
                 "host_cpu_seconds": p.host_cpu.as_secs_f64(),
+                "crab_cpu_seconds": p.cpu.crab.as_secs_f64(),
+                "containerd_cpu_seconds": p.cpu.containerd.as_secs_f64(),
+                "harness_cpu_seconds": p.cpu.harness.as_secs_f64(),
                 "tasks": tasks,
             })
         })
@@ -564,6 +569,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
+            cpu: Default::default(),
         };
         let results = [
             policy(Policy::FaultFree, 0, 0),
@@ -594,6 +600,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
+            cpu: Default::default(),
         };
         let mut t = recovered(2, "2", "9");
         t.holds = vec![Duration::from_millis(110)];
@@ -605,6 +612,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
+            cpu: Default::default(),
         };
         let s = summarize(&p, &reference);
         assert_eq!((s.correct, s.crashed), (1, 1));
