@@ -442,6 +442,7 @@ impl Drop for Containerd {
         }
         self.stop();
         self.stop_crabd();
+        crate::cgroups::remove_empty(&self.namespace);
         let _ = std::fs::remove_dir_all(pin_dir(&self.dir));
         for snapshotter in [
             "root/io.containerd.snapshotter.v1.overlayfs",

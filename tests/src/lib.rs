@@ -4,6 +4,7 @@
 //!
 //! Every test needs root (mounts, cgroups, namespaces); CI runs them as root.
 
+pub mod cgroups;
 pub mod containerd;
 pub mod docker;
 pub mod faults;

@@ -250,6 +250,7 @@ impl Drop for Node {
         let _ = std::process::Command::new("ip")
             .args(["link", "delete", &self.bridge])
             .output();
+        crab_tests::cgroups::remove_empty(&self.cgroup_parent);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

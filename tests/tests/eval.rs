@@ -117,9 +117,20 @@ fn a_tiny_eval_finds_crab_correct_and_a_broken_recovery_incorrect() {
             .find(|r| r["policy"] == name && r["sandboxes"] == 3)
             .unwrap_or_else(|| panic!("no {name} at 3 sandboxes in {density:#?}"))
     };
-    assert_eq!(density.len(), 3, "fault-free, crab, crab-broken: {density:#?}");
-    assert_eq!(at("fault-free")["e2e"].as_f64(), Some(1.0));
+    assert_eq!(
+        density.len(),
+        4,
+        "fault-free, bare, crab, crab-broken: {density:#?}"
+    );
+    // The bare run (no state captures) is the time reference.
+    assert_eq!(at("bare")["e2e"].as_f64(), Some(1.0));
+    assert!(at("fault-free")["e2e"].as_f64().is_some_and(f64::is_finite));
     let (crab, broken) = (at("crab"), at("crab-broken"));
+    // crab's own processes (shims, crabd, CRIU) are metered apart.
+    assert!(
+        crab["crab_cpu_seconds"].as_f64().is_some_and(|s| s > 0.0),
+        "{crab:#}"
+    );
     assert_eq!(
         (crab["correct"].as_u64(), crab["crashed"].as_u64()),
         (Some(3), Some(3)),

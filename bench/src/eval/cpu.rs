@@ -37,19 +37,24 @@ impl Meter {
     /// Moves `containerd` (its pid) into a new cgroup named after this
     /// process and `label`, before any shim starts.
     pub fn adopt(containerd: u32, label: &str) -> anyhow::Result<Self> {
-        let cgroup = Path::new("/sys/fs/cgroup").join(format!(
+        let cgroup = unified_root()?.join(format!(
             "crab-bench-{}-{}",
             std::process::id(),
             label.replace(['/', '+'], "-")
         ));
         std::fs::create_dir(&cgroup).with_context(|| format!("create {}", cgroup.display()))?;
-        std::fs::write(cgroup.join("cgroup.procs"), containerd.to_string())
-            .with_context(|| format!("move containerd into {}", cgroup.display()))?;
+        // Made first, so that the cgroup goes again if the move fails.
         let mut meter = Meter {
             cgroup,
             containerd,
             start: Split::default(),
         };
+        // Opened, never created: a directory that is no cgroup is refused.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(meter.cgroup.join("cgroup.procs"))
+            .and_then(|mut f| std::io::Write::write_all(&mut f, containerd.to_string().as_bytes()))
+            .with_context(|| format!("move containerd into {}", meter.cgroup.display()))?;
         meter.start = meter.now();
         Ok(meter)
     }
@@ -95,6 +100,20 @@ impl Drop for Meter {
             self.cgroup.display()
         );
     }
+}
+
+/// Where the unified (v2) hierarchy is mounted: `/sys/fs/cgroup` on a v2
+/// host, `/sys/fs/cgroup/unified` on a v1-hybrid one.
+fn unified_root() -> anyhow::Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    mounts
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
+            (kind == "cgroup2").then(|| PathBuf::from(at))
+        })
+        .context("no cgroup2 hierarchy is mounted: crab's CPU time cannot be told apart")
 }
 
 /// `usage_usec` of `cgroup`'s `cpu.stat`.

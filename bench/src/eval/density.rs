@@ -203,7 +203,7 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
                 });
             let (mut correct, mut crashed, mut share_p95) = (0, 0, 0.0f64);
             for (p, r) in &runs {
-                let s = summarize(p, r);
+                let s = summarize(p, r, r);
                 (correct, crashed) = (correct + s.correct, crashed + s.crashed);
                 share_p95 = share_p95.max(s.share[1]);
             }
@@ -345,7 +345,7 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
     }
     let _ = writeln!(
         md,
-        "| sandboxes | policy | recovery correct | e2e vs fault-free | held share p95 | mean task s | of it commands / LLM / recovery s | host CPU s | of it crab / containerd / harness s | checkpoint MB |"
+        "| sandboxes | policy | recovery correct | e2e vs bare | held share p95 | mean task s | of it commands / LLM / recovery s | host CPU s | of it crab / containerd / harness s | checkpoint MB |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
@@ -417,12 +417,12 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
     let _ = writeln!(md, "\nScaling (least squares over N):\n");
     for p in policies_in(&rows) {
         let (what, line) = match p {
-            Policy::FaultFree => ("mean task time", fit(&series(&rows, p, |r| r.task_secs))),
-            _ => ("e2e vs fault-free", fit(&series(&rows, p, |r| r.e2e))),
+            Policy::Bare => ("mean task time", fit(&series(&rows, p, |r| r.task_secs))),
+            _ => ("e2e vs bare", fit(&series(&rows, p, |r| r.e2e))),
         };
         let text = match (p, line) {
             (_, None) => "fewer than two densities: no line".to_owned(),
-            (Policy::FaultFree, Some((a, b))) => format!("{a:.2} s + {b:.3} s per sandbox"),
+            (Policy::Bare, Some((a, b))) => format!("{a:.2} s + {b:.3} s per sandbox"),
             (_, Some((a, b))) => format!(
                 "{a:.3}x + {:.4}x per sandbox ({:+.2}% per 8 sandboxes)",
                 b,

@@ -67,7 +67,7 @@ pub struct Args {
     pub seed: u64,
     /// Policies, comma-separated (fault-free always runs first; also:
     /// crab-broken, bare).
-    #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "traced,crab,full-ckpt,chat-only,chat+fs,restart")]
+    #[arg(long, value_delimiter = ',', value_parser = Policy::parse, default_value = "bare,traced,crab,full-ckpt,chat-only,chat+fs,restart")]
     pub policies: Vec<Policy>,
     /// Sandboxes at once.
     #[arg(long, default_value_t = 4)]

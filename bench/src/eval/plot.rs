@@ -31,14 +31,15 @@ pub fn draw(results: &[PolicyResult], dir: &Path) -> Result<Vec<String>> {
         Box::leak(bytes.into_boxed_slice()),
     );
     let mut names = Vec::new();
-    if let Some(reference) = results.iter().find(|p| p.policy == Policy::FaultFree) {
+    let fault_free = results.iter().find(|p| p.policy == Policy::FaultFree);
+    if let Some((reference, times)) = fault_free.zip(super::report::time_reference(results)) {
         let rows: Vec<(String, f64, f64)> = results
             .iter()
             .map(|p| {
                 (
                     p.policy.name().to_owned(),
                     p.bytes as f64 / 1e6,
-                    summarize(p, reference).e2e,
+                    summarize(p, reference, times).e2e,
                 )
             })
             .collect();

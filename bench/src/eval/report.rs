@@ -155,8 +155,17 @@ pub struct Summary {
     pub restore: [Duration; 2],
 }
 
-/// The summary of `p` against `reference`.
-pub fn summarize(p: &PolicyResult, reference: &PolicyResult) -> Summary {
+/// The run whose task times the others' end-to-end figures are against:
+/// the bare run (no state captures loading the host) when it ran, else
+/// the fault-free one.
+pub fn time_reference(results: &[PolicyResult]) -> Option<&PolicyResult> {
+    let find = |want: Policy| results.iter().find(|p| p.policy == want);
+    find(Policy::Bare).or_else(|| find(Policy::FaultFree))
+}
+
+/// The summary of `p`: its recoveries against the fault-free run
+/// `reference`, its times against `times` (see [`time_reference`]).
+pub fn summarize(p: &PolicyResult, reference: &PolicyResult, times: &PolicyResult) -> Summary {
     let mut s = Summary::default();
     let mut ratios = Vec::new();
     let mut shares = Vec::new();
@@ -174,8 +183,13 @@ pub fn summarize(p: &PolicyResult, reference: &PolicyResult) -> Summary {
             Verdict::NoCrash => {}
             Verdict::Incorrect(_) | Verdict::Failed(_) => s.crashed += 1,
         }
-        if t.run.error.is_none() && r.run.time > Duration::ZERO {
-            ratios.push(t.run.time.as_secs_f64() / r.run.time.as_secs_f64());
+        let base = times
+            .tasks
+            .iter()
+            .find(|r| r.task == t.task)
+            .map_or(Duration::ZERO, |r| r.run.time);
+        if t.run.error.is_none() && base > Duration::ZERO {
+            ratios.push(t.run.time.as_secs_f64() / base.as_secs_f64());
         }
         let held: Duration = t.holds.iter().sum();
         if t.run.time > Duration::ZERO {
@@ -255,7 +269,10 @@ fn by_mix(results: &[PolicyResult]) -> String {
 /// The report in markdown: the headline table beside the published
 /// figures, then every task's verdict.
 pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> String {
-    let Some(reference) = results.iter().find(|p| p.policy == Policy::FaultFree) else {
+    let (Some(reference), Some(times)) = (
+        results.iter().find(|p| p.policy == Policy::FaultFree),
+        time_reference(results),
+    ) else {
         return "no fault-free run: nothing to compare with\n".into();
     };
     let full = results
@@ -279,11 +296,12 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
     let _ = writeln!(
         md,
         "| policy | recovery correct | checkpoint MB | vs full-ckpt | versions none/fs/proc/full | hold p50/p95/p99 ms | \
-         held share of task p50/p95/p99 | e2e vs fault-free | kill to running p50/p95 ms | crabd / shim peak MB |"
+         held share of task p50/p95/p99 | e2e vs {} | kill to running p50/p95 ms | crabd / shim peak MB |",
+        times.policy.name()
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for p in results {
-        let s = summarize(p, reference);
+        let s = summarize(p, reference, times);
         let correct = if s.crashed == 0 {
             "-".to_owned()
         } else {
@@ -330,7 +348,7 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
         results
             .iter()
             .find(|p| p.policy == policy)
-            .map(|p| summarize(p, reference).e2e)
+            .map(|p| summarize(p, reference, times).e2e)
     };
     if let (Some(traced), Some(crab)) = (e2e_of(Policy::Traced), e2e_of(Policy::Crab)) {
         let _ = writeln!(
@@ -436,7 +454,10 @@ pub fn json(results: &[PolicyResult]) -> serde_json::Value {
                     })
                 })
                 .collect();
-            let s = reference.map(|r| summarize(p, r)).unwrap_or_default();
+            let s = reference
+                .zip(time_reference(results))
+                .map(|(r, times)| summarize(p, r, times))
+                .unwrap_or_default();
             json!({
                 "policy": p.policy.name(),
                 "correct": s.correct,
@@ -614,7 +635,7 @@ mod tests {
             host_cpu: Duration::ZERO,
             cpu: Default::default(),
         };
-        let s = summarize(&p, &reference);
+        let s = summarize(&p, &reference, &reference);
         assert_eq!((s.correct, s.crashed), (1, 1));
         assert!((s.e2e - 1.1).abs() < 1e-9, "{}", s.e2e);
         assert!((s.share[1] - 0.01).abs() < 1e-9, "{:?}", s.share);
