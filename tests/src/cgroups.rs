@@ -1,7 +1,7 @@
-//! Cgroups the tests leave: containerd makes a namespace's parent cgroup
-//! (`/<namespace>/<id>` is ctr's path) in every hierarchy and, as runc,
-//! never removes it; a test's namespace is unique, so each run would leave
-//! hundreds behind.
+//! Cgroups the tests leave: the runtime makes a container's cgroup at
+//! ctr's path `/<namespace>/<id>`, parents included, in every hierarchy,
+//! and (as runc) removes only the container's own; a test's namespace is
+//! unique, so each run would leave hundreds of parents behind.
 
 /// Removes cgroup `name` (a path below the root) from every mounted
 /// hierarchy where it is empty; one that holds processes or children stays.

@@ -34,6 +34,18 @@ struct Node {
     dir: PathBuf,
     bridge: String,
     cgroup_parent: String,
+    /// Removes the pods' empty parent cgroup, after `ctd` (fields drop in
+    /// order) has removed what ran in it.
+    _parent_cleanup: ParentCleanup,
+}
+
+/// See [`Node::_parent_cleanup`].
+struct ParentCleanup(String);
+
+impl Drop for ParentCleanup {
+    fn drop(&mut self) {
+        crab_tests::cgroups::remove_empty(&self.0);
+    }
 }
 
 impl Node {
@@ -97,13 +109,15 @@ impl Node {
             .block_on(containerd_client::connect(ctd.address()))
             .expect("connect to containerd");
         let cri = RuntimeServiceClient::new(channel);
+        let cgroup_parent = unique("crabcri");
         Node {
             ctd,
             rt,
             cri,
             dir: dir.clone(),
             bridge,
-            cgroup_parent: unique("crabcri"),
+            _parent_cleanup: ParentCleanup(cgroup_parent.clone()),
+            cgroup_parent,
         }
     }
 
@@ -250,7 +264,6 @@ impl Drop for Node {
         let _ = std::process::Command::new("ip")
             .args(["link", "delete", &self.bridge])
             .output();
-        crab_tests::cgroups::remove_empty(&self.cgroup_parent);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

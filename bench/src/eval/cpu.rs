@@ -1,12 +1,15 @@
 //! Where a policy's CPU time went: crab's processes (the shims, crabd and
-//! what they run: CRIU, the shims' helpers), containerd, and the harness
-//! itself (this process and the `ctr`/`crabctl` it runs), measured apart
-//! from the sandboxes' own work and from each other.
+//! what they run outside the sandboxes: CRIU's dumps, the shims' helpers
+//! until they join a container), containerd, and the harness itself (this
+//! process and the `ctr`/`crabctl` it runs), measured apart from the
+//! sandboxes' own work and from each other. A restore's CRIU joins the
+//! container's cgroup first, so its CPU is the sandbox's, not counted here.
 //!
-//! containerd is moved into a cgroup of its own before its first shim
-//! starts, so every shim (and the crabd a shim starts) is born there; the
-//! sandboxes' processes live in their containers' cgroups. The cgroup's
-//! `usage_usec` less containerd's own time is crab's.
+//! containerd is moved into a cgroup of its own (below the harness's)
+//! before its first shim starts, so every shim (and the crabd a shim
+//! starts) is born there; the sandboxes' processes live in their
+//! containers' cgroups. What the cgroup used, less what containerd itself
+//! used over the same time, is crab's.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -17,13 +20,13 @@ use anyhow::Context;
 pub struct Meter {
     cgroup: PathBuf,
     containerd: u32,
-    start: Split,
+    start: Raw,
 }
 
 /// CPU time by who used it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Split {
-    /// crab's processes: the shims, crabd, and their helpers and CRIU.
+    /// crab's processes: the shims, crabd, their helpers and CRIU's dumps.
     pub crab: Duration,
     /// containerd itself.
     pub containerd: Duration,
@@ -31,89 +34,138 @@ pub struct Split {
     pub harness: Duration,
 }
 
+/// The counters as read at one moment.
+#[derive(Debug, Clone, Copy)]
+struct Raw {
+    /// The cgroup's usage since it was made (containerd's share included).
+    cgroup: Duration,
+    /// containerd's own time since it started.
+    containerd: Duration,
+    harness: Duration,
+}
+
 // === impl Meter ===
 
 impl Meter {
-    /// Moves `containerd` (its pid) into a new cgroup named after this
-    /// process and `label`, before any shim starts.
-    pub fn adopt(containerd: u32, label: &str) -> anyhow::Result<Self> {
-        let cgroup = unified_root()?.join(format!(
+    /// Moves `containerd` (its pid) into a new cgroup below this process's
+    /// own, named after this process and `label`, before any shim starts.
+    /// None, with a warning, where that cannot be done (no cgroup2
+    /// hierarchy, a read-only one): the run goes on without the split.
+    pub fn adopt(containerd: u32, label: &str) -> Option<Self> {
+        match Self::try_adopt(containerd, label) {
+            Ok(meter) => Some(meter),
+            Err(e) => {
+                eprintln!("crab-bench: no CPU split for {label}: {e:#}");
+                None
+            }
+        }
+    }
+
+    fn try_adopt(containerd: u32, label: &str) -> anyhow::Result<Self> {
+        let name = format!(
             "crab-bench-{}-{}",
             std::process::id(),
             label.replace(['/', '+'], "-")
-        ));
+        );
+        let cgroup = own_cgroup()?.join(name);
         std::fs::create_dir(&cgroup).with_context(|| format!("create {}", cgroup.display()))?;
-        // Made first, so that the cgroup goes again if the move fails.
+        // Made first, so that the cgroup goes again if anything below fails.
         let mut meter = Meter {
             cgroup,
             containerd,
-            start: Split::default(),
+            start: Raw {
+                cgroup: Duration::ZERO,
+                containerd: Duration::ZERO,
+                harness: Duration::ZERO,
+            },
         };
         // Opened, never created: a directory that is no cgroup is refused.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(meter.cgroup.join("cgroup.procs"))
-            .and_then(|mut f| std::io::Write::write_all(&mut f, containerd.to_string().as_bytes()))
+        write_pid(&meter.cgroup, containerd)
             .with_context(|| format!("move containerd into {}", meter.cgroup.display()))?;
-        meter.start = meter.now();
+        meter.start = meter.read().context("read the counters")?;
         Ok(meter)
     }
 
     /// Restarts the meters: what was used so far is not counted.
     pub fn reset(&mut self) {
-        self.start = self.now();
-    }
-
-    /// CPU time used since [`Meter::adopt`] or the last reset.
-    pub fn used(&self) -> Split {
-        let now = self.now();
-        Split {
-            crab: now.crab.saturating_sub(self.start.crab),
-            containerd: now.containerd.saturating_sub(self.start.containerd),
-            harness: now.harness.saturating_sub(self.start.harness),
+        if let Some(now) = self.read() {
+            self.start = now;
         }
     }
 
-    fn now(&self) -> Split {
-        let all = cgroup_usage(&self.cgroup).unwrap_or_default();
-        let containerd = own_time(self.containerd).unwrap_or_default();
-        Split {
-            crab: all.saturating_sub(containerd),
+    /// CPU time used since [`Meter::adopt`] or the last reset; None if a
+    /// counter could not be read (containerd gone).
+    pub fn used(&self) -> Option<Split> {
+        let now = self.read()?;
+        let containerd = now.containerd.saturating_sub(self.start.containerd);
+        Some(Split {
+            crab: now
+                .cgroup
+                .saturating_sub(self.start.cgroup)
+                .saturating_sub(containerd),
             containerd,
+            harness: now.harness.saturating_sub(self.start.harness),
+        })
+    }
+
+    fn read(&self) -> Option<Raw> {
+        Some(Raw {
+            cgroup: cgroup_usage(&self.cgroup)?,
+            containerd: own_time(self.containerd)?,
             harness: harness_time(),
-        }
+        })
     }
 }
 
 impl Drop for Meter {
-    /// Removes the cgroup once its processes are gone (containerd is
-    /// stopped before); a cgroup still in use is left, with a warning.
+    /// Removes the cgroup; what still runs in it (containerd after a run
+    /// that failed early) is moved to the parent first.
     fn drop(&mut self) {
         for _ in 0..50 {
             if std::fs::remove_dir(&self.cgroup).is_ok() {
                 return;
             }
+            let left = std::fs::read_to_string(self.cgroup.join("cgroup.procs")).unwrap_or_default();
+            if let Some(parent) = self.cgroup.parent() {
+                for pid in left.lines().filter_map(|l| l.trim().parse().ok()) {
+                    let _ = write_pid(parent, pid);
+                }
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
-        eprintln!(
-            "crab-bench: {} still has processes; left in place",
-            self.cgroup.display()
-        );
+        eprintln!("crab-bench: {} could not be removed", self.cgroup.display());
     }
 }
 
-/// Where the unified (v2) hierarchy is mounted: `/sys/fs/cgroup` on a v2
-/// host, `/sys/fs/cgroup/unified` on a v1-hybrid one.
-fn unified_root() -> anyhow::Result<PathBuf> {
+/// Moves process `pid` into `cgroup` (its `cgroup.procs` opened, never
+/// created).
+fn write_pid(cgroup: &Path, pid: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(cgroup.join("cgroup.procs"))?
+        .write_all(pid.to_string().as_bytes())
+}
+
+/// This process's cgroup in the unified (v2) hierarchy, wherever that is
+/// mounted (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a v1-hybrid
+/// host).
+fn own_cgroup() -> anyhow::Result<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mounts")?;
-    mounts
+    let root = mounts
         .lines()
         .find_map(|l| {
             let mut f = l.split_whitespace();
             let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
             (kind == "cgroup2").then(|| PathBuf::from(at))
         })
-        .context("no cgroup2 hierarchy is mounted: crab's CPU time cannot be told apart")
+        .context("no cgroup2 hierarchy is mounted")?;
+    let own = std::fs::read_to_string("/proc/self/cgroup")?;
+    let path = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .context("this process has no cgroup2 path")?;
+    Ok(root.join(path.trim().trim_start_matches('/')))
 }
 
 /// `usage_usec` of `cgroup`'s `cpu.stat`.

@@ -18,6 +18,7 @@ use std::fmt::Write as _;
 
 use serde_json::json;
 
+use super::cpu::Split;
 use super::driver::EventKind;
 use super::policy::Policy;
 use super::report::{summarize, verdict, PolicyResult, TaskResult, Verdict};
@@ -230,25 +231,18 @@ pub fn rows(points: &[Point]) -> Vec<Row> {
                 rounds: runs.len(),
                 host_cpu_secs: mean(&cpu),
                 cpu_secs: [
-                    mean(
-                        &runs
-                            .iter()
-                            .map(|(p, _)| p.cpu.crab.as_secs_f64())
-                            .collect::<Vec<_>>(),
-                    ),
-                    mean(
-                        &runs
-                            .iter()
-                            .map(|(p, _)| p.cpu.containerd.as_secs_f64())
-                            .collect::<Vec<_>>(),
-                    ),
-                    mean(
-                        &runs
-                            .iter()
-                            .map(|(p, _)| p.cpu.harness.as_secs_f64())
-                            .collect::<Vec<_>>(),
-                    ),
-                ],
+                    |c: &Split| c.crab,
+                    |c: &Split| c.containerd,
+                    |c: &Split| c.harness,
+                ]
+                .map(|of| {
+                    let secs: Vec<f64> = runs
+                        .iter()
+                        .filter_map(|(p, _)| p.cpu.as_ref())
+                        .map(|c| of(c).as_secs_f64())
+                        .collect();
+                    mean(&secs)
+                }),
                 share_p95,
                 task_secs: mean(&times),
                 phases: phases(&ran),
@@ -345,7 +339,7 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
     }
     let _ = writeln!(
         md,
-        "| sandboxes | policy | recovery correct | e2e vs bare | held share p95 | mean task s | of it commands / LLM / recovery s | host CPU s | of it crab / containerd / harness s | checkpoint MB |"
+        "| sandboxes | policy | recovery correct | e2e vs bare | held share p95 | mean task s | commands / LLM / recovery s per task | host CPU s | of it crab / containerd / harness s | checkpoint MB |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
@@ -394,14 +388,24 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
                 .rounds
                 .iter()
                 .flatten()
-                .filter(|p| p.policy == Policy::FaultFree)
-                .flat_map(|p| &p.tasks)
-                .filter(|t| t.run.failed_commands > 0)
-                .map(move |t| {
+                .filter(|p| matches!(p.policy, Policy::FaultFree | Policy::Bare))
+                .flat_map(|p| p.tasks.iter().map(move |t| (p.policy, t)))
+                .filter(|(_, t)| t.run.failed_commands > 0 || t.run.error.is_some())
+                .map(move |(policy, t)| {
                     let first = t.run.first_failure.as_deref().unwrap_or("").replace('\n', " ");
+                    let stopped = match &t.run.error {
+                        Some(e) => format!(
+                            " (the run stopped, left out of end to end: {})",
+                            e.replace('\n', " ")
+                        ),
+                        None => String::new(),
+                    };
                     format!(
-                        "- {} sandboxes, {}: {} commands; first: {first}",
-                        point.sandboxes, t.task, t.run.failed_commands
+                        "- {} sandboxes, {}, {}: {} commands; first: {first}{stopped}",
+                        point.sandboxes,
+                        policy.name(),
+                        t.task,
+                        t.run.failed_commands
                     )
                 })
         })
@@ -409,7 +413,7 @@ pub fn markdown(points: &[Point], picture: Option<&str>, errors: &[(usize, Strin
     if !failing.is_empty() {
         let _ = writeln!(
             md,
-            "\nCommands that failed in a fault-free run (a state the others are held to; on a loaded host a command can \
+            "\nCommands that failed in a fault-free or bare run (a state the others are held to; on a loaded host a command can \
              outlive its limit):\n\n{}",
             failing.join("\n")
         );
@@ -588,7 +592,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::from_secs(cpu),
-            cpu: Default::default(),
+            cpu: None,
         }
     }
 

@@ -50,7 +50,7 @@ pub fn draw(results: &[PolicyResult], dir: &Path) -> Result<Vec<String>> {
         )?;
         bars(
             &dir.join("e2e.png"),
-            "task time / fault-free",
+            &format!("task time / {}", times.policy.name()),
             &rows
                 .iter()
                 .map(|(n, _, e)| (n.clone(), if e.is_finite() { *e } else { 0.0 }))
@@ -158,7 +158,7 @@ fn holds(path: &Path, results: &[PolicyResult]) -> Result<()> {
 pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
     let series: Vec<(&str, Vec<(f64, f64)>)> = density::policies_in(rows)
         .into_iter()
-        .filter(|p| *p != Policy::FaultFree)
+        .filter(|p| *p != Policy::Bare)
         .map(|p| {
             let points = density::series(rows, p, |r| r.e2e);
             (
@@ -177,7 +177,7 @@ pub fn density(rows: &[density::Row], dir: &Path) -> Result<Option<String>> {
     let bottom = all.map(|p| p.1).fold(0.95, f64::min) * 0.98;
     let name = "density.png";
     let axes = Axes {
-        title: "task time / fault-free at the same density",
+        title: "task time / bare at the same density",
         x: ("sandboxes at once", 0.0..right),
         y: ("e2e", bottom..top),
     };

@@ -48,8 +48,9 @@ pub struct PolicyResult {
     /// CPU time the host spent busy while the tasks ran (theirs, the
     /// runtime's, crabd's and the harness's).
     pub host_cpu: Duration,
-    /// Of it: crab's processes', containerd's and the harness's.
-    pub cpu: super::cpu::Split,
+    /// Of it: crab's processes', containerd's and the harness's (None
+    /// where they could not be told apart).
+    pub cpu: Option<super::cpu::Split>,
 }
 
 /// Whether a recovery was right.
@@ -186,7 +187,7 @@ pub fn summarize(p: &PolicyResult, reference: &PolicyResult, times: &PolicyResul
         let base = times
             .tasks
             .iter()
-            .find(|r| r.task == t.task)
+            .find(|r| r.task == t.task && r.run.error.is_none())
             .map_or(Duration::ZERO, |r| r.run.time);
         if t.run.error.is_none() && base > Duration::ZERO {
             ratios.push(t.run.time.as_secs_f64() / base.as_secs_f64());
@@ -471,9 +472,9 @@ pub fn json(results: &[PolicyResult]) -> serde_json::Value {
                 "e2e": s.e2e,
                 "share_p95": s.share[1],
                 "host_cpu_seconds": p.host_cpu.as_secs_f64(),
-                "crab_cpu_seconds": p.cpu.crab.as_secs_f64(),
-                "containerd_cpu_seconds": p.cpu.containerd.as_secs_f64(),
-                "harness_cpu_seconds": p.cpu.harness.as_secs_f64(),
+                "crab_cpu_seconds": p.cpu.map(|c| c.crab.as_secs_f64()),
+                "containerd_cpu_seconds": p.cpu.map(|c| c.containerd.as_secs_f64()),
+                "harness_cpu_seconds": p.cpu.map(|c| c.harness.as_secs_f64()),
                 "tasks": tasks,
             })
         })
@@ -590,7 +591,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
-            cpu: Default::default(),
+            cpu: None,
         };
         let results = [
             policy(Policy::FaultFree, 0, 0),
@@ -621,7 +622,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
-            cpu: Default::default(),
+            cpu: None,
         };
         let mut t = recovered(2, "2", "9");
         t.holds = vec![Duration::from_millis(110)];
@@ -633,7 +634,7 @@ mod tests {
             crabd_peak_kb: 0,
             shim_peak_kb: 0,
             host_cpu: Duration::ZERO,
-            cpu: Default::default(),
+            cpu: None,
         };
         let s = summarize(&p, &reference, &reference);
         assert_eq!((s.correct, s.crashed), (1, 1));
