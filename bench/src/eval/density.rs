@@ -505,7 +505,22 @@ pub fn json(points: &[Point], errors: &[(usize, String)]) -> serde_json::Value {
         .iter()
         .map(|(n, why)| json!({"sandboxes": n, "error": why}))
         .collect();
-    json!({ "rows": rows, "not_correct": wrong, "errors": errors })
+    // Every task's timeline, for a step-by-step comparison of policies.
+    let mut tasks = Vec::new();
+    for point in points {
+        for (round, runs) in point.rounds.iter().enumerate() {
+            for p in runs {
+                for t in &p.tasks {
+                    let mut task = super::report::timeline_json(t);
+                    task["sandboxes"] = json!(point.sandboxes);
+                    task["round"] = json!(round + 1);
+                    task["policy"] = json!(p.policy.name());
+                    tasks.push(task);
+                }
+            }
+        }
+    }
+    json!({ "rows": rows, "not_correct": wrong, "errors": errors, "tasks": tasks })
 }
 
 #[cfg(test)]

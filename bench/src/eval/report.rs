@@ -426,6 +426,34 @@ pub fn markdown(results: &[PolicyResult], meta: &Meta, pictures: &[String]) -> S
     md
 }
 
+/// Task `t`'s run as JSON: its name, time, crash, each step's version
+/// class (crab's policies) and every event of its timeline (`[kind, step, start s, end s]`, kind `command`, `llm` or
+/// `recovery`, step null for a recovery).
+pub fn timeline_json(t: &TaskResult) -> serde_json::Value {
+    use super::driver::EventKind;
+    let events: Vec<_> = t
+        .run
+        .events
+        .iter()
+        .map(|e| {
+            let (kind, step) = match e.kind {
+                EventKind::Command(i) => ("command", Some(i)),
+                EventKind::Turn(i) => ("llm", Some(i)),
+                EventKind::Recovery => ("recovery", None),
+            };
+            json!([kind, step, e.start, e.end])
+        })
+        .collect();
+    json!({
+        "task": t.task,
+        "seconds": t.run.time.as_secs_f64(),
+        "error": t.run.error,
+        "crash": t.fault.filter(|_| t.crashes).map(|f| json!({"step": f.step, "phase": f.phase.name()})),
+        "classes": t.classes,
+        "events": events,
+    })
+}
+
 /// The report as JSON (what the tests read).
 pub fn json(results: &[PolicyResult]) -> serde_json::Value {
     let reference = results.iter().find(|p| p.policy == Policy::FaultFree);
@@ -653,5 +681,41 @@ mod tests {
             &[],
         );
         assert!(md.contains("| crab | 1/1 (100%)"), "{md}");
+    }
+
+    #[test]
+    fn a_timeline_names_each_event_and_the_crash_of_a_crashing_policy_only() {
+        use crate::eval::driver::{Event, EventKind};
+        let mut t = recovered(2, "2", "9");
+        t.crashes = true;
+        t.run.events = vec![
+            Event {
+                kind: EventKind::Command(3),
+                start: 1.0,
+                end: 2.0,
+            },
+            Event {
+                kind: EventKind::Turn(3),
+                start: 2.0,
+                end: 2.5,
+            },
+            Event {
+                kind: EventKind::Recovery,
+                start: 2.5,
+                end: 3.0,
+            },
+        ];
+        let j = timeline_json(&t);
+        assert_eq!(
+            j["events"],
+            json!([
+                ["command", 3, 1.0, 2.0],
+                ["llm", 3, 2.0, 2.5],
+                ["recovery", null, 2.5, 3.0]
+            ])
+        );
+        assert_eq!(j["crash"]["step"], 3);
+        t.crashes = false;
+        assert!(timeline_json(&t)["crash"].is_null());
     }
 }
