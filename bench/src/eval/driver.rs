@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
 use crab_tests::llm::chat_turn;
@@ -124,6 +124,9 @@ pub struct Setup<'a> {
 
 /// The longest a recovery may take before the run counts it failed.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(180);
+
+/// How often the harness asks whether a recovery is done.
+const RECOVERY_POLL: Duration = Duration::from_millis(100);
 
 /// How long a crash during a command waits for the command to start in
 /// the sandbox (then it comes anyway).
@@ -416,11 +419,16 @@ impl<'a> Agent<'a> {
     fn recover(&mut self, seen: isize) -> anyhow::Result<usize> {
         let killed = self.now();
         let killed_at = Instant::now();
-        let (at, version) = match self.setup.policy.recovery() {
+        let killed_wall = SystemTime::now();
+        let (at, version, running_since) = match self.setup.policy.recovery() {
             Recovery::Automatic { wrong } => self.recovered_by_crabd(wrong)?,
-            Recovery::Fresh(fresh) => (self.fresh_sandbox(fresh, seen)?, None),
+            Recovery::Fresh(fresh) => (self.fresh_sandbox(fresh, seen)?, None, None),
         };
-        let took = killed_at.elapsed();
+        // crabd's own time of the restore where it told it: the harness's
+        // polls are coarse (they would add their interval to the figure).
+        let took = running_since
+            .and_then(|t| t.duration_since(killed_wall).ok())
+            .unwrap_or_else(|| killed_at.elapsed());
         let t = Instant::now();
         let state = State::capture(self.setup.ctd, &self.id, self.task)?;
         self.captures += t.elapsed();
@@ -449,25 +457,40 @@ impl<'a> Agent<'a> {
     }
 
     /// Waits for crabd's automatic recovery; answers the step of the
-    /// version it restored, and the version. `wrong`: then restores that
-    /// version's parent, claiming the same step (a broken recovery).
-    fn recovered_by_crabd(&mut self, wrong: bool) -> anyhow::Result<(isize, Option<u64>)> {
+    /// version it restored, the version, and when it ran again (crabd's
+    /// word; None for a broken recovery, whose own rollback comes after).
+    /// `wrong`: then restores that version's parent, claiming the same
+    /// step (a broken recovery).
+    ///
+    /// It polls every [`RECOVERY_POLL`], the task's status every tenth
+    /// time: each poll runs `crabctl` (and `ctr`), CPU that on a loaded
+    /// host slows the neighbours of the policy being measured.
+    fn recovered_by_crabd(
+        &mut self,
+        wrong: bool,
+    ) -> anyhow::Result<(isize, Option<u64>, Option<SystemTime>)> {
         let ctd = self.setup.ctd;
         let deadline = Instant::now() + RECOVERY_LIMIT;
+        let mut polls = 0u32;
         let recovery = loop {
             if let Some(info) = listed(ctd, &self.id) {
                 if info["recoveries"].as_u64().unwrap_or(0) > 0 && info["running"] == true {
                     break info["last_recovery"].clone();
                 }
             }
-            if ctd.task_status(&self.id).as_deref() == Some("STOPPED") {
+            polls += 1;
+            if polls.is_multiple_of(10) && ctd.task_status(&self.id).as_deref() == Some("STOPPED") {
                 bail!("the sandbox was not recovered: its task exited");
             }
             if Instant::now() > deadline {
                 bail!("no recovery in {RECOVERY_LIMIT:?}");
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(RECOVERY_POLL);
         };
+        let running_since = recovery["at_unix_ms"]
+            .as_u64()
+            .filter(|_| !wrong)
+            .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
         let number = recovery["version"]
             .as_u64()
             .context("a recovery names its version")?;
@@ -496,7 +519,7 @@ impl<'a> Agent<'a> {
                 );
             }
         }
-        Ok((at, Some(number)))
+        Ok((at, Some(number), running_since))
     }
 
     /// Replaces the dead sandbox with a fresh one from the image (with the

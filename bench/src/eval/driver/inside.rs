@@ -211,13 +211,16 @@ impl Agent<'_> {
     fn recover_inside(&mut self, fault: Fault, resume: &mut Option<usize>) -> anyhow::Result<Pending> {
         let killed = self.now();
         let killed_at = Instant::now();
+        let killed_wall = std::time::SystemTime::now();
         let seen = fault.agent_at();
         Ok(match self.setup.policy.recovery() {
             Recovery::Automatic { wrong } => {
-                let (from, version) = self.recovered_by_crabd(wrong)?;
+                let (from, version, running_since) = self.recovered_by_crabd(wrong)?;
                 Pending {
                     killed,
-                    took: killed_at.elapsed(),
+                    took: running_since
+                        .and_then(|t| t.duration_since(killed_wall).ok())
+                        .unwrap_or_else(|| killed_at.elapsed()),
                     version,
                     claim: None,
                     from,
