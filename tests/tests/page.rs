@@ -311,13 +311,17 @@ fn the_page_shows_a_sandbox_and_follows_its_turns_live() {
                 }
             };
             assert!(count(3).await?, "the page shows the sandbox's three turns");
-            let link = client.find(Locator::Id("link")).await?.text().await?;
-            assert_eq!(link, "live");
-            let marks = client.find_all(Locator::Css(&turns)).await?;
-            let mut classes = Vec::new();
-            for m in &marks {
-                classes.push(m.attr("class").await?.unwrap_or_default());
-            }
+            // Read in one script each: the page redraws on every event,
+            // and an element found in one call can be gone by the next.
+            let link = client
+                .execute("return document.getElementById('link').textContent", vec![])
+                .await?;
+            assert_eq!(link, json!("live"));
+            let classes: Vec<String> = attrs(&client, &turns, "class")
+                .await?
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect();
             // Coloured by the class crabd logged for each turn.
             let logged: Vec<String> = logs(&ctd, id)
                 .iter()
@@ -343,16 +347,16 @@ fn the_page_shows_a_sandbox_and_follows_its_turns_live() {
             let url = url.clone();
             tokio::task::spawn_blocking(move || turn(&url)).await.unwrap();
             assert!(count(4).await?, "the page shows the fourth turn live");
-            let fourth = client
-                .find(Locator::Css(&format!(
-                    "section[data-sandbox='{id}'] .mark.turn[data-turn='4']"
-                )))
-                .await?;
-            assert!(fourth
-                .attr("title")
-                .await?
-                .unwrap_or_default()
-                .starts_with("turn 4: "));
+            let fourth = attrs(
+                &client,
+                &format!("section[data-sandbox='{id}'] .mark.turn[data-turn='4']"),
+                "title",
+            )
+            .await?;
+            assert!(
+                matches!(fourth.as_slice(), [Some(t)] if t.starts_with("turn 4: ")),
+                "{fourth:?}"
+            );
             Ok::<_, fantoccini::error::CmdError>(())
         };
         let result = run.await;
@@ -364,4 +368,23 @@ fn the_page_shows_a_sandbox_and_follows_its_turns_live() {
     ctd.remove(id);
     assert_clean(&ctd.scope(), &[id]);
     let _ = std::fs::remove_file(&config);
+}
+
+/// Attribute `attr` of every element `css` selects, read in one script (so
+/// no element can go stale between finding it and reading it).
+async fn attrs(
+    client: &fantoccini::Client,
+    css: &str,
+    attr: &str,
+) -> Result<Vec<Option<String>>, fantoccini::error::CmdError> {
+    let got = client
+        .execute(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.getAttribute(arguments[1]))",
+            vec![json!(css), json!(attr)],
+        )
+        .await?;
+    Ok(got
+        .as_array()
+        .map(|all| all.iter().map(|v| v.as_str().map(ToOwned::to_owned)).collect())
+        .unwrap_or_default())
 }
