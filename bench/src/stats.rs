@@ -64,12 +64,16 @@ pub fn host_busy() -> Duration {
         .collect();
     // user nice system idle iowait irq softirq steal …
     let busy: u64 = [0, 1, 2, 5, 6].iter().filter_map(|&i| ticks.get(i)).sum();
-    let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+    Duration::from_millis(busy * 1000 / clock_ticks())
+}
+
+/// The kernel's clock ticks per second (`/proc`'s CPU times' unit).
+pub fn clock_ticks() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
         .flatten()
         .filter(|t| *t > 0)
-        .unwrap_or(100) as u64;
-    Duration::from_millis(busy * 1000 / per_sec)
+        .unwrap_or(100) as u64
 }
 
 #[cfg(test)]

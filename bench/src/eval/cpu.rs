@@ -180,7 +180,9 @@ fn cgroup_usage(cgroup: &Path) -> Option<Duration> {
 /// User and system time of process `pid`'s own threads (not its children's).
 fn own_time(pid: u32) -> Option<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    Some(Duration::from_millis(own_ticks(&stat)? * 1000 / clock_ticks()))
+    Some(Duration::from_millis(
+        own_ticks(&stat)? * 1000 / crate::stats::clock_ticks(),
+    ))
 }
 
 /// utime + stime, in clock ticks, of a `/proc/<pid>/stat` line: fields 14
@@ -190,14 +192,6 @@ fn own_ticks(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-}
-
-fn clock_ticks() -> u64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .filter(|t| *t > 0)
-        .unwrap_or(100) as u64
 }
 
 /// This process's CPU time and its waited-for children's.

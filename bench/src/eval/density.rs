@@ -21,7 +21,7 @@ use serde_json::json;
 use super::cpu::Split;
 use super::driver::EventKind;
 use super::policy::Policy;
-use super::report::{summarize, verdict, PolicyResult, TaskResult, Verdict};
+use super::report::{summarize, time_reference, verdict, PolicyResult, TaskResult, Verdict};
 use super::workload::{Mix, Task};
 use crate::stats::fit;
 
@@ -139,13 +139,10 @@ pub fn rotated(policies: &[Policy], round: usize) -> Vec<Policy> {
 }
 
 /// Each task's mean time over the reference runs of `rounds` that ran it
-/// through, in seconds: the bare runs (no state captures loading the
-/// host) where there are any, else the fault-free ones.
+/// through, in seconds: each round's [`time_reference`].
 fn reference_times(rounds: &[Vec<PolicyResult>]) -> HashMap<&str, f64> {
-    let bare = rounds.iter().flatten().any(|p| p.policy == Policy::Bare);
-    let reference = if bare { Policy::Bare } else { Policy::FaultFree };
     let mut sums: HashMap<&str, (f64, usize)> = HashMap::new();
-    let runs = rounds.iter().flatten().filter(|p| p.policy == reference);
+    let runs = rounds.iter().filter_map(|round| time_reference(round));
     for t in runs.flat_map(|p| &p.tasks) {
         if t.run.error.is_none() && !t.run.time.is_zero() {
             let sum = sums.entry(t.task.as_str()).or_default();
