@@ -322,7 +322,8 @@ impl Containerd {
 
     /// A `ctr` command against this containerd and namespace.
     pub fn ctr_cmd(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new("ctr");
+        static CTR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        let mut cmd = Command::new(CTR.get_or_init(|| crate::program("ctr")));
         cmd.arg("-a")
             .arg(self.address())
             .arg("-n")

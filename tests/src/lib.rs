@@ -59,6 +59,23 @@ pub fn path_with_crab() -> String {
     )
 }
 
+/// The path of program `name` as [`path_with_crab`] finds it (`name`
+/// itself when it finds none). A command given a `PATH` of its own runs
+/// a program by name through fork and exec (std cannot look it up for
+/// `posix_spawn` in the child's `PATH`); by its path it is spawned
+/// without copying the caller's page tables, which a big harness pays
+/// on every command.
+pub fn program(name: &str) -> PathBuf {
+    std::env::split_paths(&path_with_crab())
+        .map(|dir| dir.join(name))
+        .find(|path| {
+            use std::os::unix::fs::PermissionsExt;
+            path.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+        .unwrap_or_else(|| name.into())
+}
+
 /// Asserts `out` succeeded and returns its stdout.
 #[track_caller]
 pub fn ok(out: Output) -> String {

@@ -28,7 +28,15 @@ pub struct State {
 
 impl State {
     /// The state of sandbox `id` of `task` now (no command of it may run).
+    ///
+    /// The capture is the harness's work, not the workload's: it runs at
+    /// the lowest priority, so on a busy host it takes the CPU the
+    /// sandboxes leave and slows their tasks as little as it can.
     pub fn capture(ctd: &Containerd, id: &str, task: &Task) -> anyhow::Result<State> {
+        at_lowest_priority(|| State::capture_now(ctd, id, task))
+    }
+
+    fn capture_now(ctd: &Containerd, id: &str, task: &Task) -> anyhow::Result<State> {
         let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
         let root = format!("/proc/{pid}/root");
         let mut state = State::default();
@@ -100,13 +108,28 @@ impl State {
     }
 }
 
+/// Runs `work` on a thread of its own at the lowest priority (nice 19),
+/// and answers what it answers. On Linux a nice value is a thread's own,
+/// so the caller's priority is untouched.
+fn at_lowest_priority<T: Send>(work: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Not lowered (no such call here): the work still runs.
+            let _ = rustix::process::setpriority_process(None, 19);
+            work()
+        })
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 /// Whether `rel` (a path from `/`) names an ignored file or lies under one.
 fn ignored(rel: &str, ignore: &[String]) -> bool {
-    ignore.iter().any(|ig| {
-        rel == ig
-            || rel.ends_with(&format!("/{ig}"))
-            || rel.starts_with(&format!("{ig}/"))
-            || rel.contains(&format!("/{ig}/"))
+    ignore.iter().filter(|ig| !ig.is_empty()).any(|ig| {
+        rel.match_indices(ig.as_str()).any(|(at, _)| {
+            (at == 0 || rel.as_bytes()[at - 1] == b'/')
+                && matches!(rel.as_bytes().get(at + ig.len()), None | Some(b'/'))
+        })
     })
 }
 
@@ -263,6 +286,17 @@ mod tests {
         assert!(!ignored("testbed/.git/index.lock2", &ig));
         assert!(!ignored("testbed/my__pycache__", &ig));
         assert!(!ignored("testbed/django/models.py", &ig));
+        assert!(ignored(".git/index", &ig));
+        assert!(!ignored("testbed/x.git/index", &ig));
+        assert!(!ignored("testbed/a", &[String::new()]));
+    }
+
+    #[test]
+    fn lowest_priority_work_runs_niced_and_leaves_the_caller_as_it_was() {
+        let nice = || rustix::process::getpriority_process(None).unwrap();
+        let before = nice();
+        assert_eq!(at_lowest_priority(nice), 19);
+        assert_eq!(nice(), before);
     }
 
     #[test]
