@@ -233,6 +233,15 @@ pub fn wait_registered(ctd: &Containerd, id: &str) {
 
 /// `crabctl ps`'s entry for sandbox `id`, if it lists one.
 pub fn listed(ctd: &Containerd, id: &str) -> Option<serde_json::Value> {
+    listed_by(crabctl, ctd, id)
+}
+
+/// [`listed`], asked through `crabctl` (e.g. [`crabctl_direct`]).
+pub fn listed_by(
+    crabctl: fn(&Containerd, &[&str]) -> Output,
+    ctd: &Containerd,
+    id: &str,
+) -> Option<serde_json::Value> {
     let out = crabctl(ctd, &["ps"]);
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
     list.as_array()?.iter().find(|s| s["id"] == id).cloned()

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
 use crab_tests::llm::chat_turn;
-use crab_tests::sandbox::{crabctl, listed};
+use crab_tests::sandbox::crabctl_direct as crabctl;
 use crab_tests::Containerd;
 
 mod inside;
@@ -473,7 +473,7 @@ impl<'a> Agent<'a> {
         let deadline = Instant::now() + RECOVERY_LIMIT;
         let mut polls = 0u32;
         let recovery = loop {
-            if let Some(info) = listed(ctd, &self.id) {
+            if let Some(info) = sandbox::listed(ctd, &self.id) {
                 if info["recoveries"].as_u64().unwrap_or(0) > 0 && info["running"] == true {
                     break info["last_recovery"].clone();
                 }

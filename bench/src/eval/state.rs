@@ -7,8 +7,9 @@ use std::hash::Hasher;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use crab_tests::Containerd;
+use serde::{Deserialize, Serialize};
 
 use super::sandbox;
 use super::workload::Task;
@@ -29,34 +30,36 @@ pub struct State {
 impl State {
     /// The state of sandbox `id` of `task` now (no command of it may run).
     ///
-    /// The capture is the harness's work, not the workload's: it runs at
+    /// The capture is the harness's work, not the workload's: its walk of
+    /// the files runs in a process of its own (`crab-bench eval-walk`) at
     /// the lowest priority, so on a busy host it takes the CPU the
-    /// sandboxes leave and slows their tasks as little as it can.
+    /// sandboxes leave. A process, not a thread: a thread starved at nice
+    /// 19 while it holds the harness's memory map lock (an allocation)
+    /// stalls every thread that drives a sandbox.
     pub fn capture(ctd: &Containerd, id: &str, task: &Task) -> anyhow::Result<State> {
-        at_lowest_priority(|| State::capture_now(ctd, id, task))
-    }
-
-    fn capture_now(ctd: &Containerd, id: &str, task: &Task) -> anyhow::Result<State> {
         let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
-        let root = format!("/proc/{pid}/root");
-        let mut state = State::default();
-        for dir in &task.dirs {
-            let top = Path::new(&root).join(dir.trim_start_matches('/'));
-            // Under /proc/PID/root an absolute link would resolve on the
-            // host: a task directory that is no real directory is only named.
-            match std::fs::symlink_metadata(&top) {
-                Ok(m) if m.is_dir() => walk(Path::new(&root), &top, &task.ignore, &mut state.files),
-                Ok(m) => {
-                    state
-                        .files
-                        .insert(dir.clone(), format!("not a directory ({:?})", m.file_type()));
-                }
-                Err(e) => {
-                    state.files.insert(dir.clone(), format!("missing ({})", e.kind()));
-                }
-            }
+        let mut walker = std::process::Command::new(std::env::current_exe()?);
+        // `--name=value`: a value that starts with `-` is still a value.
+        walker.args(["eval-walk".to_owned(), format!("--root=/proc/{pid}/root")]);
+        walker.args(task.dirs.iter().map(|dir| format!("--dir={dir}")));
+        walker.args(task.ignore.iter().map(|ignore| format!("--ignore={ignore}")));
+        let out = walker
+            .stdin(std::process::Stdio::null())
+            .output()
+            .context("run crab-bench eval-walk")?;
+        if !out.status.success() {
+            bail!(
+                "the walk of {id}'s files failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
-        state.procs = procs(&format!("{root}/proc"));
+        let Walked { files, procs } = serde_json::from_slice(&out.stdout).context("the walk's answer")?;
+        let mut state = State {
+            files,
+            procs,
+            probes: Vec::new(),
+        };
         for probe in &task.probes {
             let out = sandbox::exec(ctd, id, &task.cwd, probe, None)?;
             let mut text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
@@ -108,19 +111,42 @@ impl State {
     }
 }
 
-/// Runs `work` on a thread of its own at the lowest priority (nice 19),
-/// and answers what it answers. On Linux a nice value is a thread's own,
-/// so the caller's priority is untouched.
-fn at_lowest_priority<T: Send>(work: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // Not lowered (no such call here): the work still runs.
-            let _ = rustix::process::setpriority_process(None, 19);
-            work()
-        })
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
+/// What `crab-bench eval-walk` answers: a [`State`] without its probes.
+#[derive(Serialize, Deserialize)]
+struct Walked {
+    files: BTreeMap<String, String>,
+    procs: Vec<String>,
+}
+
+/// `crab-bench eval-walk`: at the lowest priority, the files under `dirs`
+/// of the tree at `root` (a sandbox's `/proc/PID/root`) and the processes
+/// of its `/proc`, as JSON on stdout.
+pub fn walk_command(root: &Path, dirs: &[String], ignore: &[String]) -> anyhow::Result<()> {
+    lowest_priority();
+    let mut files = BTreeMap::new();
+    for dir in dirs {
+        let top = root.join(dir.trim_start_matches('/'));
+        // Under /proc/PID/root an absolute link would resolve on the
+        // host: a task directory that is no real directory is only named.
+        match std::fs::symlink_metadata(&top) {
+            Ok(m) if m.is_dir() => walk(root, &top, ignore, &mut files),
+            Ok(m) => {
+                files.insert(dir.clone(), format!("not a directory ({:?})", m.file_type()));
+            }
+            Err(e) => {
+                files.insert(dir.clone(), format!("missing ({})", e.kind()));
+            }
+        }
+    }
+    let procs = procs(&root.join("proc").to_string_lossy());
+    serde_json::to_writer(std::io::stdout().lock(), &Walked { files, procs })?;
+    Ok(())
+}
+
+/// Puts the calling thread (the process, while it has one) at nice 19;
+/// where that is refused the work still runs.
+fn lowest_priority() {
+    let _ = rustix::process::setpriority_process(None, 19);
 }
 
 /// Whether `rel` (a path from `/`) names an ignored file or lies under one.
@@ -292,10 +318,14 @@ mod tests {
     }
 
     #[test]
-    fn lowest_priority_work_runs_niced_and_leaves_the_caller_as_it_was() {
+    fn the_lowest_priority_is_the_callers_own() {
         let nice = || rustix::process::getpriority_process(None).unwrap();
         let before = nice();
-        assert_eq!(at_lowest_priority(nice), 19);
+        let inside = std::thread::spawn(move || {
+            lowest_priority();
+            nice()
+        });
+        assert_eq!(inside.join().unwrap(), 19);
         assert_eq!(nice(), before);
     }
 
