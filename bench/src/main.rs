@@ -158,20 +158,6 @@ enum Bench {
         #[arg(long, value_delimiter = ',', default_value = "1,64")]
         clients: Vec<usize>,
     },
-    /// The eval's state capture of one sandbox's files and processes, at
-    /// the lowest priority, as JSON (run by `eval` itself).
-    #[command(hide = true)]
-    EvalWalk {
-        /// The sandbox's tree (`/proc/PID/root`).
-        #[arg(long)]
-        root: std::path::PathBuf,
-        /// A task directory (from `/`).
-        #[arg(long)]
-        dir: Vec<String>,
-        /// A name that is left out wherever it is a whole path part.
-        #[arg(long)]
-        ignore: Vec<String>,
-    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -201,6 +187,5 @@ fn main() -> anyhow::Result<()> {
             think_ms,
             clients,
         } => proxy::run(requests, std::time::Duration::from_millis(think_ms), &clients),
-        Bench::EvalWalk { root, dir, ignore } => eval::walk_command(&root, &dir, &ignore),
     }
 }

@@ -35,7 +35,6 @@ use driver::{drive, peak_kb, Setup};
 use fault::Fault;
 pub use policy::Policy;
 use report::{Meta, PolicyResult, TaskResult};
-pub use state::walk_command;
 use workload::Task;
 
 /// What to evaluate (`crab-bench eval`'s options).

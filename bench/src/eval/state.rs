@@ -7,9 +7,8 @@ use std::hash::Hasher;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use crab_tests::Containerd;
-use serde::{Deserialize, Serialize};
 
 use super::sandbox;
 use super::workload::Task;
@@ -29,37 +28,27 @@ pub struct State {
 
 impl State {
     /// The state of sandbox `id` of `task` now (no command of it may run).
-    ///
-    /// The capture is the harness's work, not the workload's: its walk of
-    /// the files runs in a process of its own (`crab-bench eval-walk`) at
-    /// the lowest priority, so on a busy host it takes the CPU the
-    /// sandboxes leave. A process, not a thread: a thread starved at nice
-    /// 19 while it holds the harness's memory map lock (an allocation)
-    /// stalls every thread that drives a sandbox.
     pub fn capture(ctd: &Containerd, id: &str, task: &Task) -> anyhow::Result<State> {
         let pid = ctd.task_pid(id).with_context(|| format!("{id} has no task"))?;
-        let mut walker = std::process::Command::new(std::env::current_exe()?);
-        // `--name=value`: a value that starts with `-` is still a value.
-        walker.args(["eval-walk".to_owned(), format!("--root=/proc/{pid}/root")]);
-        walker.args(task.dirs.iter().map(|dir| format!("--dir={dir}")));
-        walker.args(task.ignore.iter().map(|ignore| format!("--ignore={ignore}")));
-        let out = walker
-            .stdin(std::process::Stdio::null())
-            .output()
-            .context("run crab-bench eval-walk")?;
-        if !out.status.success() {
-            bail!(
-                "the walk of {id}'s files failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+        let root = format!("/proc/{pid}/root");
+        let mut state = State::default();
+        for dir in &task.dirs {
+            let top = Path::new(&root).join(dir.trim_start_matches('/'));
+            // Under /proc/PID/root an absolute link would resolve on the
+            // host: a task directory that is no real directory is only named.
+            match std::fs::symlink_metadata(&top) {
+                Ok(m) if m.is_dir() => walk(Path::new(&root), &top, &task.ignore, &mut state.files),
+                Ok(m) => {
+                    state
+                        .files
+                        .insert(dir.clone(), format!("not a directory ({:?})", m.file_type()));
+                }
+                Err(e) => {
+                    state.files.insert(dir.clone(), format!("missing ({})", e.kind()));
+                }
+            }
         }
-        let Walked { files, procs } = serde_json::from_slice(&out.stdout).context("the walk's answer")?;
-        let mut state = State {
-            files,
-            procs,
-            probes: Vec::new(),
-        };
+        state.procs = procs(&format!("{root}/proc"));
         for probe in &task.probes {
             let out = sandbox::exec(ctd, id, &task.cwd, probe, None)?;
             let mut text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
@@ -111,44 +100,6 @@ impl State {
     }
 }
 
-/// What `crab-bench eval-walk` answers: a [`State`] without its probes.
-#[derive(Serialize, Deserialize)]
-struct Walked {
-    files: BTreeMap<String, String>,
-    procs: Vec<String>,
-}
-
-/// `crab-bench eval-walk`: at the lowest priority, the files under `dirs`
-/// of the tree at `root` (a sandbox's `/proc/PID/root`) and the processes
-/// of its `/proc`, as JSON on stdout.
-pub fn walk_command(root: &Path, dirs: &[String], ignore: &[String]) -> anyhow::Result<()> {
-    lowest_priority();
-    let mut files = BTreeMap::new();
-    for dir in dirs {
-        let top = root.join(dir.trim_start_matches('/'));
-        // Under /proc/PID/root an absolute link would resolve on the
-        // host: a task directory that is no real directory is only named.
-        match std::fs::symlink_metadata(&top) {
-            Ok(m) if m.is_dir() => walk(root, &top, ignore, &mut files),
-            Ok(m) => {
-                files.insert(dir.clone(), format!("not a directory ({:?})", m.file_type()));
-            }
-            Err(e) => {
-                files.insert(dir.clone(), format!("missing ({})", e.kind()));
-            }
-        }
-    }
-    let procs = procs(&root.join("proc").to_string_lossy());
-    serde_json::to_writer(std::io::stdout().lock(), &Walked { files, procs })?;
-    Ok(())
-}
-
-/// Puts the calling thread (the process, while it has one) at nice 19;
-/// where that is refused the work still runs.
-fn lowest_priority() {
-    let _ = rustix::process::setpriority_process(None, 19);
-}
-
 /// Whether `rel` (a path from `/`) names an ignored file or lies under one.
 fn ignored(rel: &str, ignore: &[String]) -> bool {
     ignore.iter().filter(|ig| !ig.is_empty()).any(|ig| {
@@ -188,7 +139,7 @@ fn walk(root: &Path, dir: &Path, ignore: &[String], out: &mut BTreeMap<String, S
             walk(root, &path, ignore, out);
             format!("{head} dir")
         } else if meta.is_file() {
-            format!("{head} {}", hash_file(&path))
+            format!("{head} {}", HASHES.of(&path, &meta))
         } else {
             format!("{head} special")
         };
@@ -196,10 +147,79 @@ fn walk(root: &Path, dir: &Path, ignore: &[String], out: &mut BTreeMap<String, S
     }
 }
 
+/// Content hashes of files that cannot have changed since they were
+/// hashed, by the file's identity: device, inode, size, modification and
+/// change times. A capture after every step of 32 sandboxes hashed each
+/// sandbox's whole tree again (about 130 ms of CPU at that load), where
+/// nearly every file was untouched since the last.
+///
+/// The change time (ctime) is the kernel's: no call sets it, and every
+/// change of content or of the inode (a write, a rename onto, a reused
+/// inode number) sets it to now. Its clock is coarse (a tick), so as git
+/// does with its index, only a file whose ctime was at least [`SETTLED`]
+/// old when its read began, and that is unchanged at its end, is
+/// remembered: a later write moves its ctime past the remembered one. The
+/// device keeps sandboxes apart: an overlay reports its own device, or
+/// the real file's device and inode, so two sandboxes' copies of a file,
+/// written in the same tick to the same size, are never one identity.
+struct Hashes(std::sync::Mutex<BTreeMap<Identity, u64>>);
+
+/// A file as [`Hashes`] knows it: device, inode, size, mtime and ctime (ns).
+type Identity = (u64, u64, u64, i128, i128);
+
+/// How old a file's ctime must be for its hash to be remembered.
+const SETTLED: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The most hashes remembered; past it they are forgotten at once.
+const MAX_HASHES: usize = 1 << 20;
+
+static HASHES: Hashes = Hashes(std::sync::Mutex::new(BTreeMap::new()));
+
+impl Hashes {
+    /// The content hash of the file at `path`, whose metadata (not
+    /// following a link) is `meta`.
+    fn of(&self, path: &Path, meta: &std::fs::Metadata) -> String {
+        let id = identity(meta);
+        if let Some(h) = self.0.lock().expect("hashes").get(&id) {
+            return format!("{h:016x}");
+        }
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        let hash = hash_file(path);
+        // Settled before the read began, and unchanged by its end.
+        let settled = id.4 + SETTLED.as_nanos() as i128 <= started
+            && std::fs::symlink_metadata(path).is_ok_and(|m| identity(&m) == id);
+        if let (true, Ok(h)) = (settled, &hash) {
+            let mut known = self.0.lock().expect("hashes");
+            if known.len() >= MAX_HASHES {
+                known.clear();
+            }
+            known.insert(id, *h);
+        }
+        match hash {
+            Ok(h) => format!("{h:016x}"),
+            Err(what) => what,
+        }
+    }
+}
+
+/// A file's [`Identity`].
+fn identity(meta: &std::fs::Metadata) -> Identity {
+    let ns = |secs: i64, nsec: i64| i128::from(secs) * 1_000_000_000 + i128::from(nsec);
+    (
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        ns(meta.mtime(), meta.mtime_nsec()),
+        ns(meta.ctime(), meta.ctime_nsec()),
+    )
+}
+
 /// A 64-bit hash of a file's content (equality, not security).
 /// Opened without following a link and without blocking (a fifo swapped
 /// in), streamed; an error is a value of its own, never an empty file's.
-fn hash_file(path: &Path) -> String {
+fn hash_file(path: &Path) -> Result<u64, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let opened = std::fs::OpenOptions::new()
@@ -208,16 +228,16 @@ fn hash_file(path: &Path) -> String {
         .open(path);
     let mut file = match opened {
         Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => f,
-        Ok(_) => return "no longer a regular file".into(),
-        Err(e) => return format!("unreadable ({})", e.kind()),
+        Ok(_) => return Err("no longer a regular file".into()),
+        Err(e) => return Err(format!("unreadable ({})", e.kind())),
     };
     let mut h = std::collections::hash_map::DefaultHasher::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
         match file.read(&mut buf) {
-            Ok(0) => return format!("{:016x}", h.finish()),
+            Ok(0) => return Ok(h.finish()),
             Ok(n) => h.write(&buf[..n]),
-            Err(e) => return format!("unreadable ({})", e.kind()),
+            Err(e) => return Err(format!("unreadable ({})", e.kind())),
         }
     }
 }
@@ -318,15 +338,32 @@ mod tests {
     }
 
     #[test]
-    fn the_lowest_priority_is_the_callers_own() {
-        let nice = || rustix::process::getpriority_process(None).unwrap();
-        let before = nice();
-        let inside = std::thread::spawn(move || {
-            lowest_priority();
-            nice()
-        });
-        assert_eq!(inside.join().unwrap(), 19);
-        assert_eq!(nice(), before);
+    fn a_remembered_hash_serves_only_a_file_unchanged_since_it_settled() {
+        let dir = std::env::temp_dir().join(format!("crab-eval-hashes-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (fresh, old) = (dir.join("fresh"), dir.join("old"));
+        std::fs::write(&fresh, "1").unwrap();
+        std::fs::write(&old, "1").unwrap();
+        let hashes = Hashes(std::sync::Mutex::new(BTreeMap::new()));
+        let meta = |p: &Path| std::fs::symlink_metadata(p).unwrap();
+        // Just written: hashed, not remembered (a write in the same tick
+        // would not move its ctime).
+        let first = hashes.of(&fresh, &meta(&fresh));
+        assert!(hashes.0.lock().unwrap().is_empty());
+        // A file whose ctime is old is remembered, and its hash is given
+        // back for the same identity without reading it.
+        let settled = meta(&old);
+        std::thread::sleep(SETTLED + std::time::Duration::from_millis(50));
+        assert_eq!(hashes.of(&old, &settled), first);
+        assert_eq!(hashes.0.lock().unwrap().len(), 1);
+        // Changed: a new ctime, so a new identity, read again.
+        std::fs::write(&old, "2").unwrap();
+        let changed = hashes.of(&old, &meta(&old));
+        assert_ne!(changed, first);
+        // The remembered identity still answers what the file held then.
+        assert_eq!(hashes.of(&old, &settled), first);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
