@@ -67,6 +67,7 @@ pub fn path_with_crab() -> String {
 /// on every command.
 pub fn program(name: &str) -> PathBuf {
     std::env::split_paths(&path_with_crab())
+        .filter(|dir| dir.is_absolute())
         .map(|dir| dir.join(name))
         .find(|path| {
             use std::os::unix::fs::PermissionsExt;

@@ -156,7 +156,8 @@ pub fn crabctl(ctd: &Containerd, args: &[&str]) -> Output {
 
 /// Runs `crabctl --json args…` against `ctd`'s crabd directly, not
 /// through the checking relay: for calls whose crabd is killed mid-answer
-/// (a cut answer is then the point, not a break of the spec).
+/// (a cut answer is then the point, not a break of the spec), and for a
+/// benchmark's harness, whose checking would be CPU beside the sandboxes.
 pub fn crabctl_direct(ctd: &Containerd, args: &[&str]) -> Output {
     std::process::Command::new(bin_dir().join("crabctl"))
         .arg("--socket")
@@ -236,13 +237,13 @@ pub fn listed(ctd: &Containerd, id: &str) -> Option<serde_json::Value> {
     listed_by(crabctl, ctd, id)
 }
 
-/// [`listed`], asked through `crabctl` (e.g. [`crabctl_direct`]).
+/// [`listed`], asked through `run` (e.g. [`crabctl_direct`]).
 pub fn listed_by(
-    crabctl: fn(&Containerd, &[&str]) -> Output,
+    run: fn(&Containerd, &[&str]) -> Output,
     ctd: &Containerd,
     id: &str,
 ) -> Option<serde_json::Value> {
-    let out = crabctl(ctd, &["ps"]);
+    let out = run(ctd, &["ps"]);
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
     list.as_array()?.iter().find(|s| s["id"] == id).cloned()
 }

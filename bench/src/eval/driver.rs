@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
 use crab_tests::llm::chat_turn;
-use crab_tests::sandbox::crabctl_direct as crabctl;
+use crab_tests::sandbox::crabctl_direct;
 use crab_tests::Containerd;
 
 mod inside;
@@ -511,7 +511,7 @@ impl<'a> Agent<'a> {
                 true => "--files-only",
                 false => "--no-undo",
             };
-            let out = crabctl(ctd, &["rollback", how, &self.id, &parent.to_string()]);
+            let out = crabctl_direct(ctd, &["rollback", how, &self.id, &parent.to_string()]);
             if !out.status.success() {
                 bail!(
                     "rollback to {parent}: {}",
@@ -582,7 +582,7 @@ fn container_id(task: &Task, policy: Policy, n: usize) -> String {
 
 /// `crabctl versions` of sandbox `id`.
 pub fn versions(ctd: &Containerd, id: &str) -> anyhow::Result<Vec<serde_json::Value>> {
-    let out = crabctl(ctd, &["versions", id]);
+    let out = crabctl_direct(ctd, &["versions", id]);
     if !out.status.success() {
         bail!(
             "crabctl versions {id}: {}",
