@@ -151,8 +151,6 @@ fn walk(root: &Path, dir: &Path, ignore: &[String], out: &mut BTreeMap<String, S
     }
 }
 
-/// The command lines under a procfs mount, crab-init's and kernel
-/// threads' aside, sorted.
 /// The directories of the processes under `proc_dir` (a `/proc`).
 pub fn process_dirs(proc_dir: &str) -> impl Iterator<Item = std::path::PathBuf> {
     std::fs::read_dir(proc_dir)
@@ -168,6 +166,8 @@ pub fn process_dirs(proc_dir: &str) -> impl Iterator<Item = std::path::PathBuf> 
         .map(|e| e.path())
 }
 
+/// The command lines under a procfs mount, crab-init's and kernel
+/// threads' aside, sorted.
 fn procs(proc_dir: &str) -> Vec<String> {
     let mut out: Vec<String> = process_dirs(proc_dir)
         .filter_map(|dir| std::fs::read(dir.join("cmdline")).ok())
