@@ -197,15 +197,21 @@ mod tests {
         std::fs::symlink_metadata(p).unwrap()
     }
 
-    #[test]
-    fn a_hash_is_remembered_only_for_a_file_settled_before_its_read() {
-        // /var/tmp: tmpfs keeps no ctime of its own (nothing is remembered
-        // there), and /tmp may be one.
-        let dir = Path::new("/var/tmp").join(format!("crab-eval-hashes-{}", std::process::id()));
+    /// A new directory `name` under /var/tmp (tmpfs keeps no ctime of its
+    /// own, so nothing is remembered there, and /tmp may be one) holding
+    /// file `f` with "1"; answers both.
+    fn scratch(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = Path::new("/var/tmp").join(format!("crab-eval-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f");
         std::fs::write(&file, "1").unwrap();
+        (dir, file)
+    }
+
+    #[test]
+    fn a_hash_is_remembered_only_for_a_file_settled_before_its_read() {
+        let (dir, file) = scratch("hashes");
         let on_kept_fs = statfs::statfs(&dir).is_ok_and(|s| KEPT_CTIME.contains(&s.filesystem_type()));
         assert!(on_kept_fs, "/var/tmp is on ext4, xfs, btrfs or overlay here");
 
@@ -231,11 +237,7 @@ mod tests {
 
     #[test]
     fn an_identity_that_changed_during_the_read_is_not_remembered() {
-        let dir = Path::new("/var/tmp").join(format!("crab-eval-hashes-moved-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f");
-        std::fs::write(&file, "1").unwrap();
+        let (dir, file) = scratch("hashes-moved");
         let stale = meta(&file);
         std::fs::write(&file, "22").unwrap();
         // The walk's metadata says "1"-sized; the open file is not that.
