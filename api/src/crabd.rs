@@ -228,6 +228,16 @@ pub struct TurnEnd {
     /// deadline in crabd's queue. None: crabd's default.
     #[serde(default)]
     pub expected_answer_ms: Option<u64>,
+    /// How many other app containers run in the sandbox's Kubernetes pod
+    /// (its members). The inspector follows the sandbox's own container
+    /// only, so a turn of a pod with members is a whole version, which
+    /// covers them too.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pod_members: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The answer to `POST /v1/sandboxes/{id}/turns/{turn}/answered`: the

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest, StateResponse};
@@ -23,7 +24,10 @@ use crate::rootfs::{FsCtx, Rootfs};
 use crate::runtime::{CheckpointOpts, Launch, Personality, RuntimeClient};
 use crate::sandbox_proxy::{self, ProxyPlan, SandboxProxy};
 
+mod members;
 mod snapshot;
+
+pub use members::Member;
 
 /// One container of the shim.
 pub struct Container {
@@ -52,6 +56,13 @@ pub struct Container {
     pub sandbox: bool,
     /// The Kubernetes pod it is in (`namespace/name`), if CRI runs it.
     pub pod: Option<String>,
+    /// Its name in its pod when it is a member of one (an app container
+    /// beside the pod's sandbox, `crate::pod`): it names its part of the
+    /// pod's versions.
+    pub pod_member: Option<String>,
+    /// When it is a pod's sandbox: how many members the pod has now (its
+    /// turn ends tell crabd).
+    pod_members: Option<Arc<AtomicU32>>,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
     /// How the proxy was set up (its variables, which execs get too), to
@@ -95,6 +106,9 @@ pub struct ProxySetup<'a> {
     pub namespace: &'a str,
     /// `[shim.proxy]`.
     pub config: &'a ProxyShimConfig,
+    /// When the container is a pod's sandbox: how many members the pod has
+    /// (`crate::pod::Pods::member_count`).
+    pub pod_members: Option<Arc<AtomicU32>>,
 }
 
 /// A process's exit, to be watched by the shim.
@@ -166,6 +180,13 @@ impl Container {
                 .as_ref()
                 .filter(|a| matches!(crate::pod::role(a), crate::pod::Role::Member { .. }))
                 .and_then(crate::pod::name),
+            pod_member: spec
+                .annotations()
+                .as_ref()
+                .filter(|a| matches!(crate::pod::role(a), crate::pod::Role::Member { .. }))
+                .filter(|_| !sandbox)
+                .and_then(crate::pod::member_name),
+            pod_members: proxy.pod_members.clone(),
             proxy: None,
             proxy_plan: None,
             pending_restore: spec
@@ -236,7 +257,11 @@ impl Container {
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
-                    let hook = sandbox_proxy::turn_hook(proxy.config, &crate::config::get().crabd);
+                    let hook = sandbox_proxy::turn_hook(
+                        proxy.config,
+                        &crate::config::get().crabd,
+                        c.pod_members.clone(),
+                    );
                     match SandboxProxy::start(
                         proxy.namespace,
                         &c.id,

@@ -6,6 +6,7 @@
 //! runs to its end even when the caller goes away: a crabd killed in the
 //! middle of a checkpoint must not leave the container frozen.
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,9 +26,10 @@ use tokio::sync::Mutex;
 use tracing::Instrument;
 
 use crate::config::CrabdShimConfig;
-use crate::container::Container;
+use crate::container::{Container, Member};
 use crate::error::Error;
 use crate::events::{self, Events};
+use crate::pod::Pods;
 use crate::runtime::protocol::FailureKind;
 use crate::runtime::RuntimeClient;
 
@@ -43,8 +45,43 @@ struct Ctx {
     /// The container's id, for the spans of its calls.
     id: String,
     container: Arc<Mutex<Container>>,
+    /// Every container of the shim, where a pod's members are found.
+    pod: PodView,
     runtime: Arc<RuntimeClient>,
     events: Arc<Events>,
+}
+
+/// The shim's containers and pods: a pod's sandbox finds its pod's other
+/// app containers (its members) there.
+#[derive(Clone)]
+pub struct PodView {
+    /// Every container of the shim, by id.
+    pub containers: Arc<std::sync::Mutex<HashMap<String, Arc<Mutex<Container>>>>>,
+    /// Which container is each pod's sandbox and which its members.
+    pub pods: Arc<Pods>,
+}
+
+// === impl PodView ===
+
+impl PodView {
+    /// The members of the pod whose sandbox is `id`, by id (the order in
+    /// which they are locked, after the sandbox).
+    fn members(&self, id: &str) -> Vec<(String, Arc<Mutex<Container>>)> {
+        let ids = self.pods.members(id);
+        let all = self.containers.lock().expect("containers lock");
+        ids.into_iter()
+            .filter_map(|m| all.get(&m).cloned().map(|c| (m, c)))
+            .collect()
+    }
+}
+
+/// Locks every container of `members`, in order.
+async fn lock_all(members: &[(String, Arc<Mutex<Container>>)]) -> Vec<Member<'_>> {
+    let mut locked = Vec::with_capacity(members.len());
+    for (_, m) in members {
+        locked.push(m.lock().await);
+    }
+    locked
 }
 
 // === impl Control ===
@@ -57,6 +94,7 @@ impl Control {
     /// import), not from the spec's process.
     pub async fn start(
         container: Arc<Mutex<Container>>,
+        pod_view: PodView,
         runtime: Arc<RuntimeClient>,
         events: Arc<Events>,
         (namespace, containerd): (&str, &str),
@@ -91,6 +129,7 @@ impl Control {
             .with_state(Ctx {
                 id: id.clone(),
                 container: container.clone(),
+                pod: pod_view,
                 runtime,
                 events,
             });
@@ -209,7 +248,10 @@ async fn checkpoint(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response
         async move {
             let c = ctx.container.lock().await;
             let _held = c.held.hold(c.state_answers());
-            c.engine_checkpoint(&req, &ctx.runtime).await
+            let members = ctx.pod.members(&ctx.id);
+            let members = lock_all(&members).await;
+            let _held_too: Vec<_> = members.iter().map(|m| m.held.hold(m.state_answers())).collect();
+            c.engine_checkpoint(&req, &ctx.runtime, &members).await
         }
         .instrument(span),
     )
@@ -230,8 +272,16 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
     let done = tokio::spawn(
         async move {
             let mut c = ctx.container.lock().await;
-            let restored = c.engine_restore(&req, &ctx.runtime).await?;
+            let member_list = ctx.pod.members(&ctx.id);
+            let mut members = lock_all(&member_list).await;
+            let restored = c.engine_restore(&req, &ctx.runtime, &mut members).await?;
+            drop(members);
             drop(c);
+            for m in restored.members {
+                if let Some((_, container)) = member_list.iter().find(|(id, _)| *id == m.id) {
+                    events::watch_exit(ctx.events.clone(), container.clone(), String::new(), m.pid, m.rx);
+                }
+            }
             let pid = restored.pid;
             events::watch_exit(
                 ctx.events.clone(),
@@ -277,6 +327,15 @@ async fn restore_files(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Respo
     let done = tokio::spawn(
         async move {
             let c = ctx.container.lock().await;
+            let members = ctx.pod.members(&ctx.id);
+            if lock_all(&members).await.iter().any(|m| m.member_runs()) {
+                return Err(Error::PodMember {
+                    id: ctx.id.clone(),
+                    reason: "the pod's other containers run, and a rollback of files only would leave \
+                             theirs as they are: roll back the whole version"
+                        .to_owned(),
+                });
+            }
             let _held = c.held.hold(c.state_answers());
             c.engine_restore_files(&req, &ctx.runtime).await
         }
@@ -316,9 +375,10 @@ fn refuse_error(e: Error) -> Response {
         Error::RestoreUndone { .. } => ErrorCode::RestoreUndone,
         Error::BadState { .. } => ErrorCode::NotRunning,
         Error::NoFsBackend { .. } => ErrorCode::NoFsBackend,
-        Error::Unsupported { .. } | Error::IoUring { .. } | Error::SharedPidNs { .. } => {
-            ErrorCode::Unsupported
-        }
+        Error::Unsupported { .. }
+        | Error::IoUring { .. }
+        | Error::SharedPidNs { .. }
+        | Error::PodMember { .. } => ErrorCode::Unsupported,
         Error::Snapshot { .. }
         | Error::Runtime {
             kind: FailureKind::Fs,

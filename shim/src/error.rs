@@ -257,6 +257,15 @@ pub enum Error {
         /// The container.
         id: String,
     },
+    /// A pod's version cannot cover one of the pod's containers, or a
+    /// version's part for one cannot be taken back.
+    #[error("{id}: pod version: {reason}")]
+    PodMember {
+        /// The pod's sandbox container.
+        id: String,
+        /// Why.
+        reason: String,
+    },
     /// The spec asks for a restore crabd did not grant.
     #[error("{id}: restore refused: {reason}")]
     RestoreNotGranted {
@@ -297,9 +306,10 @@ impl Error {
             | Error::InvalidCheckpointOptions { .. }
             | Error::InvalidCheckpoint { .. }
             | Error::InvalidExecSpec { .. } => ttrpc::Code::INVALID_ARGUMENT,
-            Error::NoFsBackend { .. } | Error::IoUring { .. } | Error::SharedPidNs { .. } => {
-                ttrpc::Code::FAILED_PRECONDITION
-            }
+            Error::NoFsBackend { .. }
+            | Error::IoUring { .. }
+            | Error::SharedPidNs { .. }
+            | Error::PodMember { .. } => ttrpc::Code::FAILED_PRECONDITION,
             Error::RestoreNotGranted { .. } => ttrpc::Code::PERMISSION_DENIED,
             Error::Runtime { kind, .. } => match kind {
                 FailureKind::NoSuchContainer => ttrpc::Code::NOT_FOUND,

@@ -7,13 +7,15 @@
 //! [`SANDBOX_CONTAINER`] names (containerd passes it on when the runtime's
 //! `pod_annotations` lists it), else the first app container to run (an
 //! init container until it ends); a restart of it takes the pod over once
-//! the old one is deleted. The pause container is no sandbox, and
-//! any other app container (a sidecar) runs as a plain container, outside
-//! the pod's versions.
+//! the old one is deleted. The pause container is no sandbox. Any other
+//! app container (a sidecar) is a member of the pod: it has no proxy of its
+//! own, and every version of the pod covers its processes and files too
+//! (`crate::container::members`), so its turns are whole versions.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The annotation naming the pod a CRI container belongs to.
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
@@ -103,36 +105,92 @@ fn annotations_of(bundle: &Path) -> HashMap<String, String> {
         .unwrap_or_default()
 }
 
-/// Which app container is each pod's sandbox, for the pods of one shim.
+/// The name of a pod's app container as CRI gives it, if it is a DNS label
+/// (what Kubernetes allows): it names the container's part of a pod
+/// version, so that a restarted container (a new id) takes its part.
+pub fn member_name(annotations: &HashMap<String, String>) -> Option<String> {
+    annotations
+        .get(CONTAINER_NAME)
+        .filter(|n| {
+            (1..=63).contains(&n.len())
+                && !n.starts_with('-')
+                && n.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+        .cloned()
+}
+
+/// The pods of one shim: which app container is each pod's sandbox, and
+/// which are its other app containers (its members: a version of the pod
+/// covers them too).
 #[derive(Debug, Default)]
-pub struct Pods(Mutex<HashMap<String, String>>);
+pub struct Pods(Mutex<HashMap<String, Pod>>);
+
+#[derive(Debug, Default)]
+struct Pod {
+    /// Its sandbox container, once one claimed it.
+    sandbox: Option<String>,
+    /// Its other app containers, by id.
+    members: BTreeSet<String>,
+    /// How many members it has, for its sandbox's turn ends (see
+    /// [`Pods::member_count`]).
+    count: Arc<AtomicU32>,
+}
 
 impl Pods {
     /// Whether container `id` of role `role` is a sandbox: every container
     /// outside pods, and of each pod's app containers the first of those
     /// the pod names (any, when it names none), claimed here until
     /// [`Pods::release`] (its delete: a restart of it takes the pod then).
+    /// Any other app container becomes a member of its pod.
     pub fn claim(&self, role: &Role, id: &str) -> bool {
-        match role {
-            Role::Alone => true,
-            Role::Infra => false,
-            Role::Member {
-                chosen: Some(false), ..
-            } => false,
-            Role::Member { pod, .. } => {
-                let mut pods = self.0.lock().expect("pods lock");
-                pods.entry(pod.clone()).or_insert_with(|| id.to_owned()) == id
-            }
+        let Role::Member { pod, chosen } = role else {
+            return matches!(role, Role::Alone);
+        };
+        let mut pods = self.0.lock().expect("pods lock");
+        let p = pods.entry(pod.clone()).or_default();
+        let sandbox = *chosen != Some(false) && p.sandbox.get_or_insert_with(|| id.to_owned()) == id;
+        if !sandbox {
+            p.members.insert(id.to_owned());
+            p.count.store(p.members.len() as u32, Ordering::Relaxed);
         }
+        sandbox
     }
 
-    /// Gives up the pod whose sandbox `id` was (its container is gone, or
-    /// was never made): the pod's next app container becomes its sandbox.
+    /// Gives up container `id` (it is gone, or was never made): when it was
+    /// its pod's sandbox, the pod's next app container becomes the sandbox;
+    /// when a member, the pod's versions no longer cover it.
     pub fn release(&self, id: &str) {
-        self.0
-            .lock()
-            .expect("pods lock")
-            .retain(|_, sandbox| sandbox != id);
+        let mut pods = self.0.lock().expect("pods lock");
+        for p in pods.values_mut() {
+            if p.sandbox.as_deref() == Some(id) {
+                p.sandbox = None;
+            }
+            if p.members.remove(id) {
+                p.count.store(p.members.len() as u32, Ordering::Relaxed);
+            }
+        }
+        pods.retain(|_, p| p.sandbox.is_some() || !p.members.is_empty());
+    }
+
+    /// The members of the pod whose sandbox is `id` (none if it is no pod's
+    /// sandbox).
+    pub fn members(&self, id: &str) -> Vec<String> {
+        let pods = self.0.lock().expect("pods lock");
+        pods.values()
+            .find(|p| p.sandbox.as_deref() == Some(id))
+            .map(|p| p.members.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many members the pod whose sandbox is `id` has, kept current as
+    /// they come and go: its turn ends say so to crabd, which then makes
+    /// them whole versions (the inspector follows the sandbox only).
+    pub fn member_count(&self, id: &str) -> Option<Arc<AtomicU32>> {
+        let pods = self.0.lock().expect("pods lock");
+        pods.values()
+            .find(|p| p.sandbox.as_deref() == Some(id))
+            .map(|p| p.count.clone())
     }
 }
 
@@ -217,5 +275,41 @@ mod tests {
             pods.claim(&named(true), "agent-r2"),
             "its restart takes the pod once it is gone"
         );
+    }
+
+    #[test]
+    fn a_pods_other_app_containers_are_its_members_and_counted() {
+        let pods = Pods::default();
+        let p = member("p");
+        assert!(pods.claim(&p, "agent"));
+        let count = pods.member_count("agent").expect("a pod's sandbox");
+        assert_eq!(count.load(Ordering::Relaxed), 0);
+        assert!(!pods.claim(&p, "sidecar"));
+        assert!(
+            !pods.claim(&Role::Infra, "pause"),
+            "the pause container is no member"
+        );
+        assert_eq!(pods.members("agent"), vec!["sidecar".to_owned()]);
+        assert_eq!(count.load(Ordering::Relaxed), 1);
+        assert!(pods.members("sidecar").is_empty(), "a member is no pod's sandbox");
+        assert!(pods.member_count("other").is_none());
+        // A restarted agent keeps the members, and the count goes on.
+        pods.release("agent");
+        assert!(pods.claim(&p, "agent2"));
+        assert_eq!(pods.members("agent2"), vec!["sidecar".to_owned()]);
+        pods.release("sidecar");
+        assert!(pods.members("agent2").is_empty());
+        assert_eq!(count.load(Ordering::Relaxed), 0, "the same counter, now 0");
+        pods.release("agent2");
+        assert!(pods.0.lock().unwrap().is_empty(), "an empty pod is forgotten");
+    }
+
+    #[test]
+    fn a_members_name_is_a_dns_label() {
+        let named = |n: &str| HashMap::from([(CONTAINER_NAME.to_owned(), n.to_owned())]);
+        assert_eq!(member_name(&named("side-car2")), Some("side-car2".into()));
+        for bad in ["", "-x", "A", "a/b", "..", "a.b", &"x".repeat(64)] {
+            assert_eq!(member_name(&named(bad)), None, "{bad:?}");
+        }
     }
 }

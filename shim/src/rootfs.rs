@@ -275,6 +275,60 @@ impl Rootfs {
         rolled
     }
 
+    /// The overlay upper directory of a rootfs that can be kept as a
+    /// stream (a pod member's files); any other kind says why not.
+    fn streamable(&self, id: &str) -> Result<PathBuf> {
+        match &self.kind {
+            Kind::Overlay { upper } => Ok(upper.clone()),
+            Kind::Zfs { .. } | Kind::Btrfs(_) => Err(no_backend(
+                id,
+                "a pod's other containers are versioned on overlayfs only, and this one is on ZFS or btrfs",
+            )),
+            Kind::Plain { reason } => Err(no_backend(id, reason)),
+            Kind::Unknown => Err(no_backend(id, "not mounted yet")),
+        }
+    }
+
+    /// Whether its files can be kept as a stream (see
+    /// [`Rootfs::export_live`]).
+    ///
+    /// # Errors
+    /// [`Error::NoFsBackend`], with the reason.
+    pub fn check_streamable(&self, id: &str) -> Result<()> {
+        self.streamable(id).map(drop)
+    }
+
+    /// Writes the live files (the overlay's upper directory) to the new
+    /// file `out` as one stream (the container is frozen).
+    pub async fn export_live(&self, out: &Path, ctx: &FsCtx<'_>) -> Result<()> {
+        let upper = self.streamable(ctx.id)?;
+        let op = FsOp::ExportLive {
+            upper,
+            out: out.to_owned(),
+        };
+        run(op, ctx).await.map(drop)
+    }
+
+    /// Unmounts the rootfs, makes its files what the stream `stream` from
+    /// [`Rootfs::export_live`] holds, and mounts it again. The container's
+    /// processes are gone.
+    pub async fn rollback_to_stream(&self, stream: &Path, ctx: &FsCtx<'_>) -> Result<()> {
+        let upper = self.streamable(ctx.id)?;
+        unmount(&self.target).map_err(|source| Error::Mount {
+            id: ctx.id.to_owned(),
+            source,
+        })?;
+        let op = FsOp::RollbackToStream {
+            upper,
+            stream: stream.to_owned(),
+            work: ctx.bundle.join(".crab-member-files"),
+        };
+        let rolled = run(op, ctx).await.map(drop);
+        // As `rollback`: a journal left behind is the next mount's to finish.
+        self.mount_layers(ctx.id, false).await?;
+        rolled
+    }
+
     /// Makes the files snapshot `target`'s in place, through the mounted
     /// rootfs: the container's processes stay (the caller froze them).
     /// Answers the entries written and removed.

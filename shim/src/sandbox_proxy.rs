@@ -339,11 +339,21 @@ async fn listen_in_sandbox(pid: i32, port: u16) -> Result<tokio::net::TcpListene
 
 /// The hook of a sandbox's gate: crabd's checkpoint of each turn when
 /// `checkpoint_on_turn` is set and shims register with crabd, otherwise none.
-pub fn turn_hook(cfg: &ProxyShimConfig, crabd: &crate::config::CrabdShimConfig) -> Arc<dyn TurnHook> {
+/// A pod's sandbox gives its pod's member count, told at each turn end.
+pub fn turn_hook(
+    cfg: &ProxyShimConfig,
+    crabd: &crate::config::CrabdShimConfig,
+    pod_members: Option<Arc<std::sync::atomic::AtomicU32>>,
+) -> Arc<dyn TurnHook> {
     if cfg.checkpoint_on_turn && crabd.register {
         let limit = Duration::from_secs(cfg.hold_timeout);
         let autostart = crabd.autostart.then_some(crabd.binary.as_path());
-        Arc::new(crate::turn_hook::EngineHook::new(&crabd.socket, limit, autostart))
+        Arc::new(crate::turn_hook::EngineHook::new(
+            &crabd.socket,
+            limit,
+            autostart,
+            pod_members,
+        ))
     } else {
         // Every turn is safe at once.
         Arc::new(NoopHook)

@@ -68,7 +68,7 @@ pub struct Service {
 /// State shared by every task API call.
 pub struct TaskService {
     /// Containers by id.
-    pub containers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Container>>>>,
+    pub containers: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<Container>>>>>,
     /// The runtime helper.
     pub runtime: Arc<RuntimeClient>,
     /// Event publisher.
@@ -82,7 +82,7 @@ pub struct TaskService {
     /// Control sockets (and crabd registrations) of started containers.
     pub controls: tokio::sync::Mutex<HashMap<String, Control>>,
     /// Which container is each pod's sandbox (CRI pods share one shim).
-    pub pods: crate::pod::Pods,
+    pub pods: Arc<crate::pod::Pods>,
     /// Each container's State answers while a checkpoint holds it.
     pub held: Mutex<HashMap<String, Arc<crate::held_state::HeldStates>>>,
 }
@@ -155,14 +155,14 @@ impl Shim for Service {
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
         TaskService {
-            containers: Mutex::new(HashMap::new()),
+            containers: Arc::new(Mutex::new(HashMap::new())),
             runtime: Arc::new(runtime_client(ExitRouter::start().await, &self.namespace)),
             events: Arc::new(Events::new(publisher, self.namespace.clone())),
             exit: self.exit.clone(),
             namespace: self.namespace.clone(),
             containerd: self.containerd.clone(),
             controls: tokio::sync::Mutex::new(HashMap::new()),
-            pods: crate::pod::Pods::default(),
+            pods: Arc::default(),
             held: Mutex::new(HashMap::new()),
         }
     }
@@ -235,8 +235,13 @@ impl TaskService {
         restored: bool,
     ) {
         let config = &crate::config::get().crabd;
+        let pod = crate::control::PodView {
+            containers: self.containers.clone(),
+            pods: self.pods.clone(),
+        };
         let started = Control::start(
             container,
+            pod,
             self.runtime.clone(),
             self.events.clone(),
             (&self.namespace, &self.containerd),

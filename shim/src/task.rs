@@ -41,12 +41,13 @@ impl Task for TaskService {
             }
             .into());
         }
+        let role = crate::pod::role_of(std::path::Path::new(&req.bundle));
+        let sandbox = self.pods.claim(&role, &req.id);
         let proxy = ProxySetup {
             namespace: &self.namespace,
             config: &crate::config::get().shim.proxy,
+            pod_members: self.pods.member_count(&req.id),
         };
-        let role = crate::pod::role_of(std::path::Path::new(&req.bundle));
-        let sandbox = self.pods.claim(&role, &req.id);
         if !sandbox {
             tracing::info!(
                 "{}: {role:?} of a pod whose sandbox is another container: no proxy, no versions",

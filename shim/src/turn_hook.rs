@@ -11,6 +11,8 @@
 //! the answer on failure: the agent is never wedged by crabd.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -23,6 +25,8 @@ pub struct EngineHook {
     crabd: Crabd,
     /// The crabd binary to start when nothing listens (`[crabd] autostart`).
     autostart: Option<PathBuf>,
+    /// How many members the sandbox's pod has now, if it is a pod's.
+    pod_members: Option<Arc<AtomicU32>>,
 }
 
 // === impl EngineHook ===
@@ -31,10 +35,18 @@ impl EngineHook {
     /// A hook calling crabd at `socket`, each call limited to `limit`;
     /// when nothing listens there (crabd died or the host restarted it
     /// away), it starts `autostart` and tries again for a few seconds.
-    pub fn new(socket: &Path, limit: Duration, autostart: Option<&Path>) -> Self {
+    /// `pod_members`: the count of the sandbox's pod's members, told with
+    /// each turn end.
+    pub fn new(
+        socket: &Path,
+        limit: Duration,
+        autostart: Option<&Path>,
+        pod_members: Option<Arc<AtomicU32>>,
+    ) -> Self {
         EngineHook {
             crabd: Crabd::new(socket, limit),
             autostart: autostart.map(ToOwned::to_owned),
+            pod_members,
         }
     }
 
@@ -81,6 +93,7 @@ impl TurnHook for EngineHook {
             inside,
             transcript_turns: turn.saturating_sub(1),
             expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            pod_members: self.pod_members.as_ref().map_or(0, |n| n.load(Ordering::Relaxed)),
         };
         match self.send(sandbox, &end).await {
             Ok(CheckpointReport {

@@ -382,6 +382,15 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         vec![1, 2]
     );
     assert_eq!(llm.seen().len(), 2, "each turn reached the LLM once");
+    // The inspector follows the agent's container only: with a sidecar in
+    // the pod, every turn is a whole version, which covers the sidecar.
+    let classes: Vec<String> = crabctl_ok(&node.ctd, &["versions", &agent])
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|v| v["class"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(classes, vec!["full", "full"], "a pod with a sidecar");
 
     // Checkpoint, change files and memory, roll back: the agent comes back
     // as it was, in the pod's network, and execs run in it again.
@@ -394,6 +403,11 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         .0,
         0
     );
+    // The sidecar's files and processes are the pod's too.
+    let sidecar_script = |file: &str, sleep: u32| {
+        format!("echo {file} > /side && (sleep {sleep} </dev/null >/dev/null 2>&1 &)")
+    };
+    assert_eq!(node.exec(&sidecar, &sidecar_script("one", 4242)).0, 0);
     let v = crabctl_ok(&node.ctd, &["checkpoint", &agent])["version"]["version"]
         .as_u64()
         .expect("a version");
@@ -447,6 +461,12 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     }
     assert_eq!(ask(agent_pid, STORE, "set k after"), "ok");
     assert_eq!(node.exec(&agent, "echo two > /data/f; touch /data/g").0, 0);
+    assert_eq!(node.exec(&sidecar, &sidecar_script("two", 4343)).0, 0);
+    assert_eq!(node.exec(&sidecar, "touch /side2").0, 0);
+    let sidecar_pid = pid(&node, &sidecar);
+    // A rollback of files only would leave the sidecar's: refused.
+    let refused = crabctl_err(&node.ctd, &["rollback", &agent, &v.to_string(), "--files-only"]);
+    assert!(refused.contains("pod's other containers"), "{refused}");
     crabctl_ok(&node.ctd, &["rollback", &agent, &v.to_string()]);
     let agent_pid = pid(&node, &agent);
     assert_eq!(ask(agent_pid, STORE, "get k"), "before");
@@ -463,11 +483,44 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         (0, "one\nf\n".to_owned())
     );
     turn_from(&mut node, &agent);
+    // The sidecar came back with the pod: its files and its processes as
+    // they were at the version, in the pod's namespaces.
+    let sidecar_now = pid(&node, &sidecar);
+    assert_ne!(sidecar_now, sidecar_pid, "the sidecar was restored");
+    for ns in ["net", "ipc", "uts"] {
+        assert_eq!(
+            namespace(sidecar_now, ns),
+            namespace(pause_pid, ns),
+            "the restored sidecar is in the pod's {ns} namespace"
+        );
+    }
     assert_eq!(
-        node.exec(&sidecar, "echo alive").1,
-        "alive\n",
-        "the sidecar runs on"
+        node.exec(&sidecar, "cat /side; test -e /side2 || echo gone"),
+        (0, "one\ngone\n".to_owned())
     );
+    let (code, ps) = node.exec(&sidecar, "ps -o args");
+    assert_eq!(code, 0, "{ps}");
+    assert!(ps.contains("sleep 4242"), "{ps}");
+    assert!(!ps.contains("sleep 4343"), "{ps}");
+
+    // A crash of the agent brings the whole pod back to its head version
+    // (the last turn's, taken after the rollback): the sidecar's files too.
+    assert_eq!(node.exec(&sidecar, "echo three > /side").0, 0);
+    let (agent_before, sidecar_before) = (pid(&node, &agent), pid(&node, &sidecar));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent_before),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let agent_pid = wait_until(30, || node.ctd.task_pid(&agent).filter(|&p| p != agent_before))
+        .expect("the agent is recovered");
+    assert_eq!(ask(agent_pid, STORE, "get k"), "before");
+    assert_ne!(
+        pid(&node, &sidecar),
+        sidecar_before,
+        "the sidecar was restored with it"
+    );
+    assert_eq!(node.exec(&sidecar, "cat /side"), (0, "one\n".to_owned()));
 
     // Still one sandbox, the agent, now that everything ran.
     let ids: Vec<String> = crabctl_ok(&node.ctd, &["ps"])

@@ -736,7 +736,7 @@ fn turns() {
     assert_valid("WatchStarted", &started);
     assert_valid("WatchLine", &started);
     assert_invalid("WatchStarted", json!({"watching": "../x"}));
-    for (expected_answer_ms, inside) in [(None, true), (Some(4_200), false)] {
+    for (expected_answer_ms, inside, pod_members) in [(None, true, 0), (Some(4_200), false, 2)] {
         assert_valid(
             "TurnEnd",
             &TurnEnd {
@@ -745,6 +745,7 @@ fn turns() {
                 inside,
                 transcript_turns: 14,
                 expected_answer_ms,
+                pod_members,
             },
         );
     }

@@ -64,6 +64,9 @@ struct Turns {
     /// The newest turn whose answer waits, told before its checkpoint was
     /// queued: that checkpoint is urgent from the start.
     answered: u64,
+    /// How many other containers the sandbox's pod had at its last turn
+    /// end (for a turn ended by hand, which no proxy reports).
+    pod_members: u32,
 }
 
 #[derive(Debug)]
@@ -84,6 +87,11 @@ impl TurnQueue {
         let t = all.entry(id.clone()).or_default();
         t.epoch += 1;
         t.rolling_back = true;
+    }
+
+    /// How many other containers `id`'s pod had at its last turn end.
+    fn pod_members(&self, id: &SandboxId) -> u32 {
+        self.sandboxes.lock().get(id).map_or(0, |t| t.pod_members)
     }
 
     /// How many turn ends of `id` wait.
@@ -216,6 +224,7 @@ impl Daemon {
                     why: "a rollback of the sandbox is running",
                 });
             }
+            t.pod_members = end.pod_members;
             t.waiting.push(Waiter {
                 end,
                 epoch: t.epoch,
@@ -269,8 +278,9 @@ impl Daemon {
         super::work::detached(async move {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let report = d.classify(&reg.id).await?;
-            let class = d.effective_class(&reg, report.class)?;
+            let mut report = d.classify(&reg.id).await?;
+            let members = d.turns.pod_members(&reg.id);
+            let class = pod_floor(&reg, members, d.effective_class(&reg, report.class)?, &mut report);
             let slot = match class {
                 Class::None => None,
                 _ => Some(d.scheduler.admit(&reg.id, Instant::now(), true).await),
@@ -330,6 +340,7 @@ impl Daemon {
     ) -> Result<(CheckpointReport, TurnReport), ApiError> {
         let mut report = self.classify(&reg.id).await?;
         let mut class = self.effective_class(reg, report.class)?;
+        class = pod_floor(reg, batch_members(batch), class, &mut report);
         if !self.config.safety.protected_paths.is_empty() && reg.fs_backend.is_some() {
             // Protected paths are judged on the captured files: every turn
             // captures them, whatever the inspector saw.
@@ -356,6 +367,7 @@ impl Daemon {
                 report.class = report.class.union(again.class);
                 report.reasons.extend(again.reasons);
                 batch.extend(more);
+                class = pod_floor(reg, batch_members(batch), class, &mut report);
             }
             Some(slot)
         };
@@ -464,5 +476,66 @@ impl Daemon {
             },
         };
         self.log_event(id, kind);
+    }
+}
+
+/// How many other containers the pod of a batch's sandbox has, as its
+/// turn ends tell.
+fn batch_members(batch: &[Waiter]) -> u32 {
+    batch.iter().map(|w| w.end.pod_members).max().unwrap_or(0)
+}
+
+/// The class of a version of `reg`'s sandbox, given the inspector's
+/// `class`: whole when its pod has `members` other containers. The
+/// inspector follows the pod's sandbox container only, so what the others
+/// did is unknown; a whole version covers them (the shim captures them with
+/// it). The reason is added to `report` once.
+fn pod_floor(reg: &Registration, members: u32, class: Class, report: &mut TurnReport) -> Class {
+    if members == 0 {
+        return class;
+    }
+    if !report.reasons.iter().any(|r| r.get("pod_members").is_some()) {
+        report.reasons.push(serde_json::json!({
+            "pod_members": members,
+            "why": "the pod's other containers are not inspected: the version covers them whole",
+        }));
+        report.n_reasons += 1;
+    }
+    class.union(match reg.fs_backend {
+        Some(_) => Class::Full,
+        None => Class::Proc,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(fs: bool) -> Registration {
+        serde_json::from_value(serde_json::json!({
+            "id": "agent", "namespace": "k8s.io", "containerd": "/c.sock",
+            "control": "/ctl.sock", "pid": 1,
+            "fs_backend": if fs { serde_json::json!("overlay-copy") } else { serde_json::Value::Null },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pod_with_members_gets_whole_versions_and_says_why() {
+        let mut report = TurnReport {
+            sandbox: SandboxId::new("agent").unwrap(),
+            turn: 1,
+            class: Class::None,
+            reasons: Vec::new(),
+            n_reasons: 0,
+        };
+        assert_eq!(pod_floor(&reg(true), 0, Class::None, &mut report), Class::None);
+        assert!(report.reasons.is_empty());
+        assert_eq!(pod_floor(&reg(true), 2, Class::None, &mut report), Class::Full);
+        assert_eq!(pod_floor(&reg(true), 2, Class::Fs, &mut report), Class::Full);
+        assert_eq!(report.n_reasons, 1, "the reason once: {:?}", report.reasons);
+        assert_eq!(report.reasons[0]["pod_members"], 2);
+        // Without a file backend, whole is the processes.
+        assert_eq!(pod_floor(&reg(false), 1, Class::None, &mut report), Class::Proc);
     }
 }

@@ -11,6 +11,7 @@ use crab_api::shim::{
 use crab_api::FsSnapshot;
 use crab_api::{BackendKind, Location, SnapshotName};
 
+use super::members::Member;
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
 use crate::io;
@@ -31,6 +32,27 @@ pub struct Restored {
     pub undo_ms: f64,
     /// Set when the restore failed and the sandbox was put back as it was.
     pub failure: Option<Error>,
+    /// The pod's other containers that were restored with it.
+    pub members: Vec<RestoredMember>,
+}
+
+/// A pod's container restored with its sandbox: its exit, for the caller
+/// to watch.
+pub struct RestoredMember {
+    /// The container.
+    pub id: String,
+    /// Its running init's pid on the host.
+    pub pid: i32,
+    /// Its exit.
+    pub rx: ExitReceiver,
+}
+
+/// Where a rollback takes the files from.
+pub(super) enum FilesAt<'a> {
+    /// A snapshot of the rootfs's backend.
+    Snapshot(&'a FsTarget),
+    /// A pod member's stream (see `members`).
+    Stream(&'a Path),
 }
 
 /// Milliseconds since the Unix epoch.
@@ -80,10 +102,15 @@ impl Container {
 
     /// Freezes the container, snapshots its files and dumps its processes
     /// (as asked), and thaws it; the images' hashing is crabd's, after.
+    /// `members`: when it is a pod's sandbox, the pod's other app
+    /// containers; those running are frozen with it and captured into the
+    /// process image (see `members`), which a pod with running members
+    /// therefore needs.
     pub async fn engine_checkpoint(
         &self,
         req: &ShimCheckpoint,
         runtime: &RuntimeClient,
+        members: &[Member<'_>],
     ) -> Result<ShimCheckpointed> {
         self.expect_state(&self.init, ProcessState::Running, "checkpoint")?;
         if req.fs.is_some() && self.rootfs.backend().is_none() {
@@ -93,18 +120,62 @@ impl Container {
         if req.images_dir.is_some() {
             self.refuse_undumpable().await?;
         }
+        let members: Vec<&Container> = members.iter().map(|m| &**m).filter(|m| m.member_runs()).collect();
+        if !members.is_empty() && req.images_dir.is_none() {
+            return Err(Error::PodMember {
+                id: self.id.clone(),
+                reason: "the pod's other containers run, and a version without a process image would \
+                         leave them out: take a whole one"
+                    .to_owned(),
+            });
+        }
+        for m in &members {
+            m.check_member(&self.id).await?;
+        }
         let t0 = Instant::now();
         self.freeze_for_capture().await?;
+        let mut frozen: Vec<&Container> = Vec::new();
+        let mut made = Ok(None);
+        for m in &members {
+            match m.freeze_for_capture().await {
+                Ok(()) => frozen.push(m),
+                Err(e) => {
+                    made = Err(e);
+                    break;
+                }
+            }
+        }
         let frozen_at = Instant::now();
-        let made = self.checkpoint_frozen(req, runtime).await;
+        if made.is_ok() {
+            made = self.checkpoint_frozen(req, runtime).await;
+        }
+        if let (Ok(_), Some(images)) = (&made, &req.images_dir) {
+            for m in &members {
+                if let Err(e) = m.capture_member(images, runtime).await {
+                    made = Err(e);
+                    break;
+                }
+            }
+        }
         let t_thaw = Instant::now();
-        let thawed = self.set_frozen(false).await;
+        let mut thawed = Ok(());
+        for m in frozen {
+            if let Err(e) = m.set_frozen(false).await {
+                tracing::error!(error = %crab_api::error_chain(&e), "{}: thaw the pod's container {}", self.id, m.id);
+                thawed = thawed.and(Err(e));
+            }
+        }
+        let thawed = self.set_frozen(false).await.and(thawed);
         let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
         let fs = made?;
         thawed?;
         tracing::info!(
-            "{}: checkpoint, frozen {frozen_ms:.1} ms (freeze {:.1}, work {:.1}, thaw {:.1})",
+            "{}: checkpoint{}, frozen {frozen_ms:.1} ms (freeze {:.1}, work {:.1}, thaw {:.1})",
             self.id,
+            match members.len() {
+                0 => String::new(),
+                n => format!(" with {n} other containers of its pod"),
+            },
             (frozen_at - t0).as_secs_f64() * 1e3,
             (t_thaw - frozen_at).as_secs_f64() * 1e3,
             t_thaw.elapsed().as_secs_f64() * 1e3
@@ -126,32 +197,38 @@ impl Container {
             fs = Some(self.rootfs.snapshot(target, &self.fs_ctx(runtime)).await?);
         }
         if let Some(images) = &req.images_dir {
-            // Whether CRIU's network lock protects anything here (see
-            // `netns::needs_lock`); frozen, the sandbox's connections stay
-            // as they are until the thaw.
-            let pin = crate::netns::pin_path(runtime.root(), &self.id);
-            let outside = oci_spec::runtime::Spec::load(self.bundle.join("config.json"))
-                .ok()
-                .and_then(|spec| crate::runtime::netns_outside(&spec, self.init.pid, &pin))
-                .is_some();
-            let quiet_network = !crate::netns::needs_lock(self.init.pid, outside);
-            // An agent inside the sandbox is waiting on its connection to
-            // the proxy at every turn end: CRIU refuses to dump a connected
-            // TCP socket unless told to keep it.
-            let opts = CheckpointOpts {
-                quiet_network,
-                work_path: Some(self.criu_work_dir()),
-                tcp_established: true,
-                crab_init: self.init_is_crab_init(),
-                init_pid: Some(self.init.pid),
-                mounts_changed: self.mounts_changed,
-                ..Default::default()
-            };
-            let t = Instant::now();
-            runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
-            tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
+            self.dump_processes(images, runtime).await?;
         }
         Ok(fs)
+    }
+
+    /// Dumps the container's processes (frozen) into `images`.
+    pub(super) async fn dump_processes(&self, images: &Path, runtime: &RuntimeClient) -> Result<()> {
+        // Whether CRIU's network lock protects anything here (see
+        // `netns::needs_lock`); frozen, the sandbox's connections stay
+        // as they are until the thaw.
+        let pin = crate::netns::pin_path(runtime.root(), &self.id);
+        let outside = oci_spec::runtime::Spec::load(self.bundle.join("config.json"))
+            .ok()
+            .and_then(|spec| crate::runtime::netns_outside(&spec, self.init.pid, &pin))
+            .is_some();
+        let quiet_network = !crate::netns::needs_lock(self.init.pid, outside);
+        // An agent inside the sandbox is waiting on its connection to
+        // the proxy at every turn end: CRIU refuses to dump a connected
+        // TCP socket unless told to keep it.
+        let opts = CheckpointOpts {
+            quiet_network,
+            work_path: Some(self.criu_work_dir()),
+            tcp_established: true,
+            crab_init: self.init_is_crab_init(),
+            init_pid: Some(self.init.pid),
+            mounts_changed: self.mounts_changed,
+            ..Default::default()
+        };
+        let t = Instant::now();
+        runtime.checkpoint(&self.id, &self.bundle, images, &opts).await?;
+        tracing::info!("{}: dump {:.1} ms", self.id, t.elapsed().as_secs_f64() * 1e3);
+        Ok(())
     }
 
     /// Makes the container's files snapshot `req.fs`'s in place while its
@@ -192,8 +269,16 @@ impl Container {
     /// checkpoint restored with CRIU; stdio and the proxy are re-wired. If
     /// the restore fails, the undo checkpoint is restored instead, so a
     /// failed restore does not cost the sandbox; [`Restored::failure`] then
-    /// says why. The caller watches the exit of [`Restored::pid`].
-    pub async fn engine_restore(&mut self, req: &ShimRestore, runtime: &RuntimeClient) -> Result<Restored> {
+    /// says why. The caller watches the exit of [`Restored::pid`], and of
+    /// each of [`Restored::members`]. `members`: when it is a pod's
+    /// sandbox, the pod's other app containers; those with a part in the
+    /// checkpoint are restored first (see `members`).
+    pub async fn engine_restore(
+        &mut self,
+        req: &ShimRestore,
+        runtime: &RuntimeClient,
+        members: &mut [Member<'_>],
+    ) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
         check_images(&req.images_dir)?;
@@ -208,6 +293,7 @@ impl Container {
         if let Some(target) = &req.fs {
             self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
         }
+        let plan = super::members::plan(&req.images_dir, members, &self.id)?;
 
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
@@ -222,19 +308,16 @@ impl Container {
                 images_dir: Some(undo_dir.clone()),
                 fs: undo_fs.clone(),
             };
-            self.engine_checkpoint(&undo, runtime).await?;
+            self.engine_checkpoint(&undo, runtime, members).await?;
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
-        let (pid, rx, failure) = match self
-            .replace_processes(
-                &req.images_dir,
-                req.fs.as_ref(),
-                (req.conversation, req.notice.as_deref()),
-                runtime,
-            )
+        let asked = (req.conversation, req.notice.as_deref());
+        let files = req.fs.as_ref().map(FilesAt::Snapshot);
+        let (pid, rx, restored_members, failure) = match self
+            .replace_pod(&req.images_dir, files, asked, members, &plan, runtime)
             .await
         {
-            Ok((pid, rx)) => (pid, rx, None),
+            Ok((pid, rx, m)) => (pid, rx, m, None),
             Err(failed) if !req.undo => {
                 return Err(Error::RestoreLost {
                     id: self.id.clone(),
@@ -244,11 +327,16 @@ impl Container {
             }
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                match self
-                    .replace_processes(&undo_dir, undo_fs.as_ref(), (None, None), runtime)
-                    .await
-                {
-                    Ok((pid, rx)) => (pid, rx, Some(failed)),
+                let undone = match super::members::plan(&undo_dir, members, &self.id) {
+                    Ok(undo_plan) => {
+                        let files = undo_fs.as_ref().map(FilesAt::Snapshot);
+                        self.replace_pod(&undo_dir, files, (None, None), members, &undo_plan, runtime)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                match undone {
+                    Ok((pid, rx, m)) => (pid, rx, m, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
                             id: self.id.clone(),
@@ -273,18 +361,46 @@ impl Container {
             restore_ms,
             undo_ms,
             failure,
+            members: restored_members,
         })
     }
 
-    /// Kills the current processes, rolls the rootfs back to `fs`, restores
+    /// Replaces the processes (and files) of the members `plan` names with
+    /// their parts of `images`, then the sandbox's own; answers the
+    /// sandbox's new init and each restored member's.
+    async fn replace_pod(
+        &mut self,
+        images: &Path,
+        files: Option<FilesAt<'_>>,
+        asked: (Option<ConversationAt>, Option<&str>),
+        members: &mut [Member<'_>],
+        plan: &[usize],
+        runtime: &RuntimeClient,
+    ) -> Result<(i32, ExitReceiver, Vec<RestoredMember>)> {
+        let mut restored = Vec::new();
+        for &i in plan {
+            let m = &mut members[i];
+            let (pid, rx) = m.restore_member(images, runtime).await?;
+            restored.push(RestoredMember {
+                id: m.id.clone(),
+                pid,
+                rx,
+            });
+        }
+        let (pid, rx) = self.replace_processes(images, files, asked, runtime).await?;
+        Ok((pid, rx, restored))
+    }
+
+    /// Kills the current processes, rolls the rootfs back to `fs` (a
+    /// snapshot, or a pod member's stream), restores
     /// `images`, and re-wires stdio and the proxy, which learns where the
     /// restored agent stands in the conversation (`conversation`), and
     /// what to tell it instead of the last answer it asks again (a safety
     /// rollback's notice).
-    async fn replace_processes(
+    pub(super) async fn replace_processes(
         &mut self,
         images: &Path,
-        fs: Option<&FsTarget>,
+        fs: Option<FilesAt<'_>>,
         (conversation, notice): (Option<ConversationAt>, Option<&str>),
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
@@ -330,8 +446,14 @@ impl Container {
             io.drain(Duration::from_millis(200)).await;
         }
         let t_files = Instant::now();
-        if let Some(target) = fs {
-            self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?;
+        match fs {
+            Some(FilesAt::Snapshot(target)) => self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?,
+            Some(FilesAt::Stream(stream)) => {
+                self.rootfs
+                    .rollback_to_stream(stream, &self.fs_ctx(runtime))
+                    .await?
+            }
+            None => {}
         }
         let t_restore = Instant::now();
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
@@ -450,7 +572,8 @@ impl Container {
             }
             return;
         }
-        let hook = crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd);
+        let hook =
+            crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd, self.pod_members.clone());
         match SandboxProxy::start(
             &namespace,
             &self.id,
@@ -471,7 +594,7 @@ impl Container {
 }
 
 /// Checks that `dir` holds a CRIU dump made by this shim.
-fn check_images(dir: &Path) -> Result<()> {
+pub(super) fn check_images(dir: &Path) -> Result<()> {
     let bad = |reason: &str| Error::InvalidCheckpoint {
         path: dir.to_owned(),
         reason: reason.to_owned(),
