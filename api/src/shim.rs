@@ -53,6 +53,11 @@ impl RestoreGrant {
     }
 }
 
+/// The directory of a pod's process image that holds its other
+/// containers' parts (`pod-members/<CRI name>/`: their CRIU images and
+/// their files), beside the sandbox container's own CRIU images.
+pub const POD_MEMBERS_DIR: &str = "pod-members";
+
 /// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShimCheckpoint {

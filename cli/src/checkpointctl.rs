@@ -7,7 +7,8 @@
 //! config.dump       id, name, image, runtime, creation time
 //! spec.dump         the container's OCI runtime spec (a pod's container
 //!                   keeps CRI's annotations: its pod and namespace show)
-//! checkpoint/…      the version's CRIU images
+//! checkpoint/…      the version's CRIU images (a pod's version: its
+//!                   sandbox container's; the layout holds one container)
 //! rootfs-diff.tar   the files the container changed (its overlay upper:
 //!                   owners, modes, times, xattrs, hard links)
 //! deleted.files     the image's files it deleted (JSON, `/`-rooted paths)
@@ -83,7 +84,11 @@ fn convert(archive: &Path, out: File) -> io::Result<u64> {
     for entry in crab.entries()? {
         let mut entry = entry?;
         let name = entry.path()?.to_string_lossy().into_owned();
-        if let Some(image) = name.strip_prefix("images/") {
+        let pod_members = format!("images/{}/", crab_api::shim::POD_MEMBERS_DIR);
+        if name.starts_with(&pod_members) {
+            // The layout holds one container: the pod's sandbox.
+            continue;
+        } else if let Some(image) = name.strip_prefix("images/") {
             let mut header = tar::Header::new_gnu();
             header.set_size(entry.size());
             header.set_mode(0o600);

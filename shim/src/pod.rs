@@ -111,13 +111,17 @@ fn annotations_of(bundle: &Path) -> HashMap<String, String> {
 pub fn member_name(annotations: &HashMap<String, String>) -> Option<String> {
     annotations
         .get(CONTAINER_NAME)
-        .filter(|n| {
-            (1..=63).contains(&n.len())
-                && !n.starts_with('-')
-                && n.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        })
+        .filter(|n| is_member_name(n))
         .cloned()
+}
+
+/// Whether `name` is a DNS label: the only names [`member_name`] gives.
+pub fn is_member_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// The pods of one shim: which app container is each pod's sandbox, and

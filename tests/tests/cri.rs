@@ -452,6 +452,15 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         deleted.contains(&"/etc/ssl/certs/ca-certificates.crt".to_owned()),
         "{deleted:?}"
     );
+    let listing = std::process::Command::new("tar")
+        .args(["-tf", &archive_arg])
+        .output()
+        .expect("tar");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(
+        !listing.contains("pod-members"),
+        "the layout holds the agent's container only: {listing}"
+    );
     let inspect = checkpointctl(&["inspect", &archive_arg, "--ps-tree"]);
     for want in ["Engine: containerd", "Process tree", "python3"] {
         assert!(

@@ -26,7 +26,7 @@ use super::snapshot::FilesAt;
 use super::{Container, ExitReceiver};
 
 /// The directory of a process image holding its members' parts.
-const MEMBERS: &str = "pod-members";
+const MEMBERS: &str = crab_api::shim::POD_MEMBERS_DIR;
 
 /// A member's files in its part.
 const FILES: &str = "files.crab";
@@ -56,9 +56,7 @@ pub(super) fn parts(images: &Path) -> Result<Vec<String>> {
     for entry in entries {
         let entry = entry.map_err(|e| bad(e.to_string()))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let named =
-            std::collections::HashMap::from([("io.kubernetes.cri.container-name".to_owned(), name.clone())]);
-        if crate::pod::member_name(&named).as_deref() != Some(name.as_str()) {
+        if !crate::pod::is_member_name(&name) {
             return Err(bad(format!("{name:?} names no pod member")));
         }
         names.push(name);
