@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -219,6 +220,8 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
     }
     let program = format!("docker-credential-{helper}");
     let mut child = Command::new(&program)
+        // Its own group, so that a hung helper goes with what it started.
+        .process_group(0)
         .arg("get")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -269,8 +272,9 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
 }
 
 /// `child`'s exit and output, or `None` when it did not end within
-/// `limit`: it is then killed (through its own handle: unreaped, its pid
-/// is still its own) and reaped. A hung helper (a keychain waiting on a
+/// `limit`: it is then killed with its process group, if it leads one
+/// (unreaped, its pid is still its own, and so is a group of that id), and
+/// reaped. A hung helper (a keychain waiting on a
 /// prompt no one sees) must not hang a push. A helper that ended has
 /// written its answer; a process it left holding its output delays the
 /// read by [`HELPER_GRACE`] at most.
@@ -285,6 +289,8 @@ fn wait_helper(child: &mut Child, limit: Duration) -> std::io::Result<Option<Out
         }
     }
     let Some(status) = status else {
+        let group = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
         let _ = child.kill();
         child.wait()?;
         return Ok(None);
@@ -537,6 +543,7 @@ mod tests {
 
     fn sh(script: &str) -> Child {
         Command::new("sh")
+            .process_group(0)
             .args(["-c", script])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -591,7 +598,18 @@ mod tests {
             .is_none());
         let status = child.try_wait().unwrap().expect("reaped");
         assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9));
+        // What it started went with it (gone, or a zombie until reaped).
+        let dead = (0..500).any(|_| {
+            let stat = std::fs::read_to_string(format!("/proc/{sleep}/stat")).unwrap_or_default();
+            let state = stat.rsplit(") ").next().and_then(|rest| rest.chars().next());
+            let dead = matches!(state, None | Some('Z'));
+            if !dead {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            dead
+        });
         let _ = nix::sys::signal::kill(sleep, nix::sys::signal::Signal::SIGKILL);
+        assert!(dead, "the hung helper's child was killed with it");
     }
 
     #[test]
