@@ -54,9 +54,16 @@ impl RestoreGrant {
 }
 
 /// The directory of a pod's process image that holds its other
-/// containers' parts (`pod-members/<CRI name>/`: their CRIU images and
-/// their files), beside the sandbox container's own CRIU images.
+/// containers' parts (`pod-members/<CRI name>/`: their CRIU images, and
+/// the name of their files' copy), beside the sandbox container's own CRIU
+/// images.
 pub const POD_MEMBERS_DIR: &str = "pod-members";
+
+/// The directory of a sandbox's overlay-copy store ([`FsTarget::store`])
+/// that holds a store per other container of its pod
+/// (`.pod-members/<CRI name>/`), whose copies are named as the version's
+/// own file snapshot. No snapshot can be named so.
+pub const POD_MEMBER_STORES: &str = ".pod-members";
 
 /// `POST /checkpoint` to a shim: freeze, snapshot files, dump processes, thaw.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -274,14 +274,19 @@ async fn restore(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Response {
             let mut c = ctx.container.lock().await;
             let member_list = ctx.pod.members(&ctx.id);
             let mut members = lock_all(&member_list).await;
-            let restored = c.engine_restore(&req, &ctx.runtime, &mut members).await?;
+            let mut restored_members = Vec::new();
+            let done = c
+                .engine_restore(&req, &ctx.runtime, &mut members, &mut restored_members)
+                .await;
             drop(members);
             drop(c);
-            for m in restored.members {
+            // Whatever the outcome: a member restored before a failure runs.
+            for m in restored_members {
                 if let Some((_, container)) = member_list.iter().find(|(id, _)| *id == m.id) {
                     events::watch_exit(ctx.events.clone(), container.clone(), String::new(), m.pid, m.rx);
                 }
             }
+            let restored = done?;
             let pid = restored.pid;
             events::watch_exit(
                 ctx.events.clone(),
@@ -328,7 +333,9 @@ async fn restore_files(State(ctx): State<Ctx>, body: axum::body::Bytes) -> Respo
         async move {
             let c = ctx.container.lock().await;
             let members = ctx.pod.members(&ctx.id);
-            if lock_all(&members).await.iter().any(|m| m.member_runs()) {
+            // Held until the files are back: no member starts meanwhile.
+            let members = lock_all(&members).await;
+            if members.iter().any(|m| m.member_runs()) {
                 return Err(Error::PodMember {
                     id: ctx.id.clone(),
                     reason: "the pod's other containers run, and a rollback of files only would leave \

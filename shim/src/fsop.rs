@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crab_snapshotter::{sync_tree, Location, OverlayCopyBackend, Scope, SnapshotFiles, SnapshotName};
+use crab_snapshotter::{sync_tree, Location, Scope, SnapshotFiles, SnapshotName};
 use serde::{Deserialize, Serialize};
 
 /// One operation.
@@ -56,26 +56,6 @@ pub enum FsOp {
         /// An empty directory to mount on.
         work: PathBuf,
     },
-    /// Write the live tree of the overlay upper directory `upper` to the
-    /// new file `out` as one whole stream (a pod member's files in its
-    /// version; the container is frozen).
-    ExportLive {
-        /// The upper directory.
-        upper: PathBuf,
-        /// The file to create.
-        out: PathBuf,
-    },
-    /// Make the live tree of the overlay upper directory `upper` (not
-    /// mounted) what the stream in the file `stream` holds, through the
-    /// store `work` (emptied first, removed after).
-    RollbackToStream {
-        /// The upper directory.
-        upper: PathBuf,
-        /// The stream [`FsOp::ExportLive`] wrote.
-        stream: PathBuf,
-        /// A directory of the container's own (in its bundle).
-        work: PathBuf,
-    },
     /// The ZFS dataset mounted at `mountpoint`, if any (a crabzfs rootfs).
     ZfsDatasetAt {
         /// The mount point.
@@ -98,7 +78,7 @@ impl FsOp {
             FsOp::Has { location, .. } => matches!(location, Location::Zfs { .. }),
             FsOp::ZfsDatasetAt { .. } => true,
             // Mounts and file writes only.
-            FsOp::RestoreFiles { .. } | FsOp::ExportLive { .. } | FsOp::RollbackToStream { .. } => false,
+            FsOp::RestoreFiles { .. } => false,
         }
     }
 
@@ -119,11 +99,6 @@ impl FsOp {
                 Ok(Some(if has { "yes" } else { "no" }.to_owned()))
             }
             FsOp::ZfsDatasetAt { mountpoint } => Ok(crab_snapshotter::ZfsBackend::dataset_at(mountpoint)),
-            FsOp::ExportLive { upper, out } => export_live(upper, out).map(|()| None),
-            FsOp::RollbackToStream { upper, stream, work } => {
-                rollback_to_stream(upper, stream, work).map(|()| None)
-            }
-
             FsOp::RestoreFiles {
                 location,
                 name,
@@ -144,60 +119,6 @@ impl FsOp {
             }
         }
     }
-}
-
-/// The name a pod member's stream of files goes by.
-fn member_files() -> SnapshotName {
-    SnapshotName::new("member-files").expect("a valid snapshot name")
-}
-
-/// [`FsOp::ExportLive`].
-fn export_live(upper: &Path, out: &Path) -> crab_snapshotter::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let io = |op| {
-        move |source| crab_snapshotter::Error::Io {
-            op,
-            path: out.to_owned(),
-            source,
-        }
-    };
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(out)
-        .map_err(io("create"))?;
-    let mut w = std::io::BufWriter::new(file);
-    OverlayCopyBackend::new(upper, Path::new("")).export_live(&member_files(), &mut w)?;
-    w.flush().map_err(io("write"))
-}
-
-/// [`FsOp::RollbackToStream`].
-fn rollback_to_stream(upper: &Path, stream: &Path, work: &Path) -> crab_snapshotter::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let io = |op, path: &Path| {
-        let path = path.to_owned();
-        move |source| crab_snapshotter::Error::Io { op, path, source }
-    };
-    // One cut short before: finished first, while its store is still there.
-    crab_snapshotter::finish_interrupted_rollback(upper)?;
-    match std::fs::remove_dir_all(work) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("remove", work)(e)),
-        _ => {}
-    }
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(work)
-        .map_err(io("create", work))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(stream)
-        .map_err(io("open", stream))?;
-    OverlayCopyBackend::new(upper, work)
-        .rollback_to_stream(&member_files(), &mut std::io::BufReader::new(file))?;
-    std::fs::remove_dir_all(work).map_err(io("remove", work))
 }
 
 /// A read-only overlay of a snapshot's upper layer over the image's

@@ -289,7 +289,7 @@ pub fn fresh_pinned(at: &Path) -> io::Result<File> {
 /// Destroys the TCP sockets of network namespace `ns` that their owners
 /// already closed (time-wait, fin-wait, closing, last-ack): the killed
 /// processes' ends of connections that a restore into the same namespace
-/// (docker's) brings back with the same addresses and ports, which the
+/// (docker's, a pod's) brings back with the same addresses and ports, which the
 /// kernel refuses while one lingers as a full socket. Open sockets (the
 /// proxy's listener and its connections) are left alone.
 pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {

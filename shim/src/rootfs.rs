@@ -275,11 +275,14 @@ impl Rootfs {
         rolled
     }
 
-    /// The overlay upper directory of a rootfs that can be kept as a
-    /// stream (a pod member's files); any other kind says why not.
-    fn streamable(&self, id: &str) -> Result<PathBuf> {
+    /// Whether a pod's version can keep these files as a member's (an
+    /// overlay, copied into crabd's store beside the sandbox's own copies).
+    ///
+    /// # Errors
+    /// [`Error::NoFsBackend`], with the reason.
+    pub fn check_member_files(&self, id: &str) -> Result<()> {
         match &self.kind {
-            Kind::Overlay { upper } => Ok(upper.clone()),
+            Kind::Overlay { .. } => Ok(()),
             Kind::Zfs { .. } | Kind::Btrfs(_) => Err(no_backend(
                 id,
                 "a pod's other containers are versioned on overlayfs only, and this one is on ZFS or btrfs",
@@ -289,44 +292,16 @@ impl Rootfs {
         }
     }
 
-    /// Whether its files can be kept as a stream (see
-    /// [`Rootfs::export_live`]).
-    ///
-    /// # Errors
-    /// [`Error::NoFsBackend`], with the reason.
-    pub fn check_streamable(&self, id: &str) -> Result<()> {
-        self.streamable(id).map(drop)
-    }
-
-    /// Writes the live files (the overlay's upper directory) to the new
-    /// file `out` as one stream (the container is frozen).
-    pub async fn export_live(&self, out: &Path, ctx: &FsCtx<'_>) -> Result<()> {
-        let upper = self.streamable(ctx.id)?;
-        let op = FsOp::ExportLive {
-            upper,
-            out: out.to_owned(),
-        };
-        run(op, ctx).await.map(drop)
-    }
-
-    /// Unmounts the rootfs, makes its files what the stream `stream` from
-    /// [`Rootfs::export_live`] holds, and mounts it again. The container's
-    /// processes are gone.
-    pub async fn rollback_to_stream(&self, stream: &Path, ctx: &FsCtx<'_>) -> Result<()> {
-        let upper = self.streamable(ctx.id)?;
-        unmount(&self.target).map_err(|source| Error::Mount {
-            id: ctx.id.to_owned(),
-            source,
-        })?;
-        let op = FsOp::RollbackToStream {
-            upper,
-            stream: stream.to_owned(),
-            work: ctx.bundle.join(".crab-member-files"),
-        };
-        let rolled = run(op, ctx).await.map(drop);
-        // As `rollback`: a journal left behind is the next mount's to finish.
-        self.mount_layers(ctx.id, false).await?;
-        rolled
+    /// The image layers below the writable one (an overlay's lower
+    /// directories, top first, `:`-joined): which image the files are
+    /// changes to.
+    pub fn lower_layers(&self) -> String {
+        self.mounts
+            .iter()
+            .flat_map(|m| &m.options)
+            .filter_map(|o| o.strip_prefix("lowerdir="))
+            .collect::<Vec<_>>()
+            .join(":")
     }
 
     /// Makes the files snapshot `target`'s in place, through the mounted

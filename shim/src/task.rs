@@ -61,6 +61,13 @@ impl Task for TaskService {
                 return Err(e.into());
             }
         };
+        if !sandbox && matches!(role, crate::pod::Role::Member { .. }) {
+            if let Some(why) = container.unversioned_reason() {
+                tracing::warn!("{}: outside its pod's versions: {why}", req.id);
+                self.pods.release(&req.id);
+                container.pod_member = None;
+            }
+        }
         self.watch_oom(&mut container);
         let pid = container.init.pid;
         self.held

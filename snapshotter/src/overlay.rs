@@ -135,27 +135,6 @@ impl OverlayCopyBackend {
         Ok(())
     }
 
-    /// Writes the live tree as one whole stream whose head names it
-    /// `name`: a copy kept as a single file (a pod member's files in its
-    /// version's process image). The tree must not change meanwhile (its
-    /// container is frozen).
-    pub fn export_live(&self, name: &SnapshotName, out: &mut dyn Write) -> Result<()> {
-        archive::export(&self.upper, name, None, out)
-    }
-
-    /// Makes the live tree what a whole stream from
-    /// [`OverlayCopyBackend::export_live`] holds: the stream becomes
-    /// snapshot `name` of this backend's store (nothing else may be in it),
-    /// the live tree is rolled back to it (journaled, as every rollback),
-    /// and the snapshot is deleted. The stream is one crab made of the same
-    /// container's files, so it may hold what the container's root made
-    /// (device nodes, set-id bits).
-    pub fn rollback_to_stream(&self, name: &SnapshotName, input: &mut dyn Read) -> Result<()> {
-        self.import_with(name, None, input, StreamPolicy { privileged: true })?;
-        self.rollback(name)?;
-        self.destroy(name)
-    }
-
     fn dir(&self, name: &SnapshotName) -> PathBuf {
         self.store.join(name.as_str())
     }

@@ -218,65 +218,6 @@ fn overlay_copy_shares_untouched_files() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// A pod member's files kept as one stream: exported from the live tree,
-/// changed, and taken back whole (whiteouts, set-id bits, hard links,
-/// symlinks and xattrs as they were), through a store that is gone after.
-#[test]
-fn a_live_tree_taken_back_from_its_stream_is_as_it_was() {
-    let root = PathBuf::from(format!("/tmp/{}", unique("crabstream")));
-    let upper = root.join("upper");
-    std::fs::create_dir_all(&upper).unwrap();
-    populate(&upper, true);
-    // What a container's root may make in its own layer.
-    nix::sys::stat::mknod(
-        &upper.join("whiteout"),
-        nix::sys::stat::SFlag::S_IFCHR,
-        nix::sys::stat::Mode::empty(),
-        0,
-    )
-    .unwrap();
-    std::fs::write(upper.join("suid"), "x").unwrap();
-    std::fs::set_permissions(upper.join("suid"), std::fs::Permissions::from_mode(0o4755)).unwrap();
-    let before = digest(&upper);
-    let stream = root.join("files.crab");
-    let b = OverlayCopyBackend::new(&upper, std::path::Path::new(""));
-    b.export_live(
-        &name("member-files"),
-        &mut std::fs::File::create(&stream).unwrap(),
-    )
-    .unwrap();
-    mutate(&upper, true);
-    std::fs::remove_file(upper.join("whiteout")).unwrap();
-    assert_ne!(digest(&upper), before);
-
-    let work = root.join("work");
-    std::fs::create_dir(&work).unwrap();
-    OverlayCopyBackend::new(&upper, &work)
-        .rollback_to_stream(&name("member-files"), &mut std::fs::File::open(&stream).unwrap())
-        .unwrap();
-    assert_eq!(digest(&upper), before, "the tree the stream holds");
-    assert_eq!(
-        std::fs::read_dir(&work).unwrap().count(),
-        0,
-        "the stream's snapshot is gone from the store"
-    );
-    // A torn stream changes nothing.
-    let len = std::fs::metadata(&stream).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&stream)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
-    mutate(&upper, true);
-    let changed = digest(&upper);
-    let torn = OverlayCopyBackend::new(&upper, &work)
-        .rollback_to_stream(&name("member-files"), &mut std::fs::File::open(&stream).unwrap());
-    assert!(matches!(torn, Err(Error::BadStream { .. })), "{torn:?}");
-    assert_eq!(digest(&upper), changed, "the live tree is untouched");
-    std::fs::remove_dir_all(&root).unwrap();
-}
-
 /// A rollback gives a file that was only changed since the snapshot its
 /// content, holes and mode back in its own inode: a process restored with
 /// the snapshot knows its files by inode number (SQLite refuses to write

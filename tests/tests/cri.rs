@@ -408,9 +408,50 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         format!("echo {file} > /side && (sleep {sleep} </dev/null >/dev/null 2>&1 &)")
     };
     assert_eq!(node.exec(&sidecar, &sidecar_script("one", 4242)).0, 0);
-    let v = crabctl_ok(&node.ctd, &["checkpoint", &agent])["version"]["version"]
-        .as_u64()
-        .expect("a version");
+    // A connection from the agent's container to the sidecar, over the
+    // pod's loopback, idle once its line is read: killed together at a
+    // rollback, its ends leave a closed socket in the pod's network with
+    // the addresses the restore needs (the restore must not fail on it).
+    assert_eq!(
+        node.exec(&sidecar, "(nc -l -p 5000 </dev/null >/conn 2>/dev/null &)")
+            .0,
+        0
+    );
+    let talker = "import socket, time\n\
+                  for _ in range(100):\n    \
+                      try:\n        s = socket.create_connection(('127.0.0.1', 5000)); break\n    \
+                      except OSError: time.sleep(0.05)\n\
+                  s.sendall(b'x\\n'); time.sleep(100000)\n";
+    let (code, out) = node.exec(
+        &agent,
+        &format!(
+            "cat > /tmp/talker.py <<'EOF'\n{talker}EOF\n\
+             (/opt/crab/sdk-venv/bin/python3 /tmp/talker.py </dev/null >/dev/null 2>&1 &)"
+        ),
+    );
+    assert_eq!(code, 0, "{out}");
+    let conn_size = |node: &mut Node| -> usize {
+        let (_, out) = node.exec(&sidecar, "wc -c < /conn");
+        out.trim().parse().unwrap_or(0)
+    };
+    wait_until(10, || (conn_size(&mut node) > 0).then_some(())).expect("the connection carries its line");
+    let made = crabctl_ok(&node.ctd, &["checkpoint", &agent]);
+    let v = made["version"]["version"].as_u64().expect("a version");
+    // The sidecar's files are copied beside the agent's in crabd's store,
+    // under the version's own snapshot name.
+    let snapshot = made["version"]["fs_snapshot"]["name"]
+        .as_str()
+        .expect("a snapshot");
+    let sidecar_copies = node
+        .ctd
+        .crabd_root()
+        .join("fs")
+        .join(&agent)
+        .join(".pod-members/sidecar");
+    assert_eq!(
+        std::fs::read_to_string(sidecar_copies.join(snapshot).join("side")).unwrap(),
+        "one\n"
+    );
     // The version in Kubernetes' checkpoint archive layout, as its tools
     // read it: the pod's container, its image, its process tree.
     let archive = node.dir.join("agent-checkpoint.tar");
@@ -542,6 +583,10 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
 
     node.remove_pod(&pod);
     wait_forgotten(&node.ctd, &agent);
+    assert!(
+        !sidecar_copies.exists(),
+        "the sidecar's copies go with the pod's history"
+    );
     let scope = node.ctd.scope_of(K8S, &node.cgroup_parent);
     assert_clean(&scope, &[&pod, &agent, &sidecar]);
 }

@@ -12,7 +12,7 @@
 //! `docker-credential-<name> get`, asked with the registry's host.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -219,9 +219,14 @@ fn from_helper(helper: &str, registry: &str) -> Result<Option<Credentials>, Auth
         return Err(fail("not a helper name".to_owned()));
     }
     let program = format!("docker-credential-{helper}");
-    let mut child = Command::new(&program)
-        // Its own group, so that a hung helper goes with what it started.
-        .process_group(0)
+    let mut cmd = Command::new(&program);
+    if !std::io::stdin().is_terminal() {
+        // Its own group, so that a hung helper goes with what it started;
+        // not under a terminal, where a helper may ask on it (a background
+        // group would be stopped) and Ctrl-C must reach it.
+        cmd.process_group(0);
+    }
+    let mut child = cmd
         .arg("get")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -21,6 +21,7 @@ use crab_api::crabd::EventKind;
 
 use super::metrics::Metrics;
 use super::schedule::Slot;
+use super::turn_end::pod_whole;
 use super::work::{blocking, detached, unix_ms};
 use super::{ApiError, Daemon};
 use crate::{Capture, NewVersion};
@@ -40,7 +41,13 @@ impl Daemon {
         detached(async move {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
-            let class = d.effective_class(&reg, class)?;
+            let mut class = d.effective_class(&reg, class)?;
+            if class != Class::None {
+                // A capture of a pod with other containers covers them, and
+                // so is whole (the shim refuses a partial one).
+                let members = d.pod_members(&reg);
+                class = pod_whole(&reg, members, class);
+            }
             d.room_for_capture(&reg.id, class).await?;
             let slot = d
                 .scheduler

@@ -1,6 +1,8 @@
 //! The file snapshots crabd keeps: per sandbox, the overlay-copy store
 //! `<root>/fs/<id>/` (the shim writes into it at crabd's request; every
-//! copy, clone, export, import and deletion of it is here), and, through
+//! copy, clone, export, import and deletion of it is here), with a store
+//! per other container of its pod in `.pod-members/<name>/` whose copies
+//! go with the sandbox's own of the same name, and, through
 //! the shim or directly once the shim is gone, the snapshots a sandbox
 //! keeps on its own filesystem (ZFS, btrfs).
 //!
@@ -11,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use crab_api::crabd::Registration;
-use crab_api::shim::{ShimForget, ShimForgotten};
+use crab_api::shim::{ShimForget, ShimForgotten, POD_MEMBER_STORES};
 use crab_api::{routes, BackendKind, FsSnapshot, Location, SandboxId, SnapshotName};
 use crab_snapshotter::{Backend, OverlayCopyBackend};
 
@@ -94,8 +96,29 @@ impl Files {
             .map_err(Self::fs_error(id))
     }
 
-    /// Deletes copy `name` of sandbox `id`. Blocks.
+    /// The stores of the other containers of sandbox `id`'s pod, beside
+    /// its own (`crab_api::shim::POD_MEMBER_STORES`): their copies are named
+    /// as the sandbox's version's own.
+    fn member_copies(&self, id: &SandboxId) -> Vec<OverlayCopyBackend> {
+        let dir = self.store_dir(id).join(POD_MEMBER_STORES);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| OverlayCopyBackend::new(&e.path(), &e.path()))
+            .collect()
+    }
+
+    /// Deletes copy `name` of sandbox `id`, and its pod's other containers'
+    /// copies of that name. Blocks.
     pub(super) fn destroy(&self, id: &SandboxId, name: &SnapshotName) -> Result<(), ApiError> {
+        for member in self.member_copies(id) {
+            if member.has(name).map_err(Self::fs_error(id))? {
+                member.destroy(name).map_err(Self::fs_error(id))?;
+            }
+        }
         self.copies(id).destroy(name).map_err(Self::fs_error(id))
     }
 
@@ -109,14 +132,20 @@ impl Files {
         if !self.store_dir(id).exists() {
             return Ok(Vec::new());
         }
-        let copies = self.copies(id);
         let mut gone = Vec::new();
-        let listed = copies.list().map_err(Self::fs_error(id))?;
-        for s in listed.into_iter().filter(|s| !named.contains(&s.name)) {
-            copies.destroy(&s.name).map_err(Self::fs_error(id))?;
-            gone.push(s.name);
+        for (i, copies) in std::iter::once(self.copies(id))
+            .chain(self.member_copies(id))
+            .enumerate()
+        {
+            let listed = copies.list().map_err(Self::fs_error(id))?;
+            for s in listed.into_iter().filter(|s| !named.contains(&s.name)) {
+                copies.destroy(&s.name).map_err(Self::fs_error(id))?;
+                if i == 0 {
+                    gone.push(s.name);
+                }
+            }
+            copies.remove_partial().map_err(Self::fs_error(id))?;
         }
-        copies.remove_partial().map_err(Self::fs_error(id))?;
         Ok(gone)
     }
 

@@ -65,8 +65,9 @@ struct Turns {
     /// queued: that checkpoint is urgent from the start.
     answered: u64,
     /// How many other containers the sandbox's pod had at its last turn
-    /// end (for a turn ended by hand, which no proxy reports).
-    pod_members: u32,
+    /// end (for a turn ended by hand and a checkpoint asked for, which no
+    /// proxy reports); none before the first.
+    pod_members: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -89,9 +90,10 @@ impl TurnQueue {
         t.rolling_back = true;
     }
 
-    /// How many other containers `id`'s pod had at its last turn end.
-    fn pod_members(&self, id: &SandboxId) -> u32 {
-        self.sandboxes.lock().get(id).map_or(0, |t| t.pod_members)
+    /// How many other containers `id`'s pod had at its last turn end, if
+    /// one told.
+    fn pod_members(&self, id: &SandboxId) -> Option<u32> {
+        self.sandboxes.lock().get(id).and_then(|t| t.pod_members)
     }
 
     /// How many turn ends of `id` wait.
@@ -224,7 +226,7 @@ impl Daemon {
                     why: "a rollback of the sandbox is running",
                 });
             }
-            t.pod_members = end.pod_members;
+            t.pod_members = Some(end.pod_members);
             t.waiting.push(Waiter {
                 end,
                 epoch: t.epoch,
@@ -279,7 +281,7 @@ impl Daemon {
             let busy = d.busy(&reg.id);
             let _one_at_a_time = busy.lock().await;
             let mut report = d.classify(&reg.id).await?;
-            let members = d.turns.pod_members(&reg.id);
+            let members = d.pod_members(&reg);
             let class = pod_floor(&reg, members, d.effective_class(&reg, report.class)?, &mut report);
             let slot = match class {
                 Class::None => None,
@@ -289,6 +291,15 @@ impl Daemon {
             Ok(report)
         })
         .await
+    }
+
+    /// How many other containers `reg`'s pod has, as its last turn end
+    /// told; a pod's sandbox whose proxy has told nothing yet (a restarted
+    /// crabd, turns not checkpointed) may have some.
+    pub(super) fn pod_members(&self, reg: &Registration) -> u32 {
+        self.turns
+            .pod_members(&reg.id)
+            .unwrap_or(u32::from(reg.pod.is_some()))
     }
 
     /// Turn `turn` of sandbox `id` has its answer waiting on its version:
@@ -486,20 +497,25 @@ fn batch_members(batch: &[Waiter]) -> u32 {
 }
 
 /// The class of a version of `reg`'s sandbox, given the inspector's
-/// `class`: whole when its pod has `members` other containers. The
-/// inspector follows the pod's sandbox container only, so what the others
-/// did is unknown; a whole version covers them (the shim captures them with
-/// it). The reason is added to `report` once.
-fn pod_floor(reg: &Registration, members: u32, class: Class, report: &mut TurnReport) -> Class {
-    if members == 0 {
-        return class;
-    }
-    if !report.reasons.iter().any(|r| r.get("pod_members").is_some()) {
+/// `class`: whole when its pod has `members` other containers (see
+/// [`pod_whole`]). The reason is added to `report` once.
+pub(super) fn pod_floor(reg: &Registration, members: u32, class: Class, report: &mut TurnReport) -> Class {
+    if members > 0 && !report.reasons.iter().any(|r| r.get("pod_members").is_some()) {
         report.reasons.push(serde_json::json!({
             "pod_members": members,
             "why": "the pod's other containers are not inspected: the version covers them whole",
         }));
         report.n_reasons += 1;
+    }
+    pod_whole(reg, members, class)
+}
+
+/// `class`, made whole when `reg`'s pod has `members` other containers: the
+/// inspector follows the pod's sandbox container only, so what the others
+/// did is unknown, and the shim captures them only with a whole version.
+pub(super) fn pod_whole(reg: &Registration, members: u32, class: Class) -> Class {
+    if members == 0 {
+        return class;
     }
     class.union(match reg.fs_backend {
         Some(_) => Class::Full,

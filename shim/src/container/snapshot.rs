@@ -11,7 +11,7 @@ use crab_api::shim::{
 use crab_api::FsSnapshot;
 use crab_api::{BackendKind, Location, SnapshotName};
 
-use super::members::Member;
+use super::members::{Member, Part};
 use super::{Container, ExitReceiver};
 use crate::error::{Error, Result};
 use crate::io;
@@ -32,8 +32,6 @@ pub struct Restored {
     pub undo_ms: f64,
     /// Set when the restore failed and the sandbox was put back as it was.
     pub failure: Option<Error>,
-    /// The pod's other containers that were restored with it.
-    pub members: Vec<RestoredMember>,
 }
 
 /// A pod's container restored with its sandbox: its exit, for the caller
@@ -45,14 +43,6 @@ pub struct RestoredMember {
     pub pid: i32,
     /// Its exit.
     pub rx: ExitReceiver,
-}
-
-/// Where a rollback takes the files from.
-pub(super) enum FilesAt<'a> {
-    /// A snapshot of the rootfs's backend.
-    Snapshot(&'a FsTarget),
-    /// A pod member's stream (see `members`).
-    Stream(&'a Path),
 }
 
 /// Milliseconds since the Unix epoch.
@@ -121,16 +111,16 @@ impl Container {
             self.refuse_undumpable().await?;
         }
         let members: Vec<&Container> = members.iter().map(|m| &**m).filter(|m| m.member_runs()).collect();
-        if !members.is_empty() && req.images_dir.is_none() {
+        if !members.is_empty() && (req.images_dir.is_none() || req.fs.is_none()) {
             return Err(Error::PodMember {
                 id: self.id.clone(),
-                reason: "the pod's other containers run, and a version without a process image would \
-                         leave them out: take a whole one"
+                reason: "the pod's other containers run, and a version without both a process image and \
+                         a file snapshot would leave them out: take a whole one"
                     .to_owned(),
             });
         }
         for m in &members {
-            m.check_member(&self.id).await?;
+            m.check_member().await?;
         }
         let t0 = Instant::now();
         self.freeze_for_capture().await?;
@@ -149,9 +139,9 @@ impl Container {
         if made.is_ok() {
             made = self.checkpoint_frozen(req, runtime).await;
         }
-        if let (Ok(_), Some(images)) = (&made, &req.images_dir) {
+        if let (Ok(_), Some(images), Some(fs)) = (&made, &req.images_dir, &req.fs) {
             for m in &members {
-                if let Err(e) = m.capture_member(images, runtime).await {
+                if let Err(e) = m.capture_member(images, fs, runtime).await {
                     made = Err(e);
                     break;
                 }
@@ -269,15 +259,18 @@ impl Container {
     /// checkpoint restored with CRIU; stdio and the proxy are re-wired. If
     /// the restore fails, the undo checkpoint is restored instead, so a
     /// failed restore does not cost the sandbox; [`Restored::failure`] then
-    /// says why. The caller watches the exit of [`Restored::pid`], and of
-    /// each of [`Restored::members`]. `members`: when it is a pod's
-    /// sandbox, the pod's other app containers; those with a part in the
-    /// checkpoint are restored first (see `members`).
+    /// says why. The caller watches the exit of [`Restored::pid`].
+    ///
+    /// `members`: when it is a pod's sandbox, the pod's other app
+    /// containers; those with a part in the checkpoint are restored with it
+    /// (see `members`). Each one restored is put in `restored`, whatever
+    /// the outcome, for the caller to watch.
     pub async fn engine_restore(
         &mut self,
         req: &ShimRestore,
         runtime: &RuntimeClient,
         members: &mut [Member<'_>],
+        restored: &mut Vec<RestoredMember>,
     ) -> Result<Restored> {
         let started = Instant::now();
         self.expect_state(&self.init, ProcessState::Running, "restore")?;
@@ -293,7 +286,8 @@ impl Container {
         if let Some(target) = &req.fs {
             self.rootfs.check_snapshot(target, &self.fs_ctx(runtime)).await?;
         }
-        let plan = super::members::plan(&req.images_dir, members, &self.id)?;
+        let store = req.fs.as_ref().map(|f| f.store.as_path());
+        let plan = super::members::plan(&req.images_dir, store, members, &self.id, runtime).await?;
 
         let undo_dir = self.bundle.join(".crab-undo");
         let _ = std::fs::remove_dir_all(&undo_dir);
@@ -312,12 +306,18 @@ impl Container {
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
         }
         let asked = (req.conversation, req.notice.as_deref());
-        let files = req.fs.as_ref().map(FilesAt::Snapshot);
-        let (pid, rx, restored_members, failure) = match self
-            .replace_pod(&req.images_dir, files, asked, members, &plan, runtime)
-            .await
-        {
-            Ok((pid, rx, m)) => (pid, rx, m, None),
+        let replaced = self
+            .replace_pod(
+                &req.images_dir,
+                req.fs.as_ref(),
+                asked,
+                (members, &plan),
+                restored,
+                runtime,
+            )
+            .await;
+        let (pid, rx, failure) = match replaced {
+            Ok((pid, rx)) => (pid, rx, None),
             Err(failed) if !req.undo => {
                 return Err(Error::RestoreLost {
                     id: self.id.clone(),
@@ -327,16 +327,25 @@ impl Container {
             }
             Err(failed) => {
                 tracing::error!(error = %crab_api::error_chain(&failed), "{}: restore failed, putting the sandbox back", self.id);
-                let undone = match super::members::plan(&undo_dir, members, &self.id) {
-                    Ok(undo_plan) => {
-                        let files = undo_fs.as_ref().map(FilesAt::Snapshot);
-                        self.replace_pod(&undo_dir, files, (None, None), members, &undo_plan, runtime)
+                let undo_store = undo_fs.as_ref().map(|f| f.store.as_path());
+                let undone =
+                    match super::members::plan(&undo_dir, undo_store, members, &self.id, runtime).await {
+                        Ok(undo_plan) => {
+                            let parts = (&mut *members, undo_plan.as_slice());
+                            self.replace_pod(
+                                &undo_dir,
+                                undo_fs.as_ref(),
+                                (None, None),
+                                parts,
+                                restored,
+                                runtime,
+                            )
                             .await
-                    }
-                    Err(e) => Err(e),
-                };
+                        }
+                        Err(e) => Err(e),
+                    };
                 match undone {
-                    Ok((pid, rx, m)) => (pid, rx, m, Some(failed)),
+                    Ok((pid, rx)) => (pid, rx, Some(failed)),
                     Err(undo_failed) => {
                         return Err(Error::RestoreLost {
                             id: self.id.clone(),
@@ -352,6 +361,9 @@ impl Container {
             if let Err(e) = self.rootfs.destroy(undo, &self.fs_ctx(runtime)).await {
                 tracing::warn!(error = %crab_api::error_chain(&e), "{}: remove the undo snapshot", self.id);
             }
+            for m in members.iter() {
+                m.forget_member_files(&undo.store, &undo.name, runtime).await;
+            }
         }
         let restore_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!("{}: restored as pid {pid} in {restore_ms:.1} ms", self.id);
@@ -361,49 +373,59 @@ impl Container {
             restore_ms,
             undo_ms,
             failure,
-            members: restored_members,
         })
     }
 
     /// Replaces the processes (and files) of the members `plan` names with
-    /// their parts of `images`, then the sandbox's own; answers the
-    /// sandbox's new init and each restored member's.
+    /// their parts, and the sandbox's own with `images` and `fs`: every
+    /// process of them is killed before any is restored. Answers the
+    /// sandbox's new init; each restored member goes into `restored`.
     async fn replace_pod(
         &mut self,
         images: &Path,
-        files: Option<FilesAt<'_>>,
+        fs: Option<&FsTarget>,
         asked: (Option<ConversationAt>, Option<&str>),
-        members: &mut [Member<'_>],
-        plan: &[usize],
+        (members, plan): (&mut [Member<'_>], &[Part]),
+        restored: &mut Vec<RestoredMember>,
         runtime: &RuntimeClient,
-    ) -> Result<(i32, ExitReceiver, Vec<RestoredMember>)> {
-        let mut restored = Vec::new();
-        for &i in plan {
-            let m = &mut members[i];
-            let (pid, rx) = m.restore_member(images, runtime).await?;
+    ) -> Result<(i32, ExitReceiver)> {
+        let netns = self.prepare_replace(images, asked).await?;
+        let mut member_netns = Vec::with_capacity(plan.len());
+        for p in plan {
+            member_netns.push(members[p.index].prepare_replace(&p.images, (None, None)).await?);
+        }
+        if !plan.is_empty() {
+            for p in plan {
+                members[p.index].kill_every_process().await?;
+            }
+            self.kill_every_process().await?;
+        }
+        for (p, netns) in plan.iter().zip(member_netns) {
+            let m = &mut members[p.index];
+            let (pid, rx) = m
+                .finish_replace(&p.images, Some(&p.files), netns, runtime)
+                .await?;
             restored.push(RestoredMember {
                 id: m.id.clone(),
                 pid,
                 rx,
             });
         }
-        let (pid, rx) = self.replace_processes(images, files, asked, runtime).await?;
-        Ok((pid, rx, restored))
+        self.finish_replace(images, fs, netns, runtime).await
     }
 
-    /// Kills the current processes, rolls the rootfs back to `fs` (a
-    /// snapshot, or a pod member's stream), restores
-    /// `images`, and re-wires stdio and the proxy, which learns where the
-    /// restored agent stands in the conversation (`conversation`), and
-    /// what to tell it instead of the last answer it asks again (a safety
-    /// rollback's notice).
-    pub(super) async fn replace_processes(
+    /// What a replacement of the processes by `images` does while they
+    /// still live: finds the network namespace to restore into, rewinds the
+    /// proxy, which learns where the restored agent stands in the
+    /// conversation (`conversation`) and what to tell it instead of the
+    /// last answer it asks again (a safety rollback's notice), thaws a
+    /// recovering sandbox, and checks what the restore would refuse.
+    /// Answers the namespace.
+    async fn prepare_replace(
         &mut self,
         images: &Path,
-        fs: Option<FilesAt<'_>>,
         (conversation, notice): (Option<ConversationAt>, Option<&str>),
-        runtime: &RuntimeClient,
-    ) -> Result<(i32, ExitReceiver)> {
+    ) -> Result<Option<PathBuf>> {
         // Docker's pin of its namespace: found now while the init lives,
         // else when it last did (a dead init's pid may be another's).
         let netns = match self.recovering {
@@ -440,20 +462,27 @@ impl Container {
             bundle: self.bundle.clone(),
             reason,
         })?;
+        Ok(netns)
+    }
+
+    /// The rest of a replacement ([`Container::prepare_replace`] first):
+    /// kills the processes (if they still live), rolls the files back,
+    /// restores the processes and re-wires stdio and the proxy.
+    async fn finish_replace(
+        &mut self,
+        images: &Path,
+        fs: Option<&FsTarget>,
+        netns: Option<PathBuf>,
+        runtime: &RuntimeClient,
+    ) -> Result<(i32, ExitReceiver)> {
         let t_kill = Instant::now();
         self.kill_every_process().await?;
         if let Some(mut io) = self.init.io.take() {
             io.drain(Duration::from_millis(200)).await;
         }
         let t_files = Instant::now();
-        match fs {
-            Some(FilesAt::Snapshot(target)) => self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?,
-            Some(FilesAt::Stream(stream)) => {
-                self.rootfs
-                    .rollback_to_stream(stream, &self.fs_ctx(runtime))
-                    .await?
-            }
-            None => {}
+        if let Some(target) = fs {
+            self.rootfs.rollback(target, &self.fs_ctx(runtime)).await?;
         }
         let t_restore = Instant::now();
         let (child, pending) = io::prepare(&self.init.stdio, &runtime.console_dir()).await?;
@@ -531,7 +560,7 @@ impl Container {
 
     /// SIGKILLs every process of the container and waits until its cgroup
     /// is empty.
-    async fn kill_every_process(&self) -> Result<()> {
+    pub(super) async fn kill_every_process(&self) -> Result<()> {
         let deadline = Instant::now() + KILL_LIMIT;
         let mut pause = Duration::from_micros(500);
         loop {

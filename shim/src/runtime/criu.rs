@@ -400,6 +400,12 @@ pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
 fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     let open = |path: &Path| File::open(path).with_context(|| format!("open {}", path.display()));
     if let Some(path) = joined_netns(spec) {
+        if !opts.fresh {
+            // A pod's: the processes just killed in it (the agent and the
+            // pod's other containers) left their ends of connections between
+            // them closing there, with the addresses the restore needs.
+            let _ = crate::netns::reap_closed_tcp(&path);
+        }
         return open(&path).map(Some);
     }
     let named = match std::fs::read(opts.image_path.join(NETNS_FILE)) {
