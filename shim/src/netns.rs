@@ -293,6 +293,24 @@ pub fn fresh_pinned(at: &Path) -> io::Result<File> {
 /// kernel refuses while one lingers as a full socket. Open sockets (the
 /// proxy's listener and its connections) are left alone.
 pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
+    reap(
+        ns,
+        &["time-wait", "fin-wait-1", "fin-wait-2", "closing", "last-ack"],
+    )
+}
+
+/// Destroys the TCP sockets of network namespace `ns` in time-wait: no
+/// process owns one, so whoever else lives in the namespace (a pod's
+/// containers outside its versions) loses nothing, and a connection
+/// between two of the pod's containers, killed together for a restore,
+/// leaves one behind with the addresses the restore needs.
+pub fn reap_time_wait(ns: &Path) -> io::Result<()> {
+    reap(ns, &["time-wait"])
+}
+
+/// Destroys the TCP sockets of network namespace `ns` in `states`
+/// (`ss`'s names).
+fn reap(ns: &Path, states: &[&str]) -> io::Result<()> {
     let ns = File::open(ns)?;
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -300,8 +318,7 @@ pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
             setns(&ns, CloneFlags::CLONE_NEWNET)?;
             let out = Command::new("ss")
                 .args(["-K", "-t", "-n"])
-                .args(["state", "time-wait", "state", "fin-wait-1", "state", "fin-wait-2"])
-                .args(["state", "closing", "state", "last-ack"])
+                .args(states.iter().flat_map(|s| ["state", s]))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())

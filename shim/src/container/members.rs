@@ -124,7 +124,10 @@ impl Container {
         if let Err(e) = self.rootfs.check_member_files(&self.id) {
             return Some(e.to_string());
         }
-        let spec = oci_spec::runtime::Spec::load(self.bundle.join("config.json")).ok()?;
+        let spec = match oci_spec::runtime::Spec::load(self.bundle.join("config.json")) {
+            Ok(spec) => spec,
+            Err(e) => return Some(format!("its spec cannot be read: {e}")),
+        };
         let joins_pid_ns = spec
             .linux()
             .as_ref()

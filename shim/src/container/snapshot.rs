@@ -119,6 +119,15 @@ impl Container {
                     .to_owned(),
             });
         }
+        if !members.is_empty() && self.rootfs.backend() != Some(BackendKind::OverlayCopy) {
+            // Their copies live beside the sandbox's in crabd's store, and
+            // go with its snapshots of the same name.
+            return Err(Error::PodMember {
+                id: self.id.clone(),
+                reason: "the pod's other containers are versioned only beside a sandbox on overlayfs"
+                    .to_owned(),
+            });
+        }
         for m in &members {
             m.check_member().await?;
         }
@@ -400,18 +409,19 @@ impl Container {
             }
             self.kill_every_process().await?;
         }
+        // The first restore into a pod's network clears what the kills left.
+        let mut first = self.pod.is_some();
         for (p, netns) in plan.iter().zip(member_netns) {
             let m = &mut members[p.index];
-            let (pid, rx) = m
-                .finish_replace(&p.images, Some(&p.files), netns, runtime)
-                .await?;
+            let net = (netns, std::mem::take(&mut first));
+            let (pid, rx) = m.finish_replace(&p.images, Some(&p.files), net, runtime).await?;
             restored.push(RestoredMember {
                 id: m.id.clone(),
                 pid,
                 rx,
             });
         }
-        self.finish_replace(images, fs, netns, runtime).await
+        self.finish_replace(images, fs, (netns, first), runtime).await
     }
 
     /// What a replacement of the processes by `images` does while they
@@ -468,11 +478,13 @@ impl Container {
     /// The rest of a replacement ([`Container::prepare_replace`] first):
     /// kills the processes (if they still live), rolls the files back,
     /// restores the processes and re-wires stdio and the proxy.
+    /// `reap_time_wait`: it is the first restore of a pod's containers,
+    /// all killed (see `RestoreOpts::reap_time_wait`).
     async fn finish_replace(
         &mut self,
         images: &Path,
         fs: Option<&FsTarget>,
-        netns: Option<PathBuf>,
+        (netns, reap_time_wait): (Option<PathBuf>, bool),
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
         let t_kill = Instant::now();
@@ -500,6 +512,7 @@ impl Container {
         let opts = RestoreOpts {
             tcp_established: true,
             netns,
+            reap_time_wait,
             ..Default::default()
         };
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
@@ -541,6 +554,7 @@ impl Container {
             tcp_established: true,
             fresh_bundle: Some(self.bundle.clone()),
             netns: None,
+            reap_time_wait: false,
         };
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;

@@ -81,6 +81,9 @@ pub struct RestoreOpts {
     /// The sandbox's pinned network namespace (docker's), if it has one:
     /// the restore goes there.
     pub netns: Option<PathBuf>,
+    /// The first restore of a pod's containers, all killed: the pod's
+    /// network first loses its time-wait connections.
+    pub reap_time_wait: bool,
 }
 
 /// What a create or exec needs besides the container id.
@@ -187,6 +190,7 @@ impl RuntimeClient {
             work_path: work_path.to_owned(),
             tcp_established: opts.tcp_established,
             netns: opts.netns.clone(),
+            reap_time_wait: opts.reap_time_wait,
             launch: launch.spec(),
             bundle: opts.fresh_bundle.clone(),
         });

@@ -203,6 +203,9 @@ pub struct RestoreOpts<'a> {
     pub netns: Option<&'a Path>,
     /// Where crab pins this container's network namespace.
     pub own_netns: &'a Path,
+    /// Drop the time-wait connections of a namespace the spec joins first
+    /// (the first restore of a pod's containers, all killed).
+    pub reap_time_wait: bool,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -400,11 +403,12 @@ pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
 fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     let open = |path: &Path| File::open(path).with_context(|| format!("open {}", path.display()));
     if let Some(path) = joined_netns(spec) {
-        if !opts.fresh {
+        if opts.reap_time_wait {
             // A pod's: the processes just killed in it (the agent and the
-            // pod's other containers) left their ends of connections between
-            // them closing there, with the addresses the restore needs.
-            let _ = crate::netns::reap_closed_tcp(&path);
+            // pod's other containers) left connections between them in
+            // time-wait there, with the addresses the restore needs. Best
+            // effort, as below.
+            let _ = crate::netns::reap_time_wait(&path);
         }
         return open(&path).map(Some);
     }

@@ -135,6 +135,10 @@ pub struct Restore {
     pub tcp_established: bool,
     /// The sandbox's pinned network namespace now (docker's).
     pub netns: Option<PathBuf>,
+    /// The first restore of a pod's containers: the pod's network first
+    /// loses its time-wait connections.
+    #[serde(default)]
+    pub reap_time_wait: bool,
     /// How the restored init is born.
     pub launch: Launch,
     /// The container has no state yet (a sandbox forked or imported from a
