@@ -289,7 +289,8 @@ pub fn fresh_pinned(at: &Path) -> io::Result<File> {
 /// Destroys the TCP sockets of network namespace `ns` that their owners
 /// already closed (time-wait, fin-wait, closing, last-ack): the killed
 /// processes' ends of connections that a restore into the same namespace
-/// (docker's, a pod's) brings back with the same addresses and ports, which the
+/// (docker's, a pod's: its processes all killed) brings back with the same
+/// addresses and ports, which the
 /// kernel refuses while one lingers as a full socket. Open sockets (the
 /// proxy's listener and its connections) are left alone.
 pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
@@ -297,15 +298,6 @@ pub fn reap_closed_tcp(ns: &Path) -> io::Result<()> {
         ns,
         &["time-wait", "fin-wait-1", "fin-wait-2", "closing", "last-ack"],
     )
-}
-
-/// Destroys the TCP sockets of network namespace `ns` in time-wait: no
-/// process owns one, so whoever else lives in the namespace (a pod's
-/// containers outside its versions) loses nothing, and a connection
-/// between two of the pod's containers, killed together for a restore,
-/// leaves one behind with the addresses the restore needs.
-pub fn reap_time_wait(ns: &Path) -> io::Result<()> {
-    reap(ns, &["time-wait"])
 }
 
 /// Destroys the TCP sockets of network namespace `ns` in `states`

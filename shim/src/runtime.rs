@@ -341,7 +341,7 @@ fn restore_tree(root: &Path, criu_bin: &Path, id: &str, restore: &protocol::Rest
             fresh: restore.bundle.is_some(),
             netns: restore.netns.as_deref(),
             own_netns: &crate::netns::pin_path(root, id),
-            reap_time_wait: restore.reap_time_wait,
+            reap_closed: restore.reap_closed,
         },
     )
     .map_err(failed(FailureKind::Criu))

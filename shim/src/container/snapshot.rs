@@ -478,13 +478,13 @@ impl Container {
     /// The rest of a replacement ([`Container::prepare_replace`] first):
     /// kills the processes (if they still live), rolls the files back,
     /// restores the processes and re-wires stdio and the proxy.
-    /// `reap_time_wait`: it is the first restore of a pod's containers,
-    /// all killed (see `RestoreOpts::reap_time_wait`).
+    /// `reap_closed`: it is the first restore of a pod's containers,
+    /// all killed (see `RestoreOpts::reap_closed`).
     async fn finish_replace(
         &mut self,
         images: &Path,
         fs: Option<&FsTarget>,
-        (netns, reap_time_wait): (Option<PathBuf>, bool),
+        (netns, reap_closed): (Option<PathBuf>, bool),
         runtime: &RuntimeClient,
     ) -> Result<(i32, ExitReceiver)> {
         let t_kill = Instant::now();
@@ -512,7 +512,7 @@ impl Container {
         let opts = RestoreOpts {
             tcp_established: true,
             netns,
-            reap_time_wait,
+            reap_closed,
             ..Default::default()
         };
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;
@@ -554,7 +554,7 @@ impl Container {
             tcp_established: true,
             fresh_bundle: Some(self.bundle.clone()),
             netns: None,
-            reap_time_wait: false,
+            reap_closed: false,
         };
         let work = self.bundle.join(".crab-criu");
         let (pid, rx) = runtime.restore(&self.id, images, &work, &opts, launch).await?;

@@ -82,8 +82,9 @@ pub struct RestoreOpts {
     /// the restore goes there.
     pub netns: Option<PathBuf>,
     /// The first restore of a pod's containers, all killed: the pod's
-    /// network first loses its time-wait connections.
-    pub reap_time_wait: bool,
+    /// network first loses the connections closed but not gone
+    /// (`netns::reap_closed_tcp`).
+    pub reap_closed: bool,
 }
 
 /// What a create or exec needs besides the container id.
@@ -190,7 +191,7 @@ impl RuntimeClient {
             work_path: work_path.to_owned(),
             tcp_established: opts.tcp_established,
             netns: opts.netns.clone(),
-            reap_time_wait: opts.reap_time_wait,
+            reap_closed: opts.reap_closed,
             launch: launch.spec(),
             bundle: opts.fresh_bundle.clone(),
         });

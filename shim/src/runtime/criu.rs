@@ -203,9 +203,9 @@ pub struct RestoreOpts<'a> {
     pub netns: Option<&'a Path>,
     /// Where crab pins this container's network namespace.
     pub own_netns: &'a Path,
-    /// Drop the time-wait connections of a namespace the spec joins first
+    /// Drop the closed connections of a namespace the spec joins first
     /// (the first restore of a pod's containers, all killed).
-    pub reap_time_wait: bool,
+    pub reap_closed: bool,
 }
 
 /// The pid of the restored init, from CRIU's `post-restore` notification
@@ -403,12 +403,14 @@ pub fn pinned_netns(pid: i32) -> Option<PathBuf> {
 fn external_netns(spec: &Spec, opts: &RestoreOpts<'_>) -> Result<Option<File>> {
     let open = |path: &Path| File::open(path).with_context(|| format!("open {}", path.display()));
     if let Some(path) = joined_netns(spec) {
-        if opts.reap_time_wait {
+        if opts.reap_closed {
             // A pod's: the processes just killed in it (the agent and the
-            // pod's other containers) left connections between them in
-            // time-wait there, with the addresses the restore needs. Best
-            // effort, as below.
-            let _ = crate::netns::reap_time_wait(&path);
+            // pod's other containers) left their ends of connections
+            // closing there (time-wait, fin-wait: a killed end's peer may
+            // have been killed first), with the addresses the restore
+            // needs. A half-closed connection of a container outside the
+            // versions is lost with them. Best effort, as below.
+            let _ = crate::netns::reap_closed_tcp(&path);
         }
         return open(&path).map(Some);
     }

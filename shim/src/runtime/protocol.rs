@@ -136,9 +136,9 @@ pub struct Restore {
     /// The sandbox's pinned network namespace now (docker's).
     pub netns: Option<PathBuf>,
     /// The first restore of a pod's containers: the pod's network first
-    /// loses its time-wait connections.
+    /// loses the connections closed but not gone.
     #[serde(default)]
-    pub reap_time_wait: bool,
+    pub reap_closed: bool,
     /// How the restored init is born.
     pub launch: Launch,
     /// The container has no state yet (a sandbox forked or imported from a
