@@ -210,7 +210,7 @@ pub struct SandboxInfo {
 
 /// `POST /v1/sandboxes/{id}/turns` (an exact id): the sandbox's proxy saw a turn end and
 /// holds the turn's answer until crabd has made the turn safe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TurnEnd {
     /// The turn that ended (from 1, per sandbox).
     pub turn: u64,
@@ -228,12 +228,29 @@ pub struct TurnEnd {
     /// deadline in crabd's queue. None: crabd's default.
     #[serde(default)]
     pub expected_answer_ms: Option<u64>,
-    /// How many other app containers run in the sandbox's Kubernetes pod
-    /// (its members). The inspector follows the sandbox's own container
-    /// only, so a turn of a pod with members is a whole version, which
-    /// covers them too.
+    /// How many other app containers the sandbox's Kubernetes pod has
+    /// (its members): a version covers them too.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pod_members: u32,
+    /// Those of them the inspector can follow. A turn whose members are
+    /// not all listed, or that one is seen in for the first time (its past
+    /// is unknown), is a whole version; so is one in which a member
+    /// changed anything.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<PodMember>,
+}
+
+/// A container of a Kubernetes pod beside its sandbox, as a turn end names
+/// it for the inspector.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodMember {
+    /// Its container id: the inspector follows it under this name.
+    pub id: SandboxId,
+    /// Its cgroup directory in the unified (v2) hierarchy.
+    pub cgroup: PathBuf,
+    /// Its init is crab-init (its reaping changes nothing).
+    #[serde(default)]
+    pub crab_init: bool,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -72,6 +72,12 @@ pub struct ShimCheckpoint {
     pub images_dir: Option<PathBuf>,
     /// The filesystem snapshot to take, and where its backend keeps copies.
     pub fs: Option<FsTarget>,
+    /// The inspector saw the pod's other containers change nothing since
+    /// the version whose process image this one inherits: a checkpoint
+    /// without a process image may leave them out (their parts there
+    /// still hold). Otherwise the shim refuses one while they run.
+    #[serde(default)]
+    pub members_unchanged: bool,
 }
 
 /// A filesystem snapshot to take or go back to.
@@ -94,6 +100,10 @@ pub struct ShimCheckpointed {
     /// change of the sandbox's files.
     #[serde(default)]
     pub work_dir: Option<PathBuf>,
+    /// Where CRIU worked for each of the pod's other containers captured
+    /// with it: the same for theirs.
+    #[serde(default)]
+    pub member_work_dirs: Vec<PathBuf>,
 }
 
 /// `POST /restore` to a shim: replace the sandbox's processes (and files)

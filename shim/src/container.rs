@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use containerd_shim::api::{CheckpointTaskRequest, CreateTaskRequest, ExecProcessRequest, StateResponse};
@@ -60,9 +59,9 @@ pub struct Container {
     /// beside the pod's sandbox, `crate::pod`): it names its part of the
     /// pod's versions.
     pub pod_member: Option<String>,
-    /// When it is a pod's sandbox: how many members the pod has now (its
-    /// turn ends tell crabd).
-    pod_members: Option<Arc<AtomicU32>>,
+    /// When it is a pod's sandbox: the shim's pods, where its turn ends
+    /// find what to tell crabd of the pod's members.
+    pods: Option<Arc<crate::pod::Pods>>,
     /// The sandbox's LLM proxy; stopped at delete.
     proxy: Option<SandboxProxy>,
     /// How the proxy was set up (its variables, which execs get too), to
@@ -106,9 +105,9 @@ pub struct ProxySetup<'a> {
     pub namespace: &'a str,
     /// `[shim.proxy]`.
     pub config: &'a ProxyShimConfig,
-    /// When the container is a pod's sandbox: how many members the pod has
-    /// (`crate::pod::Pods::member_count`).
-    pub pod_members: Option<Arc<AtomicU32>>,
+    /// When the container is a pod's sandbox: the shim's pods
+    /// (`crate::pod::Pods::turn_view`).
+    pub pods: Option<Arc<crate::pod::Pods>>,
 }
 
 /// A process's exit, to be watched by the shim.
@@ -186,7 +185,7 @@ impl Container {
                 .filter(|a| matches!(crate::pod::role(a), crate::pod::Role::Member { .. }))
                 .filter(|_| !sandbox)
                 .and_then(crate::pod::member_name),
-            pod_members: proxy.pod_members.clone(),
+            pods: proxy.pods.clone(),
             proxy: None,
             proxy_plan: None,
             pending_restore: spec
@@ -257,11 +256,8 @@ impl Container {
                     // A proxy that cannot start must not fail the container:
                     // the agent then meets a refused connection, and the log
                     // says why.
-                    let hook = sandbox_proxy::turn_hook(
-                        proxy.config,
-                        &crate::config::get().crabd,
-                        c.pod_members.clone(),
-                    );
+                    let hook =
+                        sandbox_proxy::turn_hook(proxy.config, &crate::config::get().crabd, c.pods.clone());
                     match SandboxProxy::start(
                         proxy.namespace,
                         &c.id,

@@ -12,10 +12,11 @@
 //! own, and every version of the pod covers its processes and files too
 //! (`crate::container::members`), so its turns are whole versions.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
+
+use crab_api::crabd::PodMember;
 
 /// The annotation naming the pod a CRI container belongs to.
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
@@ -134,11 +135,9 @@ pub struct Pods(Mutex<HashMap<String, Pod>>);
 struct Pod {
     /// Its sandbox container, once one claimed it.
     sandbox: Option<String>,
-    /// Its other app containers, by id.
-    members: BTreeSet<String>,
-    /// How many members it has, for its sandbox's turn ends (see
-    /// [`Pods::member_count`]).
-    count: Arc<AtomicU32>,
+    /// Its other app containers, by id, with what the inspector needs to
+    /// follow each (once it is known: [`Pods::describe`]).
+    members: BTreeMap<String, Option<PodMember>>,
 }
 
 impl Pods {
@@ -155,10 +154,17 @@ impl Pods {
         let p = pods.entry(pod.clone()).or_default();
         let sandbox = *chosen != Some(false) && p.sandbox.get_or_insert_with(|| id.to_owned()) == id;
         if !sandbox {
-            p.members.insert(id.to_owned());
-            p.count.store(p.members.len() as u32, Ordering::Relaxed);
+            p.members.insert(id.to_owned(), None);
         }
         sandbox
+    }
+
+    /// Says how the inspector follows member `id`, once it is created.
+    pub fn describe(&self, id: &str, member: PodMember) {
+        let mut pods = self.0.lock().expect("pods lock");
+        if let Some(slot) = pods.values_mut().find_map(|p| p.members.get_mut(id)) {
+            *slot = Some(member);
+        }
     }
 
     /// Gives up container `id` (it is gone, or was never made): when it was
@@ -170,9 +176,7 @@ impl Pods {
             if p.sandbox.as_deref() == Some(id) {
                 p.sandbox = None;
             }
-            if p.members.remove(id) {
-                p.count.store(p.members.len() as u32, Ordering::Relaxed);
-            }
+            p.members.remove(id);
         }
         pods.retain(|_, p| p.sandbox.is_some() || !p.members.is_empty());
     }
@@ -180,21 +184,24 @@ impl Pods {
     /// The members of the pod whose sandbox is `id` (none if it is no pod's
     /// sandbox).
     pub fn members(&self, id: &str) -> Vec<String> {
-        let pods = self.0.lock().expect("pods lock");
-        pods.values()
-            .find(|p| p.sandbox.as_deref() == Some(id))
-            .map(|p| p.members.iter().cloned().collect())
+        self.with_pod_of(id, |p| p.members.keys().cloned().collect())
             .unwrap_or_default()
     }
 
-    /// How many members the pod whose sandbox is `id` has, kept current as
-    /// they come and go: its turn ends say so to crabd, which then makes
-    /// them whole versions (the inspector follows the sandbox only).
-    pub fn member_count(&self, id: &str) -> Option<Arc<AtomicU32>> {
+    /// What a turn end of the pod whose sandbox is `id` tells crabd of its
+    /// members: how many there are, and those the inspector can follow.
+    pub fn turn_view(&self, id: &str) -> (u32, Vec<PodMember>) {
+        self.with_pod_of(id, |p| {
+            let known = p.members.values().flatten().cloned().collect();
+            (p.members.len() as u32, known)
+        })
+        .unwrap_or_default()
+    }
+
+    /// `f` of the pod whose sandbox is `id`, if it is one's.
+    fn with_pod_of<T>(&self, id: &str, f: impl FnOnce(&Pod) -> T) -> Option<T> {
         let pods = self.0.lock().expect("pods lock");
-        pods.values()
-            .find(|p| p.sandbox.as_deref() == Some(id))
-            .map(|p| p.count.clone())
+        pods.values().find(|p| p.sandbox.as_deref() == Some(id)).map(f)
     }
 }
 
@@ -286,24 +293,33 @@ mod tests {
         let pods = Pods::default();
         let p = member("p");
         assert!(pods.claim(&p, "agent"));
-        let count = pods.member_count("agent").expect("a pod's sandbox");
-        assert_eq!(count.load(Ordering::Relaxed), 0);
+        assert_eq!(pods.turn_view("agent"), (0, vec![]));
         assert!(!pods.claim(&p, "sidecar"));
         assert!(
             !pods.claim(&Role::Infra, "pause"),
             "the pause container is no member"
         );
         assert_eq!(pods.members("agent"), vec!["sidecar".to_owned()]);
-        assert_eq!(count.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            pods.turn_view("agent"),
+            (1, vec![]),
+            "counted before it is described"
+        );
+        let described = PodMember {
+            id: crab_api::SandboxId::new("sidecar").unwrap(),
+            cgroup: "/sys/fs/cgroup/k8s/sidecar".into(),
+            crab_init: true,
+        };
+        pods.describe("sidecar", described.clone());
+        assert_eq!(pods.turn_view("agent"), (1, vec![described.clone()]));
         assert!(pods.members("sidecar").is_empty(), "a member is no pod's sandbox");
-        assert!(pods.member_count("other").is_none());
-        // A restarted agent keeps the members, and the count goes on.
+        assert_eq!(pods.turn_view("other"), (0, vec![]));
+        // A restarted agent keeps the members.
         pods.release("agent");
         assert!(pods.claim(&p, "agent2"));
-        assert_eq!(pods.members("agent2"), vec!["sidecar".to_owned()]);
+        assert_eq!(pods.turn_view("agent2"), (1, vec![described]));
         pods.release("sidecar");
         assert!(pods.members("agent2").is_empty());
-        assert_eq!(count.load(Ordering::Relaxed), 0, "the same counter, now 0");
         pods.release("agent2");
         assert!(pods.0.lock().unwrap().is_empty(), "an empty pod is forgotten");
     }

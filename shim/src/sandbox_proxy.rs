@@ -339,11 +339,12 @@ async fn listen_in_sandbox(pid: i32, port: u16) -> Result<tokio::net::TcpListene
 
 /// The hook of a sandbox's gate: crabd's checkpoint of each turn when
 /// `checkpoint_on_turn` is set and shims register with crabd, otherwise none.
-/// A pod's sandbox gives its pod's member count, told at each turn end.
+/// A pod's sandbox gives the shim's pods: each turn end tells crabd of its
+/// pod's members.
 pub fn turn_hook(
     cfg: &ProxyShimConfig,
     crabd: &crate::config::CrabdShimConfig,
-    pod_members: Option<Arc<std::sync::atomic::AtomicU32>>,
+    pods: Option<Arc<crate::pod::Pods>>,
 ) -> Arc<dyn TurnHook> {
     if cfg.checkpoint_on_turn && crabd.register {
         let limit = Duration::from_secs(cfg.hold_timeout);
@@ -352,7 +353,7 @@ pub fn turn_hook(
             &crabd.socket,
             limit,
             autostart,
-            pod_members,
+            pods,
         ))
     } else {
         // Every turn is safe at once.

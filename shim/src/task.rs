@@ -17,6 +17,8 @@ use containerd_shim::protos::types::task::ProcessInfo;
 
 use crate::cgroup;
 use crate::container::{Container, ProxySetup};
+use crab_api::crabd::PodMember;
+
 use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
@@ -46,7 +48,7 @@ impl Task for TaskService {
         let proxy = ProxySetup {
             namespace: &self.namespace,
             config: &crate::config::get().shim.proxy,
-            pod_members: self.pods.member_count(&req.id),
+            pods: (sandbox && matches!(role, crate::pod::Role::Member { .. })).then(|| self.pods.clone()),
         };
         if !sandbox {
             tracing::info!(
@@ -62,10 +64,27 @@ impl Task for TaskService {
             }
         };
         if !sandbox && matches!(role, crate::pod::Role::Member { .. }) {
-            if let Some(why) = container.unversioned_reason() {
-                tracing::warn!("{}: outside its pod's versions: {why}", req.id);
-                self.pods.release(&req.id);
-                container.pod_member = None;
+            match container.unversioned_reason() {
+                Some(why) => {
+                    tracing::warn!("{}: outside its pod's versions: {why}", req.id);
+                    self.pods.release(&req.id);
+                    container.pod_member = None;
+                }
+                None => {
+                    // What the inspector needs to follow it with the pod.
+                    let cgroup = crate::cgroup::cgroup2_dir(&container.cgroups_path);
+                    if let (Ok(id), Some(cgroup)) = (crab_api::SandboxId::new(req.id.as_str()), cgroup) {
+                        let crab_init = container.init_is_crab_init();
+                        self.pods.describe(
+                            &req.id,
+                            PodMember {
+                                id,
+                                cgroup,
+                                crab_init,
+                            },
+                        );
+                    }
+                }
             }
         }
         self.watch_oom(&mut container);

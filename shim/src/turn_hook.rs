@@ -11,7 +11,6 @@
 //! the answer on failure: the agent is never wedged by crabd.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,8 +24,8 @@ pub struct EngineHook {
     crabd: Crabd,
     /// The crabd binary to start when nothing listens (`[crabd] autostart`).
     autostart: Option<PathBuf>,
-    /// How many members the sandbox's pod has now, if it is a pod's.
-    pod_members: Option<Arc<AtomicU32>>,
+    /// The shim's pods, if the sandbox is a pod's: its pod's members.
+    pods: Option<Arc<crate::pod::Pods>>,
 }
 
 // === impl EngineHook ===
@@ -35,18 +34,18 @@ impl EngineHook {
     /// A hook calling crabd at `socket`, each call limited to `limit`;
     /// when nothing listens there (crabd died or the host restarted it
     /// away), it starts `autostart` and tries again for a few seconds.
-    /// `pod_members`: the count of the sandbox's pod's members, told with
-    /// each turn end.
+    /// `pods`: the shim's pods, when the sandbox is a pod's: each turn end
+    /// tells crabd of its pod's members.
     pub fn new(
         socket: &Path,
         limit: Duration,
         autostart: Option<&Path>,
-        pod_members: Option<Arc<AtomicU32>>,
+        pods: Option<Arc<crate::pod::Pods>>,
     ) -> Self {
         EngineHook {
             crabd: Crabd::new(socket, limit),
             autostart: autostart.map(ToOwned::to_owned),
-            pod_members,
+            pods,
         }
     }
 
@@ -87,13 +86,19 @@ impl TurnHook for EngineHook {
         // Turn N ends when request N arrives; the gate has made the records
         // of turns 1..N-1 durable before it releases N's answer, so those
         // are the conversation that belongs to this version.
+        let (pod_members, members) = self
+            .pods
+            .as_ref()
+            .map(|p| p.turn_view(sandbox.as_str()))
+            .unwrap_or_default();
         let end = TurnEnd {
             turn,
             branch,
             inside,
             transcript_turns: turn.saturating_sub(1),
             expected_answer_ms: expected_answer.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            pod_members: self.pod_members.as_ref().map_or(0, |n| n.load(Ordering::Relaxed)),
+            pod_members,
+            members,
         };
         match self.send(sandbox, &end).await {
             Ok(CheckpointReport {

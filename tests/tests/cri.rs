@@ -77,7 +77,8 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "[shim]\nlog_level = \"debug\"\n[shim.proxy]\nopenai_upstream = \"http://127.0.0.1:{}\"\n",
+                "[shim]\nlog_level = \"debug\"\n[shim.proxy]\nopenai_upstream = \"http://127.0.0.1:{}\"\n\
+                 [crabd]\ninspector = true\n",
                 llm.port
             ),
         )
@@ -93,7 +94,9 @@ impl Node {
                 .collect::<Vec<_>>()
                 .join("\n")
         ) + "\n[debug]\n  level = \"debug\"\n";
-        let mut ctd = Containerd::start_full(&extra, &[("CRAB_CONFIG", &config.to_string_lossy())]);
+        // crabd logs why each turn got its class (what a failure shows).
+        let env = [("CRAB_CONFIG", &*config.to_string_lossy()), ("CRAB_LOG", "debug")];
+        let mut ctd = Containerd::start_full(&extra, &env);
         ctd.namespace = K8S.to_owned();
         ctd.ctr_ok(&[
             "image",
@@ -315,6 +318,16 @@ fn turn_from(node: &mut Node, id: &str) {
     assert!(out.contains("choices"), "{out}");
 }
 
+/// One turn of an agent outside the pod's processes: a chat completion
+/// posted to the pod's proxy on the pod's loopback, from the test's own
+/// thread in the network namespace of `pid`.
+fn turn_from_outside(pid: i32) {
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"next"}]}"#;
+    let (status, answer) =
+        crab_tests::http::request_in(pid, 7878, "POST", "/v1/chat/completions", &[], Some(body));
+    assert_eq!(status, 200, "{answer}");
+}
+
 #[test]
 fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     let llm = ScriptedLlm::start();
@@ -382,15 +395,31 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
         vec![1, 2]
     );
     assert_eq!(llm.seen().len(), 2, "each turn reached the LLM once");
-    // The inspector follows the agent's container only: with a sidecar in
-    // the pod, every turn is a whole version, which covers the sidecar.
-    let classes: Vec<String> = crabctl_ok(&node.ctd, &["versions", &agent])
+    // The inspector follows the sidecar with the agent. The first two
+    // turns are whole (no version before them; the sidecar's past unknown,
+    // then a request from it). Turns asked from outside the pod's
+    // processes (into its network, as an agent outside does): one in which
+    // no container changed anything is `none`, one after the sidecar wrote
+    // a file is whole.
+    let agent_pid = pid(&node, &agent);
+    turn_from_outside(agent_pid);
+    turn_from_outside(agent_pid);
+    assert_eq!(node.exec(&sidecar, "echo x > /side-note").0, 0);
+    turn_from_outside(agent_pid);
+    let versions = wait_until(20, || {
+        let v = crabctl_ok(&node.ctd, &["versions", &agent]);
+        (v.as_array().is_some_and(|a| a.len() >= 5)).then_some(v)
+    })
+    .expect("five turn versions");
+    let classes: Vec<&str> = versions
         .as_array()
-        .expect("a list")
+        .unwrap()
         .iter()
-        .map(|v| v["class"].as_str().unwrap_or_default().to_owned())
+        .map(|v| v["class"].as_str().unwrap_or_default())
         .collect();
-    assert_eq!(classes, vec!["full", "full"], "a pod with a sidecar");
+    let log = std::fs::read_to_string(node.ctd.crabd_root().join("crabd.log")).unwrap_or_default();
+    let why: Vec<&str> = log.lines().filter(|l| l.contains("classified")).collect();
+    assert_eq!(classes[3..], ["none", "full"], "{}", why.join("\n"));
 
     // Checkpoint, change files and memory, roll back: the agent comes back
     // as it was, in the pod's network, and execs run in it again.
@@ -563,7 +592,28 @@ fn a_pod_is_one_sandbox_that_checkpoints_and_rolls_back() {
     )
     .unwrap();
     let agent_pid = wait_until(30, || node.ctd.task_pid(&agent).filter(|&p| p != agent_before))
-        .expect("the agent is recovered");
+        .unwrap_or_else(|| {
+            let log = std::fs::read_to_string(node.ctd.crabd_root().join("crabd.log")).unwrap_or_default();
+            let bad: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("recover") || l.contains(" WARN ") || l.contains(" ERROR "))
+                .collect();
+            let ctd_log = std::fs::read_to_string(node.ctd.dir.join("containerd.log")).unwrap_or_default();
+            let shim: Vec<&str> = ctd_log
+                .lines()
+                .filter(|l| {
+                    l.contains("recover")
+                        || l.contains("level=warn")
+                        || l.contains("level=error")
+                        || l.contains("restore")
+                })
+                .collect();
+            panic!(
+                "the agent is not recovered: {}\n--- shim ---\n{}",
+                bad.join("\n"),
+                shim[shim.len().saturating_sub(20)..].join("\n")
+            )
+        });
     assert_eq!(ask(agent_pid, STORE, "get k"), "before");
     assert_ne!(
         pid(&node, &sidecar),

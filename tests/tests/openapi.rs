@@ -61,6 +61,7 @@ const SCHEMAS: &[&str] = &[
     "WatchStarted",
     "WatchLine",
     "TurnEnd",
+    "PodMember",
     "CheckpointRequest",
     "CheckpointReport",
     "RollbackRequest",
@@ -736,7 +737,13 @@ fn turns() {
     assert_valid("WatchStarted", &started);
     assert_valid("WatchLine", &started);
     assert_invalid("WatchStarted", json!({"watching": "../x"}));
+    let member = crab_api::crabd::PodMember {
+        id: id("sidecar"),
+        cgroup: "/sys/fs/cgroup/k8s/sidecar".into(),
+        crab_init: true,
+    };
     for (expected_answer_ms, inside, pod_members) in [(None, true, 0), (Some(4_200), false, 2)] {
+        let members = vec![member.clone(); pod_members as usize];
         assert_valid(
             "TurnEnd",
             &TurnEnd {
@@ -746,6 +753,7 @@ fn turns() {
                 transcript_turns: 14,
                 expected_answer_ms,
                 pod_members,
+                members,
             },
         );
     }

@@ -46,7 +46,7 @@ impl Daemon {
                 // A capture of a pod with other containers covers them, and
                 // so is whole (the shim refuses a partial one).
                 let members = d.pod_members(&reg);
-                class = pod_whole(&reg, members, class);
+                class = pod_whole(&reg, (members, members), class);
             }
             d.room_for_capture(&reg.id, class).await?;
             let slot = d
@@ -130,15 +130,19 @@ impl Daemon {
             (Class::Proc, _) => Capture::Proc,
             _ => Capture::Nothing,
         };
+        // A turn's files-only version: the inspector followed the pod's
+        // other containers and saw them change nothing (any change, or one
+        // not followed, makes the turn whole).
+        let members_unchanged = turn.is_some() && class == Class::Fs;
         let store = self.store.clone();
         let sid = reg.id.clone();
         let pending = blocking(move || {
             store.begin_version(
                 &sid,
                 NewVersion {
-                    turn: turn.map(|t| t.turn),
-                    branch: turn.map_or(0, |t| t.branch),
-                    transcript_turns: turn.map_or(0, |t| t.transcript_turns),
+                    turn: turn.as_ref().map(|t| t.turn),
+                    branch: turn.as_ref().map_or(0, |t| t.branch),
+                    transcript_turns: turn.as_ref().map_or(0, |t| t.transcript_turns),
                     capture,
                 },
             )
@@ -159,6 +163,7 @@ impl Daemon {
                     name: f.name,
                     store: self.files.store_dir(&reg.id),
                 }),
+                members_unchanged,
             };
             // While the shim freezes, dumps and thaws, CRIU's calls in
             // the sandbox's tasks are the capture's, not their running.
@@ -177,6 +182,7 @@ impl Daemon {
                     .map(ToOwned::to_owned)
                     .into_iter()
                     .chain(done.work_dir)
+                    .chain(done.member_work_dirs)
                     .collect::<Vec<PathBuf>>(),
             );
             done.frozen_ms

@@ -5,12 +5,13 @@
 //! (crate `crab-inspector`) implements it. Without one, every turn is
 //! `full`, the class that never loses work, and says so.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use crab_api::config::CrabdConfig;
-use crab_api::crabd::{TurnReport, WatchStarted};
+use crab_api::crabd::{PodMember, TurnReport, WatchStarted};
 use crab_api::{Class, SandboxId, SandboxSelector};
 use futures_util::StreamExt;
 use tokio::sync::broadcast;
@@ -48,6 +49,9 @@ pub trait TurnInspector: Send + Sync {
 pub struct Inspection {
     inspector: Option<Box<dyn TurnInspector>>,
     reports: broadcast::Sender<TurnReport>,
+    /// The other containers of each pod's sandbox that the inspector
+    /// follows with it, by their ids (see [`Inspection::follow_members`]).
+    members: parking_lot::Mutex<HashMap<SandboxId, Vec<SandboxId>>>,
 }
 
 // === impl Inspection ===
@@ -58,7 +62,55 @@ impl Inspection {
         Inspection {
             inspector,
             reports: broadcast::channel(256).0,
+            members: parking_lot::Mutex::default(),
         }
+    }
+
+    /// Follows `members`, the other containers of pod sandbox `sandbox`,
+    /// and no others of it from now on; answers whether every one of them
+    /// was followed already (one seen for the first time, or that cannot be
+    /// followed, has an unknown past: the version must be whole). Each
+    /// turn end of the sandbox ends theirs too.
+    pub fn follow_members(&self, sandbox: &SandboxId, members: &[PodMember]) -> bool {
+        let Some(i) = &self.inspector else {
+            return members.is_empty();
+        };
+        let mut all = self.members.lock();
+        let followed = all.entry(sandbox.clone()).or_default();
+        followed.retain(|m| {
+            let still = members.iter().any(|n| n.id == *m);
+            if !still {
+                i.unregister(m);
+            }
+            still
+        });
+        let mut known = true;
+        for m in members {
+            if followed.contains(&m.id) {
+                continue;
+            }
+            known = false;
+            let registered = i.register(&m.id, &m.cgroup).and_then(|()| match m.crab_init {
+                true => i.quiet_init(&m.id),
+                false => Ok(()),
+            });
+            match registered {
+                Ok(()) => followed.push(m.id.clone()),
+                Err(e) => {
+                    i.unregister(&m.id);
+                    tracing::warn!(%sandbox, member = %m.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow the pod's container: the pod's versions stay whole");
+                }
+            }
+        }
+        if followed.is_empty() {
+            all.remove(sandbox);
+        }
+        known
+    }
+
+    /// The other containers of `sandbox`'s pod that the inspector follows.
+    fn members_of(&self, sandbox: &SandboxId) -> Vec<SandboxId> {
+        self.members.lock().get(sandbox).cloned().unwrap_or_default()
     }
 
     /// Follows a registered sandbox (logged when it cannot: its turns are
@@ -76,24 +128,45 @@ impl Inspection {
         }
     }
 
-    /// Stops following a sandbox.
+    /// Stops following a sandbox (and its pod's other containers).
     pub fn unregister(&self, sandbox: &SandboxId) {
+        let members = self.members.lock().remove(sandbox).unwrap_or_default();
         if let Some(i) = &self.inspector {
             i.unregister(sandbox);
+            for m in &members {
+                i.unregister(m);
+            }
         }
     }
 
-    /// Ends the sandbox's turn: its report, also sent to watchers. When no
-    /// inspector can answer, the class is `full` and the reason says why.
+    /// Ends the sandbox's turn, and its pod's other containers' (any
+    /// change of one makes the turn whole: the shim captures them only
+    /// so): its report, also sent to watchers. When no inspector can
+    /// answer, the class is `full` and the reason says why.
     pub fn turn_end(&self, sandbox: &SandboxId) -> TurnReport {
-        let report = match &self.inspector {
-            Some(i) => i.turn_end(sandbox).unwrap_or_else(|e| {
+        let ended = |name: &SandboxId| match &self.inspector {
+            Some(i) => i.turn_end(name).unwrap_or_else(|e| {
                 let why = crab_api::error_chain(e.as_ref());
-                tracing::warn!(%sandbox, error = why, "inspector could not end the turn: it is full");
-                full(sandbox, &why)
+                tracing::warn!(sandbox = %name, error = why, "inspector could not end the turn: it is full");
+                full(name, &why)
             }),
-            None => full(sandbox, "no inspector is loaded"),
+            None => full(name, "no inspector is loaded"),
         };
+        let mut report = ended(sandbox);
+        for m in self.members_of(sandbox) {
+            let theirs = ended(&m);
+            if theirs.class != Class::None {
+                report.class = report.class.union(Class::Full);
+                report.reasons.push(serde_json::json!({
+                    "kind": "pod_member",
+                    "member": m,
+                    "class": theirs.class,
+                    "why": "the pod's other container changed: the version captures it whole",
+                    "reasons": theirs.reasons.iter().take(8).collect::<Vec<_>>(),
+                }));
+                report.n_reasons += 1;
+            }
+        }
         if let Some(why) = report.reasons.iter().find(|r| r["kind"] == "unsure") {
             let why = why["why"].as_str().unwrap_or_default();
             tracing::warn!(%sandbox, turn = report.turn, reason = why, "the inspector cannot vouch for the turn: it is full");
@@ -105,7 +178,14 @@ impl Inspection {
     /// Starts the sandbox's ledger afresh (its state was just restored):
     /// what it did before no longer counts. Watchers are not told.
     pub fn reset(&self, sandbox: &SandboxId) {
+        // The pod's other containers are followed afresh from the next turn
+        // end, which is then whole: a restore may have passed one over or
+        // left one as it was, whose state no version holds.
+        let members = self.members.lock().remove(sandbox).unwrap_or_default();
         if let Some(i) = &self.inspector {
+            for m in &members {
+                i.unregister(m);
+            }
             if let Err(e) = i.restored(sandbox) {
                 tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector reset");
             }
@@ -117,8 +197,10 @@ impl Inspection {
     /// makes turns `full`, or is taken for CRIU until the next capture).
     pub fn capturing(&self, sandbox: &SandboxId, on: bool) {
         if let Some(i) = &self.inspector {
-            if let Err(e) = i.capturing(sandbox, on) {
-                tracing::warn!(%sandbox, on, error = %crab_api::error_chain(e.as_ref()), "inspector capture window");
+            for name in std::iter::once(sandbox.clone()).chain(self.members_of(sandbox)) {
+                if let Err(e) = i.capturing(&name, on) {
+                    tracing::warn!(sandbox = %name, on, error = %crab_api::error_chain(e.as_ref()), "inspector capture window");
+                }
             }
         }
     }
@@ -128,8 +210,10 @@ impl Inspection {
     /// forgotten: the next turn is then only bigger).
     pub fn forget_own_files(&self, sandbox: &SandboxId, own: &[PathBuf]) {
         if let Some(i) = &self.inspector {
-            if let Err(e) = i.forget_own_files(sandbox, own) {
-                tracing::warn!(%sandbox, error = %crab_api::error_chain(e.as_ref()), "inspector forget own files");
+            for name in std::iter::once(sandbox.clone()).chain(self.members_of(sandbox)) {
+                if let Err(e) = i.forget_own_files(&name, own) {
+                    tracing::warn!(sandbox = %name, error = %crab_api::error_chain(e.as_ref()), "inspector forget own files");
+                }
             }
         }
     }

@@ -282,7 +282,12 @@ impl Daemon {
             let _one_at_a_time = busy.lock().await;
             let mut report = d.classify(&reg.id).await?;
             let members = d.pod_members(&reg);
-            let class = pod_floor(&reg, members, d.effective_class(&reg, report.class)?, &mut report);
+            let class = pod_floor(
+                &reg,
+                (members, members),
+                d.effective_class(&reg, report.class)?,
+                &mut report,
+            );
             let slot = match class {
                 Class::None => None,
                 _ => Some(d.scheduler.admit(&reg.id, Instant::now(), true).await),
@@ -349,9 +354,10 @@ impl Daemon {
         reg: &Registration,
         batch: &mut Vec<Waiter>,
     ) -> Result<(CheckpointReport, TurnReport), ApiError> {
+        let pod = self.follow_members(reg, batch).await?;
         let mut report = self.classify(&reg.id).await?;
         let mut class = self.effective_class(reg, report.class)?;
-        class = pod_floor(reg, batch_members(batch), class, &mut report);
+        class = pod_floor(reg, pod, class, &mut report);
         if !self.config.safety.protected_paths.is_empty() && reg.fs_backend.is_some() {
             // Protected paths are judged on the captured files: every turn
             // captures them, whatever the inspector saw.
@@ -373,19 +379,20 @@ impl Daemon {
             // Everything that waits now is covered by this capture.
             let more = self.turns.take_more(&reg.id);
             if !more.is_empty() {
+                batch.extend(more);
+                let pod = self.follow_members(reg, batch).await?;
                 let again = self.classify(&reg.id).await?;
                 class = class.union(again.class);
                 report.class = report.class.union(again.class);
                 report.reasons.extend(again.reasons);
-                batch.extend(more);
-                class = pod_floor(reg, batch_members(batch), class, &mut report);
+                class = pod_floor(reg, pod, class, &mut report);
             }
             Some(slot)
         };
-        let newest = batch.iter().map(|w| w.end).max_by_key(|e| e.turn);
+        let newest = batch.iter().map(|w| &w.end).max_by_key(|e| e.turn);
         let end = newest.map(|e| TurnEnd {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
-            ..e
+            ..e.clone()
         });
         let inside = batch.iter().any(|w| w.end.inside);
         let version = match self.turn_version(reg, class, end, slot).await {
@@ -430,6 +437,26 @@ impl Daemon {
         if let Err(e) = super::work::blocking(move || store.set_head(&sid, None)).await {
             tracing::warn!(sandbox = %id, error = %crab_api::error_chain(&e), "head not cleared after a failed turn version");
         }
+    }
+
+    /// Has the inspector follow the other containers of `reg`'s pod that
+    /// the newest turn end of `batch` names; answers how many the pod has,
+    /// and of how many it cannot vouch for this turn (those it cannot
+    /// follow or sees for the first time: all of them then).
+    async fn follow_members(
+        self: &Arc<Self>,
+        reg: &Registration,
+        batch: &[Waiter],
+    ) -> Result<(u32, u32), ApiError> {
+        let Some(newest) = batch.iter().map(|w| &w.end).max_by_key(|e| e.turn) else {
+            return Ok((0, 0));
+        };
+        let (count, members) = (newest.pod_members, newest.members.clone());
+        let d = self.clone();
+        let sid = reg.id.clone();
+        let listed = members.len() == count as usize;
+        let known = tokio::task::spawn_blocking(move || d.inspection.follow_members(&sid, &members)).await?;
+        Ok((count, if listed && known { 0 } else { count }))
     }
 
     /// Asks the inspector what sandbox `id` changed since its last version.
@@ -490,37 +517,36 @@ impl Daemon {
     }
 }
 
-/// How many other containers the pod of a batch's sandbox has, as its
-/// turn ends tell.
-fn batch_members(batch: &[Waiter]) -> u32 {
-    batch.iter().map(|w| w.end.pod_members).max().unwrap_or(0)
-}
-
 /// The class of a version of `reg`'s sandbox, given the inspector's
-/// `class`: whole when its pod has `members` other containers (see
-/// [`pod_whole`]). The reason is added to `report` once.
-pub(super) fn pod_floor(reg: &Registration, members: u32, class: Class, report: &mut TurnReport) -> Class {
-    if members > 0 && !report.reasons.iter().any(|r| r.get("pod_members").is_some()) {
+/// `class`, when its pod has `pod.0` other containers of which the
+/// inspector cannot vouch for `pod.1` (see [`pod_whole`]). The reason is
+/// added to `report` once.
+pub(super) fn pod_floor(reg: &Registration, pod: (u32, u32), class: Class, report: &mut TurnReport) -> Class {
+    let (members, unvouched) = pod;
+    if unvouched > 0 && !report.reasons.iter().any(|r| r.get("pod_members").is_some()) {
         report.reasons.push(serde_json::json!({
-            "pod_members": members,
-            "why": "the pod's other containers are not inspected: the version covers them whole",
+            "pod_members": unvouched,
+            "why": "the pod's other containers are not all inspected yet: the version covers them whole",
         }));
         report.n_reasons += 1;
     }
-    pod_whole(reg, members, class)
+    pod_whole(reg, (members, unvouched), class)
 }
 
-/// `class`, made whole when `reg`'s pod has `members` other containers: the
-/// inspector follows the pod's sandbox container only, so what the others
-/// did is unknown, and the shim captures them only with a whole version.
-pub(super) fn pod_whole(reg: &Registration, members: u32, class: Class) -> Class {
-    if members == 0 {
-        return class;
-    }
-    class.union(match reg.fs_backend {
+/// `class`, for a pod with `pod.0` other containers of which the inspector
+/// cannot vouch for `pod.1`: whole when it cannot vouch for one (what it did
+/// is unknown, and the shim captures them only with a whole version). A
+/// version with a process image of a pod with other containers has a file
+/// snapshot too: their parts are named after it.
+pub(super) fn pod_whole(reg: &Registration, (members, unvouched): (u32, u32), class: Class) -> Class {
+    let whole = match reg.fs_backend {
         Some(_) => Class::Full,
         None => Class::Proc,
-    })
+    };
+    if unvouched > 0 || (members > 0 && class.needs_proc()) {
+        return class.union(whole);
+    }
+    class
 }
 
 #[cfg(test)]
@@ -545,13 +571,24 @@ mod tests {
             reasons: Vec::new(),
             n_reasons: 0,
         };
-        assert_eq!(pod_floor(&reg(true), 0, Class::None, &mut report), Class::None);
+        let r = reg(true);
+        assert_eq!(pod_floor(&r, (0, 0), Class::None, &mut report), Class::None);
         assert!(report.reasons.is_empty());
-        assert_eq!(pod_floor(&reg(true), 2, Class::None, &mut report), Class::Full);
-        assert_eq!(pod_floor(&reg(true), 2, Class::Fs, &mut report), Class::Full);
+        // Members the inspector vouches for: the inspector's class, but a
+        // process image has a file snapshot beside it (their parts' names).
+        assert_eq!(pod_floor(&r, (2, 0), Class::None, &mut report), Class::None);
+        assert_eq!(pod_floor(&r, (2, 0), Class::Fs, &mut report), Class::Fs);
+        assert_eq!(pod_floor(&r, (2, 0), Class::Proc, &mut report), Class::Full);
+        assert!(report.reasons.is_empty());
+        // Members it cannot vouch for: whole, and the reason once.
+        assert_eq!(pod_floor(&r, (2, 2), Class::None, &mut report), Class::Full);
+        assert_eq!(pod_floor(&r, (2, 1), Class::Fs, &mut report), Class::Full);
         assert_eq!(report.n_reasons, 1, "the reason once: {:?}", report.reasons);
         assert_eq!(report.reasons[0]["pod_members"], 2);
         // Without a file backend, whole is the processes.
-        assert_eq!(pod_floor(&reg(false), 1, Class::None, &mut report), Class::Proc);
+        assert_eq!(
+            pod_floor(&reg(false), (1, 1), Class::None, &mut report),
+            Class::Proc
+        );
     }
 }

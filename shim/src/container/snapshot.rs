@@ -110,7 +110,13 @@ impl Container {
         if req.images_dir.is_some() {
             self.refuse_undumpable().await?;
         }
-        let members: Vec<&Container> = members.iter().map(|m| &**m).filter(|m| m.member_runs()).collect();
+        let mut members: Vec<&Container> = members.iter().map(|m| &**m).filter(|m| m.member_runs()).collect();
+        if req.images_dir.is_none() && req.members_unchanged {
+            // A files-only version inheriting a process image whose parts
+            // of them still hold (crabd's inspector says they changed
+            // nothing since).
+            members.clear();
+        }
         if !members.is_empty() && (req.images_dir.is_none() || req.fs.is_none()) {
             return Err(Error::PodMember {
                 id: self.id.clone(),
@@ -183,6 +189,7 @@ impl Container {
             frozen_ms,
             fs,
             work_dir: Some(self.criu_work_dir()),
+            member_work_dirs: members.iter().map(|m| m.criu_work_dir()).collect(),
         })
     }
 
@@ -310,6 +317,7 @@ impl Container {
             let undo = ShimCheckpoint {
                 images_dir: Some(undo_dir.clone()),
                 fs: undo_fs.clone(),
+                members_unchanged: false,
             };
             self.engine_checkpoint(&undo, runtime, members).await?;
             undo_ms = undo_started.elapsed().as_secs_f64() * 1e3;
@@ -615,8 +623,7 @@ impl Container {
             }
             return;
         }
-        let hook =
-            crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd, self.pod_members.clone());
+        let hook = crate::sandbox_proxy::turn_hook(config, &crate::config::get().crabd, self.pods.clone());
         match SandboxProxy::start(
             &namespace,
             &self.id,
