@@ -51,7 +51,10 @@ pub struct Inspection {
     reports: broadcast::Sender<TurnReport>,
     /// The other containers of each pod's sandbox that the inspector
     /// follows with it, by their ids (see [`Inspection::follow_members`]).
+    /// Locked before `sandboxes`.
     members: parking_lot::Mutex<HashMap<SandboxId, Vec<SandboxId>>>,
+    /// The sandboxes registered and not unregistered since.
+    sandboxes: parking_lot::Mutex<std::collections::HashSet<SandboxId>>,
 }
 
 // === impl Inspection ===
@@ -63,41 +66,50 @@ impl Inspection {
             inspector,
             reports: broadcast::channel(256).0,
             members: parking_lot::Mutex::default(),
+            sandboxes: parking_lot::Mutex::default(),
         }
     }
 
     /// Follows `members`, the other containers of pod sandbox `sandbox`,
-    /// and no others of it from now on; answers whether every one of them
-    /// was followed already (one seen for the first time, or that cannot be
-    /// followed, has an unknown past: the version must be whole). Each
-    /// turn end of the sandbox ends theirs too.
+    /// and no others of it from now on; answers whether the inspector can
+    /// vouch for all of them since the last turn end: not when one is seen
+    /// for the first time or cannot be followed (its past is unknown), nor
+    /// when one followed is gone (it ended, and what a version holds of it
+    /// no longer is its state): the version must then be whole. Each turn
+    /// end of the sandbox ends theirs too. Nothing is followed for a
+    /// sandbox the inspector does not follow itself (it went).
     pub fn follow_members(&self, sandbox: &SandboxId, members: &[PodMember]) -> bool {
         let Some(i) = &self.inspector else {
             return members.is_empty();
         };
         let mut all = self.members.lock();
+        if !self.sandboxes.lock().contains(sandbox) {
+            return members.is_empty();
+        }
         let followed = all.entry(sandbox.clone()).or_default();
+        let mut known = true;
         followed.retain(|m| {
             let still = members.iter().any(|n| n.id == *m);
             if !still {
                 i.unregister(m);
+                known = false;
             }
             still
         });
-        let mut known = true;
         for m in members {
             if followed.contains(&m.id) {
                 continue;
             }
             known = false;
+            // Only what this call registered is undone on a failure: a name
+            // taken already may be another sandbox's to end.
             let registered = i.register(&m.id, &m.cgroup).and_then(|()| match m.crab_init {
-                true => i.quiet_init(&m.id),
+                true => i.quiet_init(&m.id).inspect_err(|_| i.unregister(&m.id)),
                 false => Ok(()),
             });
             match registered {
                 Ok(()) => followed.push(m.id.clone()),
                 Err(e) => {
-                    i.unregister(&m.id);
                     tracing::warn!(%sandbox, member = %m.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow the pod's container: the pod's versions stay whole");
                 }
             }
@@ -113,6 +125,19 @@ impl Inspection {
         self.members.lock().get(sandbox).cloned().unwrap_or_default()
     }
 
+    /// Ends the turns of the other containers of `sandbox`'s pod only;
+    /// answers whether one changed anything, or cannot say (a files-only
+    /// version leaves them out, so they are asked again just before its
+    /// capture).
+    pub fn members_changed(&self, sandbox: &SandboxId) -> bool {
+        let Some(i) = &self.inspector else {
+            return true;
+        };
+        self.members_of(sandbox)
+            .iter()
+            .any(|m| i.turn_end(m).map_or(true, |r| r.class != Class::None))
+    }
+
     /// Follows a registered sandbox (logged when it cannot: its turns are
     /// then `full`).
     pub fn register(&self, reg: &crab_api::crabd::Registration) {
@@ -123,14 +148,23 @@ impl Inspection {
             true => i.quiet_init(&reg.id),
             false => Ok(()),
         });
-        if let Err(e) = followed {
-            tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow it: its turns will be full");
+        match followed {
+            Ok(()) => {
+                self.sandboxes.lock().insert(reg.id.clone());
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %reg.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow it: its turns will be full")
+            }
         }
     }
 
     /// Stops following a sandbox (and its pod's other containers).
     pub fn unregister(&self, sandbox: &SandboxId) {
-        let members = self.members.lock().remove(sandbox).unwrap_or_default();
+        let members = {
+            let mut all = self.members.lock();
+            self.sandboxes.lock().remove(sandbox);
+            all.remove(sandbox).unwrap_or_default()
+        };
         if let Some(i) = &self.inspector {
             i.unregister(sandbox);
             for m in &members {
@@ -352,5 +386,105 @@ impl Daemon {
             Body::from_stream(first.chain(reports)),
         )
             .into_response())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An inspector that keeps names only: what `Inspection` tells it.
+    #[derive(Default)]
+    struct Names(parking_lot::Mutex<std::collections::BTreeSet<String>>);
+
+    impl TurnInspector for std::sync::Arc<Names> {
+        fn register(&self, sandbox: &SandboxId, _cgroup: &Path) -> Result<(), InspectorError> {
+            match self.0.lock().insert(sandbox.to_string()) {
+                true => Ok(()),
+                false => Err("already registered".into()),
+            }
+        }
+        fn quiet_init(&self, _: &SandboxId) -> Result<(), InspectorError> {
+            Ok(())
+        }
+        fn unregister(&self, sandbox: &SandboxId) {
+            self.0.lock().remove(sandbox.as_str());
+        }
+        fn turn_end(&self, sandbox: &SandboxId) -> Result<TurnReport, InspectorError> {
+            Ok(TurnReport {
+                sandbox: sandbox.clone(),
+                turn: 1,
+                class: Class::None,
+                reasons: Vec::new(),
+                n_reasons: 0,
+            })
+        }
+        fn capturing(&self, _: &SandboxId, _: bool) -> Result<(), InspectorError> {
+            Ok(())
+        }
+        fn restored(&self, _: &SandboxId) -> Result<(), InspectorError> {
+            Ok(())
+        }
+        fn forget_own_files(&self, _: &SandboxId, _: &[PathBuf]) -> Result<(), InspectorError> {
+            Ok(())
+        }
+    }
+
+    fn member(id: &str) -> PodMember {
+        PodMember {
+            id: SandboxId::new(id).unwrap(),
+            cgroup: PathBuf::from("/sys/fs/cgroup/x"),
+            crab_init: false,
+        }
+    }
+
+    #[test]
+    fn a_members_arrival_or_departure_is_no_turn_to_vouch_for() {
+        let names = std::sync::Arc::new(Names::default());
+        let inspection = Inspection::new(Some(Box::new(names.clone())));
+        let agent = SandboxId::new("agent").unwrap();
+        let reg: crab_api::crabd::Registration = serde_json::from_value(serde_json::json!({
+            "id": "agent", "namespace": "k8s.io", "containerd": "/c.sock",
+            "control": "/ctl.sock", "pid": 1, "fs_backend": null, "cgroup": "/sys/fs/cgroup/agent",
+        }))
+        .unwrap();
+        let (db, cache) = (member("db"), member("cache"));
+        // Not followed itself: nothing of its pod is.
+        assert!(!inspection.follow_members(&agent, std::slice::from_ref(&db)));
+        assert!(!names.0.lock().contains("db"));
+        inspection.register(&reg);
+        assert!(inspection.follow_members(&agent, &[]), "no members");
+        assert!(
+            !inspection.follow_members(&agent, std::slice::from_ref(&db)),
+            "db is new"
+        );
+        assert!(
+            inspection.follow_members(&agent, std::slice::from_ref(&db)),
+            "db followed since"
+        );
+        assert!(!inspection.members_changed(&agent));
+        assert!(
+            !inspection.follow_members(&agent, &[db.clone(), cache.clone()]),
+            "cache is new"
+        );
+        assert!(
+            !inspection.follow_members(&agent, std::slice::from_ref(&cache)),
+            "db went"
+        );
+        assert!(!names.0.lock().contains("db"), "and is no longer followed");
+        // A name registered by another is not undone by a failure here.
+        names.0.lock().insert("other".into());
+        assert!(!inspection.follow_members(&agent, &[cache.clone(), member("other")]));
+        assert!(names.0.lock().contains("other"));
+        // A rollback: followed afresh.
+        inspection.reset(&agent);
+        assert!(!inspection.follow_members(&agent, std::slice::from_ref(&cache)));
+        inspection.unregister(&agent);
+        assert_eq!(
+            names.0.lock().len(),
+            1,
+            "only the other's name is left: {:?}",
+            names.0.lock()
+        );
     }
 }

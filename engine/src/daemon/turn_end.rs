@@ -389,6 +389,21 @@ impl Daemon {
             }
             Some(slot)
         };
+        if class == Class::Fs && pod.0 > 0 {
+            // A files-only version leaves the pod's other containers out:
+            // they are asked again now, after the wait for a slot, just
+            // before the capture.
+            let d = self.clone();
+            let sid = reg.id.clone();
+            if tokio::task::spawn_blocking(move || d.inspection.members_changed(&sid)).await? {
+                class = class.union(Class::Full);
+                report.reasons.push(serde_json::json!({
+                    "kind": "pod_member",
+                    "why": "the pod's other container changed while the version waited for a slot: it is whole",
+                }));
+                report.n_reasons += 1;
+            }
+        }
         let newest = batch.iter().map(|w| &w.end).max_by_key(|e| e.turn);
         let end = newest.map(|e| TurnEnd {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
