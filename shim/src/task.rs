@@ -15,10 +15,10 @@ use containerd_shim::protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim::protos::ttrpc::Result as TtrpcResult;
 use containerd_shim::protos::types::task::ProcessInfo;
 
-use crate::cgroup;
-use crate::container::{Container, ProxySetup};
 use crab_api::crabd::PodMember;
 
+use crate::cgroup;
+use crate::container::{Container, ProxySetup};
 use crate::error::Error;
 use crate::process::timestamp;
 use crate::service::TaskService;
