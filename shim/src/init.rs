@@ -84,14 +84,8 @@ pub fn inject(bundle: &Path, binary: &Path) -> Result<bool> {
         reason,
     };
     let mut spec = Spec::load(&path).map_err(|e| invalid(e.to_string()))?;
-    let own_pid_ns = spec
-        .linux()
-        .as_ref()
-        .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|ns| {
-            ns.iter()
-                .any(|n| n.typ() == LinuxNamespaceType::Pid && n.path().is_none())
-        });
+    let own_pid_ns =
+        crate::runtime::joined_ns::named(&spec, LinuxNamespaceType::Pid).is_some_and(|n| n.path().is_none());
     let has_args = spec
         .process()
         .as_ref()

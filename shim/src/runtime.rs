@@ -24,7 +24,7 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 
 mod client;
 mod criu;
-mod joined_ns;
+pub(crate) mod joined_ns;
 mod kdat;
 mod masked;
 pub(crate) mod protocol;

@@ -128,14 +128,9 @@ impl Container {
             Ok(spec) => spec,
             Err(e) => return Some(format!("its spec cannot be read: {e}")),
         };
-        let joins_pid_ns = spec
-            .linux()
-            .as_ref()
-            .and_then(|l| l.namespaces().as_ref())
-            .is_some_and(|ns| {
-                ns.iter()
-                    .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Pid && n.path().is_some())
-            });
+        let joins_pid_ns =
+            crate::runtime::joined_ns::named(&spec, oci_spec::runtime::LinuxNamespaceType::Pid)
+                .is_some_and(|n| n.path().is_some());
         joins_pid_ns.then(|| {
             "it shares another container's process namespace (kubectl debug --target, \
              shareProcessNamespace), which CRIU dumps only with its init"

@@ -506,12 +506,7 @@ fn is_bind(m: &Mount) -> bool {
 
 /// The network namespace the spec joins by path, if any.
 fn joined_netns(spec: &Spec) -> Option<PathBuf> {
-    spec.linux()
-        .as_ref()?
-        .namespaces()
-        .as_ref()?
-        .iter()
-        .find(|n| n.typ() == LinuxNamespaceType::Network)?
+    super::joined_ns::named(spec, LinuxNamespaceType::Network)?
         .path()
         .clone()
 }

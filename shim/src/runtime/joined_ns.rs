@@ -15,7 +15,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use oci_spec::runtime::{LinuxNamespaceType, Spec};
+use oci_spec::runtime::{LinuxNamespace, LinuxNamespaceType, Spec};
 use serde::{Deserialize, Serialize};
 
 /// The record, in the image directory.
@@ -54,6 +54,17 @@ fn kind(typ: LinuxNamespaceType) -> &'static str {
         LinuxNamespaceType::Cgroup => "cgroup",
         LinuxNamespaceType::Time => "time",
     }
+}
+
+/// The namespace of kind `typ` that `spec` names, if it names one: a new
+/// one, or (with a path) one it joins.
+pub fn named(spec: &Spec, typ: LinuxNamespaceType) -> Option<&LinuxNamespace> {
+    spec.linux()
+        .as_ref()?
+        .namespaces()
+        .as_ref()?
+        .iter()
+        .find(|n| n.typ() == typ)
 }
 
 /// The namespaces `spec` joins by path, as (kind, path).
