@@ -46,8 +46,12 @@ impl Events {
     }
 }
 
-/// Publishes TaskOOM for every OOM kill in `c`'s memory cgroup until it
-/// is deleted.
+/// The shortest time between two OOM events of one container.
+const OOM_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Publishes TaskOOM for the OOM kills in `c`'s memory cgroup until it is
+/// deleted: one event per [`OOM_INTERVAL`] at most, for the kills since
+/// the last.
 pub fn watch_oom(events: Arc<Events>, c: &mut Container) {
     let mut watch = match OomWatch::new(&c.cgroups_path) {
         Ok(Some(w)) => w,
@@ -74,6 +78,11 @@ pub fn watch_oom(events: Arc<Events>, c: &mut Container) {
                 ..Default::default()
             };
             events.publish(TASK_OOM_EVENT_TOPIC, Box::new(event)).await;
+            // A burst of kills (a cgroup that keeps meeting its limit) is
+            // one event per interval: thousands in a second filled
+            // containerd's queue for slow subscribers, which then lost the
+            // task's exit. The kills meanwhile are counted in the next.
+            tokio::time::sleep(OOM_INTERVAL).await;
         }
     }));
 }

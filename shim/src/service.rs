@@ -257,7 +257,7 @@ impl TaskService {
         }
     }
 
-    /// Publishes TaskOOM for every OOM kill in `c`'s memory cgroup until it
+    /// Publishes TaskOOM for the OOM kills in `c`'s memory cgroup until it
     /// is deleted; see [`events::watch_oom`].
     pub fn watch_oom(&self, c: &mut Container) {
         events::watch_oom(self.events.clone(), c);
