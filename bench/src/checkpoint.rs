@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use crab_tests::image::{python_sdk_archive, PYTHON_SDK};
-use crab_tests::sandbox::crabctl;
+use crab_tests::sandbox::crabctl_direct;
 use crab_tests::{wait_until, Containerd, CRAB, RUNC};
 
 use crate::stats::{fit, ms, percentile};
@@ -51,7 +51,7 @@ fn one_size(ctd: &Containerd, mb: usize, runs: usize) -> anyhow::Result<Scaled> 
         start_holding(ctd, rt, id, mb)?;
     }
     let rss = sandbox_rss_mib(ctd, "ck-crab");
-    wait_until(30, || crabctl(ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
+    wait_until(30, || crabctl_direct(ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
 
     // [runc total, runc frozen, crab total, crab frozen (sampled), crab frozen (own), crab restore,
     //  restore in the shim, of which the undo checkpoint, restore with --no-undo]
@@ -226,9 +226,11 @@ pub(crate) fn start_holding(ctd: &Containerd, runtime: &str, id: &str, mb: usize
     Ok(pid)
 }
 
-/// `crabctl --json args…`'s answer, or why it failed.
+/// `crabctl --json args…`'s answer, or why it failed (straight to crabd,
+/// not through the tests' checking relay, whose work is no part of the
+/// figures).
 pub(crate) fn crabctl_json(ctd: &Containerd, args: &[&str]) -> anyhow::Result<serde_json::Value> {
-    let out = crabctl(ctd, args);
+    let out = crabctl_direct(ctd, args);
     if !out.status.success() {
         bail!("crabctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }

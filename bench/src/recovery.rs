@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use crab_tests::image::python_sdk_archive;
-use crab_tests::sandbox::crabctl;
+use crab_tests::sandbox::crabctl_direct;
 use crab_tests::{wait_until, Containerd, CRAB, RUNC};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -41,7 +41,10 @@ pub fn run(mb: usize, runs: usize) -> anyhow::Result<()> {
 
             let id = format!("crash{n}");
             let pid = start_holding(&ctd, CRAB, &id, size)?;
-            wait_until(30, || crabctl(&ctd, &["ps"]).status.success().then_some(())).context("crabd")?;
+            wait_until(30, || {
+                crabctl_direct(&ctd, &["ps"]).status.success().then_some(())
+            })
+            .context("crabd")?;
             crabctl_json(&ctd, &["checkpoint", &id])?;
             let t = Instant::now();
             kill(Pid::from_raw(pid), Signal::SIGKILL)?;
