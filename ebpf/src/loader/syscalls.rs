@@ -290,3 +290,68 @@ fn remove_pins<'a>(build: &Path, programs: impl Iterator<Item = &'a Program>) {
         let _ = std::fs::remove_file(build.join(format!("link_{}", p.name)));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build_with(pins: &[&str]) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("crab-syscalls-{}-{}", std::process::id(), pins.join("-")));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        for p in pins {
+            std::fs::write(dir.join(format!("prog_{p}")), b"").expect("pin stand-in");
+        }
+        dir
+    }
+
+    fn found(pins: &[&str]) -> Option<(SyscallHooks, Vec<&'static str>)> {
+        let dir = build_with(pins);
+        let got = Syscalls::pinned(&dir).map(|s| (s.hooks(), s.programs.iter().map(|p| p.name).collect()));
+        let _ = std::fs::remove_dir_all(&dir);
+        got
+    }
+
+    #[test]
+    fn the_pinned_family_is_the_whole_one_there() {
+        assert_eq!(found(&[]), None);
+        assert_eq!(
+            found(&["crab_sys_enter", "crab_sys_exit"]),
+            Some((SyscallHooks::Tracepoint, vec!["crab_sys_enter", "crab_sys_exit"]))
+        );
+        assert_eq!(found(&["crab_sys_enter"]), None, "half a family is none");
+        // A kernel without 32-bit or x32 dispatch: the optional ones are
+        // absent.
+        assert_eq!(
+            found(&["crab_fexit_skip", "crab_fexit_exit", "crab_fentry_enter"]),
+            Some((
+                SyscallHooks::Fentry,
+                vec!["crab_fexit_skip", "crab_fexit_exit", "crab_fentry_enter"]
+            ))
+        );
+        assert_eq!(
+            found(&[
+                "crab_fexit_skip",
+                "crab_fentry_ia32",
+                "crab_fexit_exit",
+                "crab_fentry_enter"
+            ])
+            .map(|(h, p)| (h, p.len())),
+            Some((SyscallHooks::Fentry, 4))
+        );
+        // The enter program is pinned last: without it, the fentry pins
+        // are a load cut short, and the tracepoints' are taken if whole.
+        assert_eq!(
+            found(&[
+                "crab_fexit_skip",
+                "crab_fexit_exit",
+                "crab_sys_enter",
+                "crab_sys_exit"
+            ])
+            .map(|(h, _)| h),
+            Some(SyscallHooks::Tracepoint)
+        );
+        assert_eq!(found(&["crab_fentry_enter", "crab_fexit_exit"]), None);
+    }
+}
