@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 /// Where the configuration is read from when `$CRAB_CONFIG` is unset.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
@@ -40,8 +40,6 @@ pub struct CrabdConfig {
     /// Processes (by comm) whose memory churn is not a change worth
     /// saving; their exec, fork, exit and cwd changes still count.
     pub noisy_comms: Vec<String>,
-    /// The inspector's system-call hooks when it loads its programs.
-    pub inspector_syscall_hooks: SyscallHooks,
     /// Whether shims register (read by the shim).
     pub register: bool,
     /// Whether shims start crabd (read by the shim).
@@ -102,32 +100,6 @@ impl SafetyConfig {
     /// Whether any rule is set.
     pub fn any(&self) -> bool {
         !self.protected_paths.is_empty() || !self.forbidden_commands.is_empty()
-    }
-}
-
-/// `[crabd] inspector_syscall_hooks`: which hooks follow the system calls
-/// of sandboxed tasks (the inspector's `InspectorConfig::syscall_hooks`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum SyscallHooks {
-    /// The raw tracepoints `sys_enter` and `sys_exit`: every kernel with
-    /// BTF. While attached, every system call of every task on the host
-    /// takes the tracing slow path.
-    #[default]
-    Tracepoint,
-    /// BPF trampolines on the kernel's system-call dispatch (Linux 6.9+,
-    /// where BPF tracing programs may load): only the calls themselves pay
-    /// for a program. Falls back to [`SyscallHooks::Tracepoint`] when the
-    /// kernel refuses them.
-    Fentry,
-}
-
-impl std::fmt::Display for SyscallHooks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            SyscallHooks::Tracepoint => "tracepoint",
-            SyscallHooks::Fentry => "fentry",
-        })
     }
 }
 

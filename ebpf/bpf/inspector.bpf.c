@@ -19,7 +19,6 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
-#include <bpf/bpf_tracing.h>
 #include "crab_events.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -897,9 +896,8 @@ static __noinline void mark_resume(__u64 ip, __u64 sp, long nr, long alt, __u64 
 	t->resume_alt = ctl->capturing ? alt : -1;
 }
 
-/* A system call's entry, made with `regs`, number nr: what both hook
- * families (the tracepoints and fentry) run. */
-static __always_inline int syscall_enter(struct pt_regs *regs, long nr)
+SEC("raw_tracepoint/sys_enter")
+int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
 {
 	__u64 cg = bpf_get_current_cgroup_id();
 	__u32 slot = cg & (CRAB_SLOTS - 1);
@@ -914,6 +912,10 @@ static __always_inline int syscall_enter(struct pt_regs *regs, long nr)
 	struct crab_task *t = task_entry(cg, pt);
 	if (!t)
 		return 0;
+	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
+	__u64 *raw = (__u64 *)ctx;
+	long nr = raw[1];
+	struct pt_regs *regs = (struct pt_regs *)raw[0];
 	/* The task is read with a direct (BTF) load: this runs for every call
 	 * in a sandbox. */
 	struct task_struct *task = bpf_get_current_task_btf();
@@ -991,41 +993,6 @@ static __always_inline int syscall_enter(struct pt_regs *regs, long nr)
 	t->nr = nr;
 	inflight_begin();
 	return 0;
-}
-
-SEC("raw_tracepoint/sys_enter")
-int crab_sys_enter(struct bpf_raw_tracepoint_args *ctx)
-{
-	/* Plain loads: a CO-RE relocation cannot describe the flexible args[]. */
-	__u64 *raw = (__u64 *)ctx;
-	return syscall_enter((struct pt_regs *)raw[0], raw[1]);
-}
-
-/* The fentry family (`SyscallHooks::Fentry`, where the kernel lets BPF
- * trampolines load): the same work on the kernel's system-call dispatch,
- * so that no system call of any task takes the tracing slow path. Only a
- * call the kernel dispatches reaches x64_sys_call: a number out of range
- * does nothing and reaches no hook, and a call that seccomp, a tracer or
- * syscall user dispatch skips is seen by crab_fexit_skip instead. */
-SEC("fentry/x64_sys_call")
-int BPF_PROG(crab_fentry_enter, struct pt_regs *regs, unsigned int nr)
-{
-	return syscall_enter(regs, nr);
-}
-
-/* A 32-bit call (int 0x80, a 32-bit task): not followed, as on the
- * tracepoint, which sees it with TS_COMPAT set. */
-SEC("fentry/ia32_sys_call")
-int BPF_PROG(crab_fentry_ia32, struct pt_regs *regs, unsigned int nr)
-{
-	return syscall_enter(regs, (long)nr | X32_SYSCALL_BIT);
-}
-
-/* An x32 call, on kernels that build that ABI in: not followed. */
-SEC("fentry/x32_sys_call")
-int BPF_PROG(crab_fentry_x32, struct pt_regs *regs, unsigned int nr)
-{
-	return syscall_enter(regs, (long)nr | X32_SYSCALL_BIT);
 }
 
 /* A content or metadata change through a file descriptor. */
@@ -1309,35 +1276,31 @@ static __noinline int on_proc(__u64 cg, __u64 gen, __u32 kind, unsigned long nam
 	return 0;
 }
 
-/* A marked task's own call takes its mark at its entry: one that
- * exits still marked made a call that never entered (skipped by a seccomp
- * filter, a tracer or syscall user dispatch), and runs its code after it.
- * Not for CRIU's parasite, whose calls leave the task's own mark. */
-static __always_inline void skipped_call(struct crab_counts *c, __u32 tid)
-{
-	if (!c->marks)
-		return;
-	struct crab_task *m = bpf_map_lookup_elem(&crab_tasks, &tid);
-	if (m && m->resume_ip) {
-		__u64 mcg;
-		struct crab_ctl *mctl = current_sandbox(&mcg);
-		if (!mctl || !injected(bpf_get_current_task_btf(), mcg, mctl))
-			clear_mark(m);
-	}
-}
-
-/* A system call's exit, with `regs` and its return value: what both hook
- * families run. */
-static __always_inline int syscall_exit(struct pt_regs *regs, long ret)
+SEC("raw_tracepoint/sys_exit")
+int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
 {
 	/* This runs for every syscall of every task on the host: return at
 	 * once while no followed call is in flight, and tell the others by
 	 * number before any hash lookup. */
+	long ret = (long)((__u64 *)ctx)[1];
+	struct pt_regs *regs = (struct pt_regs *)((__u64 *)ctx)[0];
 	struct crab_counts *c = counts();
 	if (!c)
 		return 0;
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	skipped_call(c, tid);
+	/* A marked task's own call takes its mark at sys_enter: one that
+	 * exits still marked made a call that never entered (skipped by a
+	 * seccomp filter or a tracer), and runs its code after it. Not for
+	 * CRIU's parasite, whose calls leave the task's own mark. */
+	if (c->marks) {
+		struct crab_task *m = bpf_map_lookup_elem(&crab_tasks, &tid);
+		if (m && m->resume_ip) {
+			__u64 mcg;
+			struct crab_ctl *mctl = current_sandbox(&mcg);
+			if (!mctl || !injected(bpf_get_current_task_btf(), mcg, mctl))
+				clear_mark(m);
+		}
+	}
 	/* A call interrupted by a freeze, a tracer's stop or a signal: the
 	 * kernel restarts it from where it was made, unless a handler runs
 	 * first (signal_deliver then clears the mark). Rare: a lookup only
@@ -1501,34 +1464,6 @@ static __always_inline int syscall_exit(struct pt_regs *regs, long ret)
 		return 0;
 	}
 	}
-	return 0;
-}
-
-SEC("raw_tracepoint/sys_exit")
-int crab_sys_exit(struct bpf_raw_tracepoint_args *ctx)
-{
-	__u64 *raw = (__u64 *)ctx;
-	return syscall_exit((struct pt_regs *)raw[0], (long)raw[1]);
-}
-
-SEC("fexit/x64_sys_call")
-int BPF_PROG(crab_fexit_exit, struct pt_regs *regs, unsigned int nr, long ret)
-{
-	return syscall_exit(regs, ret);
-}
-
-/* The kernel's system-call work at entry (seccomp, a tracer's stop,
- * syscall user dispatch) said to skip the call: it reaches no dispatch,
- * so crab_fexit_exit never sees it exit (the tracepoint's sys_exit
- * does). Runs only for tasks that have such work. */
-SEC("fexit/syscall_trace_enter")
-int BPF_PROG(crab_fexit_skip, struct pt_regs *regs, long syscall, unsigned long work, long ret)
-{
-	if (ret != -1)
-		return 0;
-	struct crab_counts *c = counts();
-	if (c)
-		skipped_call(c, (__u32)bpf_get_current_pid_tgid());
 	return 0;
 }
 

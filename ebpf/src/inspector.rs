@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::kernel::{comm_key, Ctl, Event, Stats, SLOTS, SLOT_SHARED};
 use crate::ledger::{Ignore, Ledger};
-use crate::loader::{self, Maps, SyscallHooks, Syscalls};
+use crate::loader::{self, Maps, Syscalls};
 use crate::procs;
 
 mod turn_end;
@@ -46,10 +46,6 @@ pub struct InspectorConfig {
     /// when the kernel finds the ring a quarter full (crabd: yes, so a long
     /// turn does not overflow it; a test that wants an overflow: no).
     pub background_drain: bool,
-    /// Which hooks a fresh load follows system calls with (the hooks of
-    /// programs an earlier owner pinned are kept); [`SyscallHooks::Fentry`]
-    /// falls back to the tracepoints where the kernel refuses it.
-    pub syscall_hooks: SyscallHooks,
 }
 
 /// The inspector of one host: loads (or finds) the pinned BPF programs and
@@ -141,7 +137,6 @@ impl InspectorConfig {
             drain_timeout: Duration::from_millis(100),
             max_reasons: 16,
             background_drain: true,
-            syscall_hooks: SyscallHooks::Tracepoint,
         }
     }
 }
@@ -164,7 +159,7 @@ impl Inspector {
         }
         loader::prepare(&config.pin_dir)?;
         let owner = lock_owner(&config.pin_dir)?;
-        let loaded = loader::load_or_reuse(&config.pin_dir, config.ring_bytes, config.syscall_hooks)?;
+        let loaded = loader::load_or_reuse(&config.pin_dir, config.ring_bytes)?;
         let mut maps = loaded.maps;
         set_noisy(&mut maps, &config.noisy_comms)?;
         // Sandboxes an earlier owner registered are still followed.
@@ -356,12 +351,6 @@ impl Inspector {
         }
         log::info!("inspector: sandbox {sandbox} unregistered");
         Ok(())
-    }
-
-    /// The hooks that follow system calls: those asked for, unless the
-    /// kernel refused fentry, or an earlier owner pinned the other family.
-    pub fn syscall_hooks(&self) -> SyscallHooks {
-        self.shared.state.lock().syscalls.hooks()
     }
 
     /// Reads the ring buffer now (crabd need not: the background thread

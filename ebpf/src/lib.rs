@@ -11,8 +11,7 @@
 //! processes (`procs`).
 //!
 //! Public face: [`Inspector`] (`load`, `register`, `unregister`,
-//! `turn_end`), [`InspectorConfig`], [`SyscallHooks`], [`TurnReport`],
-//! [`Class`], [`Reason`],
+//! `turn_end`), [`InspectorConfig`], [`TurnReport`], [`Class`], [`Reason`],
 //! and [`unified_mount`]/[`cgroup_id`] to name a sandbox's cgroup.
 //!
 //! It must never answer a class that misses a change: whenever it cannot
@@ -31,5 +30,4 @@ mod report;
 pub use cgroup::{cgroup_id, unified_mount};
 pub use error::{Error, Result};
 pub use inspector::{Inspector, InspectorConfig};
-pub use loader::SyscallHooks;
 pub use report::{Class, Reason, TurnReport};

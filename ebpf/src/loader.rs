@@ -2,18 +2,17 @@
 //!
 //! Everything lives under `<pin_dir>/<build>/`, where `<build>` is a hash of
 //! the compiled object: the maps (pinned by name, `LIBBPF_PIN_BY_NAME`),
-//! one `link_<program>` per attached program, and the system-call programs
-//! themselves (`prog_<program>`). A later owner with the same build finds
-//! the pins and reuses maps and programs as they are, so a restart of the
-//! owner loses no kernel state. A different build replaces them: its own
-//! directory is made, and older builds' directories are removed, which
-//! detaches their programs.
+//! one `link_<program>` per attached tracepoint, and the two system-call
+//! programs themselves (`prog_<program>`). A later owner with the same
+//! build finds the pins and reuses maps and programs as they are, so a
+//! restart of the owner loses no kernel state. A different build replaces
+//! them: its own directory is made, and older builds' directories are
+//! removed, which detaches their programs.
 //!
 //! The system-call programs are attached only while a sandbox is
-//! registered ([`Syscalls`], which also chooses between the tracepoints
-//! and fentry): an enabled `sys_enter`/`sys_exit` tracepoint sends every
-//! system call of every task on the host through the kernel's slow path,
-//! so a host without sandboxes must not have them.
+//! registered ([`Syscalls`]): an enabled `sys_enter`/`sys_exit` tracepoint
+//! sends every system call of every task on the host through the kernel's
+//! slow path, so a host without sandboxes must not have them.
 //!
 //! Invariant: pinned objects live as long as the host (or until a newer
 //! build replaces them); nothing removes them when the owner exits.
@@ -24,18 +23,17 @@ use std::path::{Path, PathBuf};
 use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use aya::pin::PinError;
 use aya::programs::{links::FdLink, RawTracePoint, TracePoint};
-
-mod syscalls;
-
 use aya::{Ebpf, EbpfLoader};
-pub use syscalls::SyscallHooks;
-pub(crate) use syscalls::Syscalls;
 
 use crate::error::{Error, Result};
 use crate::kernel::{Ctl, Stats, Task, COMM_LEN};
 
 /// The compiled programs (empty when clang was missing at build time).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
+
+/// (program, raw tracepoint) of the programs attached only while a sandbox
+/// is registered.
+const SYSCALL_PROGRAMS: [(&str, &str); 2] = [("crab_sys_enter", "sys_enter"), ("crab_sys_exit", "sys_exit")];
 
 /// Where a program attaches.
 enum Hook {
@@ -75,6 +73,11 @@ pub(crate) struct Loaded {
     pub syscalls: Syscalls,
 }
 
+/// The system-call programs of one build, pinned, and attached on demand.
+pub(crate) struct Syscalls {
+    build: PathBuf,
+}
+
 /// Mounts bpffs if needed and makes `pin_dir`, so that it can be locked
 /// before anything is loaded into it.
 pub(crate) fn prepare(pin_dir: &Path) -> Result<()> {
@@ -90,11 +93,9 @@ pub(crate) fn prepare(pin_dir: &Path) -> Result<()> {
 }
 
 /// Loads the programs under `pin_dir`, or reuses those a previous owner of
-/// the same build pinned there (with the system-call hooks it chose).
-/// `ring_bytes` sizes the ring buffer of a new load (a power of two, a
-/// multiple of the page size); `hooks` is the system-call family a new
-/// load tries first.
-pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32, hooks: SyscallHooks) -> Result<Loaded> {
+/// the same build pinned there. `ring_bytes` sizes the ring buffer of a new
+/// load (a power of two, a multiple of the page size).
+pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32) -> Result<Loaded> {
     let build = pin_dir.join(build_id());
     std::fs::create_dir_all(&build).map_err(|source| Error::Io {
         op: "create",
@@ -105,20 +106,14 @@ pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32, hooks: SyscallHooks
         .iter()
         .map(|(name, _)| build.join(format!("link_{name}")))
         .collect();
-    let pinned = Syscalls::pinned(&build).filter(|_| links.iter().all(|p| p.exists()));
-    let (maps, syscalls) = match pinned {
-        Some(syscalls) => {
-            log::info!(
-                "inspector: reusing pinned programs in {} ({} system-call hooks)",
-                build.display(),
-                syscalls.hooks()
-            );
-            (reuse_maps(&build)?, syscalls)
-        }
-        None => {
-            log::info!("inspector: loading programs into {}", build.display());
-            load_fresh(&build, ring_bytes, &links, hooks)?
-        }
+    let syscalls = Syscalls { build: build.clone() };
+    let pinned = links.iter().chain(&syscalls.programs()).all(|p| p.exists());
+    let maps = if pinned {
+        log::info!("inspector: reusing pinned programs in {}", build.display());
+        reuse_maps(&build)?
+    } else {
+        log::info!("inspector: loading programs into {}", build.display());
+        load_fresh(&build, ring_bytes, &links)?
     };
     remove_other_builds(pin_dir, &build)?;
     Ok(Loaded {
@@ -126,6 +121,62 @@ pub(crate) fn load_or_reuse(pin_dir: &Path, ring_bytes: u32, hooks: SyscallHooks
         links,
         syscalls,
     })
+}
+
+impl Syscalls {
+    fn programs(&self) -> Vec<PathBuf> {
+        SYSCALL_PROGRAMS
+            .iter()
+            .map(|(name, _)| self.build.join(format!("prog_{name}")))
+            .collect()
+    }
+
+    fn links(&self) -> Vec<PathBuf> {
+        SYSCALL_PROGRAMS
+            .iter()
+            .map(|(name, _)| self.build.join(format!("link_{name}")))
+            .collect()
+    }
+
+    /// Whether both programs are attached (their links pinned).
+    pub(crate) fn attached(&self) -> bool {
+        links_present(&self.links())
+    }
+
+    /// Attaches what is not attached, from the pinned programs; the links
+    /// are pinned, so they stay attached if the owner exits.
+    pub(crate) fn attach(&self) -> Result<()> {
+        for (((name, tp), prog), link) in SYSCALL_PROGRAMS.iter().zip(self.programs()).zip(self.links()) {
+            if link.exists() {
+                continue;
+            }
+            let program_err = |source| Error::Program { name, source };
+            let mut program = RawTracePoint::from_pin(&prog).map_err(program_err)?;
+            let id = program.attach(tp).map_err(program_err)?;
+            let fd_link: FdLink = program.take_link(id).map_err(program_err)?.into();
+            pin_link(fd_link, &link)?;
+            log::info!("inspector: {name} attached");
+        }
+        Ok(())
+    }
+
+    /// Detaches both programs (removes their links' pins; the kernel
+    /// detaches a link when its last reference goes).
+    pub(crate) fn detach(&self) -> Result<()> {
+        for link in self.links() {
+            match std::fs::remove_file(&link) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io {
+                        op: "remove",
+                        path: link,
+                        source: e,
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Removes everything pinned under `pin_dir`, which detaches the programs.
@@ -178,12 +229,7 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
     })
 }
 
-fn load_fresh(
-    build: &Path,
-    ring_bytes: u32,
-    links: &[PathBuf],
-    hooks: SyscallHooks,
-) -> Result<(Maps, Syscalls)> {
+fn load_fresh(build: &Path, ring_bytes: u32, links: &[PathBuf]) -> Result<Maps> {
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(build)
         .map_max_entries("crab_events", ring_bytes)
@@ -192,16 +238,26 @@ fn load_fresh(
     for ((name, hook), pin) in PROGRAMS.iter().zip(links) {
         attach(&mut ebpf, name, hook, pin)?;
     }
-    let syscalls = Syscalls::load(&mut ebpf, build, hooks)?;
-    let maps = Maps {
+    for (name, _) in SYSCALL_PROGRAMS {
+        let program_err = |source| Error::Program { name, source };
+        let program = ebpf.program_mut(name).ok_or(Error::MissingProgram { name })?;
+        let program: &mut RawTracePoint = program.try_into().map_err(|_| Error::MissingProgram { name })?;
+        program.load().map_err(program_err)?;
+        let pin = build.join(format!("prog_{name}"));
+        // A stale pin of a half-finished earlier load: this one replaces it.
+        let _ = std::fs::remove_file(&pin);
+        program
+            .pin(&pin)
+            .map_err(|source| Error::Pin { path: pin, source })?;
+    }
+    Ok(Maps {
         ctl: take(&mut ebpf, "crab_ctl")?,
         stats: take(&mut ebpf, "crab_stats")?,
         tasks: take(&mut ebpf, "crab_tasks")?,
         noisy: take(&mut ebpf, "crab_noisy")?,
         slots: take(&mut ebpf, "crab_slots")?,
         events: take(&mut ebpf, "crab_events")?,
-    };
-    Ok((maps, syscalls))
+    })
 }
 
 fn attach(ebpf: &mut Ebpf, name: &'static str, hook: &Hook, pin: &Path) -> Result<()> {
@@ -229,7 +285,7 @@ fn attach(ebpf: &mut Ebpf, name: &'static str, hook: &Hook, pin: &Path) -> Resul
     pin_link(fd_link, pin)
 }
 
-pub(super) fn pin_link(fd_link: FdLink, pin: &Path) -> Result<()> {
+fn pin_link(fd_link: FdLink, pin: &Path) -> Result<()> {
     // A stale pin of a half-finished earlier load: the new link replaces it.
     let _ = std::fs::remove_file(pin);
     let pinned = fd_link.pin(pin).map_err(|source: PinError| Error::Pin {

@@ -202,7 +202,6 @@ fn private_config() -> (crab_inspector::InspectorConfig, Pins) {
         drain_timeout: std::time::Duration::from_millis(200),
         max_reasons: 8,
         background_drain: true,
-        syscall_hooks: Default::default(),
     };
     (config, Pins(pin_dir))
 }
@@ -245,7 +244,12 @@ fn restart_reuses_pinned_programs() {
     assert_eq!(second.turn_end("r").expect("turn").class, Class::None);
 
     // Someone removes the pins: the programs are gone, the answer is full.
-    let build = build_dir(&pin_dir);
+    let build = std::fs::read_dir(&pin_dir)
+        .expect("pin dir")
+        .flatten()
+        .next()
+        .expect("a build dir")
+        .path();
     std::fs::remove_file(build.join("link_crab_sys_enter")).expect("remove a link pin");
     let r = second.turn_end("r").expect("turn");
     assert_eq!(r.class, Class::Full, "{r:#?}");
@@ -253,71 +257,14 @@ fn restart_reuses_pinned_programs() {
     second.unload().expect("unload");
 }
 
-/// Fentry system-call hooks are used only where the kernel loads and
-/// attaches every one of them; elsewhere the tracepoints are (this CI host
-/// refuses BPF trampolines with EPERM), and either way turns are classed
-/// the same. A later owner keeps the family pinned, whatever it asks.
-#[test]
-fn fentry_hooks_are_asked_for_and_the_pinned_family_is_kept() {
-    use crab_inspector::{Inspector, SyscallHooks};
-
-    let (mut config, _pins) = private_config();
-    config.syscall_hooks = SyscallHooks::Fentry;
-    let pin_dir = config.pin_dir.clone();
-    let cg = TestCgroup::new();
-    let work = work_dir();
-
-    let first = Inspector::load(config.clone()).expect("load");
-    let hooks = first.syscall_hooks();
-    eprintln!("system-call hooks here: {hooks}");
-    let (used, other) = match hooks {
-        SyscallHooks::Fentry => (["crab_fentry_enter", "crab_fexit_exit"], "crab_sys_enter"),
-        SyscallHooks::Tracepoint => (["crab_sys_enter", "crab_sys_exit"], "crab_fentry_enter"),
-    };
-    let build = build_dir(&pin_dir);
-    assert!(
-        !build.join(format!("prog_{other}")).exists(),
-        "one family is pinned"
-    );
-    first.register("h", &cg.dir).expect("register");
-    for program in used {
-        assert_eq!(syscall_links(&pin_dir, program), 1, "{program} attached");
-    }
-    cg.run(&work.0, "cat /etc/passwd > /dev/null");
-    assert_eq!(first.turn_end("h").expect("turn").class, Class::None);
-    cg.run(&work.0, "echo x > made");
-    let r = first.turn_end("h").expect("turn");
-    assert_eq!(r.class, Class::Fs, "{r:#?}");
-    assert!(
-        r.reasons.contains(&Reason::Changed { path: "made".into() }),
-        "{r:#?}"
-    );
-    drop(first); // the owner stops without unloading
-
-    config.syscall_hooks = match hooks {
-        SyscallHooks::Fentry => SyscallHooks::Tracepoint,
-        SyscallHooks::Tracepoint => SyscallHooks::Fentry,
-    };
-    let second = Inspector::load(config).expect("reload");
-    assert_eq!(second.syscall_hooks(), hooks, "the pinned family is kept");
-    second.register("h", &cg.dir).expect("register again");
-    second.unregister("h").expect("unregister");
-    second.unload().expect("unload");
-}
-
-/// The one build directory under `pin_dir`.
-fn build_dir(pin_dir: &std::path::Path) -> std::path::PathBuf {
-    std::fs::read_dir(pin_dir)
+/// How many links attach the pinned system-call program `name` (0 or 1).
+fn syscall_links(pin_dir: &std::path::Path, name: &str) -> usize {
+    let build = std::fs::read_dir(pin_dir)
         .expect("pin dir")
         .flatten()
         .next()
         .expect("a build dir")
-        .path()
-}
-
-/// How many links attach the pinned system-call program `name` (0 or 1).
-fn syscall_links(pin_dir: &std::path::Path, name: &str) -> usize {
-    let build = build_dir(pin_dir);
+        .path();
     let program = aya::programs::ProgramInfo::from_pin(build.join(format!("prog_{name}")))
         .expect("the pinned program")
         .id();

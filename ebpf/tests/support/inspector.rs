@@ -47,7 +47,6 @@ pub fn inspector(noisy: &[&str], ring_bytes: u32, background: bool) -> TestInspe
         drain_timeout: Duration::from_millis(200),
         max_reasons: 64,
         background_drain: background,
-        syscall_hooks: Default::default(),
     };
     // The guard first: a failed load leaves a pin directory too.
     let mut guard = TestInspector {

@@ -325,18 +325,13 @@ pub fn load(config: &CrabdConfig) -> Option<Box<dyn TurnInspector>> {
     }
     let mut ic = crab_inspector::InspectorConfig::host(config.noisy_comms.clone());
     ic.pin_dir = config.inspector_pin_dir.clone();
-    ic.syscall_hooks = config.inspector_syscall_hooks;
     if config.safety.any() {
         // Safety rules judge every change, not a sample.
         ic.max_reasons = SAFETY_REASONS;
     }
     match crab_inspector::Inspector::load(ic) {
         Ok(i) => {
-            tracing::info!(
-                pins = %config.inspector_pin_dir.display(),
-                syscall_hooks = %i.syscall_hooks(),
-                "inspector loaded"
-            );
+            tracing::info!(pins = %config.inspector_pin_dir.display(), "inspector loaded");
             Some(Box::new(i))
         }
         Err(e) => {
