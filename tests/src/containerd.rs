@@ -445,13 +445,11 @@ impl Drop for Containerd {
         self.stop_crabd();
         crate::cgroups::remove_empty(&self.namespace);
         let _ = std::fs::remove_dir_all(pin_dir(&self.dir));
-        for snapshotter in [
-            "root/io.containerd.snapshotter.v1.overlayfs",
-            BTRFS_ROOT,
-            "crabd",
-            STORE_FS,
-        ] {
-            let _ = nix::mount::umount2(&self.dir.join(snapshotter), nix::mount::MntFlags::MNT_DETACH);
+        // Whatever is still mounted in its directory: the snapshotters'
+        // filesystems, crabd's store, and what containerd left when it was
+        // stopped mid-way (a CRI pod's shm after a failed test).
+        for point in crate::leftovers::mounts_under(&self.dir) {
+            let _ = nix::mount::umount2(&point, nix::mount::MntFlags::MNT_DETACH);
         }
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);

@@ -113,6 +113,19 @@ pub(crate) fn mount_points(types: &[&str]) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The mount points of this process's mounts at or below `dir`, deepest
+/// first (the order they can be unmounted in).
+pub(crate) fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4).map(PathBuf::from))
+        .filter(|point| point.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found
+}
+
 /// Pids of crab shims serving the containerd at `address`.
 pub fn shim_pids(address: &str) -> Vec<i32> {
     let mut pids = Vec::new();

@@ -18,8 +18,8 @@ use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec, KeyValue,
     LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
-    Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest,
-    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest,
+    ListPodSandboxRequest, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
+    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest,
 };
 use tonic::transport::Channel;
 
@@ -264,6 +264,23 @@ fn namespaces(shared_pid: bool) -> NamespaceOption {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        // Pods a failed test left: the CRI plugin releases their network
+        // namespace and shm mount only when told to remove them.
+        let pods = self
+            .rt
+            .block_on(self.cri.list_pod_sandbox(ListPodSandboxRequest::default()))
+            .map(|r| r.into_inner().items)
+            .unwrap_or_default();
+        for pod in pods {
+            let _ = self.rt.block_on(self.cri.stop_pod_sandbox(StopPodSandboxRequest {
+                pod_sandbox_id: pod.id.clone(),
+            }));
+            let _ = self
+                .rt
+                .block_on(self.cri.remove_pod_sandbox(RemovePodSandboxRequest {
+                    pod_sandbox_id: pod.id,
+                }));
+        }
         let _ = std::process::Command::new("ip")
             .args(["link", "delete", &self.bridge])
             .output();
