@@ -9,6 +9,7 @@
 use clap::{Parser, Subcommand};
 
 mod checkpoint;
+mod cpu;
 mod density;
 mod eval;
 mod fastforward;

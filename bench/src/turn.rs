@@ -14,6 +14,12 @@
 //! sandbox under runc.v2: checkpointing the whole container each turn. The
 //! published Python implementation's figures on this machine kind are
 //! printed beside them for reference; they are not measured here.
+//!
+//! Beside each operation, the CPU time the runtime's own processes used
+//! for it ([`crate::cpu`]: crab's crabd, shim, helpers and CRIU's dump;
+//! runc.v2's shim, runc and CRIU), which a dense host pays; a restore's
+//! CRIU joins the container's cgroup and is not counted, nor is the
+//! kernel's writeback done by its own threads.
 
 use std::time::{Duration, Instant};
 
@@ -39,6 +45,13 @@ struct Samples {
     frozen: Vec<Duration>,
     rollback: Vec<Duration>,
     rollback_no_undo: Vec<Duration>,
+    /// CPU time of the runtime's own processes (see [`crate::cpu`]), per
+    /// operation; empty where no cgroup could meter them.
+    runc_full_cpu: Vec<Duration>,
+    fs_only_cpu: Vec<Duration>,
+    full_cpu: Vec<Duration>,
+    rollback_cpu: Vec<Duration>,
+    rollback_no_undo_cpu: Vec<Duration>,
 }
 
 /// Runs the benchmark and prints its table.
@@ -52,25 +65,45 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     );
     let mut both = [overlay, btrfs];
     let mut row = |name: &str, published: &str, pick: fn(&mut Samples) -> &mut Vec<Duration>| {
+        // "-" where nothing was measured (no cgroup to meter CPU with).
+        let cell = |v: &mut Vec<Duration>, p| match v.is_empty() {
+            true => "-".to_owned(),
+            false => ms(percentile(v, p)),
+        };
         for p in [50.0, 90.0] {
             let [a, b] = &mut both;
             println!(
                 "{:<44} {:>14} {:>14} {:>16}",
                 format!("{name} p{p:.0}"),
-                ms(percentile(pick(a), p)),
-                ms(percentile(pick(b), p)),
+                cell(pick(a), p),
+                cell(pick(b), p),
                 if p == 50.0 { published } else { "" }
             );
         }
     };
     row("baseline: runc.v2 ctr task checkpoint", "-", |s| &mut s.runc_full);
+    row("  CPU of runc.v2's shim, runc and CRIU", "-", |s| {
+        &mut s.runc_full_cpu
+    });
     row("crab files-only checkpoint", "59 (btrfs)", |s| &mut s.fs_only);
     row("  in crabd (crab's own measure)", "-", |s| &mut s.fs_only_crabd);
+    row("  CPU of crabd, the shim and helpers", "-", |s| {
+        &mut s.fs_only_cpu
+    });
     row("crab full checkpoint", "203", |s| &mut s.full);
     row("  in crabd (crab's own measure)", "-", |s| &mut s.full_crabd);
     row("  of which frozen (crab's own measure)", "-", |s| &mut s.frozen);
+    row("  CPU of crabd, the shim, helpers and CRIU", "-", |s| {
+        &mut s.full_cpu
+    });
     row("crab rollback (with undo checkpoint)", "360", |s| &mut s.rollback);
+    row("  CPU, the restore's CRIU not counted", "-", |s| {
+        &mut s.rollback_cpu
+    });
     row("crab rollback --no-undo", "-", |s| &mut s.rollback_no_undo);
+    row("  CPU, the restore's CRIU not counted", "-", |s| {
+        &mut s.rollback_no_undo_cpu
+    });
     println!(
         "published: the Python implementation of the research result, on this machine kind\n\
          (files-only turn on btrfs, full checkpoint, restore of a busybox sandbox); not measured here."
@@ -80,6 +113,17 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
 
 /// Runs the sandbox under both runtimes on `ctd` and samples each figure.
 fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
+    // Before the first shim starts: the shims (and the crabd a shim
+    // starts) are born in containerd's metered cgroup.
+    let mut meter = crate::cpu::Meter::adopt(ctd.pid().context("containerd runs")?, "turn");
+    // The runtime's CPU since the last call (the first call starts it).
+    let mut cpu = move |samples: Option<&mut Vec<Duration>>| {
+        let Some(m) = meter.as_mut() else { return };
+        if let (Some(samples), Some(used)) = (samples, m.used()) {
+            samples.push(used.crab);
+        }
+        m.reset();
+    };
     for (rt, id) in [(RUNC, "tb-runc"), (CRAB, "tb-crab")] {
         ctd.ctr_ok(&["run", "-d", "--runtime", rt, BUSYBOX, id, "sh", "-c", LOOP]);
         exec(
@@ -94,20 +138,27 @@ fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
         for id in ["tb-runc", "tb-crab"] {
             exec(&ctd, id, &format!("echo turn {turn} >> /w/f{}", turn % 200 + 1))?;
         }
+        cpu(None);
         let t = Instant::now();
         ctr_task_checkpoint(&ctd, "tb-runc")?;
         s.runc_full.push(t.elapsed());
+        cpu(Some(&mut s.runc_full_cpu));
         forget_ctr_checkpoints(&ctd, "tb-runc");
+        cpu(None);
         let (took, report) = timed(&ctd, &["checkpoint", "--fs", "tb-crab"])?;
+        cpu(Some(&mut s.fs_only_cpu));
         s.fs_only.push(took);
         s.fs_only_crabd.push(reported(&report, "total_ms")?);
         let (took, report) = timed(&ctd, &["checkpoint", "tb-crab"])?;
+        cpu(Some(&mut s.full_cpu));
         s.full.push(took);
         s.full_crabd.push(reported(&report, "total_ms")?);
         s.frozen.push(reported(&report, "frozen_ms")?);
         let (took, _) = timed(&ctd, &["rollback", "tb-crab", "latest"])?;
+        cpu(Some(&mut s.rollback_cpu));
         s.rollback.push(took);
         let (took, _) = timed(&ctd, &["rollback", "--no-undo", "tb-crab", "latest"])?;
+        cpu(Some(&mut s.rollback_no_undo_cpu));
         s.rollback_no_undo.push(took);
     }
     for id in ["tb-runc", "tb-crab"] {

@@ -18,11 +18,11 @@ use std::fmt::Write as _;
 
 use serde_json::json;
 
-use super::cpu::Split;
 use super::driver::EventKind;
 use super::policy::Policy;
 use super::report::{summarize, time_reference, verdict, PolicyResult, TaskResult, Verdict};
 use super::workload::{Mix, Task};
+use crate::cpu::Split;
 use crate::stats::fit;
 
 /// Every policy's runs with `sandboxes` at once.

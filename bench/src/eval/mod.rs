@@ -8,7 +8,6 @@
 //! records the state after every step, which the others are held to.
 
 mod agent_llm;
-mod cpu;
 mod density;
 mod driver;
 mod fault;
@@ -289,7 +288,7 @@ fn run_policy(
     std::fs::write(&config, policy.config(upstream, &transcripts))?;
     let ctd = Containerd::start_full("", &[("CRAB_CONFIG", &config.to_string_lossy())]);
     let label = format!("{}{}", policy.name(), stage.label);
-    let mut meter = cpu::Meter::adopt(ctd.pid().context("containerd runs")?, &label);
+    let mut meter = crate::cpu::Meter::adopt(ctd.pid().context("containerd runs")?, &label);
     let mut images: BTreeMap<String, String> = BTreeMap::new();
     for t in tasks {
         if let std::collections::btree_map::Entry::Vacant(slot) = images.entry(format!("{:?}", t.image)) {
@@ -362,7 +361,7 @@ fn run_policy(
     });
     bar.finish();
     let host_cpu = crate::stats::host_busy().saturating_sub(busy_before);
-    let cpu = meter.as_ref().and_then(cpu::Meter::used);
+    let cpu = meter.as_ref().and_then(crate::cpu::Meter::used);
     if let Some(e) = failure.into_inner().expect("failure") {
         return Err(e);
     }

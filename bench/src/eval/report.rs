@@ -50,7 +50,7 @@ pub struct PolicyResult {
     pub host_cpu: Duration,
     /// Of it: crab's processes', containerd's and the harness's (None
     /// where they could not be told apart).
-    pub cpu: Option<super::cpu::Split>,
+    pub cpu: Option<crate::cpu::Split>,
 }
 
 /// Whether a recovery was right.

@@ -1,4 +1,5 @@
-//! Where a policy's CPU time went: crab's processes (the shims, crabd and
+//! Where a run's CPU time went (an eval policy's, a `crab-bench turn`
+//! operation's): crab's processes (the shims, crabd and
 //! what they run outside the sandboxes: CRIU's dumps, the shims' helpers
 //! until they join a container), containerd, and the harness itself (this
 //! process and the `ctr`/`crabctl` it runs), measured apart from the
