@@ -448,10 +448,11 @@ impl Drop for Containerd {
         // Whatever is still mounted in its directory: the snapshotters'
         // filesystems, crabd's store, and what containerd left when it was
         // stopped mid-way (a CRI pod's shm after a failed test).
-        for point in crate::leftovers::mounts_under(&self.dir) {
-            let _ = nix::mount::umount2(&point, nix::mount::MntFlags::MNT_DETACH);
-        }
-        if !std::thread::panicking() {
+        let unmounted = crate::leftovers::unmount_under(&self.dir);
+        if !unmounted {
+            // Never delete through a mount that is still there.
+            eprintln!("{} still has mounts: not removed", self.dir.display());
+        } else if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

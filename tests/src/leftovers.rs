@@ -113,17 +113,63 @@ pub(crate) fn mount_points(types: &[&str]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The mount points of this process's mounts at or below `dir`, deepest
-/// first (the order they can be unmounted in).
+/// The mount points of this process's mounts at or below `dir`, as
+/// mountinfo spells them (octal escapes decoded). Nothing for a `dir` that
+/// is not an absolute path at least two levels below `/` (a test's own
+/// directory), so that a wrong one cannot name the host's mounts.
 pub(crate) fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    if !dir.is_absolute() || dir.components().count() < 3 {
+        return Vec::new();
+    }
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut found: Vec<PathBuf> = mountinfo
+    mountinfo
         .lines()
-        .filter_map(|line| line.split(' ').nth(4).map(PathBuf::from))
-        .filter(|point| point.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    found
+        .filter_map(|line| line.split(' ').nth(4).map(unescape))
+        .filter(|point| point.starts_with(&dir))
+        .collect()
+}
+
+/// Unmounts every mount at or below `dir` ([`mounts_under`]): each topmost
+/// one lazily with what is below it, never through a symlink. Returns
+/// whether none is left.
+pub(crate) fn unmount_under(dir: &Path) -> bool {
+    let points = mounts_under(dir);
+    for point in &points {
+        let covered = points.iter().any(|p| p != point && point.starts_with(p));
+        if !covered {
+            let _ = nix::mount::umount2(
+                point,
+                nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW,
+            );
+        }
+    }
+    mounts_under(dir).is_empty()
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) decoded.
+fn unescape(field: &str) -> PathBuf {
+    use std::os::unix::ffi::OsStringExt;
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let code = bytes
+            .get(i + 1..i + 4)
+            .and_then(|d| std::str::from_utf8(d).ok())
+            .and_then(|d| u8::from_str_radix(d, 8).ok());
+        match (bytes[i], code) {
+            (b'\\', Some(c)) => {
+                out.push(c);
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
 
 /// Pids of crab shims serving the containerd at `address`.
@@ -170,4 +216,31 @@ fn shim_socket(address: &str, namespace: &str, id: &str) -> PathBuf {
         .expect("run sha256sum");
     let hex = String::from_utf8_lossy(&out.stdout);
     PathBuf::from("/run/containerd/s").join(hex.split_whitespace().next().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_decoded() {
+        assert_eq!(
+            unescape(r"/tmp/a\040b\011c\134d"),
+            PathBuf::from("/tmp/a b\tc\\d")
+        );
+        assert_eq!(unescape(r"/tmp/plain\04"), PathBuf::from(r"/tmp/plain\04"));
+    }
+
+    #[test]
+    fn no_mounts_are_named_under_a_path_that_is_not_a_test_directory() {
+        // "/" and "/tmp" hold the host's own mounts (this process has at
+        // least /proc and /sys below "/"): never named.
+        assert!(mounts_under(Path::new("/")).is_empty());
+        assert!(mounts_under(Path::new("/tmp")).is_empty());
+        assert!(mounts_under(Path::new("")).is_empty());
+        assert!(mounts_under(Path::new("relative/dir/here")).is_empty());
+        // A test's depth names what is mounted there (the cgroup
+        // hierarchies, on this machine kind).
+        assert!(!mounts_under(Path::new("/sys/fs/cgroup")).is_empty());
+    }
 }

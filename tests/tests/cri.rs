@@ -265,22 +265,30 @@ fn namespaces(shared_pid: bool) -> NamespaceOption {
 impl Drop for Node {
     fn drop(&mut self) {
         // Pods a failed test left: the CRI plugin releases their network
-        // namespace and shm mount only when told to remove them.
-        let pods = self
-            .rt
-            .block_on(self.cri.list_pod_sandbox(ListPodSandboxRequest::default()))
-            .map(|r| r.into_inner().items)
-            .unwrap_or_default();
-        for pod in pods {
-            let _ = self.rt.block_on(self.cri.stop_pod_sandbox(StopPodSandboxRequest {
-                pod_sandbox_id: pod.id.clone(),
-            }));
-            let _ = self
-                .rt
-                .block_on(self.cri.remove_pod_sandbox(RemovePodSandboxRequest {
+        // namespace and shm mount only when told to remove them. Bounded:
+        // a containerd stuck on a hung shim must not hang the test binary.
+        let limit = std::time::Duration::from_secs(30);
+        let cri = &mut self.cri;
+        self.rt.block_on(async {
+            // The timers exist only inside the runtime.
+            let listed =
+                tokio::time::timeout(limit, cri.list_pod_sandbox(ListPodSandboxRequest::default())).await;
+            let pods = listed
+                .ok()
+                .and_then(Result::ok)
+                .map(|r| r.into_inner().items)
+                .unwrap_or_default();
+            for pod in pods {
+                let stop = StopPodSandboxRequest {
+                    pod_sandbox_id: pod.id.clone(),
+                };
+                let _ = tokio::time::timeout(limit, cri.stop_pod_sandbox(stop)).await;
+                let remove = RemovePodSandboxRequest {
                     pod_sandbox_id: pod.id,
-                }));
-        }
+                };
+                let _ = tokio::time::timeout(limit, cri.remove_pod_sandbox(remove)).await;
+            }
+        });
         let _ = std::process::Command::new("ip")
             .args(["link", "delete", &self.bridge])
             .output();
