@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-/// The CPU meters of one policy's run.
+/// The CPU meters of one run (an eval policy's, a benchmark's).
 pub struct Meter {
     cgroup: PathBuf,
     containerd: u32,
@@ -87,6 +87,16 @@ impl Meter {
         Ok(meter)
     }
 
+    /// CPU time used since [`Meter::adopt`] or the last reset or lap, and
+    /// restarts the meters from the same reading; None (meters unchanged)
+    /// if a counter could not be read.
+    pub fn lap(&mut self) -> Option<Split> {
+        let now = self.read()?;
+        let used = self.since(now);
+        self.start = now;
+        Some(used)
+    }
+
     /// Restarts the meters: what was used so far is not counted.
     pub fn reset(&mut self) {
         if let Some(now) = self.read() {
@@ -97,16 +107,19 @@ impl Meter {
     /// CPU time used since [`Meter::adopt`] or the last reset; None if a
     /// counter could not be read (containerd gone).
     pub fn used(&self) -> Option<Split> {
-        let now = self.read()?;
+        Some(self.since(self.read()?))
+    }
+
+    fn since(&self, now: Raw) -> Split {
         let containerd = now.containerd.saturating_sub(self.start.containerd);
-        Some(Split {
+        Split {
             crab: now
                 .cgroup
                 .saturating_sub(self.start.cgroup)
                 .saturating_sub(containerd),
             containerd,
             harness: now.harness.saturating_sub(self.start.harness),
-        })
+        }
     }
 
     fn read(&self) -> Option<Raw> {
@@ -178,21 +191,17 @@ fn cgroup_usage(cgroup: &Path) -> Option<Duration> {
     Some(Duration::from_micros(usec))
 }
 
-/// User and system time of process `pid`'s own threads (not its children's).
+/// CPU time of process `pid`'s threads, those gone included (not its
+/// children's), to the nanosecond: its process CPU-time clock. (`/proc`'s
+/// utime and stime count 10 ms ticks, too coarse for one operation.)
 fn own_time(pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    Some(Duration::from_millis(
-        own_ticks(&stat)? * 1000 / crate::stats::clock_ticks(),
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).ok()?);
+    let clock = nix::time::clock_getcpuclockid(pid).ok()?;
+    let t = nix::time::clock_gettime(clock).ok()?;
+    Some(Duration::new(
+        u64::try_from(t.tv_sec()).ok()?,
+        u32::try_from(t.tv_nsec()).ok()?,
     ))
-}
-
-/// utime + stime, in clock ticks, of a `/proc/<pid>/stat` line: fields 14
-/// and 15, counted after the command's closing parenthesis (a command may
-/// hold spaces and parentheses itself).
-fn own_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }
 
 /// This process's CPU time and its waited-for children's.
@@ -213,11 +222,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_process_own_time_is_read_past_a_command_with_spaces_and_parentheses() {
-        let line = "42 (a (b) c) S 1 42 42 0 -1 4194560 10 0 0 0 7 3 100 200 20 0 1 0 5 0 0";
-        assert_eq!(own_ticks(line), Some(10));
-        assert_eq!(own_ticks("42 (x) S 1"), None);
-        assert!(own_time(std::process::id()).is_some());
+    fn a_process_own_time_grows_finely_and_an_unknown_one_has_none() {
+        let before = own_time(std::process::id()).expect("this process's clock");
+        let t = std::time::Instant::now();
+        while t.elapsed() < Duration::from_millis(3) {
+            std::hint::black_box(t.elapsed());
+        }
+        let after = own_time(std::process::id()).expect("this process's clock");
+        // Finer than a 10 ms tick: 3 ms of spinning shows.
+        assert!(
+            after > before + Duration::from_millis(1),
+            "{before:?} → {after:?}"
+        );
         assert!(own_time(u32::MAX).is_none());
         assert!(harness_time() > Duration::ZERO);
     }

@@ -19,7 +19,11 @@
 //! for it ([`crate::cpu`]: crab's crabd, shim, helpers and CRIU's dump;
 //! runc.v2's shim, runc and CRIU), which a dense host pays; a restore's
 //! CRIU joins the container's cgroup and is not counted, nor is the
-//! kernel's writeback done by its own threads.
+//! kernel's writeback done by its own threads. Each window also holds
+//! whatever else the runtimes' idle processes did (crabd's once-a-second
+//! look for stopped sandboxes under the tests' configuration). For the
+//! runc.v2 baseline, containerd's own part of `ctr task checkpoint`
+//! (writing the checkpoint into its content store) is not counted either.
 
 use std::time::{Duration, Instant};
 
@@ -45,8 +49,8 @@ struct Samples {
     frozen: Vec<Duration>,
     rollback: Vec<Duration>,
     rollback_no_undo: Vec<Duration>,
-    /// CPU time of the runtime's own processes (see [`crate::cpu`]), per
-    /// operation; empty where no cgroup could meter them.
+    // CPU time of the runtime's own processes (see `crate::cpu`) per
+    // operation; empty where no cgroup could meter them.
     runc_full_cpu: Vec<Duration>,
     fs_only_cpu: Vec<Duration>,
     full_cpu: Vec<Duration>,
@@ -56,8 +60,8 @@ struct Samples {
 
 /// Runs the benchmark and prints its table.
 pub fn run(runs: usize) -> anyhow::Result<()> {
-    let overlay = measure(Containerd::start(), runs).context("on overlayfs")?;
-    let btrfs = measure(Containerd::start_on_btrfs(), runs).context("on btrfs")?;
+    let overlay = measure(Containerd::start(), runs, "turn-overlay").context("on overlayfs")?;
+    let btrfs = measure(Containerd::start_on_btrfs(), runs, "turn-btrfs").context("on btrfs")?;
     println!("turn benchmark: a busybox sandbox, one file changed per turn, {runs} runs each, wall clock");
     println!(
         "{:<44} {:>14} {:>14} {:>16}",
@@ -112,17 +116,17 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
 }
 
 /// Runs the sandbox under both runtimes on `ctd` and samples each figure.
-fn measure(ctd: Containerd, runs: usize) -> anyhow::Result<Samples> {
+fn measure(ctd: Containerd, runs: usize, label: &str) -> anyhow::Result<Samples> {
     // Before the first shim starts: the shims (and the crabd a shim
     // starts) are born in containerd's metered cgroup.
-    let mut meter = crate::cpu::Meter::adopt(ctd.pid().context("containerd runs")?, "turn");
-    // The runtime's CPU since the last call (the first call starts it).
+    let mut meter = crate::cpu::Meter::adopt(ctd.pid().context("containerd runs")?, label);
+    // The runtime's CPU since the meter started or the last call, into
+    // `samples` if given; the meter restarts from the same reading.
     let mut cpu = move |samples: Option<&mut Vec<Duration>>| {
-        let Some(m) = meter.as_mut() else { return };
-        if let (Some(samples), Some(used)) = (samples, m.used()) {
+        let lap = meter.as_mut().and_then(crate::cpu::Meter::lap);
+        if let (Some(samples), Some(used)) = (samples, lap) {
             samples.push(used.crab);
         }
-        m.reset();
     };
     for (rt, id) in [(RUNC, "tb-runc"), (CRAB, "tb-crab")] {
         ctd.ctr_ok(&["run", "-d", "--runtime", rt, BUSYBOX, id, "sh", "-c", LOOP]);
