@@ -101,13 +101,7 @@ impl Inspection {
                 continue;
             }
             known = false;
-            // Only what this call registered is undone on a failure: a name
-            // taken already may be another sandbox's to end.
-            let registered = i.register(&m.id, &m.cgroup).and_then(|()| match m.crab_init {
-                true => i.quiet_init(&m.id).inspect_err(|_| i.unregister(&m.id)),
-                false => Ok(()),
-            });
-            match registered {
+            match follow_one(i.as_ref(), &m.id, &m.cgroup, m.crab_init) {
                 Ok(()) => followed.push(m.id.clone()),
                 Err(e) => {
                     tracing::warn!(%sandbox, member = %m.id, error = %crab_api::error_chain(e.as_ref()), "inspector cannot follow the pod's container: the pod's versions stay whole");
@@ -144,11 +138,7 @@ impl Inspection {
         let (Some(i), Some(cgroup)) = (&self.inspector, reg.cgroup.as_deref()) else {
             return;
         };
-        let followed = i.register(&reg.id, cgroup).and_then(|()| match reg.crab_init {
-            true => i.quiet_init(&reg.id),
-            false => Ok(()),
-        });
-        match followed {
+        match follow_one(i.as_ref(), &reg.id, cgroup, reg.crab_init) {
             Ok(()) => {
                 self.sandboxes.lock().insert(reg.id.clone());
             }
@@ -341,6 +331,24 @@ pub fn load(config: &CrabdConfig) -> Option<Box<dyn TurnInspector>> {
     }
 }
 
+/// Registers `id` (cgroup `cgroup`) with the inspector and, when its init
+/// is crab-init, quiets that init's own running. Only what this call
+/// registered is undone on a failure (a name taken already may be another
+/// sandbox's to end), so that a name it could not follow whole is not
+/// followed at all: its turns are then `full`.
+fn follow_one(
+    i: &dyn TurnInspector,
+    id: &SandboxId,
+    cgroup: &Path,
+    crab_init: bool,
+) -> Result<(), InspectorError> {
+    i.register(id, cgroup)?;
+    if crab_init {
+        i.quiet_init(id).inspect_err(|_| i.unregister(id))?;
+    }
+    Ok(())
+}
+
 fn full(sandbox: &SandboxId, why: &str) -> TurnReport {
     TurnReport {
         sandbox: sandbox.clone(),
@@ -404,8 +412,11 @@ mod tests {
                 false => Err("already registered".into()),
             }
         }
-        fn quiet_init(&self, _: &SandboxId) -> Result<(), InspectorError> {
-            Ok(())
+        fn quiet_init(&self, sandbox: &SandboxId) -> Result<(), InspectorError> {
+            match sandbox.as_str() {
+                "unquiet" => Err("its init cannot be quieted".into()),
+                _ => Ok(()),
+            }
         }
         fn unregister(&self, sandbox: &SandboxId) {
             self.0.lock().remove(sandbox.as_str());
@@ -436,6 +447,26 @@ mod tests {
             cgroup: PathBuf::from("/sys/fs/cgroup/x"),
             crab_init: false,
         }
+    }
+
+    #[test]
+    fn a_sandbox_whose_init_cannot_be_quieted_is_not_followed() {
+        let names = std::sync::Arc::new(Names::default());
+        let inspection = Inspection::new(Some(Box::new(names.clone())));
+        let reg: crab_api::crabd::Registration = serde_json::from_value(serde_json::json!({
+            "id": "unquiet", "namespace": "k8s.io", "containerd": "/c.sock",
+            "control": "/ctl.sock", "pid": 1, "fs_backend": null, "cgroup": "/sys/fs/cgroup/u",
+            "crab_init": true,
+        }))
+        .unwrap();
+        inspection.register(&reg);
+        assert!(names.0.lock().is_empty(), "{:?}", names.0.lock());
+        let unquiet = SandboxId::new("unquiet").unwrap();
+        assert!(
+            !inspection.follow_members(&unquiet, &[member("db")]),
+            "nor its pod"
+        );
+        assert!(names.0.lock().is_empty());
     }
 
     #[test]
