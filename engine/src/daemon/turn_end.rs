@@ -404,7 +404,7 @@ impl Daemon {
                 report.n_reasons += 1;
             }
         }
-        let newest = batch.iter().map(|w| &w.end).max_by_key(|e| e.turn);
+        let newest = newest_end(batch);
         let end = newest.map(|e| TurnEnd {
             transcript_turns: batch.iter().map(|w| w.end.transcript_turns).max().unwrap_or(0),
             ..e.clone()
@@ -463,7 +463,7 @@ impl Daemon {
         reg: &Registration,
         batch: &[Waiter],
     ) -> Result<(u32, u32), ApiError> {
-        let Some(newest) = batch.iter().map(|w| &w.end).max_by_key(|e| e.turn) else {
+        let Some(newest) = newest_end(batch) else {
             return Ok((0, 0));
         };
         let (count, members) = (newest.pod_members, newest.members.clone());
@@ -530,6 +530,11 @@ impl Daemon {
         };
         self.log_event(id, kind);
     }
+}
+
+/// The turn end of `batch` with the highest turn number.
+fn newest_end(batch: &[Waiter]) -> Option<&TurnEnd> {
+    batch.iter().map(|w| &w.end).max_by_key(|e| e.turn)
 }
 
 /// The class of a version of `reg`'s sandbox, given the inspector's
